@@ -594,16 +594,18 @@ def format_report(report: dict) -> str:
 
 def run_compile(argv: list[str]) -> int:
     """`python eval.py compile ARGS...` -> build_report.main(ARGS); needs no GPU."""
-    if not (REPO_ROOT / "build_report.py").exists():
-        print("compile mode needs build_report.py at the repository root (it compiles the "
-              "kernels for sm_100a and reports their resources); it does not exist yet.",
-              file=sys.stderr)
+    path = REPO_ROOT / "build_report.py"
+    if not path.exists():
+        print(f"compile mode needs {path} (it compiles the kernels for sm_100a and reports "
+              "their resources); it does not exist yet.", file=sys.stderr)
         return 2
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
-    import build_report as build_report_module
-
-    return int(build_report_module.main(list(argv)))
+    spec = importlib.util.spec_from_file_location("build_report", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["build_report"] = module
+    spec.loader.exec_module(module)
+    return int(module.main(list(argv)))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
