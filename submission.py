@@ -41,6 +41,7 @@ machine, no GPU: builds every kernel for its target and prints its resources).
 """
 
 import collections
+import contextlib
 import dataclasses
 import operator
 from collections.abc import Callable
@@ -218,11 +219,10 @@ def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
         if len(value) != num_groups:
             _fail(None, f"len({name})", len(value), f"expected G = len(problem_sizes) = {num_groups}")
 
-    sizes = []
-    device = None
-    for g in range(num_groups):
-        m, n, k, l = _check_problem_size(g, problem_sizes[g])
-        sizes.append((m, n, k, l))
+    # Order: problem sizes, then structure/dtypes/layouts of every group, devices last
+    sizes = [_check_problem_size(g, problem_sizes[g]) for g in range(num_groups)]
+    group_tensors = []
+    for g, (m, n, k, _l) in enumerate(sizes):
         if not isinstance(abc[g], (tuple, list)) or len(abc[g]) != 3:
             _fail(g, "abc[g]", type(abc[g]).__name__, "expected a 3-tuple (a, b, c)", TypeError)
         if not isinstance(sfasfb[g], (tuple, list)) or len(sfasfb[g]) != 2:
@@ -262,7 +262,10 @@ def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
             g, "sfb_reordered", tensors["sfb_reordered"],
             reordered_scale_shape(n, k), reordered_scale_strides(n, k), official,
         )
+        group_tensors.append(tensors)
 
+    device = None
+    for g, tensors in enumerate(group_tensors):
         for field, tensor in tensors.items():
             if tensor.device.type != "cuda":
                 _fail(
@@ -1389,7 +1392,7 @@ def _prepare_input_set(data) -> tuple[tuple, RuntimeState]:
         (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
         for (a, b, c), (sfa, sfb) in zip(abc, sfasfb_reordered)
     ]
-    with torch.cuda.device(device):
+    with torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext():
         tables = build_group_tables(problem_sizes, pointers, backend.tile_m, backend.tile_n, device)
         launch_state = backend.prepare(tables)
     return input_key(data, backend.name), RuntimeState(backend, tables, launch_state)
