@@ -1,0 +1,238 @@
+"""Shared host runtime on CPU: tile table, group tables, staging-buffer ownership, LRU, keys,
+and the hit/miss behaviour of custom_kernel with a recording backend."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from test_validation import make_inputs
+
+import submission
+
+TILE = 128
+
+
+def test_tile_table_awkward_shapes():
+    sizes = [(0, 128, 256, 1), (1, 128, 256, 1), (129, 384, 256, 1), (40, 384, 512, 1)]
+    assert submission.plan_tiles(sizes, TILE, TILE) == [
+        # group 0: M = 0, no tiles
+        (1, 0, 0),
+        (2, 0, 0), (2, 0, 1), (2, 0, 2),
+        (2, 1, 0), (2, 1, 1), (2, 1, 2),
+        (3, 0, 0), (3, 0, 1), (3, 0, 2),
+    ]
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [(40, 128, 256, 1)],
+        [(1, 384, 256, 1), (0, 128, 256, 1), (129, 128, 256, 1)],
+        [(80, 4096, 7168, 1), (176, 4096, 7168, 1), (248, 4096, 7168, 1)],
+        [(256, 200, 256, 1), (127, 129, 256, 1)],
+    ],
+)
+def test_tile_table_covers_every_output_element_once(sizes):
+    tiles = submission.plan_tiles(sizes, TILE, TILE)
+    coverage = [torch.zeros((m, n), dtype=torch.int32) for m, n, _, _ in sizes]
+    for g, tile_m, tile_n in tiles:
+        coverage[g][tile_m * TILE : (tile_m + 1) * TILE, tile_n * TILE : (tile_n + 1) * TILE] += 1
+    for g, cov in enumerate(coverage):
+        assert cov.numel() == 0 or bool((cov == 1).all()), f"group {g} coverage {cov.unique()}"
+    # No tile starts outside its group's C
+    for g, tile_m, tile_n in tiles:
+        assert tile_m * TILE < sizes[g][0] and tile_n * TILE < sizes[g][1]
+    # Order: group-major, then tile_m, then tile_n (CTAs sharing an A tile are adjacent)
+    assert tiles == sorted(tiles)
+
+
+def _pointers(g, base):
+    return [tuple(base + 1000 * i + j for j in range(5)) for i in range(g)]
+
+
+def test_group_tables_contents_and_alignment():
+    sizes = [(0, 128, 256, 1), (40, 384, 512, 1), (129, 128, 768, 1)]
+    pointers = _pointers(3, 1 << 40)
+    tables = submission.build_group_tables(sizes, pointers, TILE, TILE, "cpu")
+    assert tables.num_groups == 3
+    assert tables.ptrs.dtype == torch.int64 and tables.ptrs.tolist() == [list(p) for p in pointers]
+    assert tables.sizes.dtype == torch.int32 and tables.sizes.tolist() == [list(s) for s in sizes]
+    assert tables.tiles.dtype == torch.int32
+    assert [tuple(t) for t in tables.tiles.tolist()] == submission.plan_tiles(sizes, TILE, TILE)
+    assert tables.num_tiles == 3 + 2 == tables.tiles.shape[0]
+    # The kernels address the tables through pointers assumed 16-byte aligned
+    for table in (tables.ptrs, tables.sizes, tables.tiles):
+        assert table.data_ptr() % 16 == 0
+        assert table.is_contiguous()
+
+
+def test_staging_buffer_is_owned_per_input_set():
+    # 15 back-to-back input sets with different pointers (as the leaderboard makes): each
+    # gets its own staging buffer, so no pending copy can ever read another set's pointers.
+    sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
+    built = [
+        submission.build_group_tables(sizes, _pointers(2, (i + 1) << 36), TILE, TILE, "cpu")
+        for i in range(15)
+    ]
+    staging_ptrs = {t.host_staging.data_ptr() for t in built}
+    assert len(staging_ptrs) == 15
+    for i, tables in enumerate(built):
+        assert tables.ptrs.tolist() == [list(p) for p in _pointers(2, (i + 1) << 36)]
+        staged = tables.host_staging[: 2 * 5 * 8].view(torch.int64).view(2, 5)
+        assert staged.tolist() == tables.ptrs.tolist()
+        assert tables.ptrs.data_ptr() != tables.host_staging.data_ptr()
+
+
+def test_lru_bounds_and_order():
+    cache = submission.RuntimeCache(max_entries=4)
+    for i in range(4):
+        cache.put(("k", i), i)
+    assert cache.get(("k", 0)) == 0  # 0 becomes most recent
+    cache.put(("k", 4), 4)  # evicts the least recent: 1
+    assert len(cache) == 4
+    assert ("k", 1) not in cache
+    assert [cache.get(("k", i)) for i in (0, 2, 3, 4)] == [0, 2, 3, 4]
+    for i in range(5, 20):
+        cache.put(("k", i), i)
+    assert len(cache) == 4 and ("k", 19) in cache and ("k", 15) not in cache
+    assert submission._RUNTIME_CACHE.max_entries == 64
+
+
+def test_input_key_contents():
+    data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
+    key = submission.input_key(data, "sm100")
+    # Same tensors in fresh containers: same key
+    same = ([tuple(t) for t in data[0]], list(data[1]), [tuple(t) for t in data[2]], list(data[3]))
+    assert submission.input_key(same, "sm100") == key
+    # Every single pointer is part of the key
+    for group in range(2):
+        for slot in range(3):
+            abc = [list(t) for t in data[0]]
+            abc[group][slot] = abc[group][slot].clone()
+            changed = ([tuple(t) for t in abc], data[1], data[2], data[3])
+            assert submission.input_key(changed, "sm100") != key, (group, slot)
+        for slot in range(2):
+            reordered = [list(t) for t in data[2]]
+            reordered[group][slot] = reordered[group][slot].clone()
+            changed = (data[0], data[1], [tuple(t) for t in reordered], data[3])
+            assert submission.input_key(changed, "sm100") != key, (group, "sf", slot)
+    # Problem sizes and backend are part of the key
+    other_sizes = (data[0], data[1], data[2], [(40, 384, 512, 1), (128, 128, 768, 1)])
+    assert submission.input_key(other_sizes, "sm100") != key
+    assert submission.input_key(data, "sm90") != key
+    assert key[0] is None  # CPU tensors: no CUDA device index
+
+
+class RecordingBackend:
+    """Backend protocol stand-in that records what the runtime asks of it."""
+
+    name = "recording"
+    tile_m = 128
+    tile_n = 128
+
+    def __init__(self):
+        self.compiled, self.prepared, self.launches = [], [], []
+
+    def compile(self, num_groups):
+        self.compiled.append(num_groups)
+
+    def prepare(self, tables):
+        self.prepared.append(tables)
+        return {"tables": tables}
+
+    def launch(self, state, stream):
+        self.launches.append((state["tables"], stream))
+
+
+@pytest.fixture
+def recording_runtime(monkeypatch):
+    """custom_kernel on CPU tensors with a recording backend; validation counted, and its
+    CUDA-device rule the only one waived."""
+    backend = RecordingBackend()
+    calls = []
+    real_validate = submission.validate_inputs
+
+    def validate_except_device(data):
+        calls.append(1)
+        try:
+            return real_validate(data)
+        except ValueError as exc:
+            if "must be on a CUDA device" not in str(exc):
+                raise
+            return tuple(tuple(int(v) for v in p) for p in data[3])
+
+    monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
+    monkeypatch.setattr(submission, "_RUNTIME_CACHE", submission.RuntimeCache(max_entries=64))
+    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
+    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-0")
+    return backend, calls
+
+
+def test_hit_is_one_launch_and_no_validation(recording_runtime):
+    backend, validations = recording_runtime
+    data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
+    outputs = [submission.custom_kernel(data) for _ in range(5)]
+    assert validations == [1]
+    assert backend.compiled == [2] and len(backend.prepared) == 1
+    assert len(backend.launches) == 5 and all(s == "stream-0" for _, s in backend.launches)
+    assert all(t is backend.prepared[0] for t, _ in backend.launches)
+    for out in outputs:
+        assert len(out) == 2 and out[0] is data[0][0][2] and out[1] is data[0][1][2]
+
+
+def test_changed_pointer_misses_and_builds_its_own_tables(recording_runtime):
+    backend, validations = recording_runtime
+    data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
+    submission.custom_kernel(data)
+    new_c = data[0][1][2].clone()
+    changed = ([data[0][0], (data[0][1][0], data[0][1][1], new_c)], data[1], data[2], data[3])
+    result = submission.custom_kernel(changed)
+    assert result[1] is new_c
+    assert validations == [1, 1] and len(backend.prepared) == 2
+    first, second = backend.prepared
+    assert first.ptrs[1, submission.PTR_C].item() == data[0][1][2].data_ptr()
+    assert second.ptrs[1, submission.PTR_C].item() == new_c.data_ptr()
+    assert first.host_staging.data_ptr() != second.host_staging.data_ptr()
+    # Back to the first input set: a hit on the first state, no new validation
+    submission.custom_kernel(data)
+    assert validations == [1, 1] and backend.launches[-1][0] is first
+
+
+def test_lru_evicts_the_oldest_input_set(recording_runtime, monkeypatch):
+    backend, validations = recording_runtime
+    monkeypatch.setattr(submission, "_RUNTIME_CACHE", submission.RuntimeCache(max_entries=3))
+    sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
+    for data in sets:
+        submission.custom_kernel(data)
+    assert len(submission._RUNTIME_CACHE) == 3 and len(validations) == 4
+    submission.custom_kernel(sets[3])  # still cached
+    assert len(validations) == 4
+    submission.custom_kernel(sets[0])  # evicted: validated and prepared again
+    assert len(validations) == 5 and len(backend.prepared) == 5
+
+
+def test_malformed_input_on_the_fast_path_reaches_validation(recording_runtime):
+    _, validations = recording_runtime
+    data = make_inputs([(40, 128, 256, 1)])
+    with pytest.raises(TypeError, match="4-tuple"):
+        submission.custom_kernel(data[:3])
+    with pytest.raises(TypeError, match=r"group 0: abc\[g\]"):
+        submission.custom_kernel(([data[0][0][:2]], data[1], data[2], data[3]))
+    assert len(validations) == 2
+
+
+def test_make_launcher_falls_back_to_the_plain_call():
+    calls = []
+
+    class PlainCompiled:
+        def __call__(self, *args):
+            calls.append(args)
+
+    launch = submission.make_launcher(PlainCompiled(), 1, 2)
+    launch()
+    launch()
+    assert calls == [(1, 2), (1, 2)]
