@@ -1,0 +1,115 @@
+"""Side-by-side timing on Hopper: this submission vs per-group cuBLAS bf16 on pre-dequantized
+weights (the obvious alternative a Hopper user has; dequantization is not timed).
+
+Method (the harness's): 15 inputs per shape (seed + 42 each); per repeat an L2 flush, then one
+CUDA event pair around 15 back-to-back calls over the 15 inputs; time = elapsed / 15. Prints
+mean and best µs of each, their ratio, TFLOP/s on the real (unpadded) work, and the fraction
+of the bf16 dense roofline (790 TFLOP/s, measured on the H200).
+
+    python bench/peers.py [--repeats 30]
+"""
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reference import decode_scaled, generate_input
+from utils import clear_l2_cache_large
+
+BF16_ROOFLINE_TFLOPS = 790.0
+NUM_INPUTS = 15
+BENCHMARKS = [
+    ((80, 176, 128, 72, 64, 248, 96, 160), (4096,) * 8, (7168,) * 8),
+    ((40, 76, 168, 72, 164, 148, 196, 160), (7168,) * 8, (2048,) * 8),
+    ((192, 320), (3072, 3072), (4096, 4096)),
+    ((128, 384), (4096, 4096), (1536, 1536)),
+]
+
+
+def time_eval_style(fn, inputs, repeats):
+    """Harness method: flush L2, events around len(inputs) back-to-back calls, divide."""
+    for data in inputs:  # warm-up: compile, caches
+        fn(data)
+    torch.cuda.synchronize()
+    durations_us = []
+    for _ in range(repeats):
+        clear_l2_cache_large()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for data in inputs:
+            fn(data)
+        end.record()
+        torch.cuda.synchronize()
+        durations_us.append(start.elapsed_time(end) * 1e3 / len(inputs))
+    return statistics.mean(durations_us), min(durations_us)
+
+
+def dequantized_inputs(data):
+    """Per group: bf16 A [M, K], bf16 B^T [K, N] (a view), bf16 output [M, N]."""
+    groups = []
+    for (a, b, _c), (sfa, sfb) in zip(data[0], data[1]):
+        a_bf16 = decode_scaled(a[:, :, 0], sfa[:, :, 0]).to(torch.bfloat16)
+        b_bf16 = decode_scaled(b[:, :, 0], sfb[:, :, 0]).to(torch.bfloat16)
+        out = torch.empty((a_bf16.shape[0], b_bf16.shape[0]), dtype=torch.bfloat16, device="cuda")
+        groups.append((a_bf16, b_bf16.t(), out))
+    return groups
+
+
+def cublas_bf16(groups):
+    for a_bf16, b_t, out in groups:
+        torch.mm(a_bf16, b_t, out=out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args(argv)
+
+    from submission import custom_kernel
+
+    name = torch.cuda.get_device_name()
+    print(f"device: {name}  torch {torch.__version__}")
+    rows = []
+    for m, n, k in BENCHMARKS:
+        g = len(m)
+        inputs = []
+        seed = 1111
+        for _ in range(NUM_INPUTS):
+            seed += 42
+            inputs.append(generate_input(m, n, k, g, seed))
+        ours_mean, ours_best = time_eval_style(custom_kernel, inputs, args.repeats)
+        dequant = [dequantized_inputs(data) for data in inputs]
+        del inputs
+        torch.cuda.synchronize()
+        cublas_mean, cublas_best = time_eval_style(cublas_bf16, dequant, args.repeats)
+        del dequant
+        flops = sum(2 * mi * ni * ki for mi, ni, ki in zip(m, n, k))
+        rows.append((g, m, n[0], k[0], ours_mean, ours_best, cublas_mean, cublas_best, flops))
+
+    header = (
+        f"{'shape':<34} {'ours µs':>9} {'best':>8} {'cuBLAS µs':>10} {'best':>8} "
+        f"{'ours/cuBLAS':>11} {'TFLOP/s':>8} {'%bf16 roof':>10}"
+    )
+    print(header)
+    ratios = []
+    for g, m, n, k, om, ob, cm, cb, flops in rows:
+        tflops = flops / (om * 1e-6) / 1e12
+        ratios.append(om / cm)
+        shape = f"G={g} M={min(m)}..{max(m)} N={n} K={k}"
+        print(
+            f"{shape:<34} {om:9.1f} {ob:8.1f} {cm:10.1f} {cb:8.1f} {om / cm:11.2f} "
+            f"{tflops:8.1f} {100 * tflops / BF16_ROOFLINE_TFLOPS:9.1f}%"
+        )
+    geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    print(f"geomean ours/cuBLAS: {geomean:.2f}  (< 1: ours faster)")
+
+
+if __name__ == "__main__":
+    main()

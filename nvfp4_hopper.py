@@ -1,0 +1,673 @@
+"""NVFP4 block-scaled grouped GEMM for Hopper (sm_90a), a backend of submission.py.
+
+Computes, for every group i with M_i > 0,
+
+    C_i[M_i, N_i] (fp16) = (A_i * SFA_i) @ (B_i * SFB_i)^T
+
+with A_i, B_i packed float4 e2m1 (low nibble first) and one float8 e4m3 scale per 16
+elements along K, read from the "reordered" (cuBLAS 32x4x4 blocked) scale tensors.
+
+Hopper has no FP4 tensor cores. Every e2m1 value (2 significant bits) times an e4m3 scale
+(at most 4 significant bits, 2^-9 .. 448) is exactly representable in fp16 (11 bits, normal
+from 2^-14 to 65504): |v * s| lies in [2^-10, 2688]. The kernel therefore decodes each
+operand into fp16 in shared memory and runs 16-bit wgmma with fp32 accumulation; the sums
+are the exact block-scaled products, accumulated in fp32.
+
+Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table.
+
+    global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
+           --decode (all threads)--> fp16 stages in the swizzled K-major wgmma layout (2 deep)
+           --wgmma (one warpgroup per 64 rows)--> fp32 accumulators --> predicated fp16 stores
+
+The decode of k-tile k+1 runs on the CUDA cores while the wgmma of k-tile k runs on the
+tensor cores (wgmma is asynchronous; ``wait_group(1)`` keeps one in flight).
+
+Why cp.async and not TMA: the per-group base pointers arrive at run time in the pointer
+table, so TMA would need one descriptor per group written on the device (an init kernel
+plus tensormap fences, as the sm_100 backend does). The packed operands are a quarter of
+the decoded bytes, so plain 16-byte cp.async from the table's pointers costs few issue
+slots, needs no descriptors, and zero-fills rows past M without reading them.
+
+Constraints (checked by submission.validate_inputs and by ``can_implement`` here):
+  * 1 <= G <= 64, L == 1
+  * M >= 0 (groups with M == 0 get no tiles), N a multiple of 128, K a multiple of 256
+  * a/b/c row-major with unit stride along K (a, b) or N (c); reordered scale tensors in the
+    official permuted layout (a contiguous (rest_mn, rest_k, 32, 4, 4) buffer)
+
+Standalone use on an H200: ``run_grouped(data)`` (same 4-tuple input as custom_kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import cute, utils
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.runtime import make_ptr
+from cutlass.cutlass_dsl import dsl_user_op
+
+MAX_GROUPS = 64
+SF_VEC_SIZE = 16
+# Reordered scale tensors: one 512-byte atom holds 128 rows x 4 scale blocks (64 elements of K)
+SF_ATOM_ROWS = 128
+SF_ATOM_BYTES = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperGemmConfig:
+    """Everything baked into the compiled sm_90a kernel."""
+
+    tile_m: int = 128  # one 64-row warpgroup per 64 rows
+    tile_n: int = 128
+    tile_k: int = 64  # one 128-byte swizzle atom of fp16 per row; 4 scale blocks
+    raw_stages: int = 4  # cp.async prefetch depth of packed data (9 KB per stage)
+    mma_stages: int = 2  # decoded fp16 stages: decode k+1 while wgmma reads k
+    arch: str = "sm_90a"
+
+    @property
+    def num_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * self.num_warpgroups
+
+    @property
+    def raw_stage_bytes(self) -> int:
+        # packed rows (tile_k / 2 bytes each) + one 512-byte scale atom per 128 rows
+        rows = self.tile_m + self.tile_n
+        return rows * (self.tile_k // 2) + rows // SF_ATOM_ROWS * SF_ATOM_BYTES
+
+    def check(self) -> None:
+        if self.tile_m not in (64, 128, 256) or self.tile_m % SF_ATOM_ROWS not in (0, 64):
+            raise ValueError(f"tile_m={self.tile_m}: must be 128 or 256")
+        if self.tile_m % SF_ATOM_ROWS != 0:
+            raise ValueError(f"tile_m={self.tile_m}: must be a multiple of 128 (scale atom rows)")
+        if self.tile_n % SF_ATOM_ROWS != 0 or not 128 <= self.tile_n <= 256:
+            raise ValueError(f"tile_n={self.tile_n}: must be 128 or 256")
+        if self.tile_k != 64:
+            raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
+        if self.raw_stages < 2 or self.mma_stages != 2:
+            raise ValueError("raw_stages must be >= 2 and mma_stages == 2")
+
+
+SM90_CONFIG = HopperGemmConfig()
+
+
+def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None:
+    """Raise ValueError naming group, field, value and rule if a problem is unsupported."""
+    if not 1 <= len(problem_sizes) <= MAX_GROUPS:
+        raise ValueError(f"G = {len(problem_sizes)}: the sm_90 kernel supports 1 <= G <= {MAX_GROUPS}")
+    for g, (m, n, k, l) in enumerate(problem_sizes):
+        if l != 1:
+            raise ValueError(f"group {g}: L = {l}; the sm_90 kernel supports L == 1 only")
+        if m < 0:
+            raise ValueError(f"group {g}: M = {m}; M must be >= 0")
+        if n <= 0 or n % SF_ATOM_ROWS != 0:
+            raise ValueError(f"group {g}: N = {n}; N must be a positive multiple of 128")
+        if k <= 0 or k % 256 != 0:
+            raise ValueError(f"group {g}: K = {k}; K must be a positive multiple of 256")
+
+
+# =============================================================================
+# Device helpers (inline PTX)
+# =============================================================================
+@dsl_user_op
+def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cutlass.Int32, *, loc=None, ip=None):
+    """16-byte cp.async (L2 only); src_bytes == 0 zero-fills without reading global memory."""
+    llvm.inline_asm(
+        None,
+        [
+            cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
+            cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+# One 16-element scale block: 8 packed bytes -> 16 fp16 values (v * s, exact) in two
+# 16-byte chunks. Per byte pair (elements 2p, 2p+1 = low, high nibble of byte p):
+#   e = (w << 4) & 0xF0F0F0F0 and o = w & 0xF0F0F0F0 put every code in the high nibble of a
+#   byte; prmt gathers [e.p, e.p, o.p, o.p]; (q | q >> 3) & 0x8E008E00 places, per 16-bit
+#   lane, the sign at bit 15 and the exponent/mantissa bits e1 e0 m at bits 11..9: the fp16
+#   whose value is v * 2^-14 (code 0.5 lands on the subnormal 2^-15, handled exactly by fp16
+#   multiplies). Two exact multiplies give v, then v * s.
+def _pair_asm(word: str, p: int, dst: str) -> str:
+    sel = f"0x{4 + p}{4 + p}{p}{p}"
+    return (
+        f"prmt.b32 q, e{word}, o{word}, {sel};\n\t"
+        "shr.b32 t, q, 3;\n\t"
+        f"lop3.b32 {dst}, q, t, lanes, 0xA8;\n\t"
+        f"mul.rn.f16x2 {dst}, {dst}, k14;\n\t"
+        f"mul.rn.f16x2 {dst}, {dst}, s2;\n\t"
+    )
+
+
+_DECODE_BLOCK_ASM = (
+    "{\n\t"
+    ".reg .b32 w0, w1, e0, o0, e1, o1, q, t, lanes, nib, k14, sc, s2;\n\t"
+    ".reg .b32 r0, r1, r2, r3, r4, r5, r6, r7;\n\t"
+    ".reg .b16 slo, shi;\n\t"
+    "ld.shared.v2.b32 {w0, w1}, [$0];\n\t"
+    "ld.shared.u8 sc, [$1];\n\t"
+    "mul.lo.u32 sc, sc, 257;\n\t"
+    "mov.b32 {slo, shi}, sc;\n\t"
+    "cvt.rn.f16x2.e4m3x2 s2, slo;\n\t"
+    "mov.b32 lanes, 0x8E008E00;\n\t"
+    "mov.b32 nib, 0xF0F0F0F0;\n\t"
+    "mov.b32 k14, 0x74007400;\n\t"
+    "shl.b32 e0, w0, 4;\n\t"
+    "and.b32 e0, e0, nib;\n\t"
+    "and.b32 o0, w0, nib;\n\t"
+    "shl.b32 e1, w1, 4;\n\t"
+    "and.b32 e1, e1, nib;\n\t"
+    "and.b32 o1, w1, nib;\n\t"
+    + "".join(_pair_asm("0", p, f"r{p}") for p in range(4))
+    + "".join(_pair_asm("1", p, f"r{4 + p}") for p in range(4))
+    + "st.shared.v4.b32 [$2], {r0, r1, r2, r3};\n\t"
+    "st.shared.v4.b32 [$3], {r4, r5, r6, r7};\n\t"
+    "}"
+)
+
+
+@dsl_user_op
+def decode_scale_block(
+    src_smem: cutlass.Int32,
+    scale_smem: cutlass.Int32,
+    dst_lo_smem: cutlass.Int32,
+    dst_hi_smem: cutlass.Int32,
+    *,
+    loc=None,
+    ip=None,
+):
+    """Decode 16 packed e2m1 values times their e4m3 scale into two 16-byte fp16 chunks."""
+    llvm.inline_asm(
+        None,
+        [
+            cutlass.Int32(src_smem).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(scale_smem).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(dst_lo_smem).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(dst_hi_smem).ir_value(loc=loc, ip=ip),
+        ],
+        _DECODE_BLOCK_ASM,
+        "r,r,r,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+# Host mirrors of the device arithmetic (tests compare them with independent decodes)
+def emulate_decode_word(word: int, scale_byte: int):
+    """Mirror of one packed word of _DECODE_BLOCK_ASM: 8 e2m1 codes -> 8 float16 (numpy).
+
+    Returns (placed, scaled): the fp16 bit patterns after the bit placement (value v * 2^-14)
+    and the fp16 values after the two multiplies (v * s), in element order.
+    """
+    import numpy as np
+
+    def prmt(a, b, sel):
+        src = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+        return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
+
+    e = (word << 4) & 0xF0F0F0F0
+    o = word & 0xF0F0F0F0
+    placed = []
+    for p in range(4):
+        q = prmt(e, o, ((4 + p) << 12) | ((4 + p) << 8) | (p << 4) | p)
+        r = (q | (q >> 3)) & 0x8E008E00
+        placed += [r & 0xFFFF, r >> 16]
+    placed = np.array(placed, dtype=np.uint16).view(np.float16)
+    scale = np.float16(_e4m3_value(scale_byte))
+    scaled = (placed * np.float16(2.0**14)).astype(np.float16) * scale
+    return placed, scaled.astype(np.float16)
+
+
+def _e4m3_value(byte: int) -> float:
+    sign = -1.0 if byte & 0x80 else 1.0
+    exp = (byte >> 3) & 0xF
+    man = byte & 0x7
+    if exp == 0:
+        return sign * man / 8 * 2.0**-6
+    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+def scale_byte_offset(row: int, block: int, k_tile: int, rest_k: int) -> int:
+    """Byte offset in a reordered scale tensor of (row, 16-element block of k-tile k_tile),
+    computed as the kernel does: 512-byte atom of (row // 128, k_tile), then the in-atom
+    offset used by decode_stage."""
+    atom = (row // SF_ATOM_ROWS) * rest_k + k_tile
+    return atom * SF_ATOM_BYTES + (row % 32) * 16 + ((row % SF_ATOM_ROWS) // 32) * 4 + block
+
+
+def swizzled_chunk_offset(row: int, chunk: int) -> int:
+    """Byte offset of 16-byte chunk `chunk` of fp16 row `row` in the 128-byte-swizzled tile."""
+    return row * 128 + ((chunk ^ (row % 8)) * 16)
+
+
+# =============================================================================
+# Kernel
+# =============================================================================
+class Sm90Nvfp4GroupedGemm:
+    """Grouped NVFP4 GEMM on sm_90a: cp.async -> in-smem decode to fp16 -> wgmma."""
+
+    def __init__(self, config: HopperGemmConfig, num_groups: int):
+        config.check()
+        self.config = config
+        self.num_groups = num_groups
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.tile_k = config.tile_k
+        self.num_threads = config.num_threads
+        self.raw_stages = config.raw_stages
+        self.mma_stages = config.mma_stages
+        self.raw_stage_bytes = config.raw_stage_bytes
+        # byte offsets inside one raw stage
+        self.raw_row_bytes = config.tile_k // 2
+        self.raw_b_offset = config.tile_m * self.raw_row_bytes
+        self.raw_sfa_offset = (config.tile_m + config.tile_n) * self.raw_row_bytes
+        self.raw_sfb_offset = self.raw_sfa_offset + config.tile_m // SF_ATOM_ROWS * SF_ATOM_BYTES
+        # decoded fp16 row: tile_k * 2 bytes = one 128-byte swizzle row
+        self.dec_row_bytes = config.tile_k * 2
+        self.blocks_per_row = config.tile_k // SF_VEC_SIZE
+
+    @cute.jit
+    def __call__(
+        self,
+        ptrs: cute.Pointer,
+        sizes: cute.Pointer,
+        tiles: cute.Pointer,
+        num_tiles: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        mma_tiler_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            cutlass.Float16,
+            cutlass.Float16,
+            cute.nvgpu.warpgroup.OperandMajorMode.K,
+            cute.nvgpu.warpgroup.OperandMajorMode.K,
+            cutlass.Float32,
+            (self.tile_m // 64, 1, 1),
+            tiler_mn=(64, self.tile_n),
+        )
+        a_smem_layout_staged = sm90_utils.make_smem_layout_a(
+            utils.LayoutEnum.ROW_MAJOR, mma_tiler_mnk, cutlass.Float16, self.mma_stages
+        )
+        b_smem_layout_staged = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.ROW_MAJOR, mma_tiler_mnk, cutlass.Float16, self.mma_stages
+        )
+
+        @cute.struct
+        class SharedStorage:
+            sA: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float16, cute.cosize(a_smem_layout_staged)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float16, cute.cosize(b_smem_layout_staged)], 1024
+            ]
+            raw: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, self.raw_stage_bytes * self.raw_stages], 128
+            ]
+
+        self.shared_storage = SharedStorage
+
+        mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
+        mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
+        mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, 3), stride=(3, 1)))
+
+        self.kernel(
+            tiled_mma, mPtrs, mSizes, mTiles, a_smem_layout_staged, b_smem_layout_staged
+        ).launch(
+            grid=(num_tiles, 1, 1),
+            block=(self.num_threads, 1, 1),
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # -------------------------------------------------------------------------
+    # Producer: one k-tile of packed data and scales into raw stage `stage`
+    # -------------------------------------------------------------------------
+    @cute.jit
+    def load_raw_stage(
+        self, tidx, raw_base, stage, k_tile, a_addr, b_addr, sfa_addr, sfb_addr,
+        m, n, m0, n0, row_bytes, rest_k,
+    ):
+        stage_base = raw_base + stage * self.raw_stage_bytes
+        k_byte = k_tile * self.raw_row_bytes
+        chunks_per_row = self.raw_row_bytes // 16
+        # A rows (zero-filled past M)
+        for i in cutlass.range_constexpr(self.tile_m * chunks_per_row // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            row = chunk // chunks_per_row
+            part = chunk % chunks_per_row
+            valid = (m0 + row) < m
+            src_row = (m0 + row) if valid else 0
+            src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
+            cp_async_16B(stage_base + row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
+        # B rows (zero-filled past N)
+        for i in cutlass.range_constexpr(self.tile_n * chunks_per_row // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            row = chunk // chunks_per_row
+            part = chunk % chunks_per_row
+            valid = (n0 + row) < n
+            src_row = (n0 + row) if valid else 0
+            src = b_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
+            cp_async_16B(
+                stage_base + self.raw_b_offset + row * self.raw_row_bytes + part * 16,
+                src,
+                16 if valid else 0,
+            )
+        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile
+        sf_chunks_a = self.tile_m // SF_ATOM_ROWS * (SF_ATOM_BYTES // 16)
+        sf_chunks_b = self.tile_n // SF_ATOM_ROWS * (SF_ATOM_BYTES // 16)
+        if tidx < sf_chunks_a:
+            atom = tidx // (SF_ATOM_BYTES // 16)
+            part = tidx % (SF_ATOM_BYTES // 16)
+            atom_row = m0 // SF_ATOM_ROWS + atom
+            valid = atom_row * SF_ATOM_ROWS < m
+            src = sfa_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
+            cp_async_16B(
+                stage_base + self.raw_sfa_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
+            )
+        if tidx >= sf_chunks_a and tidx < sf_chunks_a + sf_chunks_b:
+            local = tidx - sf_chunks_a
+            atom = local // (SF_ATOM_BYTES // 16)
+            part = local % (SF_ATOM_BYTES // 16)
+            atom_row = n0 // SF_ATOM_ROWS + atom
+            valid = atom_row * SF_ATOM_ROWS < n
+            src = sfb_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
+            cp_async_16B(
+                stage_base + self.raw_sfb_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
+            )
+
+    # -------------------------------------------------------------------------
+    # Decode: raw stage -> fp16 stage (swizzled K-major, 128-byte rows)
+    # -------------------------------------------------------------------------
+    @cute.jit
+    def decode_stage(self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage):
+        raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
+        a_items = self.tile_m * self.blocks_per_row
+        b_items = self.tile_n * self.blocks_per_row
+        for i in cutlass.range_constexpr((a_items + b_items) // self.num_threads):
+            item = tidx + i * self.num_threads
+            is_b = cutlass.const_expr(i * self.num_threads >= a_items)
+            local = item - a_items if is_b else item
+            row = local // self.blocks_per_row
+            blk = local % self.blocks_per_row
+            packed_off = self.raw_b_offset if is_b else 0
+            sf_off = self.raw_sfb_offset if is_b else self.raw_sfa_offset
+            dst_base = sB_base if is_b else sA_base
+            rows_per_stage = self.tile_n if is_b else self.tile_m
+            src = raw_stage_base + packed_off + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
+            # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes
+            scale = (
+                raw_stage_base
+                + sf_off
+                + (row // SF_ATOM_ROWS) * SF_ATOM_BYTES
+                + (row % 32) * 16
+                + ((row % SF_ATOM_ROWS) // 32) * 4
+                + blk
+            )
+            # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
+            row_base = dst_base + (mma_stage * rows_per_stage + row) * self.dec_row_bytes
+            swz = row % 8
+            dst_lo = row_base + ((2 * blk) ^ swz) * 16
+            dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
+            decode_scale_block(src, scale, dst_lo, dst_hi)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        mPtrs: cute.Tensor,
+        mSizes: cute.Tensor,
+        mTiles: cute.Tensor,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        #
+        # Tile and group lookup
+        #
+        group = mTiles[bidx, 0]
+        tile_row = mTiles[bidx, 1]
+        tile_col = mTiles[bidx, 2]
+        m = mSizes[group, 0]
+        n = mSizes[group, 1]
+        k = mSizes[group, 2]
+        a_addr = mPtrs[group, 0]
+        b_addr = mPtrs[group, 1]
+        c_addr = mPtrs[group, 2]
+        sfa_addr = mPtrs[group, 3]
+        sfb_addr = mPtrs[group, 4]
+        m0 = tile_row * self.tile_m
+        n0 = tile_col * self.tile_n
+        row_bytes = k // 2
+        rest_k = k // (SF_VEC_SIZE * 4)
+        k_tile_cnt = k // self.tile_k
+
+        #
+        # Shared memory
+        #
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sA_base = storage.sA.data_ptr().toint()
+        sB_base = storage.sB.data_ptr().toint()
+        raw_base = storage.raw.data_ptr().toint()
+
+        #
+        # MMA fragments: warpgroup w owns rows [64 w, 64 w + 64) of the tile
+        #
+        warp_group_thread_layout = cute.make_layout(self.tile_m // 64, stride=128)
+        thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        gC_shape_probe = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        acc_shape = thr_mma.partition_C(gC_shape_probe).shape
+        accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        accumulators.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        # Rows of this warpgroup that exist in the group: skip its wgmma when there are none
+        warp_group_has_rows = (m0 + warp_group_idx * 64) < m
+
+        #
+        # Prologue: prefetch raw_stages - 1 k-tiles
+        #
+        for s in cutlass.range_constexpr(self.raw_stages - 1):
+            if s < k_tile_cnt:
+                self.load_raw_stage(
+                    tidx, raw_base, s, s, a_addr, b_addr, sfa_addr, sfb_addr,
+                    m, n, m0, n0, row_bytes, rest_k,
+                )
+            cute.arch.cp_async_commit_group()
+
+        #
+        # Main loop
+        #
+        for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+            next_tile = k_tile + self.raw_stages - 1
+            if next_tile < k_tile_cnt:
+                self.load_raw_stage(
+                    tidx, raw_base, next_tile % self.raw_stages, next_tile,
+                    a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
+                )
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(self.raw_stages - 1)
+            # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
+            cute.arch.sync_threads()
+
+            mma_stage = k_tile % self.mma_stages
+            self.decode_stage(tidx, raw_base, k_tile % self.raw_stages, sA_base, sB_base, mma_stage)
+            # generic-proxy stores -> async-proxy (wgmma) reads
+            cute.arch.fence_proxy(
+                cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
+            )
+            cute.arch.sync_threads()
+
+            if warp_group_has_rows:
+                cute.nvgpu.warpgroup.fence()
+                for k_block in cutlass.range_constexpr(num_k_blocks):
+                    cute.gemm(
+                        tiled_mma,
+                        accumulators,
+                        tCrA[(None, None, k_block, mma_stage)],
+                        tCrB[(None, None, k_block, mma_stage)],
+                        accumulators,
+                    )
+                cute.nvgpu.warpgroup.commit_group()
+                cute.nvgpu.warpgroup.wait_group(1)
+
+        cute.nvgpu.warpgroup.wait_group(0)
+        cute.arch.cp_async_wait_group(0)
+
+        #
+        # Epilogue: fp32 -> fp16, stores predicated on the M and N residues
+        #
+        mC = cute.make_tensor(
+            cute.make_ptr(cutlass.Float16, c_addr, cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout((m, n), stride=(n, 1)),
+        )
+        gC = cute.local_tile(mC, (self.tile_m, self.tile_n), (tile_row, tile_col))
+        cC = cute.local_tile(
+            cute.make_identity_tensor((m, n)), (self.tile_m, self.tile_n), (tile_row, tile_col)
+        )
+        thr_mma_c = tiled_mma.get_slice(tidx)
+        tCgC = thr_mma_c.partition_C(gC)
+        tCcC = thr_mma_c.partition_C(cC)
+        if warp_group_has_rows:
+            for i in cutlass.range_constexpr(cute.size(accumulators)):
+                coord = tCcC[i]
+                if coord[0] < m and coord[1] < n:
+                    tCgC[i] = accumulators[i].to(cutlass.Float16)
+
+
+# =============================================================================
+# Compilation
+# =============================================================================
+def _fake_ptr(dtype):
+    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+
+_compiled_cache: dict = {}
+
+
+def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemmConfig = SM90_CONFIG):
+    """Compile (cached) the sm_90a kernel; the key is everything baked in."""
+    key = (num_groups, config, options)
+    if key not in _compiled_cache:
+        kernel = Sm90Nvfp4GroupedGemm(config, num_groups)
+        _compiled_cache[key] = cute.compile(
+            kernel,
+            _fake_ptr(cutlass.Int64),
+            _fake_ptr(cutlass.Int32),
+            _fake_ptr(cutlass.Int32),
+            cutlass.Int32(1),
+            cuda.CUstream(0),
+            **({"options": options} if options else {}),
+        )
+    return _compiled_cache[key]
+
+
+def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
+    """Kernels of this backend for the build report: (kernel name, arch, compile(G, options))."""
+    return [("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm)]
+
+
+# =============================================================================
+# Backend protocol (driven by submission.py's shared host runtime)
+# =============================================================================
+def _gmem_ptr(dtype, tensor: torch.Tensor):
+    return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+
+class Sm90LaunchState:
+    __slots__ = ("_args", "launch_gemm", "stream", "tables")
+
+    def __init__(self, tables):
+        self.tables = tables
+        self.stream = None
+        self.launch_gemm = None
+        self._args = None
+
+
+class Sm90Backend:
+    """Backend protocol implementation for Hopper (sm_90a)."""
+
+    name = "sm90"
+    tile_m = SM90_CONFIG.tile_m
+    tile_n = SM90_CONFIG.tile_n
+
+    def __init__(self, config: HopperGemmConfig = SM90_CONFIG):
+        self.config = config
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+
+    def compile(self, num_groups: int):
+        return compile_gemm(num_groups, config=self.config)
+
+    def prepare(self, tables) -> Sm90LaunchState:
+        # No descriptors: the kernel reads the pointer table directly.
+        return Sm90LaunchState(tables)
+
+    def launch(self, state: Sm90LaunchState, stream: cuda.CUstream) -> None:
+        tables = state.tables
+        if tables.num_tiles == 0:
+            return
+        if stream is not state.stream:
+            from submission import make_launcher
+
+            gemm_fn = self.compile(tables.num_groups)
+            args = (
+                _gmem_ptr(cutlass.Int64, tables.ptrs),
+                _gmem_ptr(cutlass.Int32, tables.sizes),
+                _gmem_ptr(cutlass.Int32, tables.tiles),
+                cutlass.Int32(tables.num_tiles),
+                stream,
+            )
+            state._args = args
+            state.launch_gemm = make_launcher(gemm_fn, *args)
+            state.stream = stream
+        state.launch_gemm()
+
+
+def make_backend(config: HopperGemmConfig = SM90_CONFIG) -> Sm90Backend:
+    return Sm90Backend(config)
+
+
+def run_grouped(data, config: HopperGemmConfig = SM90_CONFIG):
+    """Standalone entry: validate, build tables, launch on the current stream, return the c list."""
+    import submission
+
+    problem_sizes = submission.validate_inputs(data)
+    can_implement(problem_sizes, config)
+    abc, _, sfasfb_reordered, _ = data
+    device = abc[0][0].device
+    backend = make_backend(config)
+    backend.compile(len(problem_sizes))
+    pointers = [
+        (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
+        for (a, b, c), (sfa, sfb) in zip(abc, sfasfb_reordered)
+    ]
+    tables = submission.build_group_tables(problem_sizes, pointers, backend.tile_m, backend.tile_n, device)
+    state = backend.prepare(tables)
+    backend.launch(state, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    return [c for _, _, c in abc]
