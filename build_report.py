@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import os
 import re
 import struct
 import sys
@@ -178,6 +179,25 @@ def record_dynamic_smem():
         CutlassBaseDSL._get_smem_usage = original
 
 
+@contextlib.contextmanager
+def captured_native_stderr():
+    """Hold back what native code writes to fd 2 (the DSL's loader complains about the
+    missing libcuda on machines without a GPU); the text is yielded for error reports."""
+    text: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield text
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            text.append(sink.read().decode(errors="replace"))
+
+
 # =============================================================================
 # Building
 # =============================================================================
@@ -232,7 +252,7 @@ def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_
     options = f"--keep-cubin --keep-ptx --dump-dir {dump_dir} --gpu-arch {arch}"
     load_error = None
     start = time.perf_counter()
-    with record_dynamic_smem() as dynamic_smem:
+    with record_dynamic_smem() as dynamic_smem, captured_native_stderr() as native_stderr:
         try:
             compile_fn(num_groups, options)
         except Exception as exc:  # noqa: BLE001 - judged below by whether the cubin exists
@@ -244,6 +264,7 @@ def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_
         raise BuildError(
             f"{kernel_name} (G={num_groups}, {arch}): no cubin was produced"
             + (f": {type(load_error).__name__}: {load_error}" if load_error else "")
+            + (f"\n{native_stderr[0]}" if native_stderr and native_stderr[0] else "")
         )
     # The cubin exists: a later exception is the JIT/load step (no libcuda here), expected.
     ptx_paths = sorted(dump_dir.glob("*.ptx"))

@@ -1183,6 +1183,8 @@ class Sm100Backend:
         return Sm100LaunchState(tables, tensormaps)
 
     def launch(self, state: Sm100LaunchState, stream: cuda.CUstream) -> None:
+        if state.tables.num_tiles == 0:
+            return  # every group has M = 0: nothing to compute (a 0-CTA grid is invalid)
         if stream is not state.stream:
             # New stream object (first launch, or torch's current stream changed): prepare
             # the launch arguments once for it.
