@@ -1162,24 +1162,39 @@ class Sm100Backend:
     tile_m = SM100_CONFIG.mma_tiler_mnk[0]
     tile_n = SM100_CONFIG.mma_tiler_mnk[1]
 
+    def __init__(self):
+        # Descriptors depend on the A/B/SFA/SFB pointers and the sizes, not on C: input sets
+        # that differ only in C share them, and the init kernel runs only when an A/B/SF
+        # pointer (or a size) changed. Bounded like the runtime cache.
+        self._descriptors = RuntimeCache(max_entries=64)
+
     def compile(self, num_groups: int):
         return compile_init_tensormaps(num_groups), compile_gemm(num_groups)
 
     def prepare(self, tables: "GroupTables") -> Sm100LaunchState:
-        """Build the TMA descriptors of every group (init kernel, on the current stream)."""
-        init_fn, _ = self.compile(tables.num_groups)
-        tensormaps = torch.empty(
-            (tables.num_groups, num_tensormaps, bytes_per_tensormap // 8),
-            dtype=torch.int64,
-            device=tables.device,
+        """TMA descriptors of every group: reused, or built by the init kernel on the
+        current stream."""
+        descriptor_key = (
+            str(tables.device),
+            tables.problem_sizes,
+            tuple((p[PTR_A], p[PTR_B], p[PTR_SFA], p[PTR_SFB]) for p in tables.pointers),
         )
-        init_fn(
-            _gmem_ptr(cutlass.Int64, tables.ptrs),
-            _gmem_ptr(cutlass.Int32, tables.sizes),
-            _gmem_ptr(cutlass.Int64, tensormaps),
-            cutlass.Int32(tables.num_groups),
-            current_cu_stream(),
-        )
+        tensormaps = self._descriptors.get(descriptor_key)
+        if tensormaps is None:
+            init_fn, _ = self.compile(tables.num_groups)
+            tensormaps = torch.empty(
+                (tables.num_groups, num_tensormaps, bytes_per_tensormap // 8),
+                dtype=torch.int64,
+                device=tables.device,
+            )
+            init_fn(
+                _gmem_ptr(cutlass.Int64, tables.ptrs),
+                _gmem_ptr(cutlass.Int32, tables.sizes),
+                _gmem_ptr(cutlass.Int64, tensormaps),
+                cutlass.Int32(tables.num_groups),
+                current_cu_stream(),
+            )
+            self._descriptors.put(descriptor_key, tensormaps)
         return Sm100LaunchState(tables, tensormaps)
 
     def launch(self, state: Sm100LaunchState, stream: cuda.CUstream) -> None:
@@ -1202,6 +1217,11 @@ class Sm100Backend:
             state._args = args
             state.launch_gemm = make_launcher(gemm_fn, *args)
             state.stream = stream
+            # The buffers may have been allocated on another stream (a miss on stream S1, now
+            # launched on S2): keep them alive for S2's work after an eviction.
+            torch_stream = torch.cuda.current_stream(tables.device)
+            tables.record_stream(torch_stream)
+            state.tensormaps.record_stream(torch_stream)
         state.launch_gemm()
 
 
@@ -1234,11 +1254,17 @@ class GroupTables:
     tiles int32 [T, 3]: (group, tile_m, tile_n), order of plan_tiles
     """
 
-    __slots__ = ("_device_buf", "device", "host_staging", "num_groups", "num_tiles", "ptrs", "sizes", "tiles")
+    __slots__ = (
+        "_device_buf", "device", "host_staging", "num_groups", "num_tiles", "pointers",
+        "problem_sizes", "ptrs", "sizes", "tiles",
+    )
 
-    def __init__(self, device, num_groups, num_tiles, ptrs, sizes, tiles, host_staging, device_buf):
+    def __init__(self, device, problem_sizes, pointers, num_tiles, ptrs, sizes, tiles, host_staging, device_buf):
         self.device = device
-        self.num_groups = num_groups
+        # Host copies (tuples) of what the device tables hold
+        self.problem_sizes = problem_sizes
+        self.pointers = pointers
+        self.num_groups = len(problem_sizes)
         self.num_tiles = num_tiles
         self.ptrs = ptrs
         self.sizes = sizes
@@ -1249,6 +1275,11 @@ class GroupTables:
         # pinned-memory allocator only reuses the block after the copies that read it finished.
         self.host_staging = host_staging
         self._device_buf = device_buf
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Tell torch's allocator the tables are read on `stream` (memory freed on eviction
+        is then not reused before that stream's work finished)."""
+        self._device_buf.record_stream(stream)
 
 
 def build_group_tables(problem_sizes, pointers, tile_m: int, tile_n: int, device) -> GroupTables:
@@ -1280,7 +1311,8 @@ def build_group_tables(problem_sizes, pointers, tile_m: int, tile_n: int, device
     dev.copy_(host, non_blocking=True)
     return GroupTables(
         device=device,
-        num_groups=num_groups,
+        problem_sizes=tuple(tuple(int(v) for v in p) for p in problem_sizes),
+        pointers=tuple(tuple(int(v) for v in p) for p in pointers),
         num_tiles=num_tiles,
         ptrs=dev[:ptrs_bytes].view(torch.int64).view(num_groups, NUM_PTR_COLS),
         sizes=dev[sizes_off : sizes_off + num_groups * 16].view(torch.int32).view(num_groups, 4),

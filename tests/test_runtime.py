@@ -236,3 +236,55 @@ def test_make_launcher_falls_back_to_the_plain_call():
     launch()
     launch()
     assert calls == [(1, 2), (1, 2)]
+
+
+@pytest.fixture
+def sm100_backend_on_cpu(monkeypatch):
+    """Sm100Backend with its compiled kernels replaced by recorders (no GPU here)."""
+    init_calls, gemm_calls = [], []
+
+    def fake_init(ptrs, sizes, tensormaps, num_groups, stream):
+        init_calls.append(int(num_groups))
+
+    def fake_gemm(*args):
+        gemm_calls.append(args)
+
+    backend = submission.Sm100Backend()
+    monkeypatch.setattr(backend, "compile", lambda num_groups: (fake_init, fake_gemm))
+    monkeypatch.setattr(submission, "current_cu_stream", lambda: "stream")
+    return backend, init_calls, gemm_calls
+
+
+def _tables_with(pointers, sizes=((40, 384, 512, 1), (129, 128, 768, 1))):
+    return submission.build_group_tables(list(sizes), pointers, TILE, TILE, "cpu")
+
+
+def test_descriptors_rebuilt_only_when_an_ab_or_sf_pointer_changes(sm100_backend_on_cpu):
+    backend, init_calls, _ = sm100_backend_on_cpu
+    base = _pointers(2, 1 << 40)
+    first = backend.prepare(_tables_with(base))
+    assert init_calls == [2]
+
+    # Only C of group 1 differs: same descriptors, no init kernel
+    only_c = [base[0], base[1][:2] + (base[1][2] + 4096,) + base[1][3:]]
+    second = backend.prepare(_tables_with(only_c))
+    assert init_calls == [2] and second.tensormaps is first.tensormaps
+
+    # Any A/B/SFA/SFB pointer differs: new descriptors
+    for column in (submission.PTR_A, submission.PTR_B, submission.PTR_SFA, submission.PTR_SFB):
+        changed = [base[0], tuple(v + 4096 if j == column else v for j, v in enumerate(base[1]))]
+        state = backend.prepare(_tables_with(changed))
+        assert state.tensormaps is not first.tensormaps, column
+    assert init_calls == [2] * 5
+
+    # Same pointers, other sizes: new descriptors
+    backend.prepare(_tables_with(base, sizes=((40, 384, 512, 1), (128, 128, 768, 1))))
+    assert len(init_calls) == 6
+
+
+def test_no_launch_when_every_group_is_empty(sm100_backend_on_cpu):
+    backend, _, gemm_calls = sm100_backend_on_cpu
+    state = backend.prepare(_tables_with(_pointers(2, 1 << 40), sizes=((0, 128, 256, 1), (0, 256, 256, 1))))
+    assert state.tables.num_tiles == 0
+    backend.launch(state, "stream")
+    assert gemm_calls == []
