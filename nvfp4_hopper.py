@@ -68,6 +68,9 @@ class HopperGemmConfig:
     tile_k: int = 64  # one 128-byte swizzle atom of fp16 per row; 4 scale blocks
     raw_stages: int = 4  # cp.async prefetch depth of packed data (9 KB per stage)
     mma_stages: int = 2  # decoded fp16 stages: decode k+1 while wgmma reads k
+    # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
+    # subnormals) and scale the fp32 accumulators by 2^28 once; False: two multiplies, v * s.
+    single_multiply: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -143,42 +146,43 @@ def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
 #   lane, the sign at bit 15 and the exponent/mantissa bits e1 e0 m at bits 11..9: the fp16
 #   whose value is v * 2^-14 (code 0.5 lands on the subnormal 2^-15, handled exactly by fp16
 #   multiplies). Two exact multiplies give v, then v * s.
-def _pair_asm(word: str, p: int, dst: str) -> str:
+def _pair_asm(word: str, p: int, dst: str, single_multiply: bool) -> str:
     sel = f"0x{4 + p}{4 + p}{p}{p}"
     return (
         f"prmt.b32 q, e{word}, o{word}, {sel};\n\t"
         "shr.b32 t, q, 3;\n\t"
         f"lop3.b32 {dst}, q, t, lanes, 0xA8;\n\t"
-        f"mul.rn.f16x2 {dst}, {dst}, k14;\n\t"
-        f"mul.rn.f16x2 {dst}, {dst}, s2;\n\t"
+        + ("" if single_multiply else f"mul.rn.f16x2 {dst}, {dst}, k14;\n\t")
+        + f"mul.rn.f16x2 {dst}, {dst}, s2;\n\t"
     )
 
 
-_DECODE_BLOCK_ASM = (
-    "{\n\t"
-    ".reg .b32 w0, w1, e0, o0, e1, o1, q, t, lanes, nib, k14, sc, s2;\n\t"
-    ".reg .b32 r0, r1, r2, r3, r4, r5, r6, r7;\n\t"
-    ".reg .b16 slo, shi;\n\t"
-    "ld.shared.v2.b32 {w0, w1}, [$0];\n\t"
-    "ld.shared.u8 sc, [$1];\n\t"
-    "mul.lo.u32 sc, sc, 257;\n\t"
-    "mov.b32 {slo, shi}, sc;\n\t"
-    "cvt.rn.f16x2.e4m3x2 s2, slo;\n\t"
-    "mov.b32 lanes, 0x8E008E00;\n\t"
-    "mov.b32 nib, 0xF0F0F0F0;\n\t"
-    "mov.b32 k14, 0x74007400;\n\t"
-    "shl.b32 e0, w0, 4;\n\t"
-    "and.b32 e0, e0, nib;\n\t"
-    "and.b32 o0, w0, nib;\n\t"
-    "shl.b32 e1, w1, 4;\n\t"
-    "and.b32 e1, e1, nib;\n\t"
-    "and.b32 o1, w1, nib;\n\t"
-    + "".join(_pair_asm("0", p, f"r{p}") for p in range(4))
-    + "".join(_pair_asm("1", p, f"r{4 + p}") for p in range(4))
-    + "st.shared.v4.b32 [$2], {r0, r1, r2, r3};\n\t"
-    "st.shared.v4.b32 [$3], {r4, r5, r6, r7};\n\t"
-    "}"
-)
+def _decode_block_asm(single_multiply: bool) -> str:
+    return (
+        "{\n\t"
+        ".reg .b32 w0, w1, e0, o0, e1, o1, q, t, lanes, nib, k14, sc, s2;\n\t"
+        ".reg .b32 r0, r1, r2, r3, r4, r5, r6, r7;\n\t"
+        ".reg .b16 slo, shi;\n\t"
+        "ld.shared.v2.b32 {w0, w1}, [$0];\n\t"
+        "ld.shared.u8 sc, [$1];\n\t"
+        "mul.lo.u32 sc, sc, 257;\n\t"
+        "mov.b32 {slo, shi}, sc;\n\t"
+        "cvt.rn.f16x2.e4m3x2 s2, slo;\n\t"
+        "mov.b32 lanes, 0x8E008E00;\n\t"
+        "mov.b32 nib, 0xF0F0F0F0;\n\t"
+        "mov.b32 k14, 0x74007400;\n\t"
+        "shl.b32 e0, w0, 4;\n\t"
+        "and.b32 e0, e0, nib;\n\t"
+        "and.b32 o0, w0, nib;\n\t"
+        "shl.b32 e1, w1, 4;\n\t"
+        "and.b32 e1, e1, nib;\n\t"
+        "and.b32 o1, w1, nib;\n\t"
+        + "".join(_pair_asm("0", p, f"r{p}", single_multiply) for p in range(4))
+        + "".join(_pair_asm("1", p, f"r{4 + p}", single_multiply) for p in range(4))
+        + "st.shared.v4.b32 [$2], {r0, r1, r2, r3};\n\t"
+        "st.shared.v4.b32 [$3], {r4, r5, r6, r7};\n\t"
+        "}"
+    )
 
 
 @dsl_user_op
@@ -187,6 +191,7 @@ def decode_scale_block(
     scale_smem: cutlass.Int32,
     dst_lo_smem: cutlass.Int32,
     dst_hi_smem: cutlass.Int32,
+    single_multiply: bool = False,
     *,
     loc=None,
     ip=None,
@@ -200,7 +205,7 @@ def decode_scale_block(
             cutlass.Int32(dst_lo_smem).ir_value(loc=loc, ip=ip),
             cutlass.Int32(dst_hi_smem).ir_value(loc=loc, ip=ip),
         ],
-        _DECODE_BLOCK_ASM,
+        _decode_block_asm(single_multiply),
         "r,r,r,r,~{memory}",
         has_side_effects=True,
         is_align_stack=False,
@@ -210,7 +215,7 @@ def decode_scale_block(
 
 # Host mirrors of the device arithmetic (tests compare them with independent decodes)
 def emulate_decode_word(word: int, scale_byte: int):
-    """Mirror of one packed word of _DECODE_BLOCK_ASM: 8 e2m1 codes -> 8 float16 (numpy).
+    """Mirror of one packed word of _decode_block_asm(False): 8 e2m1 codes -> 8 float16 (numpy).
 
     Returns (placed, scaled): the fp16 bit patterns after the bit placement (value v * 2^-14)
     and the fp16 values after the two multiplies (v * s), in element order.
@@ -424,7 +429,7 @@ class Sm90Nvfp4GroupedGemm:
             swz = row % 8
             dst_lo = row_base + ((2 * blk) ^ swz) * 16
             dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
-            decode_scale_block(src, scale, dst_lo, dst_hi)
+            decode_scale_block(src, scale, dst_lo, dst_hi, self.config.single_multiply)
 
     @cute.kernel
     def kernel(
@@ -553,11 +558,13 @@ class Sm90Nvfp4GroupedGemm:
         thr_mma_c = tiled_mma.get_slice(tidx)
         tCgC = thr_mma_c.partition_C(gC)
         tCcC = thr_mma_c.partition_C(cC)
+        # both operands carry 2^-14 when the decode used a single multiply (exact rescale)
+        acc_scale = cutlass.Float32(2.0**28 if self.config.single_multiply else 1.0)
         if warp_group_has_rows:
             for i in cutlass.range_constexpr(cute.size(accumulators)):
                 coord = tCcC[i]
                 if coord[0] < m and coord[1] < n:
-                    tCgC[i] = accumulators[i].to(cutlass.Float16)
+                    tCgC[i] = (accumulators[i] * acc_scale).to(cutlass.Float16)
 
 
 # =============================================================================

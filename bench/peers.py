@@ -51,6 +51,81 @@ def time_eval_style(fn, inputs, repeats):
     return statistics.mean(durations_us), min(durations_us)
 
 
+def time_gpu_only(fn, inputs, repeats):
+    """As time_eval_style, but a sleep kernel queued first lets the host enqueue all calls
+    before the start event fires: the events then bracket device time only."""
+    for data in inputs:
+        fn(data)
+    torch.cuda.synchronize()
+    durations_us = []
+    for _ in range(repeats):
+        clear_l2_cache_large()
+        torch.cuda._sleep(20_000_000)  # ~10 ms: far longer than enqueueing 15 calls
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for data in inputs:
+            fn(data)
+        end.record()
+        torch.cuda.synchronize()
+        durations_us.append(start.elapsed_time(end) * 1e3 / len(inputs))
+    return statistics.mean(durations_us), min(durations_us)
+
+
+def compare_configs(repeats):
+    """Device time of sm_90 kernel configurations on the benchmark shapes (checked first)."""
+    import cuda.bindings.driver as cuda
+
+    import nvfp4_hopper as hopper
+    import submission
+    from reference import match_outputs, ref_kernel
+
+    configs = {
+        "128x128 2mul": hopper.HopperGemmConfig(),
+        "128x128 1mul": hopper.HopperGemmConfig(single_multiply=True),
+        "128x256 2mul": hopper.HopperGemmConfig(tile_n=256),
+        "128x256 1mul": hopper.HopperGemmConfig(tile_n=256, single_multiply=True),
+    }
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    print(f"{'shape':<34} " + " ".join(f"{name:>13}" for name in configs))
+    for m, n, k in BENCHMARKS:
+        inputs = []
+        seed = 1111
+        for _ in range(NUM_INPUTS):
+            seed += 42
+            inputs.append(generate_input(m, n, k, len(m), seed))
+        expected = ref_kernel(inputs[0])
+        expected = [c.clone() for c in expected]
+        cells = []
+        for config in configs.values():
+            backend = hopper.make_backend(config)
+            states = []
+            for data in inputs:
+                pointers = [
+                    (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
+                    for (a, b, c), (sfa, sfb) in zip(data[0], data[2])
+                ]
+                tables = submission.build_group_tables(
+                    data[3], pointers, backend.tile_m, backend.tile_n, "cuda"
+                )
+                states.append(backend.prepare(tables))
+            for _, _, c in inputs[0][0]:
+                c.fill_(float("nan"))
+            backend.launch(states[0], stream)
+            torch.cuda.synchronize()
+            ok, message = match_outputs(expected, [c for _, _, c in inputs[0][0]])
+            if not ok:
+                cells.append("WRONG")
+                print(f"  {config}: {message[:200]}")
+                continue
+            mean, _best = time_gpu_only(
+                lambda state, be=backend: be.launch(state, stream), states, repeats
+            )
+            cells.append(f"{mean:.1f}")
+        shape = f"G={len(m)} M={min(m)}..{max(m)} N={n[0]} K={k[0]}"
+        print(f"{shape:<34} " + " ".join(f"{cell:>13}" for cell in cells))
+
+
 def dequantized_inputs(data):
     """Per group: bf16 A [M, K], bf16 B^T [K, N] (a view), bf16 output [M, N]."""
     groups = []
@@ -70,7 +145,12 @@ def cublas_bf16(groups):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--configs", action="store_true",
+                        help="compare sm_90 kernel configurations (device time only)")
     args = parser.parse_args(argv)
+    if args.configs:
+        compare_configs(args.repeats)
+        return
 
     from submission import custom_kernel
 
@@ -85,27 +165,30 @@ def main(argv=None):
             seed += 42
             inputs.append(generate_input(m, n, k, g, seed))
         ours_mean, ours_best = time_eval_style(custom_kernel, inputs, args.repeats)
+        ours_device, _ = time_gpu_only(custom_kernel, inputs, args.repeats)
         dequant = [dequantized_inputs(data) for data in inputs]
         del inputs
         torch.cuda.synchronize()
         cublas_mean, cublas_best = time_eval_style(cublas_bf16, dequant, args.repeats)
+        cublas_device, _ = time_gpu_only(cublas_bf16, dequant, args.repeats)
         del dequant
         flops = sum(2 * mi * ni * ki for mi, ni, ki in zip(m, n, k))
-        rows.append((g, m, n[0], k[0], ours_mean, ours_best, cublas_mean, cublas_best, flops))
+        rows.append((g, m, n[0], k[0], ours_mean, ours_best, cublas_mean, cublas_best, flops,
+                     ours_device, cublas_device))
 
     header = (
         f"{'shape':<34} {'ours µs':>9} {'best':>8} {'cuBLAS µs':>10} {'best':>8} "
-        f"{'ours/cuBLAS':>11} {'TFLOP/s':>8} {'%bf16 roof':>10}"
+        f"{'ours/cuBLAS':>11} {'TFLOP/s':>8} {'%bf16 roof':>10} {'dev: ours':>9} {'cuBLAS':>7}"
     )
     print(header)
     ratios = []
-    for g, m, n, k, om, ob, cm, cb, flops in rows:
+    for g, m, n, k, om, ob, cm, cb, flops, od, cd in rows:
         tflops = flops / (om * 1e-6) / 1e12
         ratios.append(om / cm)
         shape = f"G={g} M={min(m)}..{max(m)} N={n} K={k}"
         print(
             f"{shape:<34} {om:9.1f} {ob:8.1f} {cm:10.1f} {cb:8.1f} {om / cm:11.2f} "
-            f"{tflops:8.1f} {100 * tflops / BF16_ROOFLINE_TFLOPS:9.1f}%"
+            f"{tflops:8.1f} {100 * tflops / BF16_ROOFLINE_TFLOPS:9.1f}% {od:9.1f} {cd:7.1f}"
         )
     geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"geomean ours/cuBLAS: {geomean:.2f}  (< 1: ours faster)")

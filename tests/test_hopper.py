@@ -155,11 +155,23 @@ def _exact_reference(data):
     return out
 
 
+CONFIG_CASES = (
+    [("default", seed) for seed in range(60)]
+    + [("single_multiply", seed) for seed in range(100, 124)]
+    + [("tile_n_256", seed) for seed in range(200, 224)]
+)
+CONFIGS = {
+    "default": hopper.SM90_CONFIG,
+    "single_multiply": hopper.HopperGemmConfig(single_multiply=True),
+    "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
+}
+
+
 @requires_sm90
-@pytest.mark.parametrize("seed", range(60))
-def test_random_group_sets_match_exact_reference(seed):
+@pytest.mark.parametrize("config_name,seed", CONFIG_CASES)
+def test_random_group_sets_match_exact_reference(config_name, seed):
     data = _random_group_set(seed, general_scales=seed % 3 == 2)
-    out = hopper.run_grouped(data)
+    out = hopper.run_grouped(data, config=CONFIGS[config_name])
     torch.cuda.synchronize()
     for i, c in enumerate(out):
         assert not torch.isnan(c).any(), f"group {i}: unwritten (NaN) outputs, sizes {data[3][i]}"
