@@ -81,10 +81,11 @@ def compare_configs(repeats):
     from reference import match_outputs, ref_kernel
 
     configs = {
-        "128x128 2mul": hopper.HopperGemmConfig(),
+        "128x128 2mul": hopper.HopperGemmConfig(single_multiply=False),
         "128x128 1mul": hopper.HopperGemmConfig(single_multiply=True),
-        "128x256 2mul": hopper.HopperGemmConfig(tile_n=256),
+        "128x256 2mul": hopper.HopperGemmConfig(tile_n=256, single_multiply=False),
         "128x256 1mul": hopper.HopperGemmConfig(tile_n=256, single_multiply=True),
+        "128x128 1mul 6raw": hopper.HopperGemmConfig(raw_stages=6),
     }
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     print(f"{'shape':<34} " + " ".join(f"{name:>13}" for name in configs))

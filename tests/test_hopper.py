@@ -157,12 +157,12 @@ def _exact_reference(data):
 
 CONFIG_CASES = (
     [("default", seed) for seed in range(60)]
-    + [("single_multiply", seed) for seed in range(100, 124)]
+    + [("two_multiplies", seed) for seed in range(100, 124)]
     + [("tile_n_256", seed) for seed in range(200, 224)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
-    "single_multiply": hopper.HopperGemmConfig(single_multiply=True),
+    "two_multiplies": hopper.HopperGemmConfig(single_multiply=False),
     "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
 }
 
