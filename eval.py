@@ -556,7 +556,7 @@ def format_report(report: dict) -> str:
            else ""),
         "",
         (f"{'case':<5} {'G':>2} {'M':>16} {'N':>10} {'K':>10} {'mean µs':>10} {'best µs':>10}"
-         f" {'host µs/call':>12} {'TFLOP/s':>9} {'GB/s':>8} {'SOL µs':>7} {'% SOL':>7}"),
+         f" {'host µs/call':>12} {'TFLOP/s':>9} {'GB/s':>8} {'B200 SOL µs':>11} {'% SOL':>7}"),
     ]
 
     def span(values) -> str:
@@ -577,12 +577,12 @@ def format_report(report: dict) -> str:
         lines.append(
             f"{head} {case['mean_us']:>10.2f} {case['best_us']:>10.2f}"
             f" {case['host_us_per_call']:>12.2f} {case['tflops']:>9.1f} {case['gbps']:>8.1f}"
-            f" {sol:>7} {pct:>7}"
+            f" {sol:>11} {pct:>7}"
         )
     if report["geomean_us"] is not None:
         line = f"geometric mean: {report['geomean_us']:.2f} µs"
         if report["geomean_sol_pct"] is not None:
-            line += f", {report['geomean_sol_pct']:.1f} % of speed of light"
+            line += f", {report['geomean_sol_pct']:.1f} % of the B200 speed of light"
         lines.append(line)
     return "\n".join(lines)
 

@@ -44,6 +44,7 @@ import collections
 import contextlib
 import dataclasses
 import operator
+import os
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -1093,7 +1094,9 @@ def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]
 # arguments on every call (30-65 us of CPU for 5 pointers + 2 ints with DSL 4.3.5); building
 # the packed argument array once and calling the entry point directly costs one C call.
 # Checked against the pinned DSL version; anything else falls back to the plain call.
+# NVFP4_PLAIN_LAUNCH=1 forces the plain call (to compare, or to rule the fast path out).
 _PREPARED_LAUNCH_DSL_VERSION = "4.3.5"
+_FORCE_PLAIN_LAUNCH = os.environ.get("NVFP4_PLAIN_LAUNCH", "0") not in ("", "0")
 
 
 def _installed_dsl_version() -> str | None:
@@ -1112,7 +1115,7 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
     ``args`` must be DSL objects (cute Pointers, cutlass.Int32, cuda.CUstream) that stay
     alive as long as the launcher: the packed arguments point into them.
     """
-    if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION:
+    if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION and not _FORCE_PLAIN_LAUNCH:
         try:
             exe_args, adapted_args = compiled.generate_execution_args(*args)
             executor = compiled.to(None)
@@ -1451,17 +1454,25 @@ def custom_kernel(data: input_t) -> output_t:
         key, state = _prepare_input_set(data)
         _RUNTIME_CACHE.put(key, state)
 
-    stream = _stream_for_current()
-    state.backend.launch(state.launch_state, stream)
+    state.backend.launch(state.launch_state, _stream_for_current())
     return [abc[2] for abc in data[0]]
 
 
 # One cuda.CUstream object per raw stream handle, so backends can compare streams by identity
 _STREAM_OBJECTS: dict = {}
+# torch.cuda.current_stream() builds a Stream object on every call; the raw handle of the
+# current stream is one C call (the same private accessor Triton's launcher uses).
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream_handle() -> int:
+    if _current_raw_stream is not None:
+        return _current_raw_stream(torch.cuda.current_device())
+    return torch.cuda.current_stream().cuda_stream
 
 
 def _stream_for_current() -> cuda.CUstream:
-    handle = torch.cuda.current_stream().cuda_stream
+    handle = _current_stream_handle()
     stream = _STREAM_OBJECTS.get(handle)
     if stream is None:
         if len(_STREAM_OBJECTS) >= 64:
