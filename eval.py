@@ -622,7 +622,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hardened", action="store_true",
                         help="benchmark/leaderboard: fresh shuffled input clones per repeat, "
                              "every output checked")
-    return parser.parse_args(argv)
+    # Intermixed: `benchmark --hardened FILE` puts the file after an option
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

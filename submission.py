@@ -43,6 +43,7 @@ machine, no GPU: builds every kernel for its target and prints its resources).
 import collections
 import contextlib
 import dataclasses
+import itertools
 import operator
 import os
 from collections.abc import Callable
@@ -1354,22 +1355,38 @@ class RuntimeCache:
         self._entries.clear()
 
 
-def input_key(data, backend_name: str):
-    """Cache key of an input set: (device index, backend, list lengths, problem sizes, pointers).
+_data_ptr = torch.Tensor.data_ptr
+_flatten = itertools.chain.from_iterable
 
-    Raises (any exception) on malformed input; the caller then runs full validation.
+
+def input_key(data) -> tuple:
+    """Cache key of an input set: (device index, problem sizes, pointers of every a, b, c,
+    pointers of every reordered sfa, sfb).
+
+    The backend is a function of the device, so the device index stands for it. The key is
+    built from the raw input on every call (the hit path), so it is kept to what the state
+    depends on: with G = 8 its 40 data_ptr() calls are most of its cost. Raises on malformed
+    input, and TypeError when problem_sizes holds lists (unhashable): the caller then takes
+    the validating path, which looks the state up by ``normalized_key``.
     """
     abc, _, sfasfb_reordered, problem_sizes = data
-    pointers = []
-    for (a, b, c), (sfa, sfb) in zip(abc, sfasfb_reordered):
-        pointers += (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
     return (
-        abc[0][0].device.index,
-        backend_name,
-        len(abc),
-        len(sfasfb_reordered),
-        tuple(map(tuple, problem_sizes)),
-        tuple(pointers),
+        abc[0][0].get_device(),
+        tuple(problem_sizes),
+        tuple(map(_data_ptr, _flatten(abc))),
+        tuple(map(_data_ptr, _flatten(sfasfb_reordered))),
+    )
+
+
+def normalized_key(data, problem_sizes: tuple) -> tuple:
+    """``input_key`` of a validated input set, with problem sizes as int 4-tuples (what
+    ``input_key`` computes for inputs made by the official generator)."""
+    abc, _, sfasfb_reordered, _ = data
+    return (
+        abc[0][0].get_device(),
+        problem_sizes,
+        tuple(map(_data_ptr, _flatten(abc))),
+        tuple(map(_data_ptr, _flatten(sfasfb_reordered))),
     )
 
 
@@ -1418,9 +1435,8 @@ def select_backend(device_index: int):
     return backend
 
 
-def _prepare_input_set(data) -> tuple[tuple, RuntimeState]:
-    """Cache miss: validate, pick the backend, compile, build tables and descriptors."""
-    problem_sizes = validate_inputs(data)
+def _build_state(data, problem_sizes) -> RuntimeState:
+    """Pick the backend, compile, build tables and descriptors of a validated input set."""
     abc, _, sfasfb_reordered, _ = data
     device = abc[0][0].device
     backend = select_backend(device.index)
@@ -1432,28 +1448,33 @@ def _prepare_input_set(data) -> tuple[tuple, RuntimeState]:
     with torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext():
         tables = build_group_tables(problem_sizes, pointers, backend.tile_m, backend.tile_n, device)
         launch_state = backend.prepare(tables)
-    return input_key(data, backend.name), RuntimeState(backend, tables, launch_state)
+    return RuntimeState(backend, tables, launch_state)
+
+
+def _validated_state(data) -> RuntimeState:
+    """The validating path: validate_inputs, then the cached state of this input set or a
+    new one."""
+    problem_sizes = validate_inputs(data)
+    key = normalized_key(data, problem_sizes)
+    state = _RUNTIME_CACHE.get(key)
+    if state is None:
+        state = _build_state(data, problem_sizes)
+        _RUNTIME_CACHE.put(key, state)
+    return state
 
 
 def custom_kernel(data: input_t) -> output_t:
     """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
-    # Hit: the key (device, backend, list lengths, sizes, every pointer) equals that of an
-    # input set that passed validate_inputs. A hit does NOT re-check dtypes, strides, the
-    # devices of tensors other than group 0's a, or the plain sfa/sfb tensors: a tensor
-    # replaced by one with the same address and problem size but another dtype or layout
-    # would be read as the validated one.
-    state = None
+    # Hit: the key (device, sizes, every pointer) equals that of an input set that passed
+    # validate_inputs. A hit does NOT re-check dtypes, strides, the devices of tensors other
+    # than group 0's a, or the plain sfa/sfb tensors: a tensor replaced by one with the same
+    # address and problem size but another dtype or layout would be read as the validated one.
     try:
-        device_index = data[0][0][0].device.index
-        backend = _BACKEND_BY_DEVICE.get(device_index)
-        if backend is not None:
-            state = _RUNTIME_CACHE.get(input_key(data, backend.name))
+        state = _RUNTIME_CACHE.get(input_key(data))
     except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
-        state = None  # malformed input: the miss path's validation names the problem
+        state = None
     if state is None:
-        key, state = _prepare_input_set(data)
-        _RUNTIME_CACHE.put(key, state)
-
+        state = _validated_state(data)
     state.backend.launch(state.launch_state, _stream_for_current())
     return [abc[2] for abc in data[0]]
 

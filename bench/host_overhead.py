@@ -33,6 +33,7 @@ from reference import generate_input
 def load_custom_kernel(path: Path):
     spec = importlib.util.spec_from_file_location("submission_under_test", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module.custom_kernel
 
@@ -61,18 +62,54 @@ def input_sets(args: dict) -> list:
     return sets
 
 
+def breakdown(module, groups: int, iterations: int = 2000) -> None:
+    """CPU µs of each step of a hit, on a G-group input set with tiny kernels (so the GPU
+    never backs the launch queue up): key, cache lookup, stream lookup, launch, whole call."""
+    data = generate_input(m=(40,) * groups, n=(128,) * groups, k=(256,) * groups, g=groups, seed=7)
+    module.custom_kernel(data)
+    key = module.input_key(data)
+    state = module._RUNTIME_CACHE.get(key)
+    stream = module._stream_for_current()
+    bare_tensor = torch.zeros(16, device="cuda")
+    steps = {
+        "input_key": lambda: module.input_key(data),
+        "cache get": lambda: module._RUNTIME_CACHE.get(key),
+        "stream lookup": module._stream_for_current,
+        "backend.launch": lambda: state.backend.launch(state.launch_state, stream),
+        "custom_kernel": lambda: module.custom_kernel(data),
+        "bare add_": lambda: bare_tensor.add_(1),
+    }
+    print(f"hit breakdown, G={groups} (M=40, N=128, K=256 per group), {iterations} calls each:")
+    for name, step in steps.items():
+        figures = []
+        for _ in range(iterations // 100):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(100):
+                step()
+            figures.append((time.perf_counter() - start) * 1e4)
+        torch.cuda.synchronize()
+        print(f"  {name:<16}{statistics.median(figures):8.2f} µs")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--submission", type=Path, default=REPO_ROOT / "submission.py")
     parser.add_argument("--cases", type=Path, default=DEFAULT_BENCHMARK_FILE)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3, help="passes over the 15 inputs first")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time each step of a hit (submission.py's runtime only)")
     options = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_overhead needs a CUDA GPU (none found)", file=sys.stderr)
         return 2
 
     custom_kernel = load_custom_kernel(options.submission)
+    if options.breakdown:
+        module = sys.modules[custom_kernel.__module__]
+        for groups in (2, 8):
+            breakdown(module, groups)
     bare_tensor = torch.zeros(16, device="cuda")
 
     def bare_launch(_data):
@@ -87,11 +124,22 @@ def main(argv: list[str] | None = None) -> int:
         inputs = input_sets(case.args)
         for _ in range(options.warmup):
             cpu_us_per_call(custom_kernel, inputs, 1)
-        # Interleave the two measurements so drift (clocks, other load) hits both alike.
+        # Per repeat: 15 calls, then 15 bare launches right behind them, before the
+        # synchronize: both are timed while the GPU works through the same queue (a launch
+        # behind a busy GPU costs the CPU more than one on an idle GPU).
         call_figures, bare_figures = [], []
         for _ in range(options.repeats):
-            call_figures += cpu_us_per_call(custom_kernel, inputs, 1)
-            bare_figures += cpu_us_per_call(bare_launch, inputs, 1)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for data in inputs:
+                custom_kernel(data)
+            middle = time.perf_counter()
+            for data in inputs:
+                bare_launch(data)
+            end = time.perf_counter()
+            torch.cuda.synchronize()
+            call_figures.append((middle - start) * 1e6 / len(inputs))
+            bare_figures.append((end - middle) * 1e6 / len(inputs))
         call_us = statistics.median(call_figures)
         bare_us = statistics.median(bare_figures)
         ratios.append(call_us / bare_us)

@@ -365,3 +365,10 @@ def test_compile_mode_passes_arguments_and_returns_the_exit_code(tmp_path, monke
     assert harness.main(["compile", "--arch", "sm_100a", "-v"]) == 3
     assert sys.modules["build_report"].received == [["--arch", "sm_100a", "-v"]]
     sys.modules.pop("build_report")
+
+
+def test_case_file_may_follow_an_option():
+    args = harness.parse_args(["benchmark", "--hardened", "tests/cases/tests.txt"])
+    assert args.mode == "benchmark" and args.hardened and args.file == "tests/cases/tests.txt"
+    args = harness.parse_args(["test"])
+    assert args.file is None and not args.hardened

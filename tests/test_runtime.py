@@ -104,27 +104,28 @@ def test_lru_bounds_and_order():
 
 def test_input_key_contents():
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
-    key = submission.input_key(data, "sm100")
+    key = submission.input_key(data)
     # Same tensors in fresh containers: same key
     same = ([tuple(t) for t in data[0]], list(data[1]), [tuple(t) for t in data[2]], list(data[3]))
-    assert submission.input_key(same, "sm100") == key
+    assert submission.input_key(same) == key
     # Every single pointer is part of the key
     for group in range(2):
         for slot in range(3):
             abc = [list(t) for t in data[0]]
             abc[group][slot] = abc[group][slot].clone()
             changed = ([tuple(t) for t in abc], data[1], data[2], data[3])
-            assert submission.input_key(changed, "sm100") != key, (group, slot)
+            assert submission.input_key(changed) != key, (group, slot)
         for slot in range(2):
             reordered = [list(t) for t in data[2]]
             reordered[group][slot] = reordered[group][slot].clone()
             changed = (data[0], data[1], [tuple(t) for t in reordered], data[3])
-            assert submission.input_key(changed, "sm100") != key, (group, "sf", slot)
-    # Problem sizes and backend are part of the key
+            assert submission.input_key(changed) != key, (group, "sf", slot)
+    # Problem sizes are part of the key; the device index stands for the backend
     other_sizes = (data[0], data[1], data[2], [(40, 384, 512, 1), (128, 128, 768, 1)])
-    assert submission.input_key(other_sizes, "sm100") != key
-    assert submission.input_key(data, "sm90") != key
-    assert key[0] is None  # CPU tensors: no CUDA device index
+    assert submission.input_key(other_sizes) != key
+    assert key[0] == -1  # CPU tensors: never equal to a validated (CUDA) input set's key
+    # The validating path's key equals the hit path's for the official input form
+    assert submission.normalized_key(data, tuple(data[3])) == key
 
 
 class RecordingBackend:
@@ -288,3 +289,16 @@ def test_no_launch_when_every_group_is_empty(sm100_backend_on_cpu):
     assert state.tables.num_tiles == 0
     backend.launch(state, "stream")
     assert gemm_calls == []
+
+
+def test_list_problem_sizes_validate_every_call_but_share_one_state(recording_runtime):
+    """problem_sizes as lists of lists cannot be hashed: every call takes the validating
+    path, which still finds the one cached state (no rebuild, one launch per call)."""
+    backend, validations = recording_runtime
+    data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
+    as_lists = (data[0], data[1], data[2], [list(p) for p in data[3]])
+    for _ in range(3):
+        submission.custom_kernel(as_lists)
+    assert len(validations) == 3 and len(backend.prepared) == 1 and len(backend.launches) == 3
+    submission.custom_kernel(data)  # the official tuple form hits the same state
+    assert len(validations) == 3 and len(backend.prepared) == 1 and len(backend.launches) == 4
