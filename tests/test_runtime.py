@@ -120,12 +120,33 @@ def test_input_key_contents():
             reordered[group][slot] = reordered[group][slot].clone()
             changed = (data[0], data[1], [tuple(t) for t in reordered], data[3])
             assert submission.input_key(changed) != key, (group, "sf", slot)
-    # Problem sizes are part of the key; the device index stands for the backend
-    other_sizes = (data[0], data[1], data[2], [(40, 384, 512, 1), (128, 128, 768, 1)])
-    assert submission.input_key(other_sizes) != key
-    assert key[0] == -1  # CPU tensors: never equal to a validated (CUDA) input set's key
-    # The validating path's key equals the hit path's for the official input form
-    assert submission.normalized_key(data, tuple(data[3])) == key
+    assert len(key) == 2 * 5  # every pointer, nothing else hashed
+
+
+def test_same_buffers_with_other_sizes_miss(recording_runtime):
+    """Problem sizes are compared on every hit: the same pointers with other sizes are
+    validated and get their own tables."""
+    backend, validations = recording_runtime
+    data = make_inputs([(64, 384, 512, 1), (129, 128, 768, 1)])
+    submission.custom_kernel(data)
+    # Group 0 read as M = 40: the same tensors are too big for it, so validation must fail
+    # before any launch (nothing cached for these sizes is reused).
+    smaller = (data[0], data[1], data[2], [(40, 384, 512, 1), (129, 128, 768, 1)])
+    with pytest.raises(ValueError, match="group 0: a.shape"):
+        submission.custom_kernel(smaller)
+    assert len(validations) == 2 and len(backend.launches) == 1
+    submission.custom_kernel(data)
+    assert len(validations) == 2 and len(backend.launches) == 2
+    # Views with the same base pointers and valid smaller shapes: validated, own tables
+    (a0, b0, c0), group1 = data[0]
+    views = ([(a0[:40], b0, c0[:40]), group1], data[1], data[2], smaller[3])
+    assert submission.input_key(views) == submission.input_key(data)
+    submission.custom_kernel(views)
+    assert len(validations) == 3 and len(backend.prepared) == 2
+    assert backend.launches[-1][0].problem_sizes[0] == (40, 384, 512, 1)
+    submission.custom_kernel(data)
+    assert len(validations) == 4 and len(backend.prepared) == 3
+    assert backend.launches[-1][0].problem_sizes[0] == (64, 384, 512, 1)
 
 
 class RecordingBackend:
