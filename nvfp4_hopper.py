@@ -16,7 +16,10 @@ are the exact block-scaled products, accumulated in fp32.
 Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table.
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
-           --decode (all threads)--> fp16 stages in the swizzled K-major wgmma layout (2 deep)
+           --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
+                                     A: each warpgroup's own rows, straight into the register
+                                        A fragment (``a_in_registers``; K permuted per scale
+                                        block identically for A and B, see _decode_blocks_asm)
            --wgmma (one warpgroup per 64 rows)--> fp32 accumulators --> predicated fp16 stores
 
 The decode of k-tile k+1 runs on the CUDA cores while the wgmma of k-tile k runs on the
@@ -48,7 +51,8 @@ import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import cute, utils
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -73,6 +77,18 @@ class HopperGemmConfig:
     # the H200) and scale the fp32 accumulators by 2^28 once; False: two multiplies, v * s.
     # One multiply was 3-5% faster on the H200 on the four benchmark shapes.
     single_multiply: bool = True
+    # True: each warpgroup decodes its own 64 A rows straight into the wgmma A fragment
+    # (register-A wgmma): decoded A never goes through shared memory, which halves the
+    # smem bytes of A (no fp16 stores, no wgmma operand reads) and takes A off the barrier
+    # path. Needs the K permutation described at _decode_blocks_asm for B. H200 device time
+    # on the 4 benchmark shapes, smem A vs register A: 237.5/145.8/60.8/31.4 vs
+    # 231.2/143.1/59.1/30.6 µs (2-3%: smem bandwidth is not the main limit).
+    a_in_registers: bool = True
+    # register-A only: 2 = decode A of k-tile k+1 while wgmma k reads the other fragment;
+    # 1 = one fragment (fewer registers), A decode waits for the previous wgmma.
+    # 1 buffer: 128 registers, 2 CTAs/SM; 2 buffers: 143 registers, 1 CTA/SM, measured
+    # 264.9/173.2/60.3/30.9 µs (rejected). raw_stages=3 with 1 buffer: 240.5/147.5/62.1/31.5.
+    a_register_buffers: int = 1
     arch: str = "sm_90a"
 
     @property
@@ -100,6 +116,8 @@ class HopperGemmConfig:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
         if self.raw_stages < 2 or self.mma_stages != 2:
             raise ValueError("raw_stages must be >= 2 and mma_stages == 2")
+        if self.a_register_buffers not in (1, 2):
+            raise ValueError(f"a_register_buffers={self.a_register_buffers}: must be 1 or 2")
 
 
 SM90_CONFIG = HopperGemmConfig()
@@ -149,10 +167,33 @@ def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
 #   whose value is v * 2^-14 (code 0.5 lands on the subnormal 2^-15, handled exactly by fp16
 #   multiplies). Multiplying by s gives v * s * 2^-14 exactly (>= 2^-24, the smallest fp16
 #   subnormal); with single_multiply=False a first multiply by 2^14 gives v, then v * s.
-def _decode_blocks_asm(num_blocks: int, single_multiply: bool) -> str:
-    """PTX decoding `num_blocks` scale blocks. Operands per block b: $(4b) packed source,
-    $(4b+1) scale byte, $(4b+2) / $(4b+3) destination chunks. All loads are issued first and
-    all stores last, so the blocks' ALU work interleaves instead of waiting on each load."""
+#
+# K permutation (register-A mode). wgmma's register A fragment gives lane (g, t) of a warp,
+# per k16 step s, the logical columns 2t, 2t+1 (registers 0/1: rows g, g+8) and 2t+8, 2t+9
+# (registers 2/3). A dot product is invariant under any permutation of K applied to both
+# operands, so within each 16-element scale block (= one k16 step: every product of a step
+# keeps one scale pair, as with the plain layout) lane t takes packed bytes 2t and 2t+1
+# (elements 4t .. 4t+3): packed pair q (elements 2q, 2q+1) of block s is logical column
+# 16 s + 8 (q % 2) + 2 (q // 2). In B's swizzled fp16 rows block s then fills chunks 2s
+# (pairs 0, 2, 4, 6) and 2s + 1 (pairs 1, 3, 5, 7): the same two 16-byte stores per block,
+# registers reordered. With a 9-30% share of mismatches, the first permutation tried (lane
+# t takes all of block t, so every k16 step mixed 4 scale blocks) was not exact under
+# wide-range scales: wgmma's fp32 accumulation of one step loses low bits of small terms.
+def _decode_blocks_asm(num_blocks: int, single_multiply: bool, mode: str = "chunks") -> str:
+    """PTX decoding `num_blocks` units. All loads are issued first and all stores last, so
+    the units' ALU work interleaves instead of waiting on each load.
+
+    mode "chunks" (unit = one scale block): operands per block b: $(4b) packed source,
+    $(4b+1) scale byte, $(4b+2) / $(4b+3) destination chunks (two 16-byte stores, pairs
+    in order). mode "k_permuted": as "chunks", pairs 0, 2, 4, 6 to the first chunk and
+    1, 3, 5, 7 to the second (B in register-A mode).
+    mode "registers" (unit = one row of a 64-wide k-tile, register-A mode): outputs
+    $(8b + 2s + h) = pair h of the lane's two bytes of block s; inputs after the
+    8 * num_blocks outputs, per row: packed row + 2t, the row's 4 scale bytes (aligned).
+    """
+    registers = mode == "registers"
+    first_input = 8 * num_blocks if registers else 0
+    per_block = 2 if registers else 4
     lines = [
         "{",
         ".reg .b32 e0, o0, e1, o1, q, t, lanes, nib, k14, sc;",
@@ -163,15 +204,34 @@ def _decode_blocks_asm(num_blocks: int, single_multiply: bool) -> str:
     ]
     for b in range(num_blocks):
         lines.append(f".reg .b32 w{b}_0, w{b}_1, s{b}, r{b}_<8>;")
+        if registers:
+            lines.append(f".reg .b32 s{b}_<4>;")
+            lines.append(f".reg .b16 h{b}_<4>;")
     for b in range(num_blocks):
-        lines.append(f"ld.shared.v2.b32 {{w{b}_0, w{b}_1}}, [${4 * b}];")
-        lines.append(f"ld.shared.u8 s{b}, [${4 * b + 1}];")
+        src = first_input + per_block * b
+        if registers:
+            for blk in range(4):
+                lines.append(f"ld.shared.u16 h{b}_{blk}, [${src} + {8 * blk}];")
+            lines.append(f"ld.shared.u32 s{b}, [${src + 1}];")
+        else:
+            lines.append(f"ld.shared.v2.b32 {{w{b}_0, w{b}_1}}, [${src}];")
+            lines.append(f"ld.shared.u8 s{b}, [${src + 1}];")
     for b in range(num_blocks):
-        lines += [
-            f"mul.lo.u32 sc, s{b}, 257;",
-            "mov.b32 {slo, shi}, sc;",
-            f"cvt.rn.f16x2.e4m3x2 s{b}, slo;",
-        ]
+        if registers:
+            lines += [f"mov.b32 w{b}_0, {{h{b}_0, h{b}_1}};", f"mov.b32 w{b}_1, {{h{b}_2, h{b}_3}};"]
+            for half, selector in ((0, "0x1100"), (1, "0x3322")):
+                lines += [
+                    f"prmt.b32 sc, s{b}, 0, {selector};",
+                    "mov.b32 {slo, shi}, sc;",
+                    f"cvt.rn.f16x2.e4m3x2 s{b}_{2 * half}, slo;",
+                    f"cvt.rn.f16x2.e4m3x2 s{b}_{2 * half + 1}, shi;",
+                ]
+        else:
+            lines += [
+                f"mul.lo.u32 sc, s{b}, 257;",
+                "mov.b32 {slo, shi}, sc;",
+                f"cvt.rn.f16x2.e4m3x2 s{b}, slo;",
+            ]
         for word in range(2):
             lines += [
                 f"shl.b32 e{word}, w{b}_{word}, 4;",
@@ -180,7 +240,9 @@ def _decode_blocks_asm(num_blocks: int, single_multiply: bool) -> str:
             ]
         for word in range(2):
             for p in range(4):
-                dst = f"r{b}_{4 * word + p}"
+                pair = 4 * word + p
+                dst = f"r{b}_{pair}"
+                scale = f"s{b}_{pair // 2}" if registers else f"s{b}"
                 lines += [
                     f"prmt.b32 q, e{word}, o{word}, 0x{4 + p}{4 + p}{p}{p};",
                     "shr.b32 t, q, 3;",
@@ -188,28 +250,65 @@ def _decode_blocks_asm(num_blocks: int, single_multiply: bool) -> str:
                 ]
                 if not single_multiply:
                     lines.append(f"mul.rn.f16x2 {dst}, {dst}, k14;")
-                lines.append(f"mul.rn.f16x2 {dst}, {dst}, s{b};")
+                lines.append(f"mul.rn.f16x2 {dst}, {dst}, {scale};")
     for b in range(num_blocks):
-        lines.append(f"st.shared.v4.b32 [${4 * b + 2}], {{r{b}_0, r{b}_1, r{b}_2, r{b}_3}};")
-        lines.append(f"st.shared.v4.b32 [${4 * b + 3}], {{r{b}_4, r{b}_5, r{b}_6, r{b}_7}};")
+        if mode == "chunks":
+            lines.append(f"st.shared.v4.b32 [${4 * b + 2}], {{r{b}_0, r{b}_1, r{b}_2, r{b}_3}};")
+            lines.append(f"st.shared.v4.b32 [${4 * b + 3}], {{r{b}_4, r{b}_5, r{b}_6, r{b}_7}};")
+        elif mode == "k_permuted":
+            lines.append(f"st.shared.v4.b32 [${4 * b + 2}], {{r{b}_0, r{b}_2, r{b}_4, r{b}_6}};")
+            lines.append(f"st.shared.v4.b32 [${4 * b + 3}], {{r{b}_1, r{b}_3, r{b}_5, r{b}_7}};")
+        else:
+            for q in range(8):
+                lines.append(f"mov.b32 ${8 * b + q}, r{b}_{q};")
     lines.append("}")
     return "\n\t".join(lines)
 
 
 @dsl_user_op
-def decode_scale_blocks(addresses, single_multiply: bool = False, *, loc=None, ip=None):
+def decode_scale_blocks(addresses, single_multiply: bool = False, k_permuted: bool = False, *, loc=None, ip=None):
     """Decode scale blocks; `addresses` lists (packed, scale, dst_lo, dst_hi) smem addresses
-    per block: 16 packed e2m1 values times their e4m3 scale -> two 16-byte fp16 chunks."""
+    per block: 16 packed e2m1 values times their e4m3 scale -> two 16-byte fp16 chunks
+    (pairs in order, or in the register-A K permutation)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for block in addresses for x in block]
     llvm.inline_asm(
         None,
         operands,
-        _decode_blocks_asm(len(addresses), single_multiply),
+        _decode_blocks_asm(len(addresses), single_multiply, "k_permuted" if k_permuted else "chunks"),
         ",".join(["r"] * len(operands)) + ",~{memory}",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def decode_scale_blocks_to_registers(addresses, single_multiply: bool = False, *, loc=None, ip=None):
+    """Decode a lane's share of k-tile rows into registers; `addresses` lists (packed row +
+    2t, row's first scale byte) smem addresses per row. Returns, per row, 8 Int32 registers:
+    2s + h = fp16x2 of elements 4t + 2h, 4t + 2h + 1 of scale block s."""
+    operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for block in addresses for x in block]
+    num_outputs = 8 * len(addresses)
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
+        operands,
+        _decode_blocks_asm(len(addresses), single_multiply, "registers"),
+        ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    registers = [llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip) for i in range(num_outputs)]
+    return [registers[8 * b : 8 * b + 8] for b in range(len(addresses))]
+
+
+@dsl_user_op
+def pack_f16x8(registers, *, loc=None, ip=None):
+    """Four Int32 registers (fp16x2 each) -> vector<8 x f16> in register order."""
+    vec_i32 = vector.from_elements(
+        ir.VectorType.get([4], cutlass.Int32.mlir_type, loc=loc), list(registers), loc=loc, ip=ip
+    )
+    return llvm.bitcast(ir.VectorType.get([8], cutlass.Float16.mlir_type, loc=loc), vec_i32, loc=loc, ip=ip)
 
 
 # Host mirrors of the device arithmetic (tests compare them with independent decodes)
@@ -304,6 +403,11 @@ class Sm90Nvfp4GroupedGemm:
             cutlass.Float32,
             (self.tile_m // 64, 1, 1),
             tiler_mn=(64, self.tile_n),
+            a_source=(
+                cute.nvgpu.warpgroup.OperandSource.RMEM
+                if self.config.a_in_registers
+                else cute.nvgpu.warpgroup.OperandSource.SMEM
+            ),
         )
         a_smem_layout_staged = sm90_utils.make_smem_layout_a(
             utils.LayoutEnum.ROW_MAJOR, mma_tiler_mnk, cutlass.Float16, self.mma_stages
@@ -312,11 +416,13 @@ class Sm90Nvfp4GroupedGemm:
             utils.LayoutEnum.ROW_MAJOR, mma_tiler_mnk, cutlass.Float16, self.mma_stages
         )
 
+        # register-A mode keeps no decoded A in shared memory (one 1 KB atom is kept so the
+        # layout code stays shared; nothing reads or writes it)
+        sa_elems = 512 if self.config.a_in_registers else cute.cosize(a_smem_layout_staged)
+
         @cute.struct
         class SharedStorage:
-            sA: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Float16, cute.cosize(a_smem_layout_staged)], 1024
-            ]
+            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, sa_elems], 1024]
             sB: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float16, cute.cosize(b_smem_layout_staged)], 1024
             ]
@@ -399,14 +505,15 @@ class Sm90Nvfp4GroupedGemm:
     # Decode: raw stage -> fp16 stage (swizzled K-major, 128-byte rows)
     # -------------------------------------------------------------------------
     @cute.jit
-    def decode_stage(self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage):
+    def decode_stage(self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, b_only=False):
+        """Decode A and B (or only B, K-permuted, in register-A mode) of one raw stage."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
-        a_items = self.tile_m * self.blocks_per_row
+        a_items = 0 if b_only else self.tile_m * self.blocks_per_row
         b_items = self.tile_n * self.blocks_per_row
         blocks = []
         for i in cutlass.range_constexpr((a_items + b_items) // self.num_threads):
             item = tidx + i * self.num_threads
-            is_b = cutlass.const_expr(i * self.num_threads >= a_items)
+            is_b = cutlass.const_expr(b_only or i * self.num_threads >= a_items)
             local = item - a_items if is_b else item
             row = local // self.blocks_per_row
             blk = local % self.blocks_per_row
@@ -430,7 +537,36 @@ class Sm90Nvfp4GroupedGemm:
             dst_lo = row_base + ((2 * blk) ^ swz) * 16
             dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
             blocks.append((src, scale, dst_lo, dst_hi))
-        decode_scale_blocks(blocks, self.config.single_multiply)
+        decode_scale_blocks(blocks, self.config.single_multiply, k_permuted=b_only)
+
+    @cute.jit
+    def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag):
+        """Register-A mode: lane (g, t) of warp w in warpgroup v decodes packed bytes 2t, 2t+1
+        of every scale block of rows 64 v + 16 w + g and + 8 into the wgmma A fragment
+        (K permutation above)."""
+        raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
+        lane = tidx % 32
+        row0 = (tidx // 32) * 16 + lane // 4
+        rows = []
+        for half in cutlass.range_constexpr(2):
+            row = row0 + 8 * half
+            src = raw_stage_base + row * self.raw_row_bytes + (lane % 4) * 2
+            scales = (
+                raw_stage_base
+                + self.raw_sfa_offset
+                + (row // SF_ATOM_ROWS) * SF_ATOM_BYTES
+                + (row % 32) * 16
+                + ((row % SF_ATOM_ROWS) // 32) * 4
+            )
+            rows.append((src, scales))
+        pairs = decode_scale_blocks_to_registers(rows, self.config.single_multiply)
+        # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
+        for step in cutlass.range_constexpr(self.tile_k // 16):
+            step_frag = a_frag[(None, 0, step)]
+            values = pack_f16x8(
+                [pairs[0][2 * step], pairs[1][2 * step], pairs[0][2 * step + 1], pairs[1][2 * step + 1]]
+            )
+            step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
 
     @cute.kernel
     def kernel(
@@ -471,7 +607,9 @@ class Sm90Nvfp4GroupedGemm:
         #
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sA = None
+        if cutlass.const_expr(not self.config.a_in_registers):
+            sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
         sA_base = storage.sA.data_ptr().toint()
         sB_base = storage.sB.data_ptr().toint()
@@ -482,16 +620,24 @@ class Sm90Nvfp4GroupedGemm:
         #
         warp_group_thread_layout = cute.make_layout(self.tile_m // 64, stride=128)
         thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
-        tCsA = thr_mma.partition_A(sA)
         tCsB = thr_mma.partition_B(sB)
-        tCrA = tiled_mma.make_fragment_A(tCsA)
         tCrB = tiled_mma.make_fragment_B(tCsB)
+        if cutlass.const_expr(self.config.a_in_registers):
+            a_frag_shape = tiled_mma.partition_shape_A((self.tile_m, self.tile_k))
+            a_frags = [
+                cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
+                for _ in range(self.config.a_register_buffers)
+            ]
+            num_k_blocks = cute.size(a_frags[0], mode=[2])
+        else:
+            tCsA = thr_mma.partition_A(sA)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            num_k_blocks = cute.size(tCrA, mode=[2])
         gC_shape_probe = cute.make_identity_tensor((self.tile_m, self.tile_n))
         acc_shape = thr_mma.partition_C(gC_shape_probe).shape
         accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         accumulators.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        num_k_blocks = cute.size(tCrA, mode=[2])
         # Rows of this warpgroup that exist in the group: skip its wgmma when there are none
         warp_group_has_rows = (m0 + warp_group_idx * 64) < m
 
@@ -509,38 +655,78 @@ class Sm90Nvfp4GroupedGemm:
         #
         # Main loop
         #
-        for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-            next_tile = k_tile + self.raw_stages - 1
-            if next_tile < k_tile_cnt:
-                self.load_raw_stage(
-                    tidx, raw_base, next_tile % self.raw_stages, next_tile,
-                    a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
-                )
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(self.raw_stages - 1)
-            # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
-            cute.arch.sync_threads()
-
-            mma_stage = k_tile % self.mma_stages
-            self.decode_stage(tidx, raw_base, k_tile % self.raw_stages, sA_base, sB_base, mma_stage)
-            # generic-proxy stores -> async-proxy (wgmma) reads
-            cute.arch.fence_proxy(
-                cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
-            )
-            cute.arch.sync_threads()
-
-            if warp_group_has_rows:
-                cute.nvgpu.warpgroup.fence()
-                for k_block in cutlass.range_constexpr(num_k_blocks):
-                    cute.gemm(
-                        tiled_mma,
-                        accumulators,
-                        tCrA[(None, None, k_block, mma_stage)],
-                        tCrB[(None, None, k_block, mma_stage)],
-                        accumulators,
+        if cutlass.const_expr(self.config.a_in_registers):
+            # unrolled by the 2 fp16 stages so that stage and A fragment are static
+            # (k_tile_cnt is a multiple of 4: K % 256 == 0)
+            for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
+                for mma_stage in cutlass.range_constexpr(2):
+                    k_tile = 2 * k_pair + mma_stage
+                    next_tile = k_tile + self.raw_stages - 1
+                    if next_tile < k_tile_cnt:
+                        self.load_raw_stage(
+                            tidx, raw_base, next_tile % self.raw_stages, next_tile,
+                            a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
+                        )
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(self.raw_stages - 1)
+                    # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
+                    cute.arch.sync_threads()
+                    raw_stage = k_tile % self.raw_stages
+                    self.decode_stage(tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, b_only=True)
+                    cute.arch.fence_proxy(
+                        cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
                     )
-                cute.nvgpu.warpgroup.commit_group()
-                cute.nvgpu.warpgroup.wait_group(1)
+                    a_frag = a_frags[mma_stage % self.config.a_register_buffers]
+                    if cutlass.const_expr(self.config.a_register_buffers == 1):
+                        # the one A fragment is still read by wgmma k_tile - 1
+                        cute.nvgpu.warpgroup.wait_group(0)
+                    self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
+                    cute.arch.sync_threads()
+                    if warp_group_has_rows:
+                        cute.nvgpu.warpgroup.fence()
+                        for k_block in cutlass.range_constexpr(num_k_blocks):
+                            cute.gemm(
+                                tiled_mma,
+                                accumulators,
+                                a_frag[(None, None, k_block)],
+                                tCrB[(None, None, k_block, mma_stage)],
+                                accumulators,
+                            )
+                        cute.nvgpu.warpgroup.commit_group()
+                        cute.nvgpu.warpgroup.wait_group(1)
+        else:
+            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                next_tile = k_tile + self.raw_stages - 1
+                if next_tile < k_tile_cnt:
+                    self.load_raw_stage(
+                        tidx, raw_base, next_tile % self.raw_stages, next_tile,
+                        a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
+                    )
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(self.raw_stages - 1)
+                # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
+                cute.arch.sync_threads()
+
+                mma_stage = k_tile % self.mma_stages
+                self.decode_stage(tidx, raw_base, k_tile % self.raw_stages, sA_base, sB_base, mma_stage)
+                # generic-proxy stores -> async-proxy (wgmma) reads
+                cute.arch.fence_proxy(
+                    cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
+                )
+                cute.arch.sync_threads()
+
+                if warp_group_has_rows:
+                    cute.nvgpu.warpgroup.fence()
+                    for k_block in cutlass.range_constexpr(num_k_blocks):
+                        cute.gemm(
+                            tiled_mma,
+                            accumulators,
+                            tCrA[(None, None, k_block, mma_stage)],
+                            tCrB[(None, None, k_block, mma_stage)],
+                            accumulators,
+                        )
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(1)
 
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)

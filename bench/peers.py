@@ -1,6 +1,16 @@
 """Side-by-side timing on Hopper: this submission vs per-group cuBLAS bf16 on pre-dequantized
 weights (the obvious alternative a Hopper user has; dequantization is not timed).
 
+The alternative does what custom_kernel must do: per group, a bf16 matmul of the operands
+dequantized ahead of time, and the result written into that group's fp16 ``c``:
+
+    c[:, :, 0].copy_(torch.mm(a_bf16, b_bf16.t()))
+
+which is what a user writes when cuBLAS has no fp16-output bf16 GEMM behind ``torch.mm``
+(``out=`` must have the inputs' dtype): one GEMM into a fresh bf16 tensor, then one
+conversion kernel into ``c``. bf16 holds every e2m1 x e4m3 product exactly (6 significant
+bits at most), so the operands carry no error; only the bf16 result rounding differs.
+
 Method (the harness's): 15 inputs per shape (seed + 42 each); per repeat an L2 flush, then one
 CUDA event pair around 15 back-to-back calls over the 15 inputs; time = elapsed / 15. Prints
 mean and best µs of each, their ratio, TFLOP/s on the real (unpadded) work, and the fraction
@@ -81,11 +91,9 @@ def compare_configs(repeats):
     from reference import match_outputs, ref_kernel
 
     configs = {
-        "128x128 2mul": hopper.HopperGemmConfig(single_multiply=False),
-        "128x128 1mul": hopper.HopperGemmConfig(single_multiply=True),
-        "128x256 2mul": hopper.HopperGemmConfig(tile_n=256, single_multiply=False),
-        "128x256 1mul": hopper.HopperGemmConfig(tile_n=256, single_multiply=True),
-        "128x128 1mul 6raw": hopper.HopperGemmConfig(raw_stages=6),
+        "smem A": hopper.HopperGemmConfig(a_in_registers=False),
+        "reg A 1buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=1),
+        "reg A 2buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
     }
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     print(f"{'shape':<34} " + " ".join(f"{name:>13}" for name in configs))
@@ -128,19 +136,21 @@ def compare_configs(repeats):
 
 
 def dequantized_inputs(data):
-    """Per group: bf16 A [M, K], bf16 B^T [K, N] (a view), bf16 output [M, N]."""
+    """Per group: bf16 A [M, K], bf16 B [N, K] (dequantized here, untimed) and the group's
+    fp16 output c [M, N, 1] from the same input set."""
     groups = []
-    for (a, b, _c), (sfa, sfb) in zip(data[0], data[1]):
+    for (a, b, c), (sfa, sfb) in zip(data[0], data[1]):
         a_bf16 = decode_scaled(a[:, :, 0], sfa[:, :, 0]).to(torch.bfloat16)
         b_bf16 = decode_scaled(b[:, :, 0], sfb[:, :, 0]).to(torch.bfloat16)
-        out = torch.empty((a_bf16.shape[0], b_bf16.shape[0]), dtype=torch.bfloat16, device="cuda")
-        groups.append((a_bf16, b_bf16.t(), out))
+        groups.append((a_bf16, b_bf16, c))
     return groups
 
 
 def cublas_bf16(groups):
-    for a_bf16, b_t, out in groups:
-        torch.mm(a_bf16, b_t, out=out)
+    """The alternative, timed: per group a bf16 GEMM, its result converted into c (fp16)."""
+    for a_bf16, b_bf16, c in groups:
+        c[:, :, 0].copy_(torch.mm(a_bf16, b_bf16.t()))
+    return [c for _, _, c in groups]
 
 
 def main(argv=None):

@@ -85,6 +85,35 @@ def test_swizzle_is_a_permutation_of_16_byte_chunks_per_8_rows():
     assert hopper.swizzled_chunk_offset(9, 2) == 9 * 128 + (2 ^ 1) * 16
 
 
+def test_k_permutation_is_the_same_bijection_for_a_fragments_and_b_stores():
+    """Register-A mode: lane t's fragment registers (A) and the reordered chunk stores (B)
+    give every packed element of a 64-wide k-tile the same logical column, once, and each
+    k16 step reads one scale block (exactness: one scale pair per step)."""
+    a_logical = {}
+    for t in range(4):  # lane % 4 takes packed bytes 2t, 2t+1 of every block
+        for step in range(4):
+            for h in range(2):  # registers 0/1 (h = 0): cols 2t, 2t+1; 2/3: 2t+8, 2t+9
+                for j in range(2):
+                    physical = 16 * step + 4 * t + 2 * h + j
+                    a_logical[physical] = 16 * step + 8 * h + 2 * t + j
+    b_logical = {}
+    for blk in range(4):
+        # the asm's "k_permuted" stores: first chunk {r0, r2, r4, r6}, second {r1, r3, r5, r7}
+        asm = hopper._decode_blocks_asm(1, True, "k_permuted")
+        stores = [line for line in asm.splitlines() if "st.shared.v4" in line]
+        for chunk_in_block, line in enumerate(stores):
+            regs = line.split("{")[1].split("}")[0].replace(" ", "").split(",")
+            for word, reg in enumerate(regs):
+                pair = int(reg.split("_")[1])
+                for j in range(2):
+                    logical = 8 * (2 * blk + chunk_in_block) + 2 * word + j
+                    b_logical[16 * blk + 2 * pair + j] = logical
+    assert sorted(a_logical.values()) == list(range(64))
+    assert b_logical == a_logical
+    for physical, logical in a_logical.items():
+        assert physical // 16 == logical // 16  # same scale block as the k16 step
+
+
 def test_can_implement_names_group_field_and_rule():
     hopper.can_implement([(40, 128, 256, 1), (0, 4096, 7168, 1)])
     with pytest.raises(ValueError, match=r"group 1: K = 320.*multiple of 256"):
@@ -95,8 +124,13 @@ def test_can_implement_names_group_field_and_rule():
         hopper.can_implement([(1, 128, 256, 1)] * 65)
 
 
-def test_compiles_for_sm90a_on_any_machine():
-    compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a")
+@pytest.mark.parametrize("config", [
+    hopper.SM90_CONFIG,
+    hopper.HopperGemmConfig(a_in_registers=False),
+    hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
+])
+def test_compiles_for_sm90a_on_any_machine(config):
+    compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a", config=config)
     assert compiled is not None
     names = [name for name, arch, _ in hopper.compile_targets() if arch == "sm_90a"]
     assert names == ["sm90_nvfp4_gemm"]
@@ -157,13 +191,17 @@ def _exact_reference(data):
 
 CONFIG_CASES = (
     [("default", seed) for seed in range(60)]
-    + [("two_multiplies", seed) for seed in range(100, 124)]
-    + [("tile_n_256", seed) for seed in range(200, 224)]
+    + [("smem_a", seed) for seed in range(300, 324)]
+    + [("registers_a_2buf", seed) for seed in range(400, 424)]
+    + [("two_multiplies", seed) for seed in range(100, 108)]
+    + [("tile_n_256", seed) for seed in range(200, 208)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
-    "two_multiplies": hopper.HopperGemmConfig(single_multiply=False),
-    "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
+    "smem_a": hopper.HopperGemmConfig(a_in_registers=False),
+    "registers_a_2buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
+    "two_multiplies": hopper.HopperGemmConfig(single_multiply=False, a_in_registers=False),
+    "tile_n_256": hopper.HopperGemmConfig(tile_n=256, a_in_registers=False),
 }
 
 
