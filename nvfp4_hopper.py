@@ -793,22 +793,12 @@ def _gmem_ptr(dtype, tensor: torch.Tensor):
     return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
 
-class Sm90LaunchState:
-    __slots__ = ("_args", "launch_gemm", "stream", "tables")
-
-    def __init__(self, tables):
-        self.tables = tables
-        self.stream = None
-        self.launch_gemm = None
-        self._args = None
-
-
 class Sm90Backend:
-    """Backend protocol implementation for Hopper (sm_90a)."""
+    """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host
+    runtime: no descriptors (the kernel reads the pointer table), so the launch state is the
+    tables themselves."""
 
     name = "sm90"
-    tile_m = SM90_CONFIG.tile_m
-    tile_n = SM90_CONFIG.tile_n
 
     def __init__(self, config: HopperGemmConfig = SM90_CONFIG):
         self.config = config
@@ -818,29 +808,34 @@ class Sm90Backend:
     def compile(self, num_groups: int):
         return compile_gemm(num_groups, config=self.config)
 
-    def prepare(self, tables) -> Sm90LaunchState:
-        # No descriptors: the kernel reads the pointer table directly.
-        return Sm90LaunchState(tables)
+    def can_implement(self, problem_sizes) -> None:
+        can_implement(problem_sizes, self.config)
 
-    def launch(self, state: Sm90LaunchState, stream: cuda.CUstream) -> None:
-        tables = state.tables
+    def tile_shape(self, problem_sizes) -> tuple[int, int]:
+        return self.tile_m, self.tile_n
+
+    def prepare(self, tables):
+        self.compile(tables.num_groups)
+        return tables
+
+    def launcher(self, tables, stream: cuda.CUstream) -> Callable[[], None]:
+        """The GEMM launch of this input set on `stream`, its arguments prepared once."""
+        from submission import make_launcher
+
         if tables.num_tiles == 0:
-            return
-        if stream is not state.stream:
-            from submission import make_launcher
+            return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
+        return make_launcher(
+            self.compile(tables.num_groups),
+            _gmem_ptr(cutlass.Int64, tables.ptrs),
+            _gmem_ptr(cutlass.Int32, tables.sizes),
+            _gmem_ptr(cutlass.Int32, tables.tiles),
+            cutlass.Int32(tables.num_tiles),
+            stream,
+        )
 
-            gemm_fn = self.compile(tables.num_groups)
-            args = (
-                _gmem_ptr(cutlass.Int64, tables.ptrs),
-                _gmem_ptr(cutlass.Int32, tables.sizes),
-                _gmem_ptr(cutlass.Int32, tables.tiles),
-                cutlass.Int32(tables.num_tiles),
-                stream,
-            )
-            state._args = args
-            state.launch_gemm = make_launcher(gemm_fn, *args)
-            state.stream = stream
-        state.launch_gemm()
+
+def _no_launch() -> None:
+    pass
 
 
 def make_backend(config: HopperGemmConfig = SM90_CONFIG) -> Sm90Backend:
@@ -848,20 +843,11 @@ def make_backend(config: HopperGemmConfig = SM90_CONFIG) -> Sm90Backend:
 
 
 def run_grouped(data, config: HopperGemmConfig = SM90_CONFIG):
-    """Standalone entry: validate, build tables, launch on the current stream, return the c list."""
+    """Standalone entry (any config): validate, build the state with the shared host runtime,
+    launch on torch's current stream, return the c list. No runtime cache: every call
+    rebuilds its tables."""
     import submission
 
-    problem_sizes = submission.validate_inputs(data)
-    can_implement(problem_sizes, config)
-    abc, _, sfasfb_reordered, _ = data
-    device = abc[0][0].device
-    backend = make_backend(config)
-    backend.compile(len(problem_sizes))
-    pointers = [
-        (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
-        for (a, b, c), (sfa, sfb) in zip(abc, sfasfb_reordered)
-    ]
-    tables = submission.build_group_tables(problem_sizes, pointers, backend.tile_m, backend.tile_n, device)
-    state = backend.prepare(tables)
-    backend.launch(state, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-    return [c for _, _, c in abc]
+    state = submission.build_state(data, submission.validate_inputs(data), make_backend(config))
+    state.run(submission._stream_for_current())
+    return [c for _, _, c in data[0]]

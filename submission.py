@@ -1137,26 +1137,18 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
     return lambda: compiled(*args)
 
 
-def current_cu_stream() -> cuda.CUstream:
-    """Torch's current CUDA stream as a cuda.CUstream (all our launches go there)."""
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-
-
 def _gmem_ptr(dtype, tensor: torch.Tensor):
     return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
 
 class Sm100LaunchState:
-    """Descriptors and prepared launch of one input set on sm_100."""
+    """What a launch of one input set on sm_100 reads: its tables and TMA descriptors."""
 
-    __slots__ = ("_args", "launch_gemm", "stream", "tables", "tensormaps")
+    __slots__ = ("tables", "tensormaps")
 
     def __init__(self, tables, tensormaps):
         self.tables = tables
         self.tensormaps = tensormaps
-        self.stream = None
-        self.launch_gemm = None
-        self._args = None
 
 
 class Sm100Backend:
@@ -1196,37 +1188,41 @@ class Sm100Backend:
                 _gmem_ptr(cutlass.Int32, tables.sizes),
                 _gmem_ptr(cutlass.Int64, tensormaps),
                 cutlass.Int32(tables.num_groups),
-                current_cu_stream(),
+                _stream_for_current(),
             )
             self._descriptors.put(descriptor_key, tensormaps)
         return Sm100LaunchState(tables, tensormaps)
 
-    def launch(self, state: Sm100LaunchState, stream: cuda.CUstream) -> None:
-        if state.tables.num_tiles == 0:
-            return  # every group has M = 0: nothing to compute (a 0-CTA grid is invalid)
-        if stream is not state.stream:
-            # New stream object (first launch, or torch's current stream changed): prepare
-            # the launch arguments once for it.
-            tables = state.tables
-            _, gemm_fn = self.compile(tables.num_groups)
-            args = (
-                _gmem_ptr(cutlass.Int64, tables.ptrs),
-                _gmem_ptr(cutlass.Int32, tables.sizes),
-                _gmem_ptr(cutlass.Int32, tables.tiles),
-                _gmem_ptr(cutlass.Int64, state.tensormaps),
-                cutlass.Int32(tables.num_tiles),
-                cutlass.Int32(tables.num_groups),
-                stream,
-            )
-            state._args = args
-            state.launch_gemm = make_launcher(gemm_fn, *args)
-            state.stream = stream
-            # The buffers may have been allocated on another stream (a miss on stream S1, now
-            # launched on S2): keep them alive for S2's work after an eviction.
-            torch_stream = torch.cuda.current_stream(tables.device)
-            tables.record_stream(torch_stream)
-            state.tensormaps.record_stream(torch_stream)
-        state.launch_gemm()
+    def can_implement(self, problem_sizes) -> None:
+        """validate_inputs states every sm_100 constraint; nothing more to check here."""
+
+    def tile_shape(self, problem_sizes) -> tuple[int, int]:
+        """(tile_m, tile_n) of the tile table: the one MMA tile of the sm_100 kernel."""
+        return self.tile_m, self.tile_n
+
+    def launcher(self, state: Sm100LaunchState, stream: cuda.CUstream) -> Callable[[], None]:
+        """The GEMM launch of this input set on `stream`, its arguments prepared once."""
+        tables = state.tables
+        if tables.num_tiles == 0:
+            return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
+        _, gemm_fn = self.compile(tables.num_groups)
+        # The tensormaps may have been written on another stream (a miss on stream S1, now
+        # launched on S2): keep their memory alive for S2's work after an eviction.
+        state.tensormaps.record_stream(torch.cuda.current_stream(tables.device))
+        return make_launcher(
+            gemm_fn,
+            _gmem_ptr(cutlass.Int64, tables.ptrs),
+            _gmem_ptr(cutlass.Int32, tables.sizes),
+            _gmem_ptr(cutlass.Int32, tables.tiles),
+            _gmem_ptr(cutlass.Int64, state.tensormaps),
+            cutlass.Int32(tables.num_tiles),
+            cutlass.Int32(tables.num_groups),
+            stream,
+        )
+
+
+def _no_launch() -> None:
+    pass
 
 
 # =============================================================================
@@ -1375,12 +1371,48 @@ def input_key(data) -> tuple:
 
 
 class RuntimeState:
-    __slots__ = ("backend", "launch_state", "tables")
+    """Everything one input set needs on a hit: its tables, the backend's launch state, and
+    the launch prepared for the stream it last ran on."""
+
+    __slots__ = ("backend", "launch", "launch_state", "stream", "tables")
 
     def __init__(self, backend, tables, launch_state):
         self.backend = backend
         self.tables = tables
         self.launch_state = launch_state
+        self.stream = None
+        self.launch = None
+
+    def bind(self, stream: cuda.CUstream) -> None:
+        """Prepare the launch for `stream` (torch's current stream)."""
+        self.launch = self.backend.launcher(self.launch_state, stream)
+        self.stream = stream
+        if self.tables.device.type == "cuda":
+            # Tables copied on another stream (a miss on S1, now launched on S2): keep their
+            # memory alive for S2's work after an eviction.
+            self.tables.record_stream(torch.cuda.current_stream(self.tables.device))
+
+    def run(self, stream: cuda.CUstream) -> None:
+        if stream is not self.stream:
+            self.bind(stream)
+        self.launch()
+
+
+def build_state(data, problem_sizes, backend) -> RuntimeState:
+    """Tables and launch state of a validated input set for `backend` (every backend, and every
+    caller: custom_kernel, the Hopper module's standalone entry, the benchmarks)."""
+    backend.can_implement(problem_sizes)
+    abc, _, sfasfb_reordered, _ = data
+    device = abc[0][0].device
+    pointers = [
+        (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
+        for (a, b, c), (sfa, sfb) in zip(abc, sfasfb_reordered)
+    ]
+    with torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext():
+        tile_m, tile_n = backend.tile_shape(problem_sizes)
+        tables = build_group_tables(problem_sizes, pointers, tile_m, tile_n, device)
+        launch_state = backend.prepare(tables)
+    return RuntimeState(backend, tables, launch_state)
 
 
 _RUNTIME_CACHE = RuntimeCache(max_entries=64)
@@ -1419,22 +1451,6 @@ def select_backend(device_index: int):
     return backend
 
 
-def _build_state(data, problem_sizes) -> RuntimeState:
-    """Pick the backend, compile, build tables and descriptors of a validated input set."""
-    abc, _, sfasfb_reordered, _ = data
-    device = abc[0][0].device
-    backend = select_backend(device.index)
-    backend.compile(len(problem_sizes))
-    pointers = [
-        (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
-        for (a, b, c), (sfa, sfb) in zip(abc, sfasfb_reordered)
-    ]
-    with torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext():
-        tables = build_group_tables(problem_sizes, pointers, backend.tile_m, backend.tile_n, device)
-        launch_state = backend.prepare(tables)
-    return RuntimeState(backend, tables, launch_state)
-
-
 def _validated_state(data) -> RuntimeState:
     """The validating path: validate_inputs, then the cached state of this input set or a
     new one."""
@@ -1442,7 +1458,7 @@ def _validated_state(data) -> RuntimeState:
     key = input_key(data)
     state = _RUNTIME_CACHE.get(key)
     if state is None or state.tables.problem_sizes != problem_sizes:
-        state = _build_state(data, problem_sizes)
+        state = build_state(data, problem_sizes, select_backend(data[0][0][0].device.index))
         _RUNTIME_CACHE.put(key, state)
     return state
 
@@ -1461,7 +1477,10 @@ def custom_kernel(data: input_t) -> output_t:
         state = None
     if state is None:
         state = _validated_state(data)
-    state.backend.launch(state.launch_state, _stream_for_current())
+    stream = _stream_for_current()
+    if stream is not state.stream:
+        state.bind(stream)
+    state.launch()
     return [abc[2] for abc in data[0]]
 
 

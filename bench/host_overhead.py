@@ -69,13 +69,12 @@ def breakdown(module, groups: int, iterations: int = 2000) -> None:
     module.custom_kernel(data)
     key = module.input_key(data)
     state = module._RUNTIME_CACHE.get(key)
-    stream = module._stream_for_current()
     bare_tensor = torch.zeros(16, device="cuda")
     steps = {
         "input_key": lambda: module.input_key(data),
         "cache get": lambda: module._RUNTIME_CACHE.get(key),
         "stream lookup": module._stream_for_current,
-        "backend.launch": lambda: state.backend.launch(state.launch_state, stream),
+        "prepared launch": state.launch,
         "custom_kernel": lambda: module.custom_kernel(data),
         "bare add_": lambda: bare_tensor.add_(1),
     }

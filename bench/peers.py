@@ -108,19 +108,13 @@ def compare_configs(repeats):
         cells = []
         for config in configs.values():
             backend = hopper.make_backend(config)
-            states = []
-            for data in inputs:
-                pointers = [
-                    (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
-                    for (a, b, c), (sfa, sfb) in zip(data[0], data[2])
-                ]
-                tables = submission.build_group_tables(
-                    data[3], pointers, backend.tile_m, backend.tile_n, "cuda"
-                )
-                states.append(backend.prepare(tables))
+            states = [
+                submission.build_state(data, submission.validate_inputs(data), backend)
+                for data in inputs
+            ]
             for _, _, c in inputs[0][0]:
                 c.fill_(float("nan"))
-            backend.launch(states[0], stream)
+            states[0].run(stream)
             torch.cuda.synchronize()
             ok, message = match_outputs(expected, [c for _, _, c in inputs[0][0]])
             if not ok:
@@ -128,7 +122,7 @@ def compare_configs(repeats):
                 print(f"  {config}: {message[:200]}")
                 continue
             mean, _best = time_gpu_only(
-                lambda state, be=backend: be.launch(state, stream), states, repeats
+                lambda state: state.run(stream), states, repeats
             )
             cells.append(f"{mean:.1f}")
         shape = f"G={len(m)} M={min(m)}..{max(m)} N={n[0]} K={k[0]}"

@@ -157,17 +157,21 @@ class RecordingBackend:
     tile_n = 128
 
     def __init__(self):
-        self.compiled, self.prepared, self.launches = [], [], []
+        self.checked, self.prepared, self.bound, self.launches = [], [], [], []
 
-    def compile(self, num_groups):
-        self.compiled.append(num_groups)
+    def can_implement(self, problem_sizes):
+        self.checked.append(problem_sizes)
+
+    def tile_shape(self, problem_sizes):
+        return self.tile_m, self.tile_n
 
     def prepare(self, tables):
         self.prepared.append(tables)
         return {"tables": tables}
 
-    def launch(self, state, stream):
-        self.launches.append((state["tables"], stream))
+    def launcher(self, state, stream):
+        self.bound.append(stream)
+        return lambda: self.launches.append((state["tables"], stream))
 
 
 @pytest.fixture
@@ -199,7 +203,8 @@ def test_hit_is_one_launch_and_no_validation(recording_runtime):
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
     outputs = [submission.custom_kernel(data) for _ in range(5)]
     assert validations == [1]
-    assert backend.compiled == [2] and len(backend.prepared) == 1
+    assert len(backend.checked) == 1 and len(backend.prepared) == 1
+    assert backend.bound == ["stream-0"]  # launch arguments prepared once, for the one stream
     assert len(backend.launches) == 5 and all(s == "stream-0" for _, s in backend.launches)
     assert all(t is backend.prepared[0] for t, _ in backend.launches)
     for out in outputs:
@@ -273,7 +278,7 @@ def sm100_backend_on_cpu(monkeypatch):
 
     backend = submission.Sm100Backend()
     monkeypatch.setattr(backend, "compile", lambda num_groups: (fake_init, fake_gemm))
-    monkeypatch.setattr(submission, "current_cu_stream", lambda: "stream")
+    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream")
     return backend, init_calls, gemm_calls
 
 
@@ -308,7 +313,7 @@ def test_no_launch_when_every_group_is_empty(sm100_backend_on_cpu):
     backend, _, gemm_calls = sm100_backend_on_cpu
     state = backend.prepare(_tables_with(_pointers(2, 1 << 40), sizes=((0, 128, 256, 1), (0, 256, 256, 1))))
     assert state.tables.num_tiles == 0
-    backend.launch(state, "stream")
+    backend.launcher(state, "stream")()
     assert gemm_calls == []
 
 
@@ -323,3 +328,33 @@ def test_list_problem_sizes_validate_every_call_but_share_one_state(recording_ru
     assert len(validations) == 3 and len(backend.prepared) == 1 and len(backend.launches) == 3
     submission.custom_kernel(data)  # the official tuple form hits the same state
     assert len(validations) == 3 and len(backend.prepared) == 1 and len(backend.launches) == 4
+
+
+def test_stream_change_prepares_the_launch_again(recording_runtime, monkeypatch):
+    backend, _ = recording_runtime
+    data = make_inputs([(40, 384, 512, 1)])
+    submission.custom_kernel(data)
+    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-1")
+    submission.custom_kernel(data)
+    submission.custom_kernel(data)
+    assert backend.bound == ["stream-0", "stream-1"]
+    assert [s for _, s in backend.launches] == ["stream-0", "stream-1", "stream-1"]
+
+
+def test_backend_constraint_rejects_before_any_launch(recording_runtime):
+    """A backend's own rule (e.g. sm_90's N multiple of 128) is checked on the validating
+    path, before tables are built or anything is launched."""
+    backend, _ = recording_runtime
+
+    def only_n_multiple_of_256(problem_sizes):
+        for g, (_m, n, _k, _l) in enumerate(problem_sizes):
+            if n % 256:
+                raise ValueError(f"group {g}: N = {n}; N must be a positive multiple of 256")
+
+    backend.can_implement = only_n_multiple_of_256
+    data = make_inputs([(40, 256, 512, 1), (129, 384, 768, 1)])
+    before = data[0][1][2].clone()
+    with pytest.raises(ValueError, match="group 1: N = 384"):
+        submission.custom_kernel(data)
+    assert backend.prepared == [] and backend.launches == []
+    assert torch.equal(data[0][1][2], before)
