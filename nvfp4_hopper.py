@@ -13,7 +13,9 @@ from 2^-14 to 65504): |v * s| lies in [2^-10, 2688]. The kernel therefore decode
 operand into fp16 in shared memory and runs 16-bit wgmma with fp32 accumulation; the sums
 are the exact block-scaled products, accumulated in fp32.
 
-Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table.
+Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table. Tiles are 128x128,
+or 128x64 for input sets too small to give every SM a 128x128 tile (Sm90Backend.tile_shape,
+NARROW_TILE_MAX_WAVES): twice the CTAs, so that two share an SM and hide each other's latency.
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
@@ -68,6 +70,9 @@ class HopperGemmConfig:
     """Everything baked into the compiled sm_90a kernel."""
 
     tile_m: int = 128  # one 64-row warpgroup per 64 rows
+    # 64: twice the CTAs of 128 on small problems (m64n64k16 wgmma; the B tile is half of a
+    # 128-row scale atom, see load_raw_stage); 128 or 256 otherwise. Sm90Backend picks 64 or
+    # 128 per input set (NARROW_TILE_MAX_WAVES).
     tile_n: int = 128
     tile_k: int = 64  # one 128-byte swizzle atom of fp16 per row; 4 scale blocks
     raw_stages: int = 4  # cp.async prefetch depth of packed data (9 KB per stage)
@@ -100,18 +105,33 @@ class HopperGemmConfig:
         return 128 * self.num_warpgroups
 
     @property
+    def sfa_atoms(self) -> int:
+        """512-byte scale atoms per raw stage for A (one per 128 rows)."""
+        return -(-self.tile_m // SF_ATOM_ROWS)
+
+    @property
+    def sfb_atoms(self) -> int:
+        """512-byte scale atoms per raw stage for B: tile_n = 64 still loads the whole atom
+        holding its 64 rows (the rows of one half are interleaved with the other half's in
+        every 16-byte line, so half an atom is not one contiguous range)."""
+        return -(-self.tile_n // SF_ATOM_ROWS)
+
+    @property
     def raw_stage_bytes(self) -> int:
-        # packed rows (tile_k / 2 bytes each) + one 512-byte scale atom per 128 rows
+        # packed rows (tile_k / 2 bytes each) + the A and B scale atoms
         rows = self.tile_m + self.tile_n
-        return rows * (self.tile_k // 2) + rows // SF_ATOM_ROWS * SF_ATOM_BYTES
+        return rows * (self.tile_k // 2) + (self.sfa_atoms + self.sfb_atoms) * SF_ATOM_BYTES
 
     def check(self) -> None:
         if self.tile_m not in (64, 128, 256) or self.tile_m % SF_ATOM_ROWS not in (0, 64):
             raise ValueError(f"tile_m={self.tile_m}: must be 128 or 256")
         if self.tile_m % SF_ATOM_ROWS != 0:
             raise ValueError(f"tile_m={self.tile_m}: must be a multiple of 128 (scale atom rows)")
-        if self.tile_n % SF_ATOM_ROWS != 0 or not 128 <= self.tile_n <= 256:
-            raise ValueError(f"tile_n={self.tile_n}: must be 128 or 256")
+        if self.tile_n not in (64, 128, 256):
+            raise ValueError(f"tile_n={self.tile_n}: must be 64, 128 or 256")
+        if self.tile_n == 64 and self.tile_m != 128:
+            # the decode loops split (tile_m + tile_n) x 4 blocks evenly over the threads
+            raise ValueError(f"tile_n=64 with tile_m={self.tile_m}: tile_n=64 needs tile_m=128")
         if self.tile_k != 64:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
         if self.raw_stages < 2 or self.mma_stages != 2:
@@ -121,6 +141,8 @@ class HopperGemmConfig:
 
 
 SM90_CONFIG = HopperGemmConfig()
+# what Sm90Backend runs on small input sets (NARROW_TILE_MAX_WAVES)
+NARROW_CONFIG = dataclasses.replace(SM90_CONFIG, tile_n=64)
 
 
 def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None:
@@ -354,6 +376,36 @@ def scale_byte_offset(row: int, block: int, k_tile: int, rest_k: int) -> int:
     return atom * SF_ATOM_BYTES + (row % 32) * 16 + ((row % SF_ATOM_ROWS) // 32) * 4 + block
 
 
+def stage_scale_offset(tile_start, tile_rows: int, row, block, base=0):
+    """base + offset, from the operand's first atom in a raw stage, of the scale decode_stage
+    reads (decode_stage calls this with device integers, tests with Python ints) for row
+    `row` of a tile of `tile_rows` rows starting at row `tile_start`: the in-atom offset of
+    row row % 128 of atom slot row // 128, shifted for tile_rows = 64 by the tile's first
+    row inside its atom (tile_start % 128: 0 or 64)."""
+    offset = (
+        base
+        + (row // SF_ATOM_ROWS) * SF_ATOM_BYTES
+        + (row % 32) * 16
+        + ((row % SF_ATOM_ROWS) // 32) * 4
+        + block
+    )
+    if tile_rows < SF_ATOM_ROWS:
+        # row < 64 and tile_start % 128 in {0, 64}: same 16-byte line (row % 32), 4-byte
+        # group (row % 128) // 32 moved by (tile_start % 128) // 32
+        offset = offset + ((tile_start % SF_ATOM_ROWS) // 32) * 4
+    return offset
+
+
+def tile_scale_byte_offset(tile_start: int, tile_rows: int, row: int, block: int, k_tile: int, rest_k: int) -> int:
+    """Byte offset in a reordered scale tensor of the scale the kernel reads for row `row`
+    (0 <= row < tile_rows) of the tile starting at row `tile_start`, 16-element block `block`
+    of k-tile `k_tile`: load_raw_stage copies atom (tile_start // 128 + slot, k_tile) into
+    atom slot `slot` of the stage, decode_stage reads stage_scale_offset."""
+    in_stage = stage_scale_offset(tile_start, tile_rows, row, block)
+    slot, in_atom = divmod(in_stage, SF_ATOM_BYTES)
+    return ((tile_start // SF_ATOM_ROWS + slot) * rest_k + k_tile) * SF_ATOM_BYTES + in_atom
+
+
 def swizzled_chunk_offset(row: int, chunk: int) -> int:
     """Byte offset of 16-byte chunk `chunk` of fp16 row `row` in the 128-byte-swizzled tile."""
     return row * 128 + ((chunk ^ (row % 8)) * 16)
@@ -380,7 +432,7 @@ class Sm90Nvfp4GroupedGemm:
         self.raw_row_bytes = config.tile_k // 2
         self.raw_b_offset = config.tile_m * self.raw_row_bytes
         self.raw_sfa_offset = (config.tile_m + config.tile_n) * self.raw_row_bytes
-        self.raw_sfb_offset = self.raw_sfa_offset + config.tile_m // SF_ATOM_ROWS * SF_ATOM_BYTES
+        self.raw_sfb_offset = self.raw_sfa_offset + config.sfa_atoms * SF_ATOM_BYTES
         # decoded fp16 row: tile_k * 2 bytes = one 128-byte swizzle row
         self.dec_row_bytes = config.tile_k * 2
         self.blocks_per_row = config.tile_k // SF_VEC_SIZE
@@ -465,22 +517,19 @@ class Sm90Nvfp4GroupedGemm:
             src_row = (m0 + row) if valid else 0
             src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
             cp_async_16B(stage_base + row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
-        # B rows (zero-filled past N)
-        for i in cutlass.range_constexpr(self.tile_n * chunks_per_row // self.num_threads):
+        # B rows (zero-filled past N); tile_n = 64 has fewer chunks than threads
+        b_chunks = self.tile_n * chunks_per_row
+        for i in cutlass.range_constexpr(-(-b_chunks // self.num_threads)):
             chunk = tidx + i * self.num_threads
-            row = chunk // chunks_per_row
-            part = chunk % chunks_per_row
-            valid = (n0 + row) < n
-            src_row = (n0 + row) if valid else 0
-            src = b_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
-            cp_async_16B(
-                stage_base + self.raw_b_offset + row * self.raw_row_bytes + part * 16,
-                src,
-                16 if valid else 0,
-            )
-        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile
-        sf_chunks_a = self.tile_m // SF_ATOM_ROWS * (SF_ATOM_BYTES // 16)
-        sf_chunks_b = self.tile_n // SF_ATOM_ROWS * (SF_ATOM_BYTES // 16)
+            if cutlass.const_expr(b_chunks % self.num_threads == 0):
+                self.load_b_chunk(chunk, stage_base, k_byte, b_addr, n, n0, row_bytes)
+            else:
+                if chunk < b_chunks:
+                    self.load_b_chunk(chunk, stage_base, k_byte, b_addr, n, n0, row_bytes)
+        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile (tile_n = 64: the whole
+        # atom of rows n0 - n0 % 128 .. + 127; decode_stage picks the tile's half)
+        sf_chunks_a = self.config.sfa_atoms * (SF_ATOM_BYTES // 16)
+        sf_chunks_b = self.config.sfb_atoms * (SF_ATOM_BYTES // 16)
         if tidx < sf_chunks_a:
             atom = tidx // (SF_ATOM_BYTES // 16)
             part = tidx % (SF_ATOM_BYTES // 16)
@@ -501,12 +550,32 @@ class Sm90Nvfp4GroupedGemm:
                 stage_base + self.raw_sfb_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
             )
 
+    @cute.jit
+    def load_b_chunk(self, chunk, stage_base, k_byte, b_addr, n, n0, row_bytes):
+        """16 bytes of packed B row n0 + chunk // chunks_per_row (zero-filled past N)."""
+        chunks_per_row = self.raw_row_bytes // 16
+        row = chunk // chunks_per_row
+        part = chunk % chunks_per_row
+        valid = (n0 + row) < n
+        src_row = (n0 + row) if valid else 0
+        src = b_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
+        cp_async_16B(
+            stage_base + self.raw_b_offset + row * self.raw_row_bytes + part * 16,
+            src,
+            16 if valid else 0,
+        )
+
     # -------------------------------------------------------------------------
     # Decode: raw stage -> fp16 stage (swizzled K-major, 128-byte rows)
     # -------------------------------------------------------------------------
     @cute.jit
-    def decode_stage(self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, b_only=False):
-        """Decode A and B (or only B, K-permuted, in register-A mode) of one raw stage."""
+    def decode_stage(
+        self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=False
+    ):
+        """Decode A and B (or only B, K-permuted, in register-A mode) of one raw stage.
+
+        sfb_row_offset: row of the B tile's first row inside its scale atom (n0 % 128: 0 or
+        64 with tile_n = 64; unused, and always 0, otherwise)."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
         a_items = 0 if b_only else self.tile_m * self.blocks_per_row
         b_items = self.tile_n * self.blocks_per_row
@@ -522,14 +591,10 @@ class Sm90Nvfp4GroupedGemm:
             dst_base = sB_base if is_b else sA_base
             rows_per_stage = self.tile_n if is_b else self.tile_m
             src = raw_stage_base + packed_off + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
-            # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes
-            scale = (
-                raw_stage_base
-                + sf_off
-                + (row // SF_ATOM_ROWS) * SF_ATOM_BYTES
-                + (row % 32) * 16
-                + ((row % SF_ATOM_ROWS) // 32) * 4
-                + blk
+            # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes,
+            # rows of a 64-row B tile shifted by its first row inside the atom
+            scale = stage_scale_offset(
+                sfb_row_offset if is_b else 0, rows_per_stage, row, blk, base=raw_stage_base + sf_off
             )
             # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
             row_base = dst_base + (mma_stage * rows_per_stage + row) * self.dec_row_bytes
@@ -598,6 +663,8 @@ class Sm90Nvfp4GroupedGemm:
         sfb_addr = mPtrs[group, 4]
         m0 = tile_row * self.tile_m
         n0 = tile_col * self.tile_n
+        # tile_n = 64: the B tile is the first or second half of its 128-row scale atom
+        sfb_row_offset = n0 % SF_ATOM_ROWS
         row_bytes = k // 2
         rest_k = k // (SF_VEC_SIZE * 4)
         k_tile_cnt = k // self.tile_k
@@ -672,7 +739,9 @@ class Sm90Nvfp4GroupedGemm:
                     # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
                     cute.arch.sync_threads()
                     raw_stage = k_tile % self.raw_stages
-                    self.decode_stage(tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, b_only=True)
+                    self.decode_stage(
+                        tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=True
+                    )
                     cute.arch.fence_proxy(
                         cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
                     )
@@ -708,7 +777,9 @@ class Sm90Nvfp4GroupedGemm:
                 cute.arch.sync_threads()
 
                 mma_stage = k_tile % self.mma_stages
-                self.decode_stage(tidx, raw_base, k_tile % self.raw_stages, sA_base, sB_base, mma_stage)
+                self.decode_stage(
+                    tidx, raw_base, k_tile % self.raw_stages, sA_base, sB_base, mma_stage, sfb_row_offset
+                )
                 # generic-proxy stores -> async-proxy (wgmma) reads
                 cute.arch.fence_proxy(
                     cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
@@ -781,9 +852,17 @@ def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemm
     return _compiled_cache[key]
 
 
+def _compile_narrow(num_groups: int, options: str | None = None):
+    return compile_gemm(num_groups, options, config=NARROW_CONFIG)
+
+
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
-    """Kernels of this backend for the build report: (kernel name, arch, compile(G, options))."""
-    return [("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm)]
+    """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)):
+    the default config and the tile_n = 64 one the backend picks for small input sets."""
+    return [
+        ("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm),
+        ("sm90_nvfp4_gemm_n64", NARROW_CONFIG.arch, _compile_narrow),
+    ]
 
 
 # =============================================================================
@@ -793,39 +872,117 @@ def _gmem_ptr(dtype, tensor: torch.Tensor):
     return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
 
+# Tile shape per input set. With 128x128 tiles the two G=2 benchmark shapes launch 120 and 128
+# CTAs on the H200's 132 SMs: one CTA per SM, every k-tile's load -> decode -> wgmma latency
+# exposed (one CTA alone on an SM: ~0.9 µs per k-tile of 64; two sharing one: ~1.2 µs each).
+# tile_n = 64 doubles the CTAs so that two share each SM and hide each other's latency.
+# Hypothesis, to be confirmed by bench/peers.py --configs on the H200: tile_n = 64 wins when
+# the 128x128 tile count is below NARROW_TILE_MAX_WAVES x the SM count (shapes 2 and 3:
+# 120 and 128 tiles), and loses above it (shapes 0 and 1: 352 and 728 tiles), where 128x128
+# already fills every SM and the narrow tile only adds A re-reads and decode work per FLOP.
+NARROW_TILE_MAX_WAVES = 1.0
+# SM count of the H200 (and H100 SXM), used when no CUDA device is visible (CPU tests)
+DEFAULT_NUM_SMS = 132
+
+
+def count_tiles(problem_sizes, tile_m: int, tile_n: int) -> int:
+    """Output tiles of an input set (what submission.plan_tiles lists)."""
+    return sum(-(-m // tile_m) * -(-n // tile_n) for m, n, _k, _l in problem_sizes)
+
+
+class Sm90LaunchState:
+    """What a launch of one input set on sm_90 reads: its tables and the kernel config their
+    tile table was built for."""
+
+    __slots__ = ("config", "tables")
+
+    def __init__(self, tables, config: HopperGemmConfig):
+        self.tables = tables
+        self.config = config
+
+
 class Sm90Backend:
     """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host
     runtime: no descriptors (the kernel reads the pointer table), so the launch state is the
-    tables themselves."""
+    tables and the config they were built for.
+
+    With `narrow_config` (the default backend: NARROW_CONFIG), input sets whose 128x128 tile
+    count is below NARROW_TILE_MAX_WAVES x the SM count run `narrow_config` (tile_n = 64),
+    the others `config`; without it every input set runs `config`."""
 
     name = "sm90"
 
-    def __init__(self, config: HopperGemmConfig = SM90_CONFIG):
+    def __init__(
+        self,
+        config: HopperGemmConfig = SM90_CONFIG,
+        narrow_config: HopperGemmConfig | None = None,
+        num_sms: int | None = None,
+    ):
+        config.check()
+        if narrow_config is not None:
+            narrow_config.check()
+            if narrow_config.tile_m != config.tile_m:
+                raise ValueError("narrow_config must have the tile_m of config")
         self.config = config
+        self.narrow_config = narrow_config
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
+        self._num_sms = num_sms  # None: read from the device on first use
 
-    def compile(self, num_groups: int):
-        return compile_gemm(num_groups, config=self.config)
+    @property
+    def num_sms(self) -> int:
+        """SM count of the current CUDA device (read once; build_state asks under the input's
+        device), DEFAULT_NUM_SMS without CUDA."""
+        if self._num_sms is None:
+            if torch.cuda.is_available():
+                properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+                self._num_sms = properties.multi_processor_count
+            else:
+                self._num_sms = DEFAULT_NUM_SMS
+        return self._num_sms
+
+    def config_for(self, problem_sizes) -> HopperGemmConfig:
+        """The kernel config that runs this input set."""
+        if self.narrow_config is None:
+            return self.config
+        tiles = count_tiles(problem_sizes, self.config.tile_m, self.config.tile_n)
+        if tiles < NARROW_TILE_MAX_WAVES * self.num_sms:
+            return self.narrow_config
+        return self.config
+
+    def compile(self, num_groups: int, config: HopperGemmConfig | None = None):
+        return compile_gemm(num_groups, config=config or self.config)
 
     def can_implement(self, problem_sizes) -> None:
         can_implement(problem_sizes, self.config)
 
     def tile_shape(self, problem_sizes) -> tuple[int, int]:
-        return self.tile_m, self.tile_n
+        config = self.config_for(problem_sizes)
+        return config.tile_m, config.tile_n
 
-    def prepare(self, tables):
-        self.compile(tables.num_groups)
-        return tables
+    def prepare(self, tables) -> Sm90LaunchState:
+        """Compile the kernel of the tables' tile shape (the one tile_shape gave for their
+        problem sizes)."""
+        config = self.config_for(tables.problem_sizes)
+        expected_tiles = count_tiles(tables.problem_sizes, config.tile_m, config.tile_n)
+        if tables.num_tiles != expected_tiles:
+            raise RuntimeError(
+                f"tile table of {tables.num_tiles} tiles does not match the {config.tile_m}x"
+                f"{config.tile_n} tiles of the sm_90 kernel chosen for these sizes "
+                f"({expected_tiles}): tables must be built from tile_shape()"
+            )
+        self.compile(tables.num_groups, config)
+        return Sm90LaunchState(tables, config)
 
-    def launcher(self, tables, stream: cuda.CUstream) -> Callable[[], None]:
+    def launcher(self, state: Sm90LaunchState, stream: cuda.CUstream) -> Callable[[], None]:
         """The GEMM launch of this input set on `stream`, its arguments prepared once."""
         from submission import make_launcher
 
+        tables = state.tables
         if tables.num_tiles == 0:
             return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
         return make_launcher(
-            self.compile(tables.num_groups),
+            self.compile(tables.num_groups, state.config),
             _gmem_ptr(cutlass.Int64, tables.ptrs),
             _gmem_ptr(cutlass.Int32, tables.sizes),
             _gmem_ptr(cutlass.Int32, tables.tiles),
@@ -838,14 +995,19 @@ def _no_launch() -> None:
     pass
 
 
-def make_backend(config: HopperGemmConfig = SM90_CONFIG) -> Sm90Backend:
+def make_backend(config: HopperGemmConfig | None = None) -> Sm90Backend:
+    """The backend custom_kernel uses (config None: SM90_CONFIG, or NARROW_CONFIG for small
+    input sets), or one that runs `config` for every input set."""
+    if config is None:
+        return Sm90Backend(SM90_CONFIG, NARROW_CONFIG)
     return Sm90Backend(config)
 
 
-def run_grouped(data, config: HopperGemmConfig = SM90_CONFIG):
-    """Standalone entry (any config): validate, build the state with the shared host runtime,
-    launch on torch's current stream, return the c list. No runtime cache: every call
-    rebuilds its tables."""
+def run_grouped(data, config: HopperGemmConfig | None = None):
+    """Standalone entry: validate, build the state with the shared host runtime, launch on
+    torch's current stream, return the c list. config None: the tile shape custom_kernel
+    would pick (make_backend()); otherwise that config for every input set. No runtime
+    cache: every call rebuilds its tables."""
     import submission
 
     state = submission.build_state(data, submission.validate_inputs(data), make_backend(config))

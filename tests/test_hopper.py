@@ -4,6 +4,7 @@ CPU: the decode bit arithmetic, the scale and swizzle addressing, shape checks, 
 sm_90a build. CUDA on an sm_90 GPU: the kernel against the exact decode reference.
 """
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -14,10 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import build_report
 import nvfp4_hopper as hopper
+import submission
 from reference import (
     E2M1_VALUES,
     create_reordered_scale_factor_tensor,
+    decode_scaled,
     decoded_group_gemm,
     generate_input,
     match_outputs,
@@ -78,6 +82,80 @@ def test_scale_offsets_match_the_reordered_layout(mn, k):
             assert storage[offset].item() == sf_bytes[row, j, 0].item(), (row, j)
 
 
+@pytest.mark.parametrize("tile_rows", [64, 128, 256])
+@pytest.mark.parametrize("mn,k", [(64, 256), (192, 512), (320, 768), (384, 256)])
+def test_tile_scale_offsets_match_the_reordered_layout(tile_rows, mn, k):
+    """The scale each tile row reads (load_raw_stage's atoms + decode_stage's in-atom offset),
+    tile_n = 64 included: its second tile of an atom (rows 64..127) lies in the (r % 128) // 32
+    in {2, 3} slots of every 16-byte line."""
+    gen = torch.Generator().manual_seed(mn * 11 + k + tile_rows)
+    sf_bytes = torch.randint(0, 0x7F, (mn, k // 16, 1), dtype=torch.uint8, generator=gen)
+    reordered = create_reordered_scale_factor_tensor(1, mn, k, sf_bytes.view(torch.float8_e4m3fn), device="cpu")
+    storage = reordered.permute(5, 2, 4, 0, 1, 3).contiguous().view(torch.uint8).flatten()
+    rest_k = k // 64
+    checked = 0
+    for tile_start in range(0, mn, tile_rows):
+        for row in range(min(tile_rows, mn - tile_start)):
+            for j in range(k // 16):
+                offset = hopper.tile_scale_byte_offset(tile_start, tile_rows, row, j % 4, j // 4, rest_k)
+                # inside the atoms load_raw_stage copied for this tile and k-tile
+                first_atom = (tile_start // 128) * rest_k + j // 4
+                slot = (row + tile_start % 128 if tile_rows < 128 else row) // 128
+                assert (first_atom + slot * rest_k) * 512 <= offset < (first_atom + slot * rest_k + 1) * 512
+                assert storage[offset].item() == sf_bytes[tile_start + row, j, 0].item(), (tile_start, row, j)
+                checked += 1
+    assert checked == mn * (k // 16)
+
+
+@pytest.mark.parametrize("config", [hopper.NARROW_CONFIG, hopper.SM90_CONFIG, hopper.HopperGemmConfig(tile_n=256)])
+def test_emulated_b_stage_decodes_to_the_reference(config):
+    """One raw stage of B as load_raw_stage fills it (packed rows at the kernel's raw_b_offset,
+    whole scale atoms at its raw_sfb_offset), decoded block by block with decode_stage's scale
+    offsets and the decode's bit arithmetic: every B tile of every k-tile equals the
+    reference dequantization (N = 384: tile_n = 64 gets both halves of an atom and an odd
+    atom, tile_n = 256 a partial tile)."""
+    n, k = 384, 512
+    rest_k = k // 64
+    gen = torch.Generator().manual_seed(config.tile_n)
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    sf_bytes = torch.randint(0, 0x47, (n, k // 16, 1), dtype=torch.uint8, generator=gen)
+    reordered = create_reordered_scale_factor_tensor(1, n, k, sf_bytes.view(torch.float8_e4m3fn), device="cpu")
+    sf_storage = reordered.permute(5, 2, 4, 0, 1, 3).contiguous().view(torch.uint8).flatten().numpy()
+    expected = decode_scaled(packed.view(torch.float4_e2m1fn_x2), sf_bytes[:, :, 0].view(torch.float8_e4m3fn))
+    kernel = hopper.Sm90Nvfp4GroupedGemm(config, 1)
+    row_bytes = kernel.raw_row_bytes
+    for n0 in range(0, n, config.tile_n):
+        for k_tile in range(rest_k):
+            stage = np.zeros(config.raw_stage_bytes, dtype=np.uint8)
+            rows = min(config.tile_n, n - n0)  # rows past N stay zero (zero-filled copies)
+            b_rows = packed[n0 : n0 + rows, k_tile * row_bytes : (k_tile + 1) * row_bytes]
+            stage[kernel.raw_b_offset : kernel.raw_b_offset + rows * row_bytes] = b_rows.flatten().numpy()
+            for atom in range(-(-rows // 128)):
+                src = ((n0 // 128 + atom) * rest_k + k_tile) * 512
+                dst = kernel.raw_sfb_offset + atom * 512
+                stage[dst : dst + 512] = sf_storage[src : src + 512]
+            assert kernel.raw_sfb_offset + config.sfb_atoms * 512 <= config.raw_stage_bytes
+            decoded = np.zeros((rows, config.tile_k), dtype=np.float64)
+            for row in range(rows):
+                for blk in range(4):
+                    src = kernel.raw_b_offset + row * row_bytes + blk * 8
+                    words = stage[src : src + 8].view("<u4")
+                    scale = stage[kernel.raw_sfb_offset + hopper.stage_scale_offset(n0, config.tile_n, row, blk)]
+                    for w in range(2):
+                        _, values = hopper.emulate_decode_word(int(words[w]), int(scale))
+                        decoded[row, 16 * blk + 8 * w : 16 * blk + 8 * w + 8] = values.astype(np.float64)
+            reference_tile = expected[n0 : n0 + config.tile_n, k_tile * 64 : (k_tile + 1) * 64].double().numpy()
+            assert np.array_equal(decoded, reference_tile), (n0, k_tile)
+
+
+def test_half_atom_rows_are_not_a_contiguous_half():
+    # why tile_n = 64 loads the whole 512-byte atom: rows 64..127 of k-block 0 are spread
+    # over all 32 lines of the atom
+    offsets = sorted(hopper.tile_scale_byte_offset(64, 64, row, 0, 0, 1) for row in range(64))
+    assert offsets[0] == 8 and offsets[-1] == 31 * 16 + 12
+    assert {offset // 16 for offset in offsets} == set(range(32))
+
+
 def test_swizzle_is_a_permutation_of_16_byte_chunks_per_8_rows():
     offsets = {hopper.swizzled_chunk_offset(r, c) for r in range(8) for c in range(8)}
     assert offsets == {16 * i for i in range(64)}
@@ -124,16 +202,200 @@ def test_can_implement_names_group_field_and_rule():
         hopper.can_implement([(1, 128, 256, 1)] * 65)
 
 
+def test_config_check_rejects_unsupported_tiles():
+    hopper.HopperGemmConfig(tile_n=64).check()
+    with pytest.raises(ValueError, match="tile_n=96"):
+        hopper.HopperGemmConfig(tile_n=96).check()
+    with pytest.raises(ValueError, match="tile_n=64 needs tile_m=128"):
+        hopper.HopperGemmConfig(tile_m=256, tile_n=64).check()
+
+
+def test_narrow_config_stage_layout():
+    config = hopper.NARROW_CONFIG
+    assert (config.tile_m, config.tile_n) == (128, 64)
+    assert dataclasses.replace(config, tile_n=128) == hopper.SM90_CONFIG
+    # 192 packed rows of 32 bytes + one whole scale atom each for A and B
+    assert (config.sfa_atoms, config.sfb_atoms) == (1, 1)
+    assert config.raw_stage_bytes == 192 * 32 + 2 * 512
+    assert hopper.SM90_CONFIG.raw_stage_bytes == 256 * 32 + 2 * 512
+    assert hopper.HopperGemmConfig(tile_n=256).raw_stage_bytes == 384 * 32 + 3 * 512
+
+
 @pytest.mark.parametrize("config", [
     hopper.SM90_CONFIG,
     hopper.HopperGemmConfig(a_in_registers=False),
     hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
+    hopper.NARROW_CONFIG,
+    hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
     compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a", config=config)
     assert compiled is not None
-    names = [name for name, arch, _ in hopper.compile_targets() if arch == "sm_90a"]
-    assert names == ["sm90_nvfp4_gemm"]
+
+
+def test_compile_targets_include_the_narrow_kernel():
+    targets = {name: arch for name, arch, _ in hopper.compile_targets()}
+    assert targets == {"sm90_nvfp4_gemm": "sm_90a", "sm90_nvfp4_gemm_n64": "sm_90a"}
+
+
+SM90_SMEM_LIMIT = 232_448  # 227 KB opt-in per block, compute capability 9.0
+
+
+@pytest.fixture(scope="module")
+def sm90_builds(tmp_path_factory):
+    dump_root = tmp_path_factory.mktemp("sm90_build")
+    reports = build_report.build_all((1, 2, 8), dump_root, modules=("nvfp4_hopper",))
+    return {(r.target, r.num_groups): r for r in reports}
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 8])
+@pytest.mark.parametrize("target,config,mma", [
+    ("sm90_nvfp4_gemm", hopper.SM90_CONFIG, "m64n128k16"),
+    ("sm90_nvfp4_gemm_n64", hopper.NARROW_CONFIG, "m64n64k16"),
+])
+def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups):
+    report = sm90_builds[(target, num_groups)]
+    assert report.arch == "sm_90a" and report.ptx_target == "sm_90a"
+    assert 0 < report.registers <= 255
+    assert report.frame_bytes == 0 and report.spill_bytes_max == 0, "local memory: spills possible"
+    assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
+    # shared memory = 1 KB placeholder A atom + 2 fp16 B stages + the raw stages
+    b_stages = 2 * config.tile_n * config.tile_k * 2
+    assert report.dynamic_smem_bytes == 1024 + b_stages + config.raw_stages * config.raw_stage_bytes
+    assert report.smem_bytes <= SM90_SMEM_LIMIT
+    assert build_report.problems(report) == []
+
+
+# ---------------------------------------------------------------------------------------
+# CPU: tile shape per input set, and the kernel each state launches
+# ---------------------------------------------------------------------------------------
+BENCHMARK_SIZES = {
+    0: list(zip([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8, [1] * 8)),
+    1: list(zip([40, 76, 168, 72, 164, 148, 196, 160], [7168] * 8, [2048] * 8, [1] * 8)),
+    2: list(zip([192, 320], [3072] * 2, [4096] * 2, [1] * 2)),
+    3: list(zip([128, 384], [4096] * 2, [1536] * 2, [1] * 2)),
+}
+
+
+@pytest.mark.parametrize("shape,tiles_128,expected", [
+    (0, 352, (128, 128)), (1, 728, (128, 128)), (2, 120, (128, 64)), (3, 128, (128, 64)),
+])
+def test_tile_shape_of_the_benchmark_shapes(shape, tiles_128, expected):
+    backend = hopper.Sm90Backend(hopper.SM90_CONFIG, hopper.NARROW_CONFIG, num_sms=132)
+    sizes = BENCHMARK_SIZES[shape]
+    assert hopper.count_tiles(sizes, 128, 128) == tiles_128
+    assert len(submission.plan_tiles(sizes, 128, 128)) == tiles_128
+    assert backend.tile_shape(sizes) == expected
+
+
+def test_tile_shape_threshold_is_the_sm_count():
+    backend = hopper.Sm90Backend(hopper.SM90_CONFIG, hopper.NARROW_CONFIG, num_sms=132)
+    assert hopper.NARROW_TILE_MAX_WAVES == 1.0  # the rule these cases spell out
+    # 131 and 132 tiles of 128x128 (M <= 128: one tile row, N / 128 columns)
+    assert backend.tile_shape([(128, 131 * 128, 256, 1)]) == (128, 64)
+    assert backend.tile_shape([(128, 132 * 128, 256, 1)]) == (128, 128)
+    # M = 129 takes two tile rows: 66 columns = 132 tiles
+    assert backend.tile_shape([(129, 66 * 128, 256, 1)]) == (128, 128)
+    assert backend.tile_shape([(128, 66 * 128, 256, 1)]) == (128, 64)
+    # groups with M = 0 have no tiles; a set with none at all has nothing to launch either way
+    assert backend.tile_shape([(0, 4096, 256, 1)] * 64 + [(40, 128, 256, 1)]) == (128, 64)
+    assert backend.tile_shape([(0, 128, 256, 1)]) == (128, 64)
+    # another GPU: shapes 2 and 3 (120, 128 tiles) fill 114 SMs with 128x128 tiles
+    smaller = hopper.Sm90Backend(hopper.SM90_CONFIG, hopper.NARROW_CONFIG, num_sms=114)
+    assert smaller.tile_shape(BENCHMARK_SIZES[3]) == (128, 128)
+    assert smaller.tile_shape(BENCHMARK_SIZES[2]) == (128, 128)
+    assert smaller.tile_shape([(100, 113 * 128, 256, 1)]) == (128, 64)
+
+
+def test_fixed_config_backends_never_switch():
+    for sizes in BENCHMARK_SIZES.values():
+        assert hopper.make_backend(hopper.SM90_CONFIG).tile_shape(sizes) == (128, 128)
+        assert hopper.make_backend(hopper.NARROW_CONFIG).tile_shape(sizes) == (128, 64)
+    wide = hopper.make_backend(hopper.HopperGemmConfig(tile_n=256, a_in_registers=False))
+    assert wide.tile_shape(BENCHMARK_SIZES[3]) == (128, 256)
+
+
+def test_sm_count_comes_from_the_device_once(monkeypatch):
+    queried = []
+
+    class Properties:
+        multi_processor_count = 78
+
+    def get_device_properties(index):
+        queried.append(index)
+        return Properties()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
+    backend = hopper.make_backend()
+    # shape 2 has 120 tiles of 128x128: above 78 SMs
+    assert backend.tile_shape(BENCHMARK_SIZES[2]) == (128, 128)
+    assert backend.tile_shape(BENCHMARK_SIZES[3]) == (128, 128)
+    assert backend.tile_shape([(40, 128 * 77, 256, 1)]) == (128, 64)
+    assert queried == [0]
+
+
+def test_sm_count_without_cuda_is_the_h200s(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hopper.make_backend().num_sms == hopper.DEFAULT_NUM_SMS == 132
+
+
+def _cpu_input_set(sizes):
+    """Tensors with the official shapes on the CPU (build_state reads only pointers)."""
+    abc, sfs_reordered = [], []
+    for m, n, k, _l in sizes:
+        abc.append((
+            torch.zeros((m, k // 2, 1), dtype=torch.uint8),
+            torch.zeros((n, k // 2, 1), dtype=torch.uint8),
+            torch.zeros((m, n, 1), dtype=torch.float16),
+        ))
+        sfs_reordered.append((torch.zeros(512 * max(1, -(-m // 128)) * k // 64, dtype=torch.uint8),
+                              torch.zeros(512 * (n // 128) * k // 64, dtype=torch.uint8)))
+    return abc, None, sfs_reordered, sizes
+
+
+@pytest.fixture
+def sm90_backend_on_cpu(monkeypatch):
+    """The default backend with compile and launch recorded instead of run."""
+    compiled, launched = [], []
+
+    def fake_compile(num_groups, options=None, config=hopper.SM90_CONFIG):
+        compiled.append((num_groups, config))
+        return ("kernel", num_groups, config)
+
+    def fake_make_launcher(kernel, ptrs, sizes, tiles, num_tiles, stream):
+        launched.append((kernel, int(num_tiles)))
+        return lambda: None
+
+    monkeypatch.setattr(hopper, "compile_gemm", fake_compile)
+    monkeypatch.setattr(submission, "make_launcher", fake_make_launcher)
+    return hopper.Sm90Backend(hopper.SM90_CONFIG, hopper.NARROW_CONFIG, num_sms=132), compiled, launched
+
+
+@pytest.mark.parametrize("shape,config,num_tiles", [
+    (0, hopper.SM90_CONFIG, 352), (1, hopper.SM90_CONFIG, 728),
+    (2, hopper.NARROW_CONFIG, 240), (3, hopper.NARROW_CONFIG, 256),
+])
+def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape, config, num_tiles):
+    backend, compiled, launched = sm90_backend_on_cpu
+    sizes = tuple(BENCHMARK_SIZES[shape])
+    state = submission.build_state(_cpu_input_set(sizes), sizes, backend)
+    assert state.tables.num_tiles == num_tiles
+    assert state.tables.tiles[:, 2].max().item() == sizes[0][1] // config.tile_n - 1
+    assert state.launch_state.config == config
+    assert compiled == [(len(sizes), config)]
+    state.run(object())
+    assert launched == [(("kernel", len(sizes), config), num_tiles)]
+
+
+def test_prepare_rejects_tables_of_another_tile_shape(sm90_backend_on_cpu):
+    backend, _, _ = sm90_backend_on_cpu
+    sizes = tuple(BENCHMARK_SIZES[2])  # the backend runs it with 128x64 tiles
+    pointers = [(1 << 36, 2 << 36, 3 << 36, 4 << 36, 5 << 36)] * 2
+    tables = submission.build_group_tables(sizes, pointers, 128, 128, "cpu")
+    with pytest.raises(RuntimeError, match="120 tiles does not match the 128x64"):
+        backend.prepare(tables)
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,6 +457,8 @@ CONFIG_CASES = (
     + [("registers_a_2buf", seed) for seed in range(400, 424)]
     + [("two_multiplies", seed) for seed in range(100, 108)]
     + [("tile_n_256", seed) for seed in range(200, 208)]
+    + [("tile_n_64", seed) for seed in range(500, 532)]
+    + [("tile_n_64_smem_a", seed) for seed in range(600, 608)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -202,6 +466,8 @@ CONFIGS = {
     "registers_a_2buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
     "two_multiplies": hopper.HopperGemmConfig(single_multiply=False, a_in_registers=False),
     "tile_n_256": hopper.HopperGemmConfig(tile_n=256, a_in_registers=False),
+    "tile_n_64": hopper.NARROW_CONFIG,
+    "tile_n_64_smem_a": hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
 }
 
 
@@ -218,8 +484,10 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 
 
 @requires_sm90
+@pytest.mark.parametrize("config_name", ["auto", "default", "tile_n_64"])
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
-def test_benchmark_shapes_match_exact_reference(case):
+def test_benchmark_shapes_match_exact_reference(case, config_name):
+    """auto: the tile shape custom_kernel picks (128x64 for bench2/3, 128x128 otherwise)."""
     shapes = {
         "bench0": ([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8),
         "bench1": ([40, 76, 168, 72, 164, 148, 196, 160], [7168] * 8, [2048] * 8),
@@ -230,7 +498,7 @@ def test_benchmark_shapes_match_exact_reference(case):
     data = generate_input(tuple(m), tuple(n), tuple(k), len(m), seed=1111)
     for _, _, c in data[0]:
         c.fill_(float("nan"))
-    out = hopper.run_grouped(data)
+    out = hopper.run_grouped(data, config=None if config_name == "auto" else CONFIGS[config_name])
     torch.cuda.synchronize()
     ok, message = match_outputs(_exact_reference(data), out)
     assert ok, message
