@@ -13,9 +13,8 @@ from 2^-14 to 65504): |v * s| lies in [2^-10, 2688]. The kernel therefore decode
 operand into fp16 in shared memory and runs 16-bit wgmma with fp32 accumulation; the sums
 are the exact block-scaled products, accumulated in fp32.
 
-Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table. Tiles are 128x128,
-or 128x64 for input sets too small to give every SM a 128x128 tile (Sm90Backend.tile_shape,
-NARROW_TILE_MAX_WAVES): twice the CTAs, so that two share an SM and hide each other's latency.
+Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x128 tiles
+(128x64 and 128x256 are options, both measured slower: see NARROW_CONFIG and tile_n).
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
@@ -70,9 +69,9 @@ class HopperGemmConfig:
     """Everything baked into the compiled sm_90a kernel."""
 
     tile_m: int = 128  # one 64-row warpgroup per 64 rows
-    # 64: twice the CTAs of 128 on small problems (m64n64k16 wgmma; the B tile is half of a
-    # 128-row scale atom, see load_raw_stage); 128 or 256 otherwise. Sm90Backend picks 64 or
-    # 128 per input set (NARROW_TILE_MAX_WAVES).
+    # 64 (m64n64k16 wgmma; the B tile is half of a 128-row scale atom, see load_raw_stage),
+    # 128 or 256. 128 is the fastest measured on all four benchmark shapes (see NARROW_CONFIG;
+    # 256 was 12-50% slower on shapes 0, 2 and 3).
     tile_n: int = 128
     tile_k: int = 64  # one 128-byte swizzle atom of fp16 per row; 4 scale blocks
     raw_stages: int = 4  # cp.async prefetch depth of packed data (9 KB per stage)
@@ -141,7 +140,12 @@ class HopperGemmConfig:
 
 
 SM90_CONFIG = HopperGemmConfig()
-# what Sm90Backend runs on small input sets (NARROW_TILE_MAX_WAVES)
+# Tombstone: 128x64 tiles for input sets with fewer 128x128 tiles than SMs (the two G=2
+# benchmark shapes launch 120 and 128 CTAs on 132 SMs, one per SM), to let two CTAs share an
+# SM and hide each other's latency. Exact on the H200 (40 random sets + the 4 benchmark
+# shapes), but slower on every shape: H200 device µs, 128x128 vs 128x64, shapes 0-3:
+# 230.8/143.9/58.8/30.4 vs 310.8/193.5/71.9/33.3 (bench/peers.py --configs). The extra A
+# decode per FLOP costs more than the latency it hides. Kept as an option for other GPUs.
 NARROW_CONFIG = dataclasses.replace(SM90_CONFIG, tile_n=64)
 
 
@@ -872,24 +876,6 @@ def _gmem_ptr(dtype, tensor: torch.Tensor):
     return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
 
-# Tile shape per input set. With 128x128 tiles the two G=2 benchmark shapes launch 120 and 128
-# CTAs on the H200's 132 SMs: one CTA per SM, every k-tile's load -> decode -> wgmma latency
-# exposed (one CTA alone on an SM: ~0.9 µs per k-tile of 64; two sharing one: ~1.2 µs each).
-# tile_n = 64 doubles the CTAs so that two share each SM and hide each other's latency.
-# Hypothesis, to be confirmed by bench/peers.py --configs on the H200: tile_n = 64 wins when
-# the 128x128 tile count is below NARROW_TILE_MAX_WAVES x the SM count (shapes 2 and 3:
-# 120 and 128 tiles), and loses above it (shapes 0 and 1: 352 and 728 tiles), where 128x128
-# already fills every SM and the narrow tile only adds A re-reads and decode work per FLOP.
-NARROW_TILE_MAX_WAVES = 1.0
-# SM count of the H200 (and H100 SXM), used when no CUDA device is visible (CPU tests)
-DEFAULT_NUM_SMS = 132
-
-
-def count_tiles(problem_sizes, tile_m: int, tile_n: int) -> int:
-    """Output tiles of an input set (what submission.plan_tiles lists)."""
-    return sum(-(-m // tile_m) * -(-n // tile_n) for m, n, _k, _l in problem_sizes)
-
-
 class Sm90LaunchState:
     """What a launch of one input set on sm_90 reads: its tables and the kernel config their
     tile table was built for."""
@@ -904,51 +890,15 @@ class Sm90LaunchState:
 class Sm90Backend:
     """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host
     runtime: no descriptors (the kernel reads the pointer table), so the launch state is the
-    tables and the config they were built for.
-
-    With `narrow_config` (the default backend: NARROW_CONFIG), input sets whose 128x128 tile
-    count is below NARROW_TILE_MAX_WAVES x the SM count run `narrow_config` (tile_n = 64),
-    the others `config`; without it every input set runs `config`."""
+    tables and the config they were built for. One config runs every input set."""
 
     name = "sm90"
 
-    def __init__(
-        self,
-        config: HopperGemmConfig = SM90_CONFIG,
-        narrow_config: HopperGemmConfig | None = None,
-        num_sms: int | None = None,
-    ):
+    def __init__(self, config: HopperGemmConfig = SM90_CONFIG):
         config.check()
-        if narrow_config is not None:
-            narrow_config.check()
-            if narrow_config.tile_m != config.tile_m:
-                raise ValueError("narrow_config must have the tile_m of config")
         self.config = config
-        self.narrow_config = narrow_config
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
-        self._num_sms = num_sms  # None: read from the device on first use
-
-    @property
-    def num_sms(self) -> int:
-        """SM count of the current CUDA device (read once; build_state asks under the input's
-        device), DEFAULT_NUM_SMS without CUDA."""
-        if self._num_sms is None:
-            if torch.cuda.is_available():
-                properties = torch.cuda.get_device_properties(torch.cuda.current_device())
-                self._num_sms = properties.multi_processor_count
-            else:
-                self._num_sms = DEFAULT_NUM_SMS
-        return self._num_sms
-
-    def config_for(self, problem_sizes) -> HopperGemmConfig:
-        """The kernel config that runs this input set."""
-        if self.narrow_config is None:
-            return self.config
-        tiles = count_tiles(problem_sizes, self.config.tile_m, self.config.tile_n)
-        if tiles < NARROW_TILE_MAX_WAVES * self.num_sms:
-            return self.narrow_config
-        return self.config
 
     def compile(self, num_groups: int, config: HopperGemmConfig | None = None):
         return compile_gemm(num_groups, config=config or self.config)
@@ -957,22 +907,12 @@ class Sm90Backend:
         can_implement(problem_sizes, self.config)
 
     def tile_shape(self, problem_sizes) -> tuple[int, int]:
-        config = self.config_for(problem_sizes)
-        return config.tile_m, config.tile_n
+        return self.tile_m, self.tile_n
 
     def prepare(self, tables) -> Sm90LaunchState:
-        """Compile the kernel of the tables' tile shape (the one tile_shape gave for their
-        problem sizes)."""
-        config = self.config_for(tables.problem_sizes)
-        expected_tiles = count_tiles(tables.problem_sizes, config.tile_m, config.tile_n)
-        if tables.num_tiles != expected_tiles:
-            raise RuntimeError(
-                f"tile table of {tables.num_tiles} tiles does not match the {config.tile_m}x"
-                f"{config.tile_n} tiles of the sm_90 kernel chosen for these sizes "
-                f"({expected_tiles}): tables must be built from tile_shape()"
-            )
-        self.compile(tables.num_groups, config)
-        return Sm90LaunchState(tables, config)
+        """Compile the kernel (cached) for this input set's group count."""
+        self.compile(tables.num_groups, self.config)
+        return Sm90LaunchState(tables, self.config)
 
     def launcher(self, state: Sm90LaunchState, stream: cuda.CUstream) -> Callable[[], None]:
         """The GEMM launch of this input set on `stream`, its arguments prepared once."""
@@ -996,18 +936,14 @@ def _no_launch() -> None:
 
 
 def make_backend(config: HopperGemmConfig | None = None) -> Sm90Backend:
-    """The backend custom_kernel uses (config None: SM90_CONFIG, or NARROW_CONFIG for small
-    input sets), or one that runs `config` for every input set."""
-    if config is None:
-        return Sm90Backend(SM90_CONFIG, NARROW_CONFIG)
-    return Sm90Backend(config)
+    """The backend custom_kernel uses (config None: SM90_CONFIG), or one running `config`."""
+    return Sm90Backend(config or SM90_CONFIG)
 
 
 def run_grouped(data, config: HopperGemmConfig | None = None):
     """Standalone entry: validate, build the state with the shared host runtime, launch on
-    torch's current stream, return the c list. config None: the tile shape custom_kernel
-    would pick (make_backend()); otherwise that config for every input set. No runtime
-    cache: every call rebuilds its tables."""
+    torch's current stream, return the c list. config None: what custom_kernel runs
+    (SM90_CONFIG). No runtime cache: every call rebuilds its tables."""
     import submission
 
     state = submission.build_state(data, submission.validate_inputs(data), make_backend(config))

@@ -17,7 +17,7 @@ mean and best µs of each, their ratio, TFLOP/s on the real (unpadded) work, and
 of the bf16 dense roofline (790 TFLOP/s, measured on the H200).
 
     python bench/peers.py [--repeats 30]
-    python bench/peers.py --configs ["reg A 1buf,tile_n 64,auto"]   # sm_90 configs, device time
+    python bench/peers.py --configs ["reg A 1buf,tile_n 64"]   # sm_90 configs, device time
 """
 
 import argparse
@@ -85,20 +85,18 @@ def time_gpu_only(fn, inputs, repeats):
 
 def compare_configs(repeats, names=None):
     """Device time of sm_90 kernel configurations on the benchmark shapes (checked first);
-    `names`: a subset of the columns. "auto" also prints the tile shape it picked."""
+    `names`: a subset of the columns."""
     import cuda.bindings.driver as cuda
 
     import nvfp4_hopper as hopper
     import submission
     from reference import match_outputs, ref_kernel
 
-    # None: the backend custom_kernel uses (tile_n 64 or 128 per input set)
     configs = {
         "smem A": hopper.HopperGemmConfig(a_in_registers=False),
         "reg A 1buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=1),
         "reg A 2buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
         "tile_n 64": hopper.NARROW_CONFIG,
-        "auto": None,
     }
     if names:
         unknown = set(names) - set(configs)
@@ -122,9 +120,6 @@ def compare_configs(repeats, names=None):
                 submission.build_state(data, submission.validate_inputs(data), backend)
                 for data in inputs
             ]
-            if config is None:
-                tile_m, tile_n = backend.tile_shape(inputs[0][3])
-                picked = f"{tile_m}x{tile_n}"
             for _, _, c in inputs[0][0]:
                 c.fill_(float("nan"))
             states[0].run(stream)
@@ -139,8 +134,7 @@ def compare_configs(repeats, names=None):
             )
             cells.append(f"{mean:.1f}")
         shape = f"G={len(m)} M={min(m)}..{max(m)} N={n[0]} K={k[0]}"
-        line = f"{shape:<34} " + " ".join(f"{cell:>13}" for cell in cells)
-        print(line + (f"   auto: {picked}" if "auto" in configs else ""))
+        print(f"{shape:<34} " + " ".join(f"{cell:>13}" for cell in cells))
 
 
 def dequantized_inputs(data):
@@ -166,7 +160,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--configs", nargs="?", const="", default=None, metavar="NAMES",
                         help="compare sm_90 kernel configurations (device time only); "
-                        "optional comma-separated subset, e.g. 'reg A 1buf,tile_n 64,auto'")
+                        "optional comma-separated subset, e.g. 'reg A 1buf,tile_n 64'")
     args = parser.parse_args(argv)
     if args.configs is not None:
         compare_configs(args.repeats, [x.strip() for x in args.configs.split(",") if x.strip()])

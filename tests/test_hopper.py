@@ -267,7 +267,7 @@ def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups)
 
 
 # ---------------------------------------------------------------------------------------
-# CPU: tile shape per input set, and the kernel each state launches
+# CPU: tile shape of a backend, and the kernel each state launches
 # ---------------------------------------------------------------------------------------
 BENCHMARK_SIZES = {
     0: list(zip([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8, [1] * 8)),
@@ -277,68 +277,12 @@ BENCHMARK_SIZES = {
 }
 
 
-@pytest.mark.parametrize("shape,tiles_128,expected", [
-    (0, 352, (128, 128)), (1, 728, (128, 128)), (2, 120, (128, 64)), (3, 128, (128, 64)),
-])
-def test_tile_shape_of_the_benchmark_shapes(shape, tiles_128, expected):
-    backend = hopper.Sm90Backend(hopper.SM90_CONFIG, hopper.NARROW_CONFIG, num_sms=132)
-    sizes = BENCHMARK_SIZES[shape]
-    assert hopper.count_tiles(sizes, 128, 128) == tiles_128
-    assert len(submission.plan_tiles(sizes, 128, 128)) == tiles_128
-    assert backend.tile_shape(sizes) == expected
-
-
-def test_tile_shape_threshold_is_the_sm_count():
-    backend = hopper.Sm90Backend(hopper.SM90_CONFIG, hopper.NARROW_CONFIG, num_sms=132)
-    assert hopper.NARROW_TILE_MAX_WAVES == 1.0  # the rule these cases spell out
-    # 131 and 132 tiles of 128x128 (M <= 128: one tile row, N / 128 columns)
-    assert backend.tile_shape([(128, 131 * 128, 256, 1)]) == (128, 64)
-    assert backend.tile_shape([(128, 132 * 128, 256, 1)]) == (128, 128)
-    # M = 129 takes two tile rows: 66 columns = 132 tiles
-    assert backend.tile_shape([(129, 66 * 128, 256, 1)]) == (128, 128)
-    assert backend.tile_shape([(128, 66 * 128, 256, 1)]) == (128, 64)
-    # groups with M = 0 have no tiles; a set with none at all has nothing to launch either way
-    assert backend.tile_shape([(0, 4096, 256, 1)] * 64 + [(40, 128, 256, 1)]) == (128, 64)
-    assert backend.tile_shape([(0, 128, 256, 1)]) == (128, 64)
-    # another GPU: shapes 2 and 3 (120, 128 tiles) fill 114 SMs with 128x128 tiles
-    smaller = hopper.Sm90Backend(hopper.SM90_CONFIG, hopper.NARROW_CONFIG, num_sms=114)
-    assert smaller.tile_shape(BENCHMARK_SIZES[3]) == (128, 128)
-    assert smaller.tile_shape(BENCHMARK_SIZES[2]) == (128, 128)
-    assert smaller.tile_shape([(100, 113 * 128, 256, 1)]) == (128, 64)
-
-
-def test_fixed_config_backends_never_switch():
+def test_every_backend_runs_one_tile_shape():
     for sizes in BENCHMARK_SIZES.values():
-        assert hopper.make_backend(hopper.SM90_CONFIG).tile_shape(sizes) == (128, 128)
+        assert hopper.make_backend().tile_shape(sizes) == (128, 128)
         assert hopper.make_backend(hopper.NARROW_CONFIG).tile_shape(sizes) == (128, 64)
     wide = hopper.make_backend(hopper.HopperGemmConfig(tile_n=256, a_in_registers=False))
     assert wide.tile_shape(BENCHMARK_SIZES[3]) == (128, 256)
-
-
-def test_sm_count_comes_from_the_device_once(monkeypatch):
-    queried = []
-
-    class Properties:
-        multi_processor_count = 78
-
-    def get_device_properties(index):
-        queried.append(index)
-        return Properties()
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", get_device_properties)
-    backend = hopper.make_backend()
-    # shape 2 has 120 tiles of 128x128: above 78 SMs
-    assert backend.tile_shape(BENCHMARK_SIZES[2]) == (128, 128)
-    assert backend.tile_shape(BENCHMARK_SIZES[3]) == (128, 128)
-    assert backend.tile_shape([(40, 128 * 77, 256, 1)]) == (128, 64)
-    assert queried == [0]
-
-
-def test_sm_count_without_cuda_is_the_h200s(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert hopper.make_backend().num_sms == hopper.DEFAULT_NUM_SMS == 132
 
 
 def _cpu_input_set(sizes):
@@ -357,7 +301,7 @@ def _cpu_input_set(sizes):
 
 @pytest.fixture
 def sm90_backend_on_cpu(monkeypatch):
-    """The default backend with compile and launch recorded instead of run."""
+    """sm_90 backends with compile and launch recorded instead of run."""
     compiled, launched = [], []
 
     def fake_compile(num_groups, options=None, config=hopper.SM90_CONFIG):
@@ -370,15 +314,17 @@ def sm90_backend_on_cpu(monkeypatch):
 
     monkeypatch.setattr(hopper, "compile_gemm", fake_compile)
     monkeypatch.setattr(submission, "make_launcher", fake_make_launcher)
-    return hopper.Sm90Backend(hopper.SM90_CONFIG, hopper.NARROW_CONFIG, num_sms=132), compiled, launched
+    return compiled, launched
 
 
 @pytest.mark.parametrize("shape,config,num_tiles", [
     (0, hopper.SM90_CONFIG, 352), (1, hopper.SM90_CONFIG, 728),
+    (2, hopper.SM90_CONFIG, 120), (3, hopper.SM90_CONFIG, 128),
     (2, hopper.NARROW_CONFIG, 240), (3, hopper.NARROW_CONFIG, 256),
 ])
 def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape, config, num_tiles):
-    backend, compiled, launched = sm90_backend_on_cpu
+    compiled, launched = sm90_backend_on_cpu
+    backend = hopper.make_backend(config)
     sizes = tuple(BENCHMARK_SIZES[shape])
     state = submission.build_state(_cpu_input_set(sizes), sizes, backend)
     assert state.tables.num_tiles == num_tiles
@@ -387,15 +333,6 @@ def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape,
     assert compiled == [(len(sizes), config)]
     state.run(object())
     assert launched == [(("kernel", len(sizes), config), num_tiles)]
-
-
-def test_prepare_rejects_tables_of_another_tile_shape(sm90_backend_on_cpu):
-    backend, _, _ = sm90_backend_on_cpu
-    sizes = tuple(BENCHMARK_SIZES[2])  # the backend runs it with 128x64 tiles
-    pointers = [(1 << 36, 2 << 36, 3 << 36, 4 << 36, 5 << 36)] * 2
-    tables = submission.build_group_tables(sizes, pointers, 128, 128, "cpu")
-    with pytest.raises(RuntimeError, match="120 tiles does not match the 128x64"):
-        backend.prepare(tables)
 
 
 # ---------------------------------------------------------------------------------------
@@ -484,10 +421,10 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 
 
 @requires_sm90
-@pytest.mark.parametrize("config_name", ["auto", "default", "tile_n_64"])
+@pytest.mark.parametrize("config_name", ["default", "tile_n_64"])
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
-    """auto: the tile shape custom_kernel picks (128x64 for bench2/3, 128x128 otherwise)."""
+    """The four official benchmark shapes, default config (what custom_kernel runs) and 128x64."""
     shapes = {
         "bench0": ([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8),
         "bench1": ([40, 76, 168, 72, 164, 148, 196, 160], [7168] * 8, [2048] * 8),
@@ -498,7 +435,7 @@ def test_benchmark_shapes_match_exact_reference(case, config_name):
     data = generate_input(tuple(m), tuple(n), tuple(k), len(m), seed=1111)
     for _, _, c in data[0]:
         c.fill_(float("nan"))
-    out = hopper.run_grouped(data, config=None if config_name == "auto" else CONFIGS[config_name])
+    out = hopper.run_grouped(data, config=CONFIGS[config_name])
     torch.cuda.synchronize()
     ok, message = match_outputs(_exact_reference(data), out)
     assert ok, message
