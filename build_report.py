@@ -148,8 +148,11 @@ def read_cubin(data: bytes) -> Cubin:
                 function = functions.get(symbols.get(symbol_index, ""))
                 if function is not None:
                     setattr(function, field_by_attr[attr], attr_value)
-    # e_flags bits 8..15 hold the SM version of CUDA ELF files (e.g. 0x64 = sm_100)
-    return Cubin(sm_version=(e_flags >> 8) & 0xFF, functions=functions)
+    # Where e_flags holds the SM version depends on the CUDA ELF ABI version (e_ident[8]):
+    # v8 (sm_100a here) in bits 8..15 (0x64 = sm_100), v7 (sm_90a here) in bits 0..7 (0x5a).
+    abi_version = data[8]
+    sm_version = (e_flags >> 8) & 0xFF if abi_version >= 8 else e_flags & 0xFF
+    return Cubin(sm_version=sm_version, functions=functions)
 
 
 # =============================================================================

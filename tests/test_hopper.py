@@ -255,7 +255,7 @@ def sm90_builds(tmp_path_factory):
 ])
 def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups):
     report = sm90_builds[(target, num_groups)]
-    assert report.arch == "sm_90a" and report.ptx_target == "sm_90a"
+    assert report.arch == "sm_90a" and report.ptx_target == "sm_90a" and report.sm_version == 90
     assert 0 < report.registers <= 255
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0, "local memory: spills possible"
     assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
