@@ -286,6 +286,15 @@ def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
 # =============================================================================
 # Device code: tensormap initialization (one CTA per group)
 # =============================================================================
+def group_tensormap_gmem_ptrs(tensormap_manager, tensormaps: cute.Tensor, group_idx):
+    """Global-memory pointers of the A, B, SFA, SFB descriptors of `group_idx` in
+    `tensormaps` [G, 4, 16] (written by the init kernel, read by the GEMM kernel)."""
+    return tuple(
+        tensormap_manager.get_tensormap_ptr(tensormaps[(group_idx, slot, None)].iterator)
+        for slot in range(num_tensormaps)
+    )
+
+
 @cute.kernel
 def init_tensormaps_kernel(
     tma_atom_a: cute.CopyAtom,
@@ -330,18 +339,12 @@ def init_tensormaps_kernel(
     # Destination of the descriptors in global memory
     #
     tensormap_manager = utils.TensorMapManager(utils.TensorMapUpdateMode.SMEM, 128)
-    tensormap_a_gmem_ptr = tensormap_manager.get_tensormap_ptr(
-        tensormaps[(group_idx, 0, None)].iterator
-    )
-    tensormap_b_gmem_ptr = tensormap_manager.get_tensormap_ptr(
-        tensormaps[(group_idx, 1, None)].iterator
-    )
-    tensormap_sfa_gmem_ptr = tensormap_manager.get_tensormap_ptr(
-        tensormaps[(group_idx, 2, None)].iterator
-    )
-    tensormap_sfb_gmem_ptr = tensormap_manager.get_tensormap_ptr(
-        tensormaps[(group_idx, 3, None)].iterator
-    )
+    (
+        tensormap_a_gmem_ptr,
+        tensormap_b_gmem_ptr,
+        tensormap_sfa_gmem_ptr,
+        tensormap_sfb_gmem_ptr,
+    ) = group_tensormap_gmem_ptrs(tensormap_manager, tensormaps, group_idx)
 
     #
     # The group's real tensors
@@ -572,18 +575,12 @@ def gemm_kernel(
     # Prebuilt descriptors of this group
     #
     tensormap_manager = utils.TensorMapManager(utils.TensorMapUpdateMode.SMEM, 128)
-    tensormap_a_gmem_ptr = tensormap_manager.get_tensormap_ptr(
-        tensormaps[(group_idx, 0, None)].iterator
-    )
-    tensormap_b_gmem_ptr = tensormap_manager.get_tensormap_ptr(
-        tensormaps[(group_idx, 1, None)].iterator
-    )
-    tensormap_sfa_gmem_ptr = tensormap_manager.get_tensormap_ptr(
-        tensormaps[(group_idx, 2, None)].iterator
-    )
-    tensormap_sfb_gmem_ptr = tensormap_manager.get_tensormap_ptr(
-        tensormaps[(group_idx, 3, None)].iterator
-    )
+    (
+        tensormap_a_gmem_ptr,
+        tensormap_b_gmem_ptr,
+        tensormap_sfa_gmem_ptr,
+        tensormap_sfb_gmem_ptr,
+    ) = group_tensormap_gmem_ptrs(tensormap_manager, tensormaps, group_idx)
     tma_desc_a = tensormap_manager.get_tensormap_ptr(
         tensormap_a_gmem_ptr, cute.AddressSpace.generic
     )
