@@ -30,8 +30,8 @@ Kernel design (sm_100a):
     2-stage smem pipeline, fp32 accumulator in TMEM); all 4 warps run the epilogue
     TMEM -> registers -> global, predicated on the M and N residues.
   * Host side: validated inputs become ``GroupTables`` (pointers, sizes, tiles) kept, together
-    with descriptors and prepared launch arguments, in a bounded LRU keyed on the device, the
-    backend, the problem sizes and every data pointer; a cache hit is one kernel launch.
+    with descriptors and prepared launch arguments, in a bounded LRU keyed on every data
+    pointer (a hit also compares the problem sizes); a cache hit is one kernel launch.
   * On Hopper (sm_90) the same host runtime drives the backend from ``nvfp4_hopper.py``.
 
 Status: compiled for sm_100a (``python eval.py compile``); not run here (no B200 available).
