@@ -43,35 +43,19 @@ BENCHMARKS = [
 ]
 
 
-def time_eval_style(fn, inputs, repeats):
-    """Harness method: flush L2, events around len(inputs) back-to-back calls, divide."""
+def time_calls(fn, inputs, repeats, device_only=False):
+    """Harness method: flush L2, events around len(inputs) back-to-back calls, divide.
+
+    device_only: a sleep kernel queued first lets the host enqueue every call before the
+    start event fires, so the events bracket device time only (no host overhead)."""
     for data in inputs:  # warm-up: compile, caches
         fn(data)
     torch.cuda.synchronize()
     durations_us = []
     for _ in range(repeats):
         clear_l2_cache_large()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for data in inputs:
-            fn(data)
-        end.record()
-        torch.cuda.synchronize()
-        durations_us.append(start.elapsed_time(end) * 1e3 / len(inputs))
-    return statistics.mean(durations_us), min(durations_us)
-
-
-def time_gpu_only(fn, inputs, repeats):
-    """As time_eval_style, but a sleep kernel queued first lets the host enqueue all calls
-    before the start event fires: the events then bracket device time only."""
-    for data in inputs:
-        fn(data)
-    torch.cuda.synchronize()
-    durations_us = []
-    for _ in range(repeats):
-        clear_l2_cache_large()
-        torch.cuda._sleep(20_000_000)  # ~10 ms: far longer than enqueueing 15 calls
+        if device_only:
+            torch.cuda._sleep(20_000_000)  # ~10 ms: far longer than enqueueing 15 calls
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -129,8 +113,8 @@ def compare_configs(repeats, names=None):
                 cells.append("WRONG")
                 print(f"  {config}: {message[:200]}")
                 continue
-            mean, _best = time_gpu_only(
-                lambda state: state.run(stream), states, repeats
+            mean, _best = time_calls(
+                lambda state: state.run(stream), states, repeats, device_only=True
             )
             cells.append(f"{mean:.1f}")
         shape = f"G={len(m)} M={min(m)}..{max(m)} N={n[0]} K={k[0]}"
@@ -178,13 +162,13 @@ def main(argv=None):
         for _ in range(NUM_INPUTS):
             seed += 42
             inputs.append(generate_input(m, n, k, g, seed))
-        ours_mean, ours_best = time_eval_style(custom_kernel, inputs, args.repeats)
-        ours_device, _ = time_gpu_only(custom_kernel, inputs, args.repeats)
+        ours_mean, ours_best = time_calls(custom_kernel, inputs, args.repeats)
+        ours_device, _ = time_calls(custom_kernel, inputs, args.repeats, device_only=True)
         dequant = [dequantized_inputs(data) for data in inputs]
         del inputs
         torch.cuda.synchronize()
-        cublas_mean, cublas_best = time_eval_style(cublas_bf16, dequant, args.repeats)
-        cublas_device, _ = time_gpu_only(cublas_bf16, dequant, args.repeats)
+        cublas_mean, cublas_best = time_calls(cublas_bf16, dequant, args.repeats)
+        cublas_device, _ = time_calls(cublas_bf16, dequant, args.repeats, device_only=True)
         del dequant
         flops = sum(2 * mi * ni * ki for mi, ni, ki in zip(m, n, k))
         rows.append((g, m, n[0], k[0], ours_mean, ours_best, cublas_mean, cublas_best, flops,
