@@ -1476,6 +1476,7 @@ def custom_kernel(data: input_t) -> output_t:
         state = None
     if state is None:
         state = _validated_state(data)
+    # RuntimeState.run, inlined: one Python call less on every hit
     stream = _stream_for_current()
     if stream is not state.stream:
         state.bind(stream)
