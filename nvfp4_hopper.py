@@ -93,6 +93,11 @@ class HopperGemmConfig:
     # 1 buffer: 128 registers, 2 CTAs/SM; 2 buffers: 143 registers, 1 CTA/SM, measured
     # 264.9/173.2/60.3/30.9 µs (rejected). raw_stages=3 with 1 buffer: 240.5/147.5/62.1/31.5.
     a_register_buffers: int = 1
+    # CTAs sharing one output tile along K (a cluster of split_k CTAs along grid x): 1, or 2
+    # (each CTA runs half the k-tiles; rank 1 adds its fp32 accumulators into rank 0's
+    # shared memory through DSMEM, rank 0 stores C). For input sets with no more tiles than
+    # SMs, where one CTA per SM leaves the latency of its serial decode -> wgmma chain exposed.
+    split_k: int = 1
     arch: str = "sm_90a"
 
     @property
@@ -137,6 +142,14 @@ class HopperGemmConfig:
             raise ValueError("raw_stages must be >= 2 and mma_stages == 2")
         if self.a_register_buffers not in (1, 2):
             raise ValueError(f"a_register_buffers={self.a_register_buffers}: must be 1 or 2")
+        if self.split_k not in (1, 2):
+            # K % 256 == 0 gives a multiple of 4 k-tiles: 2 halves of an even count each
+            raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
+
+    @property
+    def reduction_bytes(self) -> int:
+        """Shared memory rank 0 of a split-K cluster receives: every thread's fp32 accumulators."""
+        return self.tile_m * self.tile_n * 4 if self.split_k > 1 else 0
 
 
 SM90_CONFIG = HopperGemmConfig()
@@ -147,6 +160,8 @@ SM90_CONFIG = HopperGemmConfig()
 # 230.8/143.9/58.8/30.4 vs 310.8/193.5/71.9/33.3 (bench/peers.py --configs). The extra A
 # decode per FLOP costs more than the latency it hides. Kept as an option for other GPUs.
 NARROW_CONFIG = dataclasses.replace(SM90_CONFIG, tile_n=64)
+# Split-K over a 2-CTA cluster: twice the CTAs, each with half the k-tiles.
+SPLIT_K_CONFIG = dataclasses.replace(SM90_CONFIG, split_k=2)
 
 
 def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None:
@@ -183,6 +198,41 @@ def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def store_f32x4_to_cta0(local_smem: cutlass.Int32, values, *, loc=None, ip=None):
+    """Store 4 fp32 at shared address `local_smem` of CTA rank 0 of this cluster (DSMEM):
+    mapa translates this CTA's shared address into rank 0's window."""
+    llvm.inline_asm(
+        None,
+        [cutlass.Int32(local_smem).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, $0, 0;\n\t"
+        "st.shared::cluster.v4.f32 [remote], {$1, $2, $3, $4};\n\t}",
+        "r,f,f,f,f,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
+    """4 fp32 from shared address `smem` (one 16-byte load)."""
+    result = llvm.inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 4),
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return [
+        cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
+        for i in range(4)
+    ]
 
 
 # One 16-element scale block: 8 packed bytes -> 16 fp16 values (v * s, exact) in two
@@ -492,11 +542,18 @@ class Sm90Nvfp4GroupedGemm:
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
         mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, 3), stride=(3, 1)))
 
+        split = self.config.split_k
+        if cutlass.const_expr(split > 1):
+            # rank 0 receives the partial sums into its sA .. raw region (sA is the struct's
+            # first member, the members are laid out in order), free after its main loop
+            region = SharedStorage.size_in_bytes()
+            assert region >= self.config.reduction_bytes, (region, self.config.reduction_bytes)
         self.kernel(
             tiled_mma, mPtrs, mSizes, mTiles, a_smem_layout_staged, b_smem_layout_staged
         ).launch(
-            grid=(num_tiles, 1, 1),
+            grid=(num_tiles * split, 1, 1),
             block=(self.num_threads, 1, 1),
+            cluster=(split, 1, 1) if split > 1 else None,
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
@@ -637,6 +694,31 @@ class Sm90Nvfp4GroupedGemm:
             )
             step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
 
+    @cute.jit
+    def reduce_split_k(self, tidx, reduction_base, accumulators):
+        """Split-K: rank 1 adds its accumulators into rank 0's. Each thread's fragment goes
+        to rank 0's shared memory in fragment order (rank 0's thread tidx has the same
+        fragment layout), 16 bytes per store, consecutive threads on consecutive 16 bytes."""
+        num_acc = cute.size(accumulators)
+        k_rank = cute.arch.block_idx_in_cluster()
+        # every thread of the cluster is past its main loop: rank 0's buffers are free
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if k_rank == 1:
+            for j in cutlass.range_constexpr(num_acc // 4):
+                store_f32x4_to_cta0(
+                    reduction_base + (j * self.num_threads + tidx) * 16,
+                    [accumulators[4 * j + e] for e in range(4)],
+                )
+        # release (rank 1's stores) / acquire (rank 0's loads)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if k_rank == 0:
+            for j in cutlass.range_constexpr(num_acc // 4):
+                partial = load_f32x4(reduction_base + (j * self.num_threads + tidx) * 16)
+                for e in cutlass.range_constexpr(4):
+                    accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
+
     @cute.kernel
     def kernel(
         self,
@@ -654,9 +736,12 @@ class Sm90Nvfp4GroupedGemm:
         #
         # Tile and group lookup
         #
-        group = mTiles[bidx, 0]
-        tile_row = mTiles[bidx, 1]
-        tile_col = mTiles[bidx, 2]
+        # split_k > 1: the split_k consecutive CTAs of a cluster (grid x) share one tile
+        split = self.config.split_k
+        tile_idx = bidx // split
+        group = mTiles[tile_idx, 0]
+        tile_row = mTiles[tile_idx, 1]
+        tile_col = mTiles[tile_idx, 2]
         m = mSizes[group, 0]
         n = mSizes[group, 1]
         k = mSizes[group, 2]
@@ -671,7 +756,16 @@ class Sm90Nvfp4GroupedGemm:
         sfb_row_offset = n0 % SF_ATOM_ROWS
         row_bytes = k // 2
         rest_k = k // (SF_VEC_SIZE * 4)
-        k_tile_cnt = k // self.tile_k
+        # this CTA's k-tiles: [k_tile_begin, k_tile_begin + k_tile_cnt) (an even count)
+        k_tile_cnt = k // (self.tile_k * split)
+        if cutlass.const_expr(split > 1):
+            # rank r of the cluster (shape (split_k, 1, 1)) starts at k-tile r * k_tile_cnt:
+            # moved into the base addresses, so the main loop is the same for every split
+            k_tile_begin = (bidx % split) * k_tile_cnt
+            a_addr = a_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
+            b_addr = b_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
+            sfa_addr = sfa_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
+            sfb_addr = sfb_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
 
         #
         # Shared memory
@@ -806,6 +900,9 @@ class Sm90Nvfp4GroupedGemm:
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)
 
+        if cutlass.const_expr(split > 1):
+            self.reduce_split_k(tidx, sA_base, accumulators)
+
         #
         # Epilogue: fp32 -> fp16, stores predicated on the M and N residues
         #
@@ -822,7 +919,8 @@ class Sm90Nvfp4GroupedGemm:
         tCcC = thr_mma_c.partition_C(cC)
         # both operands carry 2^-14 when the decode used a single multiply (exact rescale)
         acc_scale = cutlass.Float32(2.0**28 if self.config.single_multiply else 1.0)
-        if warp_group_has_rows:
+        # (split_k > 1: only rank 0 holds the sum)
+        if warp_group_has_rows and cute.arch.block_idx()[0] % split == 0:
             for i in cutlass.range_constexpr(cute.size(accumulators)):
                 coord = tCcC[i]
                 if coord[0] < m and coord[1] < n:

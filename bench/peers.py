@@ -81,6 +81,7 @@ def compare_configs(repeats, names=None):
         "reg A 1buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=1),
         "reg A 2buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
         "tile_n 64": hopper.NARROW_CONFIG,
+        "split 2": hopper.SPLIT_K_CONFIG,
     }
     if names:
         unknown = set(names) - set(configs)

@@ -227,6 +227,8 @@ def test_narrow_config_stage_layout():
     hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
     hopper.NARROW_CONFIG,
     hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
+    hopper.SPLIT_K_CONFIG,
+    hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
     compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a", config=config)
@@ -396,6 +398,8 @@ CONFIG_CASES = (
     + [("tile_n_256", seed) for seed in range(200, 208)]
     + [("tile_n_64", seed) for seed in range(500, 532)]
     + [("tile_n_64_smem_a", seed) for seed in range(600, 608)]
+    + [("split_k_2", seed) for seed in range(700, 740)]
+    + [("split_k_2_smem_a", seed) for seed in range(800, 808)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -405,6 +409,8 @@ CONFIGS = {
     "tile_n_256": hopper.HopperGemmConfig(tile_n=256, a_in_registers=False),
     "tile_n_64": hopper.NARROW_CONFIG,
     "tile_n_64_smem_a": hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
+    "split_k_2": hopper.SPLIT_K_CONFIG,
+    "split_k_2_smem_a": hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
 }
 
 
@@ -421,10 +427,10 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 
 
 @requires_sm90
-@pytest.mark.parametrize("config_name", ["default", "tile_n_64"])
+@pytest.mark.parametrize("config_name", ["default", "tile_n_64", "split_k_2"])
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
-    """The four official benchmark shapes, default config (what custom_kernel runs) and 128x64."""
+    """The four official benchmark shapes in every config custom_kernel may pick, and 128x64."""
     shapes = {
         "bench0": ([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8),
         "bench1": ([40, 76, 168, 72, 164, 148, 196, 160], [7168] * 8, [2048] * 8),
