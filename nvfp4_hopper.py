@@ -235,122 +235,182 @@ def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
     ]
 
 
-# One 16-element scale block: 8 packed bytes -> 16 fp16 values (v * s, exact) in two
-# 16-byte chunks. Per byte pair (elements 2p, 2p+1 = low, high nibble of byte p):
-#   e = (w << 4) & 0xF0F0F0F0 and o = w & 0xF0F0F0F0 put every code in the high nibble of a
-#   byte; prmt gathers [e.p, e.p, o.p, o.p]; (q | q >> 3) & 0x8E008E00 places, per 16-bit
-#   lane, the sign at bit 15 and the exponent/mantissa bits e1 e0 m at bits 11..9: the fp16
-#   whose value is v * 2^-14 (code 0.5 lands on the subnormal 2^-15, handled exactly by fp16
-#   multiplies). Multiplying by s gives v * s * 2^-14 exactly (>= 2^-24, the smallest fp16
-#   subnormal); with single_multiply=False a first multiply by 2^14 gives v, then v * s.
+# Decode of packed e2m1 into fp16 (v * 2^-14, exact), two elements per 32-bit register.
 #
-# K permutation (register-A mode). wgmma's register A fragment gives lane (g, t) of a warp,
-# per k16 step s, the logical columns 2t, 2t+1 (registers 0/1: rows g, g+8) and 2t+8, 2t+9
-# (registers 2/3). A dot product is invariant under any permutation of K applied to both
-# operands, so within each 16-element scale block (= one k16 step: every product of a step
-# keeps one scale pair, as with the plain layout) lane t takes packed bytes 2t and 2t+1
-# (elements 4t .. 4t+3): packed pair q (elements 2q, 2q+1) of block s is logical column
-# 16 s + 8 (q % 2) + 2 (q // 2). In B's swizzled fp16 rows block s then fills chunks 2s
-# (pairs 0, 2, 4, 6) and 2s + 1 (pairs 1, 3, 5, 7): the same two 16-byte stores per block,
-# registers reordered. With a 9-30% share of mismatches, the first permutation tried (lane
-# t takes all of block t, so every k16 step mixed 4 scale blocks) was not exact under
-# wide-range scales: wgmma's fp32 accumulation of one step loses low bits of small terms.
-def _decode_blocks_asm(num_blocks: int, single_multiply: bool, mode: str = "chunks") -> str:
-    """PTX decoding `num_blocks` units. All loads are issued first and all stores last, so
-    the units' ALU work interleaves instead of waiting on each load.
+# A packed 32-bit word holds 8 codes: byte p has element 2p in its low nibble ("even") and
+# element 2p+1 in its high nibble ("odd"). The fp16 bit pattern of v * 2^-14 is the code's
+# sign at bit 15 and its 3 magnitude bits (e1 e0 m) at bits 11..9, every other bit zero
+# (code 0.5 lands on the subnormal 2^-15, handled exactly by fp16 multiplies and by wgmma).
+# With x = w & 0x0F0F0F0F (even codes) and o = w & 0xF0F0F0F0 (odd codes), each register
+# takes two codes two bytes apart, shifted so that the sign lands on bit 15 and the
+# magnitude on bits 11..9 of its 16-bit lane, and keeps only those bits:
+#
+#     register  lanes (elements)   = (a | b) & 0x8E008E00 with
+#     e02       (0, 4)               a = x << 12, b = x << 9
+#     e13       (2, 6)               a = x << 4,  b = x << 1
+#     o02       (1, 5)               a = o << 8,  b = o << 5
+#     o13       (3, 7)               a = o,       b = o >> 3
+#
+# (a and b never both have a bit at a kept position, and no other code reaches one). That
+# is 7 integer-pipe instructions per 8 codes (2 masks, 1 right shift, 4 lop3; ptxas may put
+# the left shifts on the multiply pipe) where placing each pair with prmt + shift + lop3 took
+# 15: the decode's integer work bounds the kernel (on the H200, skipping the B decode made
+# it 23% faster). Multiplying a register by its block's scale s (fp16x2) gives v * s * 2^-14,
+# exact (>= 2^-24, the smallest fp16 subnormal); the epilogue scales by 2^28 (both operands).
+#
+# K permutation. A dot product is invariant under one permutation of K applied to both
+# operands. Within each 16-element scale block (one k16 wgmma step, so that every product of
+# a step keeps one scale pair: wgmma's fp32 accumulation of a step that mixes scale blocks
+# loses low bits of small terms) element e takes logical column LOGICAL_COLUMN[e]:
+#   * B in shared memory (swizzled K-major fp16 rows): block s fills chunk 2s with the e02,
+#     e13 registers of its two words and chunk 2s+1 with their o02, o13 (CHUNK_REGISTERS);
+#   * A in registers: wgmma's fragment gives lane (g, t) of a warp, per k16 step, registers
+#     (row g, cols 2t, 2t+1), (g+8, 2t, 2t+1), (g, 2t+8, 2t+9), (g+8, 2t+8, 2t+9). The lane
+#     builds one word per block from bytes p and p+2 (p = t % 2) of the 4-byte half t // 2 of
+#     rows g and g+8, [g.p, g8.p, g.p+2, g8.p+2] (one prmt, a_word_selector): its e02 / o02
+#     registers are row g's, e13 / o13 row g+8's, in the columns LOGICAL_COLUMN gives;
+#   * A in shared memory (a_in_registers=False) is stored like B.
+REGISTER_ELEMENTS = {"e02": (0, 4), "e13": (2, 6), "o02": (1, 5), "o13": (3, 7)}  # per lane
+CHUNK_REGISTERS = (("e02", "e13"), ("o02", "o13"))  # chunk 2s, 2s+1: word 0's, then word 1's
+FRAGMENT_REGISTERS = ("e02", "e13", "o02", "o13")  # register-A fragment order of a k16 step
 
-    mode "chunks" (unit = one scale block): operands per block b: $(4b) packed source,
-    $(4b+1) scale byte, $(4b+2) / $(4b+3) destination chunks (two 16-byte stores, pairs
-    in order). mode "k_permuted": as "chunks", pairs 0, 2, 4, 6 to the first chunk and
-    1, 3, 5, 7 to the second (B in register-A mode).
-    mode "registers" (unit = one row of a 64-wide k-tile, register-A mode): outputs
-    $(8b + 2s + h) = pair h of the lane's two bytes of block s; inputs after the
-    8 * num_blocks outputs, per row: packed row + 2t, the row's 4 scale bytes (aligned).
+
+def _chunk_logical_columns() -> tuple[int, ...]:
+    """LOGICAL_COLUMN[e] for the 16 elements of a scale block, from the chunk layout."""
+    column = {}
+    for chunk, registers in enumerate(CHUNK_REGISTERS):
+        for word in range(2):
+            for slot, register in enumerate(registers):
+                for lane, element in enumerate(REGISTER_ELEMENTS[register]):
+                    column[8 * word + element] = 8 * chunk + 4 * word + 2 * slot + lane
+    return tuple(column[e] for e in range(16))
+
+
+LOGICAL_COLUMN = _chunk_logical_columns()
+
+
+def a_word_selector(t: int) -> int:
+    """prmt selector building lane t's word [g.p, g8.p, g.p+2, g8.p+2] (p = t % 2) from the
+    4-byte halves of rows g (bytes 0-3) and g+8 (bytes 4-7)."""
+    p = t % 2
+    return ((6 + p) << 12) | ((2 + p) << 8) | ((4 + p) << 4) | p
+
+
+def _place_word_ptx(word: str, destinations: dict) -> list[str]:
+    """PTX placing the 8 codes of `word` into destinations["e02"] .. ["o13"] (v * 2^-14, see
+    above); scratch registers x, o, a, b; the kept-bit mask in `lanes`."""
+    return [
+        f"and.b32 x, {word}, 0x0F0F0F0F;",
+        f"and.b32 o, {word}, 0xF0F0F0F0;",
+        "mul.lo.u32 a, x, 4096;",
+        "mul.lo.u32 b, x, 512;",
+        f"lop3.b32 {destinations['e02']}, a, b, lanes, 0xA8;",
+        "mul.lo.u32 a, x, 16;",
+        "mul.lo.u32 b, x, 2;",
+        f"lop3.b32 {destinations['e13']}, a, b, lanes, 0xA8;",
+        "mul.lo.u32 a, o, 256;",
+        "mul.lo.u32 b, o, 32;",
+        f"lop3.b32 {destinations['o02']}, a, b, lanes, 0xA8;",
+        "shr.b32 b, o, 3;",
+        f"lop3.b32 {destinations['o13']}, o, b, lanes, 0xA8;",
+    ]
+
+
+def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunks") -> str:
+    """PTX decoding `num_units` units. All loads are issued first and all stores last, so
+    the units' integer work interleaves instead of waiting on each load.
+
+    mode "chunks" (unit = one scale block of one row, into shared memory): operands per
+    unit u: $(4u) packed source (8 bytes), $(4u+1) scale byte, $(4u+2) / $(4u+3) the
+    16-byte destination chunks (CHUNK_REGISTERS).
+    mode "registers" (unit = rows g and g+8 of a 64-wide k-tile, register-A mode): outputs
+    $(16u + 4s + i) = FRAGMENT_REGISTERS[i] of k16 step s; inputs after the 16 * num_units
+    outputs, per unit: row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), the
+    a_word_selector, row g's 4 scale bytes, row g+8's (aligned).
     """
     registers = mode == "registers"
-    first_input = 8 * num_blocks if registers else 0
-    per_block = 2 if registers else 4
+    first_input = 16 * num_units if registers else 0
+    per_unit = 5 if registers else 4
     lines = [
         "{",
-        ".reg .b32 e0, o0, e1, o1, q, t, lanes, nib, k14, sc;",
+        ".reg .b32 x, o, a, b, lanes, k14, sc;",
         ".reg .b16 slo, shi;",
         "mov.b32 lanes, 0x8E008E00;",
-        "mov.b32 nib, 0xF0F0F0F0;",
         "mov.b32 k14, 0x74007400;",
     ]
-    for b in range(num_blocks):
-        lines.append(f".reg .b32 w{b}_0, w{b}_1, s{b}, r{b}_<8>;")
+    for u in range(num_units):
         if registers:
-            lines.append(f".reg .b32 s{b}_<4>;")
-            lines.append(f".reg .b16 h{b}_<4>;")
-    for b in range(num_blocks):
-        src = first_input + per_block * b
+            lines.append(f".reg .b32 g{u}_<4>, h{u}_<4>, w{u}, sg{u}, sh{u}, S{u}_<8>;")
+            lines += [f".reg .b32 r{u}_{s}_<4>;" for s in range(4)]
+        else:
+            lines.append(f".reg .b32 w{u}_<2>, s{u}, S{u}, r{u}_0_<4>, r{u}_1_<4>;")
+    for u in range(num_units):  # loads
+        src = first_input + per_unit * u
         if registers:
-            for blk in range(4):
-                lines.append(f"ld.shared.u16 h{b}_{blk}, [${src} + {8 * blk}];")
-            lines.append(f"ld.shared.u32 s{b}, [${src + 1}];")
+            for s in range(4):
+                lines.append(f"ld.shared.u32 g{u}_{s}, [${src} + {8 * s}];")
+                lines.append(f"ld.shared.u32 h{u}_{s}, [${src + 1} + {8 * s}];")
+            lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
+            lines.append(f"ld.shared.u32 sh{u}, [${src + 4}];")
         else:
-            lines.append(f"ld.shared.v2.b32 {{w{b}_0, w{b}_1}}, [${src}];")
-            lines.append(f"ld.shared.u8 s{b}, [${src + 1}];")
-    for b in range(num_blocks):
+            lines.append(f"ld.shared.v2.b32 {{w{u}_0, w{u}_1}}, [${src}];")
+            lines.append(f"ld.shared.u8 s{u}, [${src + 1}];")
+    for u in range(num_units):  # scales: fp16x2 (s, s) per row and block
         if registers:
-            lines += [f"mov.b32 w{b}_0, {{h{b}_0, h{b}_1}};", f"mov.b32 w{b}_1, {{h{b}_2, h{b}_3}};"]
-            for half, selector in ((0, "0x1100"), (1, "0x3322")):
-                lines += [
-                    f"prmt.b32 sc, s{b}, 0, {selector};",
-                    "mov.b32 {slo, shi}, sc;",
-                    f"cvt.rn.f16x2.e4m3x2 s{b}_{2 * half}, slo;",
-                    f"cvt.rn.f16x2.e4m3x2 s{b}_{2 * half + 1}, shi;",
-                ]
+            for row, scales in enumerate((f"sg{u}", f"sh{u}")):
+                for half, selector in ((0, "0x1100"), (1, "0x3322")):
+                    lines += [
+                        f"prmt.b32 sc, {scales}, 0, {selector};",
+                        "mov.b32 {slo, shi}, sc;",
+                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half}, slo;",
+                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half + 1}, shi;",
+                    ]
         else:
-            lines += [
-                f"mul.lo.u32 sc, s{b}, 257;",
-                "mov.b32 {slo, shi}, sc;",
-                f"cvt.rn.f16x2.e4m3x2 s{b}, slo;",
-            ]
-        for word in range(2):
-            lines += [
-                f"shl.b32 e{word}, w{b}_{word}, 4;",
-                f"and.b32 e{word}, e{word}, nib;",
-                f"and.b32 o{word}, w{b}_{word}, nib;",
-            ]
-        for word in range(2):
-            for p in range(4):
-                pair = 4 * word + p
-                dst = f"r{b}_{pair}"
-                scale = f"s{b}_{pair // 2}" if registers else f"s{b}"
-                lines += [
-                    f"prmt.b32 q, e{word}, o{word}, 0x{4 + p}{4 + p}{p}{p};",
-                    "shr.b32 t, q, 3;",
-                    f"lop3.b32 {dst}, q, t, lanes, 0xA8;",
-                ]
-                if not single_multiply:
-                    lines.append(f"mul.rn.f16x2 {dst}, {dst}, k14;")
-                lines.append(f"mul.rn.f16x2 {dst}, {dst}, {scale};")
-    for b in range(num_blocks):
-        if mode == "chunks":
-            lines.append(f"st.shared.v4.b32 [${4 * b + 2}], {{r{b}_0, r{b}_1, r{b}_2, r{b}_3}};")
-            lines.append(f"st.shared.v4.b32 [${4 * b + 3}], {{r{b}_4, r{b}_5, r{b}_6, r{b}_7}};")
-        elif mode == "k_permuted":
-            lines.append(f"st.shared.v4.b32 [${4 * b + 2}], {{r{b}_0, r{b}_2, r{b}_4, r{b}_6}};")
-            lines.append(f"st.shared.v4.b32 [${4 * b + 3}], {{r{b}_1, r{b}_3, r{b}_5, r{b}_7}};")
+            lines += [f"mul.lo.u32 sc, s{u}, 257;", "mov.b32 {slo, shi}, sc;", f"cvt.rn.f16x2.e4m3x2 S{u}, slo;"]
+    for u in range(num_units):  # bit placement and scaling
+        if registers:
+            for s in range(4):
+                lines.append(f"prmt.b32 w{u}, g{u}_{s}, h{u}_{s}, ${first_input + per_unit * u + 2};")
+                destinations = {name: f"r{u}_{s}_{i}" for i, name in enumerate(FRAGMENT_REGISTERS)}
+                lines += _place_word_ptx(f"w{u}", destinations)
+                for name, reg in destinations.items():
+                    row = 0 if name in ("e02", "o02") else 1  # word bytes 0, 2: row g; 1, 3: g+8
+                    if not single_multiply:
+                        lines.append(f"mul.rn.f16x2 {reg}, {reg}, k14;")
+                    lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u}_{4 * row + s};")
         else:
-            for q in range(8):
-                lines.append(f"mov.b32 ${8 * b + q}, r{b}_{q};")
+            for word in range(2):
+                destinations = {
+                    name: f"r{u}_{chunk}_{2 * word + slot}"
+                    for chunk, names in enumerate(CHUNK_REGISTERS)
+                    for slot, name in enumerate(names)
+                }
+                lines += _place_word_ptx(f"w{u}_{word}", destinations)
+                for reg in destinations.values():
+                    if not single_multiply:
+                        lines.append(f"mul.rn.f16x2 {reg}, {reg}, k14;")
+                    lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u};")
+    for u in range(num_units):  # stores / outputs
+        if registers:
+            lines += [f"mov.b32 ${16 * u + 4 * s + i}, r{u}_{s}_{i};" for s in range(4) for i in range(4)]
+        else:
+            for chunk in range(2):
+                regs = ", ".join(f"r{u}_{chunk}_{i}" for i in range(4))
+                lines.append(f"st.shared.v4.b32 [${4 * u + 2 + chunk}], {{{regs}}};")
     lines.append("}")
     return "\n\t".join(lines)
 
 
 @dsl_user_op
-def decode_scale_blocks(addresses, single_multiply: bool = False, k_permuted: bool = False, *, loc=None, ip=None):
-    """Decode scale blocks; `addresses` lists (packed, scale, dst_lo, dst_hi) smem addresses
-    per block: 16 packed e2m1 values times their e4m3 scale -> two 16-byte fp16 chunks
-    (pairs in order, or in the register-A K permutation)."""
+def decode_scale_blocks(addresses, single_multiply: bool = False, *, loc=None, ip=None):
+    """Decode scale blocks into shared memory; `addresses` lists (packed, scale, dst_lo,
+    dst_hi) smem addresses per block: 16 packed e2m1 values times their e4m3 scale -> two
+    16-byte fp16 chunks in the K permutation (CHUNK_REGISTERS)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for block in addresses for x in block]
     llvm.inline_asm(
         None,
         operands,
-        _decode_blocks_asm(len(addresses), single_multiply, "k_permuted" if k_permuted else "chunks"),
+        _decode_blocks_asm(len(addresses), single_multiply, "chunks"),
         ",".join(["r"] * len(operands)) + ",~{memory}",
         has_side_effects=True,
         is_align_stack=False,
@@ -359,23 +419,24 @@ def decode_scale_blocks(addresses, single_multiply: bool = False, k_permuted: bo
 
 
 @dsl_user_op
-def decode_scale_blocks_to_registers(addresses, single_multiply: bool = False, *, loc=None, ip=None):
-    """Decode a lane's share of k-tile rows into registers; `addresses` lists (packed row +
-    2t, row's first scale byte) smem addresses per row. Returns, per row, 8 Int32 registers:
-    2s + h = fp16x2 of elements 4t + 2h, 4t + 2h + 1 of scale block s."""
-    operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for block in addresses for x in block]
-    num_outputs = 8 * len(addresses)
+def decode_scale_blocks_to_registers(units, single_multiply: bool = False, *, loc=None, ip=None):
+    """Decode a lane's share of row pairs (g, g+8) of a k-tile into registers; `units` lists
+    (row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), a_word_selector(t), row g's
+    scales, row g+8's) per row pair. Returns, per unit and k16 step, the 4 Int32 fragment
+    registers (FRAGMENT_REGISTERS order)."""
+    operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
+    num_outputs = 16 * len(units)
     result = llvm.inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
-        _decode_blocks_asm(len(addresses), single_multiply, "registers"),
+        _decode_blocks_asm(len(units), single_multiply, "registers"),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     registers = [llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip) for i in range(num_outputs)]
-    return [registers[8 * b : 8 * b + 8] for b in range(len(addresses))]
+    return [[registers[16 * u + 4 * s : 16 * u + 4 * s + 4] for s in range(4)] for u in range(len(units))]
 
 
 @dsl_user_op
@@ -388,26 +449,35 @@ def pack_f16x8(registers, *, loc=None, ip=None):
 
 
 # Host mirrors of the device arithmetic (tests compare them with independent decodes)
-def emulate_decode_word(word: int, scale_byte: int):
-    """Mirror of one packed word of _decode_blocks_asm(.., False): 8 e2m1 codes -> 8 float16 (numpy).
+def emulate_word_registers(word: int) -> dict:
+    """Mirror of _place_word_ptx: register name -> its 32-bit pattern (two fp16 lanes)."""
+    mask32 = 0xFFFFFFFF
+    x = word & 0x0F0F0F0F
+    o = word & 0xF0F0F0F0
+    lanes = 0x8E008E00
+    pairs = {
+        "e02": ((x * 4096) & mask32, (x * 512) & mask32),
+        "e13": ((x * 16) & mask32, (x * 2) & mask32),
+        "o02": ((o * 256) & mask32, (o * 32) & mask32),
+        "o13": (o, o >> 3),
+    }
+    return {name: (a | b) & lanes for name, (a, b) in pairs.items()}
 
-    Returns (placed, scaled): the fp16 bit patterns after the bit placement (value v * 2^-14)
-    and the fp16 values after the two multiplies (v * s), in element order.
+
+def emulate_decode_word(word: int, scale_byte: int):
+    """Mirror of the decode of one packed word: 8 e2m1 codes -> 8 float16 (numpy), put back
+    in element order through REGISTER_ELEMENTS.
+
+    Returns (placed, scaled): the fp16 values after the bit placement (v * 2^-14) and after
+    the two-multiply decode (v * s), in element order.
     """
     import numpy as np
 
-    def prmt(a, b, sel):
-        src = a.to_bytes(4, "little") + b.to_bytes(4, "little")
-        return int.from_bytes(bytes(src[(sel >> (4 * i)) & 7] for i in range(4)), "little")
-
-    e = (word << 4) & 0xF0F0F0F0
-    o = word & 0xF0F0F0F0
-    placed = []
-    for p in range(4):
-        q = prmt(e, o, ((4 + p) << 12) | ((4 + p) << 8) | (p << 4) | p)
-        r = (q | (q >> 3)) & 0x8E008E00
-        placed += [r & 0xFFFF, r >> 16]
-    placed = np.array(placed, dtype=np.uint16).view(np.float16)
+    placed = np.zeros(8, dtype=np.float16)
+    for name, bits in emulate_word_registers(word).items():
+        lanes = np.array([bits & 0xFFFF, bits >> 16], dtype=np.uint16).view(np.float16)
+        for lane, element in enumerate(REGISTER_ELEMENTS[name]):
+            placed[element] = lanes[lane]
     scale = np.float16(_e4m3_value(scale_byte))
     scaled = (placed * np.float16(2.0**14)).astype(np.float16) * scale
     return placed, scaled.astype(np.float16)
@@ -633,7 +703,7 @@ class Sm90Nvfp4GroupedGemm:
     def decode_stage(
         self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=False
     ):
-        """Decode A and B (or only B, K-permuted, in register-A mode) of one raw stage.
+        """Decode A and B (or only B, in register-A mode) of one raw stage into the fp16 stages.
 
         sfb_row_offset: row of the B tile's first row inside its scale atom (n0 % 128: 0 or
         64 with tile_n = 64; unused, and always 0, otherwise)."""
@@ -663,35 +733,41 @@ class Sm90Nvfp4GroupedGemm:
             dst_lo = row_base + ((2 * blk) ^ swz) * 16
             dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
             blocks.append((src, scale, dst_lo, dst_hi))
-        decode_scale_blocks(blocks, self.config.single_multiply, k_permuted=b_only)
+        decode_scale_blocks(blocks, self.config.single_multiply)
 
     @cute.jit
     def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag):
-        """Register-A mode: lane (g, t) of warp w in warpgroup v decodes packed bytes 2t, 2t+1
-        of every scale block of rows 64 v + 16 w + g and + 8 into the wgmma A fragment
-        (K permutation above)."""
+        """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
+        64 v + 16 w + g and + 8 (4-byte half t // 2 of every scale block, the bytes
+        a_word_selector(t) picks) into the wgmma A fragment (K permutation above)."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
         lane = tidx % 32
-        row0 = (tidx // 32) * 16 + lane // 4
-        rows = []
+        row = (tidx // 32) * 16 + lane // 4
+        t = lane % 4
+        half_offset = (t // 2) * 4
+        # a_word_selector(t) for t % 2 in {0, 1}: 0x6240 + 0x1111 * (t % 2)
+        selector = 0x6240 + 0x1111 * (t % 2)
+        units = []
+        sources = []
         for half in cutlass.range_constexpr(2):
-            row = row0 + 8 * half
-            src = raw_stage_base + row * self.raw_row_bytes + (lane % 4) * 2
-            scales = (
+            r = row + 8 * half
+            sources.append(raw_stage_base + r * self.raw_row_bytes + half_offset)
+        scales = []
+        for half in cutlass.range_constexpr(2):
+            r = row + 8 * half
+            scales.append(
                 raw_stage_base
                 + self.raw_sfa_offset
-                + (row // SF_ATOM_ROWS) * SF_ATOM_BYTES
-                + (row % 32) * 16
-                + ((row % SF_ATOM_ROWS) // 32) * 4
+                + (r // SF_ATOM_ROWS) * SF_ATOM_BYTES
+                + (r % 32) * 16
+                + ((r % SF_ATOM_ROWS) // 32) * 4
             )
-            rows.append((src, scales))
-        pairs = decode_scale_blocks_to_registers(rows, self.config.single_multiply)
+        units.append((sources[0], sources[1], selector, scales[0], scales[1]))
+        steps = decode_scale_blocks_to_registers(units, self.config.single_multiply)[0]
         # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
         for step in cutlass.range_constexpr(self.tile_k // 16):
             step_frag = a_frag[(None, 0, step)]
-            values = pack_f16x8(
-                [pairs[0][2 * step], pairs[1][2 * step], pairs[0][2 * step + 1], pairs[1][2 * step + 1]]
-            )
+            values = pack_f16x8(steps[step])
             step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
 
     @cute.jit

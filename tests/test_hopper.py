@@ -135,15 +135,17 @@ def test_emulated_b_stage_decodes_to_the_reference(config):
                 dst = kernel.raw_sfb_offset + atom * 512
                 stage[dst : dst + 512] = sf_storage[src : src + 512]
             assert kernel.raw_sfb_offset + config.sfb_atoms * 512 <= config.raw_stage_bytes
+            # logical (K-permuted) columns, as the chunk stores lay them out
             decoded = np.zeros((rows, config.tile_k), dtype=np.float64)
             for row in range(rows):
                 for blk in range(4):
                     src = kernel.raw_b_offset + row * row_bytes + blk * 8
                     words = stage[src : src + 8].view("<u4")
                     scale = stage[kernel.raw_sfb_offset + hopper.stage_scale_offset(n0, config.tile_n, row, blk)]
-                    for w in range(2):
-                        _, values = hopper.emulate_decode_word(int(words[w]), int(scale))
-                        decoded[row, 16 * blk + 8 * w : 16 * blk + 8 * w + 8] = values.astype(np.float64)
+                    chunks = _emulated_chunks([int(w) for w in words], int(scale))
+                    decoded[row, 16 * blk : 16 * blk + 16] = chunks
+            # back to element order: logical column LOGICAL_COLUMN[e] holds element e
+            decoded = decoded.reshape(rows, 4, 16)[:, :, list(hopper.LOGICAL_COLUMN)].reshape(rows, 64)
             reference_tile = expected[n0 : n0 + config.tile_n, k_tile * 64 : (k_tile + 1) * 64].double().numpy()
             assert np.array_equal(decoded, reference_tile), (n0, k_tile)
 
@@ -163,33 +165,71 @@ def test_swizzle_is_a_permutation_of_16_byte_chunks_per_8_rows():
     assert hopper.swizzled_chunk_offset(9, 2) == 9 * 128 + (2 ^ 1) * 16
 
 
-def test_k_permutation_is_the_same_bijection_for_a_fragments_and_b_stores():
-    """Register-A mode: lane t's fragment registers (A) and the reordered chunk stores (B)
-    give every packed element of a 64-wide k-tile the same logical column, once, and each
-    k16 step reads one scale block (exactness: one scale pair per step)."""
-    a_logical = {}
-    for t in range(4):  # lane % 4 takes packed bytes 2t, 2t+1 of every block
-        for step in range(4):
-            for h in range(2):  # registers 0/1 (h = 0): cols 2t, 2t+1; 2/3: 2t+8, 2t+9
-                for j in range(2):
-                    physical = 16 * step + 4 * t + 2 * h + j
-                    a_logical[physical] = 16 * step + 8 * h + 2 * t + j
-    b_logical = {}
-    for blk in range(4):
-        # the asm's "k_permuted" stores: first chunk {r0, r2, r4, r6}, second {r1, r3, r5, r7}
-        asm = hopper._decode_blocks_asm(1, True, "k_permuted")
-        stores = [line for line in asm.splitlines() if "st.shared.v4" in line]
-        for chunk_in_block, line in enumerate(stores):
-            regs = line.split("{")[1].split("}")[0].replace(" ", "").split(",")
-            for word, reg in enumerate(regs):
-                pair = int(reg.split("_")[1])
-                for j in range(2):
-                    logical = 8 * (2 * blk + chunk_in_block) + 2 * word + j
-                    b_logical[16 * blk + 2 * pair + j] = logical
-    assert sorted(a_logical.values()) == list(range(64))
-    assert b_logical == a_logical
-    for physical, logical in a_logical.items():
-        assert physical // 16 == logical // 16  # same scale block as the k16 step
+def _fp16_lanes(bits: int) -> list[float]:
+    return np.array([bits & 0xFFFF, bits >> 16], dtype=np.uint16).view(np.float16).astype(np.float64).tolist()
+
+
+def _emulated_chunks(words, scale_byte):
+    """The 16 fp16 values (as float) of one block's two chunks, in store order, from the
+    emulated registers of its two words (CHUNK_REGISTERS), times the scale."""
+    scale = hopper._e4m3_value(scale_byte) * 2.0**14
+    registers = [hopper.emulate_word_registers(w) for w in words]
+    values = []
+    for names in hopper.CHUNK_REGISTERS:
+        for word in range(2):
+            for name in names:
+                values += [v * scale for v in _fp16_lanes(registers[word][name])]
+    return values
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    source = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    return int.from_bytes(bytes(source[(selector >> (4 * i)) & 7] for i in range(4)), "little")
+
+
+def test_logical_columns_are_a_permutation_of_each_scale_block():
+    assert sorted(hopper.LOGICAL_COLUMN) == list(range(16))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fragments_and_b_chunks_agree_on_every_logical_column(seed):
+    """Register-A mode: the fragment registers lane t builds (a_word_selector's prmt of rows g
+    and g+8, then the bit placement) and the B chunk stores put the same element of a scale
+    block in every logical column: the K permutation is one bijection for both operands."""
+    rng = np.random.default_rng(seed)
+    row_g, row_g8 = (rng.integers(0, 256, 8, dtype=np.uint8) for _ in range(2))
+    elements = {}
+    for name, row in (("g", row_g), ("g8", row_g8)):
+        placed = []
+        for w in range(2):
+            placed += hopper.emulate_decode_word(int(row[4 * w : 4 * w + 4].view("<u4")[0]), 0x38)[0].tolist()
+        elements[name] = placed  # element order
+        # B: the chunk stores hold element e at logical column LOGICAL_COLUMN[e]
+        stored = _emulated_chunks([int(row[0:4].view("<u4")[0]), int(row[4:8].view("<u4")[0])], 0x38)
+        assert [stored[hopper.LOGICAL_COLUMN[e]] for e in range(16)] == [v * 2.0**14 for v in placed]
+    # A: lane t's fragment registers of this block (k16 step)
+    seen = set()
+    for t in range(4):
+        half = t // 2
+        word = _prmt(
+            int(row_g[4 * half : 4 * half + 4].view("<u4")[0]),
+            int(row_g8[4 * half : 4 * half + 4].view("<u4")[0]),
+            hopper.a_word_selector(t),
+        )
+        registers = hopper.emulate_word_registers(word)
+        for index, name in enumerate(hopper.FRAGMENT_REGISTERS):
+            row = "g" if index in (0, 2) else "g8"  # fragment: (g, ..), (g+8, ..), (g, ..), (g+8, ..)
+            columns = (2 * t, 2 * t + 1) if index < 2 else (2 * t + 8, 2 * t + 9)
+            for column, value in zip(columns, _fp16_lanes(registers[name])):
+                element = hopper.LOGICAL_COLUMN.index(column)
+                assert value == elements[row][element], (t, name, column)
+                seen.add((row, column))
+    assert len(seen) == 32  # every (row, column) of the step once
+
+
+def test_a_word_selector_picks_bytes_p_and_p_plus_2_of_both_rows():
+    assert [hex(hopper.a_word_selector(t)) for t in range(4)] == ["0x6240", "0x7351", "0x6240", "0x7351"]
+    assert _prmt(0x03020100, 0x07060504, hopper.a_word_selector(1)) == 0x07030501
 
 
 def test_can_implement_names_group_field_and_rule():
