@@ -615,9 +615,10 @@ class Sm90Nvfp4GroupedGemm:
         split = self.config.split_k
         if cutlass.const_expr(split > 1):
             # rank 0 receives the partial sums into its sA .. raw region (sA is the struct's
-            # first member, the members are laid out in order), free after its main loop
+            # first member, the members are laid out in order), free after its main loop;
+            # in as many passes as it takes (128x256 tiles: 128 KB of sums, 2 passes)
             region = SharedStorage.size_in_bytes()
-            assert region >= self.config.reduction_bytes, (region, self.config.reduction_bytes)
+            self.reduction_passes = -(-self.config.reduction_bytes // region)
         self.kernel(
             tiled_mma, mPtrs, mSizes, mTiles, a_smem_layout_staged, b_smem_layout_staged
         ).launch(
@@ -774,26 +775,32 @@ class Sm90Nvfp4GroupedGemm:
     def reduce_split_k(self, tidx, reduction_base, accumulators):
         """Split-K: rank 1 adds its accumulators into rank 0's. Each thread's fragment goes
         to rank 0's shared memory in fragment order (rank 0's thread tidx has the same
-        fragment layout), 16 bytes per store, consecutive threads on consecutive 16 bytes."""
-        num_acc = cute.size(accumulators)
+        fragment layout), 16 bytes per store, consecutive threads on consecutive 16 bytes;
+        in reduction_passes passes when the sums exceed rank 0's shared memory."""
+        num_vectors = cute.size(accumulators) // 4
+        per_pass = num_vectors // self.reduction_passes
         k_rank = cute.arch.block_idx_in_cluster()
-        # every thread of the cluster is past its main loop: rank 0's buffers are free
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if k_rank == 1:
-            for j in cutlass.range_constexpr(num_acc // 4):
-                store_f32x4_to_cta0(
-                    reduction_base + (j * self.num_threads + tidx) * 16,
-                    [accumulators[4 * j + e] for e in range(4)],
-                )
-        # release (rank 1's stores) / acquire (rank 0's loads)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if k_rank == 0:
-            for j in cutlass.range_constexpr(num_acc // 4):
-                partial = load_f32x4(reduction_base + (j * self.num_threads + tidx) * 16)
-                for e in cutlass.range_constexpr(4):
-                    accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
+        for p in cutlass.range_constexpr(self.reduction_passes):
+            # every thread of the cluster is past its main loop (pass 0) or its reads of the
+            # previous pass: rank 0's buffer is free
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if k_rank == 1:
+                for j in cutlass.range_constexpr(per_pass):
+                    vector_idx = p * per_pass + j
+                    store_f32x4_to_cta0(
+                        reduction_base + (j * self.num_threads + tidx) * 16,
+                        [accumulators[4 * vector_idx + e] for e in range(4)],
+                    )
+            # release (rank 1's stores) / acquire (rank 0's loads)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if k_rank == 0:
+                for j in cutlass.range_constexpr(per_pass):
+                    vector_idx = p * per_pass + j
+                    partial = load_f32x4(reduction_base + (j * self.num_threads + tidx) * 16)
+                    for e in cutlass.range_constexpr(4):
+                        accumulators[4 * vector_idx + e] = accumulators[4 * vector_idx + e] + partial[e]
 
     @cute.kernel
     def kernel(

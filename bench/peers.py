@@ -82,6 +82,8 @@ def compare_configs(repeats, names=None):
         "reg A 2buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
         "tile_n 64": hopper.NARROW_CONFIG,
         "split 2": hopper.SPLIT_K_CONFIG,
+        "n256": hopper.HopperGemmConfig(tile_n=256),
+        "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),
     }
     if names:
         unknown = set(names) - set(configs)
