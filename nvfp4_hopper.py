@@ -14,7 +14,8 @@ operand into fp16 in shared memory and runs 16-bit wgmma with fp32 accumulation;
 are the exact block-scaled products, accumulated in fp32.
 
 Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x128 tiles
-(128x64 and 128x256 are options, both measured slower: see NARROW_CONFIG and tile_n).
+(128x64, 128x256 and split-K over a 2-CTA cluster are options, all measured slower: see
+NARROW_CONFIG, tile_n and split_k).
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
@@ -24,7 +25,10 @@ Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x1
            --wgmma (one warpgroup per 64 rows)--> fp32 accumulators --> predicated fp16 stores
 
 The decode of k-tile k+1 runs on the CUDA cores while the wgmma of k-tile k runs on the
-tensor cores (wgmma is asynchronous; ``wait_group(1)`` keeps one in flight).
+tensor cores (wgmma is asynchronous; ``wait_group(1)`` keeps one in flight). The decode's
+integer instructions bound the kernel (Nsight Compute, benchmark shape 0 on the H200: integer
+and multiply pipes 44% busy each, tensor pipe 41%, issue slots 55%), so the decode places two
+codes per register with 7 integer instructions per 8 codes (see _place_word_ptx).
 
 Why cp.async and not TMA: the per-group base pointers arrive at run time in the pointer
 table, so TMA would need one descriptor per group written on the device (an init kernel
@@ -70,11 +74,16 @@ class HopperGemmConfig:
 
     tile_m: int = 128  # one 64-row warpgroup per 64 rows
     # 64 (m64n64k16 wgmma; the B tile is half of a 128-row scale atom, see load_raw_stage),
-    # 128 or 256. 128 is the fastest measured on all four benchmark shapes (see NARROW_CONFIG;
-    # 256 was 12-50% slower on shapes 0, 2 and 3).
+    # 128 or 256. 128 is the fastest measured on all four benchmark shapes (see NARROW_CONFIG).
+    # H200 device µs, shapes 0-3, 128 vs 256 (register A, 239 registers, 1 CTA/SM):
+    # 206.7/129.2/54.4/28.7 vs 239.7/133.3/85.0/38.4; 256 with split_k = 2:
+    # 206.1/164.4/55.8/31.1.
     tile_n: int = 128
     tile_k: int = 64  # one 128-byte swizzle atom of fp16 per row; 4 scale blocks
-    raw_stages: int = 4  # cp.async prefetch depth of packed data (9 KB per stage)
+    # cp.async prefetch depth of packed data (9 KB per stage). H200 device µs, shapes 0-3:
+    # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
+    # 215.0/132.9/57.5/29.5.
+    raw_stages: int = 4
     mma_stages: int = 2  # decoded fp16 stages: decode k+1 while wgmma reads k
     # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
     # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
@@ -90,13 +99,17 @@ class HopperGemmConfig:
     a_in_registers: bool = True
     # register-A only: 2 = decode A of k-tile k+1 while wgmma k reads the other fragment;
     # 1 = one fragment (fewer registers), A decode waits for the previous wgmma.
-    # 1 buffer: 128 registers, 2 CTAs/SM; 2 buffers: 143 registers, 1 CTA/SM, measured
-    # 264.9/173.2/60.3/30.9 µs (rejected). raw_stages=3 with 1 buffer: 240.5/147.5/62.1/31.5.
+    # 1 buffer: 127 registers, 2 CTAs/SM; 2 buffers: 144 registers, 1 CTA/SM. H200 device
+    # µs, shapes 0-3, 1 vs 2 buffers: 206.6/129.1/54.4/28.7 vs 244.2/162.3/56.4/29.3: the
+    # wait for the previous wgmma is not what bounds the kernel.
     a_register_buffers: int = 1
     # CTAs sharing one output tile along K (a cluster of split_k CTAs along grid x): 1, or 2
     # (each CTA runs half the k-tiles; rank 1 adds its fp32 accumulators into rank 0's
-    # shared memory through DSMEM, rank 0 stores C). For input sets with no more tiles than
-    # SMs, where one CTA per SM leaves the latency of its serial decode -> wgmma chain exposed.
+    # shared memory through DSMEM, rank 0 stores C). Meant for input sets with no more
+    # tiles than SMs (one CTA per SM), but not faster there: H200 device µs, shapes 0-3,
+    # split 1 vs 2: 206.7/129.2/54.4/28.7 vs 209.4/161.2/57.2/28.7. Two co-resident CTAs
+    # issue no faster than one (Nsight Compute on shape 2: 42% issue-active either way): the
+    # SM's decode throughput, not the latency of one CTA, bounds the kernel.
     split_k: int = 1
     arch: str = "sm_90a"
 
