@@ -1054,12 +1054,17 @@ def _compile_narrow(num_groups: int, options: str | None = None):
     return compile_gemm(num_groups, options, config=NARROW_CONFIG)
 
 
+def _compile_split_k(num_groups: int, options: str | None = None):
+    return compile_gemm(num_groups, options, config=SPLIT_K_CONFIG)
+
+
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
     """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)):
-    the default config and the tile_n = 64 one the backend picks for small input sets."""
+    the default config and the two measured options (tile_n = 64, split-K over 2 CTAs)."""
     return [
         ("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm),
         ("sm90_nvfp4_gemm_n64", NARROW_CONFIG.arch, _compile_narrow),
+        ("sm90_nvfp4_gemm_splitk2", SPLIT_K_CONFIG.arch, _compile_split_k),
     ]
 
 

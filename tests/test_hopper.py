@@ -277,7 +277,11 @@ def test_compiles_for_sm90a_on_any_machine(config):
 
 def test_compile_targets_include_the_narrow_kernel():
     targets = {name: arch for name, arch, _ in hopper.compile_targets()}
-    assert targets == {"sm90_nvfp4_gemm": "sm_90a", "sm90_nvfp4_gemm_n64": "sm_90a"}
+    assert targets == {
+        "sm90_nvfp4_gemm": "sm_90a",
+        "sm90_nvfp4_gemm_n64": "sm_90a",
+        "sm90_nvfp4_gemm_splitk2": "sm_90a",
+    }
 
 
 SM90_SMEM_LIMIT = 232_448  # 227 KB opt-in per block, compute capability 9.0
@@ -294,11 +298,13 @@ def sm90_builds(tmp_path_factory):
 @pytest.mark.parametrize("target,config,mma", [
     ("sm90_nvfp4_gemm", hopper.SM90_CONFIG, "m64n128k16"),
     ("sm90_nvfp4_gemm_n64", hopper.NARROW_CONFIG, "m64n64k16"),
+    ("sm90_nvfp4_gemm_splitk2", hopper.SPLIT_K_CONFIG, "m64n128k16"),
 ])
 def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups):
     report = sm90_builds[(target, num_groups)]
     assert report.arch == "sm_90a" and report.ptx_target == "sm_90a" and report.sm_version == 90
-    assert 0 < report.registers <= 255
+    # two 256-thread CTAs per SM share the 65,536-register file: at most 128 registers
+    assert 0 < report.registers <= 128
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0, "local memory: spills possible"
     assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
     # shared memory = 1 KB placeholder A atom + 2 fp16 B stages + the raw stages
@@ -306,6 +312,17 @@ def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups)
     assert report.dynamic_smem_bytes == 1024 + b_stages + config.raw_stages * config.raw_stage_bytes
     assert report.smem_bytes <= SM90_SMEM_LIMIT
     assert build_report.problems(report) == []
+
+
+@pytest.mark.parametrize("num_groups", [1, 8])
+def test_split_k_kernel_reduces_through_the_cluster(sm90_builds, num_groups):
+    """Rank 1's partial sums reach rank 0 through distributed shared memory, fenced by
+    cluster barriers; the default kernel has neither."""
+    split_ptx = Path(sm90_builds[("sm90_nvfp4_gemm_splitk2", num_groups)].ptx_path).read_text()
+    assert "mapa.shared::cluster.u32" in split_ptx and "st.shared::cluster.v4.f32" in split_ptx
+    assert "barrier.cluster.arrive" in split_ptx and "barrier.cluster.wait" in split_ptx
+    default_ptx = Path(sm90_builds[("sm90_nvfp4_gemm", num_groups)].ptx_path).read_text()
+    assert "shared::cluster" not in default_ptx and "barrier.cluster" not in default_ptx
 
 
 # ---------------------------------------------------------------------------------------
