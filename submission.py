@@ -1322,32 +1322,35 @@ def build_group_tables(problem_sizes, pointers, tile_m: int, tile_n: int, device
 
 
 class RuntimeCache:
-    """Bounded LRU of prepared input sets (tables, descriptors, prepared launch)."""
+    """Bounded LRU of prepared input sets (tables, descriptors, prepared launch).
+
+    ``entries`` (least recently used first) is public so that custom_kernel's hit path can
+    look up and touch an entry with two C calls, without a Python frame for get()."""
 
     def __init__(self, max_entries: int = 64):
         self.max_entries = max_entries
-        self._entries: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self.entries: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 
     def get(self, key):
-        state = self._entries.get(key)
+        state = self.entries.get(key)
         if state is not None:
-            self._entries.move_to_end(key)
+            self.entries.move_to_end(key)
         return state
 
     def put(self, key, state):
-        self._entries[key] = state
-        self._entries.move_to_end(key)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self.entries[key] = state
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
 
     def __len__(self):
-        return len(self._entries)
+        return len(self.entries)
 
     def __contains__(self, key):
-        return key in self._entries
+        return key in self.entries
 
     def clear(self):
-        self._entries.clear()
+        self.entries.clear()
 
 
 _data_ptr = torch.Tensor.data_ptr
@@ -1468,20 +1471,34 @@ def custom_kernel(data: input_t) -> output_t:
     # validate_inputs. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors:
     # a tensor replaced by one with the same address and problem size but another dtype or
     # layout would be read as the validated one.
+    # (input_key, RuntimeCache.get, _stream_for_current and RuntimeState.run are inlined
+    # below: every Python frame saved is CPU time the leaderboard's 15-call loop times)
     try:
-        state = _RUNTIME_CACHE.get(input_key(data))
-        if state is not None and tuple(data[3]) != state.tables.problem_sizes:
-            state = None  # same buffers, other sizes: validate and rebuild
+        # input_key(data), inlined
+        key = (*map(_data_ptr, _flatten(data[0])), *map(_data_ptr, _flatten(data[2])))
+        entries = _RUNTIME_CACHE.entries
+        state = entries.get(key)
+        if state is not None:
+            entries.move_to_end(key)
+            if tuple(data[3]) != state.tables.problem_sizes:
+                state = None  # same buffers, other sizes: validate and rebuild
     except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
         state = None
     if state is None:
         state = _validated_state(data)
-    # RuntimeState.run, inlined: one Python call less on every hit
-    stream = _stream_for_current()
+    if _current_raw_stream is not None:
+        stream = _STREAM_OBJECTS.get(_current_raw_stream(_cuda_get_device()))
+    else:
+        stream = None
+    if stream is None:
+        stream = _stream_for_current()
     if stream is not state.stream:
         state.bind(stream)
     state.launch()
-    return [abc[2] for abc in data[0]]
+    return list(map(_c_of_group, data[0]))
+
+
+_c_of_group = operator.itemgetter(2)
 
 
 # One cuda.CUstream object per raw stream handle, so backends can compare streams by identity
@@ -1489,11 +1506,16 @@ _STREAM_OBJECTS: dict = {}
 # torch.cuda.current_stream() builds a Stream object on every call; the raw handle of the
 # current stream is one C call (the same private accessor Triton's launcher uses).
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+if _cuda_get_device is None:
+    _current_raw_stream = None  # both or neither: the public path otherwise
 
 
 def _current_stream_handle() -> int:
     if _current_raw_stream is not None:
-        return _current_raw_stream(torch.cuda.current_device())
+        # torch.cuda.current_device() without its lazy-init check (CUDA is initialized
+        # before any stream is asked for: validation reads the device first)
+        return _current_raw_stream(_cuda_get_device())
     return torch.cuda.current_stream().cuda_stream
 
 

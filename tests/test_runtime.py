@@ -194,6 +194,8 @@ def recording_runtime(monkeypatch):
     monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
     monkeypatch.setattr(submission, "_RUNTIME_CACHE", submission.RuntimeCache(max_entries=64))
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
+    # the stream comes from _stream_for_current (custom_kernel's raw-handle fast path off)
+    monkeypatch.setattr(submission, "_current_raw_stream", None)
     monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-0")
     return backend, calls
 
@@ -358,3 +360,19 @@ def test_backend_constraint_rejects_before_any_launch(recording_runtime):
         submission.custom_kernel(data)
     assert backend.prepared == [] and backend.launches == []
     assert torch.equal(data[0][1][2], before)
+
+
+def test_hit_path_keys_and_touches_the_lru_like_the_cache_api(recording_runtime, monkeypatch):
+    """custom_kernel inlines input_key and RuntimeCache.get: same key, and a hit makes its
+    entry the most recent (the next eviction takes another one)."""
+    _backend, validations = recording_runtime
+    monkeypatch.setattr(submission, "_RUNTIME_CACHE", submission.RuntimeCache(max_entries=3))
+    sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
+    for data in sets[:3]:
+        submission.custom_kernel(data)
+    assert [submission.input_key(d) in submission._RUNTIME_CACHE for d in sets[:3]] == [True] * 3
+    submission.custom_kernel(sets[0])  # hit: sets[0] becomes the most recent
+    submission.custom_kernel(sets[3])  # evicts the least recent: sets[1]
+    assert submission.input_key(sets[0]) in submission._RUNTIME_CACHE
+    assert submission.input_key(sets[1]) not in submission._RUNTIME_CACHE
+    assert len(validations) == 4
