@@ -111,6 +111,13 @@ class HopperGemmConfig:
     # issue no faster than one (Nsight Compute on shape 2: 42% issue-active either way): the
     # SM's decode throughput, not the latency of one CTA, bounds the kernel.
     split_k: int = 1
+    # Where each k-tile issues its cp.async prefetch (of k-tile k + raw_stages - 1): True,
+    # after the proxy fence that publishes the decoded B to wgmma; False, first thing in the
+    # iteration. ptxas implements fence.proxy.async with a MEMBAR that waits for the thread's
+    # outstanding memory operations, cp.async included: issued before the fence, the new
+    # prefetch made every k-tile wait for its own global load (Nsight Compute, shape 2: 9% of
+    # the warp stall samples at the fence, on the long scoreboard).
+    prefetch_after_fence: bool = True
     arch: str = "sm_90a"
 
     @property
@@ -696,6 +703,29 @@ class Sm90Nvfp4GroupedGemm:
             )
 
     @cute.jit
+    def prefetch(self, tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr, sfa_addr, sfb_addr,
+                 m, n, m0, n0, row_bytes, rest_k):
+        """cp.async of k-tile next_tile into its raw stage (when it exists), as one commit
+        group: every k-tile commits exactly one group, empty past the last k-tile."""
+        if next_tile < k_tile_cnt:
+            self.load_raw_stage(
+                tidx, raw_base, next_tile % self.raw_stages, next_tile,
+                a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
+            )
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def wait_raw_stage(self):
+        """Wait until this thread's copies of the current k-tile have landed: the prologue
+        commits raw_stages - 1 groups and every k-tile one more, issued before this wait
+        (prefetch_after_fence=False: raw_stages - 1 groups may stay in flight) or after it
+        (True: raw_stages - 2)."""
+        if cutlass.const_expr(self.config.prefetch_after_fence):
+            cute.arch.cp_async_wait_group(self.raw_stages - 2)
+        else:
+            cute.arch.cp_async_wait_group(self.raw_stages - 1)
+
+    @cute.jit
     def load_b_chunk(self, chunk, stage_base, k_byte, b_addr, n, n0, row_bytes):
         """16 bytes of packed B row n0 + chunk // chunks_per_row (zero-filled past N)."""
         chunks_per_row = self.raw_row_bytes // 16
@@ -923,14 +953,12 @@ class Sm90Nvfp4GroupedGemm:
                 for mma_stage in cutlass.range_constexpr(2):
                     k_tile = 2 * k_pair + mma_stage
                     next_tile = k_tile + self.raw_stages - 1
-                    if next_tile < k_tile_cnt:
-                        self.load_raw_stage(
-                            tidx, raw_base, next_tile % self.raw_stages, next_tile,
-                            a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
-                        )
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(self.raw_stages - 1)
+                    if cutlass.const_expr(not self.config.prefetch_after_fence):
+                        self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
+                                      sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+                    self.wait_raw_stage()
                     # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
+                    # and finished decoding k_tile - 1 (its raw stage is free for next_tile)
                     cute.arch.sync_threads()
                     raw_stage = k_tile % self.raw_stages
                     self.decode_stage(
@@ -939,6 +967,9 @@ class Sm90Nvfp4GroupedGemm:
                     cute.arch.fence_proxy(
                         cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
                     )
+                    if cutlass.const_expr(self.config.prefetch_after_fence):
+                        self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
+                                      sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
                     a_frag = a_frags[mma_stage % self.config.a_register_buffers]
                     if cutlass.const_expr(self.config.a_register_buffers == 1):
                         # the one A fragment is still read by wgmma k_tile - 1
@@ -960,14 +991,12 @@ class Sm90Nvfp4GroupedGemm:
         else:
             for k_tile in cutlass.range(k_tile_cnt, unroll=1):
                 next_tile = k_tile + self.raw_stages - 1
-                if next_tile < k_tile_cnt:
-                    self.load_raw_stage(
-                        tidx, raw_base, next_tile % self.raw_stages, next_tile,
-                        a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
-                    )
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(self.raw_stages - 1)
+                if cutlass.const_expr(not self.config.prefetch_after_fence):
+                    self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
+                                  sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+                self.wait_raw_stage()
                 # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
+                # and finished decoding k_tile - 1 (its raw stage is free for next_tile)
                 cute.arch.sync_threads()
 
                 mma_stage = k_tile % self.mma_stages
@@ -978,6 +1007,9 @@ class Sm90Nvfp4GroupedGemm:
                 cute.arch.fence_proxy(
                     cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
                 )
+                if cutlass.const_expr(self.config.prefetch_after_fence):
+                    self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
+                                  sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
                 cute.arch.sync_threads()
 
                 if warp_group_has_rows:
