@@ -111,13 +111,14 @@ class HopperGemmConfig:
     # issue no faster than one (Nsight Compute on shape 2: 42% issue-active either way): the
     # SM's decode throughput, not the latency of one CTA, bounds the kernel.
     split_k: int = 1
-    # Where each k-tile issues its cp.async prefetch (of k-tile k + raw_stages - 1): True,
-    # after the proxy fence that publishes the decoded B to wgmma; False, first thing in the
-    # iteration. ptxas implements fence.proxy.async with a MEMBAR that waits for the thread's
-    # outstanding memory operations, cp.async included: issued before the fence, the new
-    # prefetch made every k-tile wait for its own global load (Nsight Compute, shape 2: 9% of
-    # the warp stall samples at the fence, on the long scoreboard).
-    prefetch_after_fence: bool = True
+    # Where each k-tile issues its cp.async prefetch (of k-tile k + raw_stages - 1): False,
+    # first thing in the iteration; True, after the proxy fence that publishes the decoded B
+    # to wgmma. ptxas emits that fence as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, and Nsight
+    # Compute put 9% of shape 2's warp stall samples there (long scoreboard), so True was
+    # tried to keep the newest copies out of the fence's wait. It is slower: H200 device µs,
+    # shapes 0-3, False vs True: 207.5/129.2/54.6/28.1 vs 217.8/131.2/59.3/29.4 (raw_stages
+    # 5 with True: 220.7/133.5/59.7/29.7).
+    prefetch_after_fence: bool = False
     arch: str = "sm_90a"
 
     @property
