@@ -578,6 +578,25 @@ def swizzled_chunk_offset(row: int, chunk: int) -> int:
 # =============================================================================
 # Kernel
 # =============================================================================
+def make_tiled_mma(config: HopperGemmConfig):
+    """The kernel's fp16 wgmma (fp32 accumulators): one warpgroup per 64 rows, A from
+    registers (a_in_registers) or shared memory, B from shared memory, both K-major."""
+    return sm90_utils.make_trivial_tiled_mma(
+        cutlass.Float16,
+        cutlass.Float16,
+        cute.nvgpu.warpgroup.OperandMajorMode.K,
+        cute.nvgpu.warpgroup.OperandMajorMode.K,
+        cutlass.Float32,
+        (config.tile_m // 64, 1, 1),
+        tiler_mn=(64, config.tile_n),
+        a_source=(
+            cute.nvgpu.warpgroup.OperandSource.RMEM
+            if config.a_in_registers
+            else cute.nvgpu.warpgroup.OperandSource.SMEM
+        ),
+    )
+
+
 class Sm90Nvfp4GroupedGemm:
     """Grouped NVFP4 GEMM on sm_90a: cp.async -> in-smem decode to fp16 -> wgmma."""
 
@@ -611,20 +630,7 @@ class Sm90Nvfp4GroupedGemm:
         stream: cuda.CUstream,
     ):
         mma_tiler_mnk = (self.tile_m, self.tile_n, self.tile_k)
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            cutlass.Float16,
-            cutlass.Float16,
-            cute.nvgpu.warpgroup.OperandMajorMode.K,
-            cute.nvgpu.warpgroup.OperandMajorMode.K,
-            cutlass.Float32,
-            (self.tile_m // 64, 1, 1),
-            tiler_mn=(64, self.tile_n),
-            a_source=(
-                cute.nvgpu.warpgroup.OperandSource.RMEM
-                if self.config.a_in_registers
-                else cute.nvgpu.warpgroup.OperandSource.SMEM
-            ),
-        )
+        tiled_mma = make_tiled_mma(self.config)
         a_smem_layout_staged = sm90_utils.make_smem_layout_a(
             utils.LayoutEnum.ROW_MAJOR, mma_tiler_mnk, cutlass.Float16, self.mma_stages
         )

@@ -4,6 +4,7 @@ CPU: the decode bit arithmetic, the scale and swizzle addressing, shape checks, 
 sm_90a build. CUDA on an sm_90 GPU: the kernel against the exact decode reference.
 """
 
+import contextlib
 import dataclasses
 import random
 import sys
@@ -230,6 +231,38 @@ def test_a_fragments_and_b_chunks_agree_on_every_logical_column(seed):
 def test_a_word_selector_picks_bytes_p_and_p_plus_2_of_both_rows():
     assert [hex(hopper.a_word_selector(t)) for t in range(4)] == ["0x6240", "0x7351", "0x6240", "0x7351"]
     assert _prmt(0x03020100, 0x07060504, hopper.a_word_selector(1)) == 0x07030501
+
+
+def _accumulator_layouts(config):
+    """The wgmma's C thread-value layout and the per-thread accumulator shape, read while
+    tracing (the load step after it needs a GPU and is allowed to fail here)."""
+    from cutlass import cute
+
+    captured = []
+
+    @cute.jit
+    def probe():
+        tiled_mma = hopper.make_tiled_mma(config)
+        captured.append(str(tiled_mma.tv_layout_C))
+        captured.append(str(tiled_mma.partition_shape_C((config.tile_m, config.tile_n))))
+
+    with contextlib.suppress(Exception):  # no driver here: only the traced layouts matter
+        cute.compile(probe, options="--gpu-arch sm_90a")
+    assert len(captured) == 2, "the probe was not traced"
+    return captured
+
+
+@pytest.mark.parametrize("config", [
+    hopper.SM90_CONFIG, hopper.NARROW_CONFIG, hopper.HopperGemmConfig(tile_n=256, a_in_registers=False),
+])
+def test_accumulator_pairs_are_adjacent_columns(config):
+    """The epilogue stores accumulators 2i and 2i+1 as one fp16x2 word at (row, col) and
+    (row, col + 1): the C layout's first value mode is 2 columns (stride 64 = one column of
+    the 64-row column-major atom), then row + 8, then the 8-column blocks."""
+    tv_layout, fragment_shape = _accumulator_layouts(config)
+    blocks = config.tile_n // 8
+    assert tv_layout == f"((4,8,4),(2,2,{blocks})):((128,1,16),(64,8,512))"
+    assert fragment_shape == f"((2, 2, {blocks}), 1, 1)"
 
 
 def test_can_implement_names_group_field_and_rule():
