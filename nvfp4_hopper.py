@@ -111,14 +111,6 @@ class HopperGemmConfig:
     # issue no faster than one (Nsight Compute on shape 2: 42% issue-active either way): the
     # SM's decode throughput, not the latency of one CTA, bounds the kernel.
     split_k: int = 1
-    # Where each k-tile issues its cp.async prefetch (of k-tile k + raw_stages - 1): False,
-    # first thing in the iteration; True, after the proxy fence that publishes the decoded B
-    # to wgmma. ptxas emits that fence as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S, and Nsight
-    # Compute put 9% of shape 2's warp stall samples there (long scoreboard), so True was
-    # tried to keep the newest copies out of the fence's wait. It is slower: H200 device µs,
-    # shapes 0-3, False vs True: 207.5/129.2/54.6/28.1 vs 217.8/131.2/59.3/29.4 (raw_stages
-    # 5 with True: 220.7/133.5/59.7/29.7).
-    prefetch_after_fence: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -203,10 +195,25 @@ def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None
 # =============================================================================
 # Device helpers (inline PTX)
 # =============================================================================
+def _inline_asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip=None):
+    """llvm.inline_asm as every helper here uses it: side effects kept, AT&T dialect."""
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        asm,
+        constraints,
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
 @dsl_user_op
 def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cutlass.Int32, *, loc=None, ip=None):
     """16-byte cp.async (L2 only); src_bytes == 0 zero-fills without reading global memory."""
-    llvm.inline_asm(
+    _inline_asm(
         None,
         [
             cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
@@ -215,9 +222,8 @@ def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
         ],
         "cp.async.cg.shared.global [$0], [$1], 16, $2;",
         "r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
 
 
@@ -225,16 +231,15 @@ def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
 def store_f32x4_to_cta0(local_smem: cutlass.Int32, values, *, loc=None, ip=None):
     """Store 4 fp32 at shared address `local_smem` of CTA rank 0 of this cluster (DSMEM):
     mapa translates this CTA's shared address into rank 0's window."""
-    llvm.inline_asm(
+    _inline_asm(
         None,
         [cutlass.Int32(local_smem).ir_value(loc=loc, ip=ip)]
         + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
         "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, $0, 0;\n\t"
         "st.shared::cluster.v4.f32 [remote], {$1, $2, $3, $4};\n\t}",
         "r,f,f,f,f,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
 
 
@@ -242,7 +247,7 @@ def store_f32x4_to_cta0(local_smem: cutlass.Int32, values, *, loc=None, ip=None)
 def store_f16x2(address: cutlass.Int64, low: cutlass.Float32, high: cutlass.Float32, *, loc=None, ip=None):
     """Round two fp32 to fp16 and store them as one 32-bit word at global `address`
     (low at the lower address)."""
-    llvm.inline_asm(
+    _inline_asm(
         None,
         [
             cutlass.Int64(address).ir_value(loc=loc, ip=ip),
@@ -251,23 +256,21 @@ def store_f16x2(address: cutlass.Int64, low: cutlass.Float32, high: cutlass.Floa
         ],
         "{\n\t.reg .b32 packed;\n\tcvt.rn.f16x2.f32 packed, $2, $1;\n\tst.global.b32 [$0], packed;\n\t}",
         "l,f,f,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
 
 
 @dsl_user_op
 def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
     """4 fp32 from shared address `smem` (one 16-byte load)."""
-    result = llvm.inline_asm(
+    result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 4),
         [cutlass.Int32(smem).ir_value(loc=loc, ip=ip)],
         "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
         "=f,=f,=f,=f,r,~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
     return [
         cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
@@ -447,14 +450,13 @@ def decode_scale_blocks(addresses, single_multiply: bool = False, *, loc=None, i
     dst_hi) smem addresses per block: 16 packed e2m1 values times their e4m3 scale -> two
     16-byte fp16 chunks in the K permutation (CHUNK_REGISTERS)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for block in addresses for x in block]
-    llvm.inline_asm(
+    _inline_asm(
         None,
         operands,
         _decode_blocks_asm(len(addresses), single_multiply, "chunks"),
         ",".join(["r"] * len(operands)) + ",~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
 
 
@@ -466,14 +468,13 @@ def decode_scale_blocks_to_registers(units, single_multiply: bool = False, *, lo
     registers (FRAGMENT_REGISTERS order)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
     num_outputs = 16 * len(units)
-    result = llvm.inline_asm(
+    result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
         _decode_blocks_asm(len(units), single_multiply, "registers"),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
     )
     registers = [llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip) for i in range(num_outputs)]
     return [[registers[16 * u + 4 * s : 16 * u + 4 * s + 4] for s in range(4)] for u in range(len(units))]
@@ -741,17 +742,6 @@ class Sm90Nvfp4GroupedGemm:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def wait_raw_stage(self):
-        """Wait until this thread's copies of the current k-tile have landed: the prologue
-        commits raw_stages - 1 groups and every k-tile one more, issued before this wait
-        (prefetch_after_fence=False: raw_stages - 1 groups may stay in flight) or after it
-        (True: raw_stages - 2)."""
-        if cutlass.const_expr(self.config.prefetch_after_fence):
-            cute.arch.cp_async_wait_group(self.raw_stages - 2)
-        else:
-            cute.arch.cp_async_wait_group(self.raw_stages - 1)
-
-    @cute.jit
     def load_b_chunk(self, chunk, stage_base, k_byte, b_addr, n, n0, row_bytes):
         """16 bytes of packed B row n0 + chunk // chunks_per_row (zero-filled past N)."""
         chunks_per_row = self.raw_row_bytes // 16
@@ -815,25 +805,15 @@ class Sm90Nvfp4GroupedGemm:
         row = (tidx // 32) * 16 + lane // 4
         t = lane % 4
         half_offset = (t // 2) * 4
-        # a_word_selector(t) for t % 2 in {0, 1}: 0x6240 + 0x1111 * (t % 2)
-        selector = 0x6240 + 0x1111 * (t % 2)
-        units = []
-        sources = []
-        for half in cutlass.range_constexpr(2):
-            r = row + 8 * half
-            sources.append(raw_stage_base + r * self.raw_row_bytes + half_offset)
-        scales = []
-        for half in cutlass.range_constexpr(2):
-            r = row + 8 * half
-            scales.append(
-                raw_stage_base
-                + self.raw_sfa_offset
-                + (r // SF_ATOM_ROWS) * SF_ATOM_BYTES
-                + (r % 32) * 16
-                + ((r % SF_ATOM_ROWS) // 32) * 4
-            )
-        units.append((sources[0], sources[1], selector, scales[0], scales[1]))
-        steps = decode_scale_blocks_to_registers(units, self.config.single_multiply)[0]
+        # a_word_selector(t) depends on t % 2 only, by one step per byte selector
+        selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
+        rows = (row, row + 8)
+        unit = (
+            *(raw_stage_base + r * self.raw_row_bytes + half_offset for r in rows),
+            selector,
+            *(stage_scale_offset(0, self.tile_m, r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
+        )
+        steps = decode_scale_blocks_to_registers([unit], self.config.single_multiply)[0]
         # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
         for step in cutlass.range_constexpr(self.tile_k // 16):
             step_frag = a_frag[(None, 0, step)]
@@ -979,23 +959,22 @@ class Sm90Nvfp4GroupedGemm:
                 for mma_stage in cutlass.range_constexpr(2):
                     k_tile = 2 * k_pair + mma_stage
                     next_tile = k_tile + self.raw_stages - 1
-                    if cutlass.const_expr(not self.config.prefetch_after_fence):
-                        self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
-                                      sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
-                    self.wait_raw_stage()
+                    self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
+                                  sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+                    cute.arch.cp_async_wait_group(self.raw_stages - 1)
                     # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
-                    # and finished decoding k_tile - 1 (its raw stage is free for next_tile)
                     cute.arch.sync_threads()
                     raw_stage = k_tile % self.raw_stages
                     self.decode_stage(
                         tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=True
                     )
+                    # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
+                    # stall samples in Nsight Compute); issuing the prefetch after it instead of
+                    # first measured slower on the H200: 217.8/131.2/59.3/29.4 vs
+                    # 207.5/129.2/54.6/28.1 µs device time, shapes 0-3.
                     cute.arch.fence_proxy(
                         cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
                     )
-                    if cutlass.const_expr(self.config.prefetch_after_fence):
-                        self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
-                                      sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
                     a_frag = a_frags[mma_stage % self.config.a_register_buffers]
                     if cutlass.const_expr(self.config.a_register_buffers == 1):
                         # the one A fragment is still read by wgmma k_tile - 1
@@ -1017,12 +996,10 @@ class Sm90Nvfp4GroupedGemm:
         else:
             for k_tile in cutlass.range(k_tile_cnt, unroll=1):
                 next_tile = k_tile + self.raw_stages - 1
-                if cutlass.const_expr(not self.config.prefetch_after_fence):
-                    self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
-                                  sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
-                self.wait_raw_stage()
+                self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
+                              sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+                cute.arch.cp_async_wait_group(self.raw_stages - 1)
                 # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
-                # and finished decoding k_tile - 1 (its raw stage is free for next_tile)
                 cute.arch.sync_threads()
 
                 mma_stage = k_tile % self.mma_stages
@@ -1033,9 +1010,6 @@ class Sm90Nvfp4GroupedGemm:
                 cute.arch.fence_proxy(
                     cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
                 )
-                if cutlass.const_expr(self.config.prefetch_after_fence):
-                    self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
-                                  sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
                 cute.arch.sync_threads()
 
                 if warp_group_has_rows:

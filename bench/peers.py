@@ -84,7 +84,6 @@ def compare_configs(repeats, names=None):
         "split 2": hopper.SPLIT_K_CONFIG,
         "n256": hopper.HopperGemmConfig(tile_n=256),
         "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),
-        "prefetch after fence": hopper.HopperGemmConfig(prefetch_after_fence=True),
     }
     if names:
         unknown = set(names) - set(configs)

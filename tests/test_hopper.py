@@ -490,7 +490,6 @@ CONFIG_CASES = (
     + [("tile_n_64_smem_a", seed) for seed in range(600, 608)]
     + [("split_k_2", seed) for seed in range(700, 740)]
     + [("split_k_2_smem_a", seed) for seed in range(800, 808)]
-    + [("prefetch_after_fence", seed) for seed in range(900, 908)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -502,7 +501,6 @@ CONFIGS = {
     "tile_n_64_smem_a": hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
     "split_k_2": hopper.SPLIT_K_CONFIG,
     "split_k_2_smem_a": hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
-    "prefetch_after_fence": hopper.HopperGemmConfig(prefetch_after_fence=True),
 }
 
 
