@@ -1120,6 +1120,9 @@ class Sm90LaunchState:
         self.tables = tables
         self.config = config
 
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Nothing beyond the tables (which RuntimeState records) is read by a launch."""
+
 
 class Sm90Backend:
     """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host

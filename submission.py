@@ -1135,6 +1135,76 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
     return lambda: compiled(*args)
 
 
+# A prepared launch recorded once per input set as a CUDA graph and replayed with
+# cuGraphLaunch: 1.8 µs of CPU per call on the H200 host, against 4.4-6.1 µs for the prepared
+# DSL call (whose host code builds the launch config and launches through the runtime on every
+# call) and 6.8-7.2 µs for a bare torch launch, all measured in one run. The graph holds the
+# kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
+# NVFP4_GRAPH_LAUNCH=0 launches the prepared call directly (to compare, or to rule graphs out).
+_GRAPH_LAUNCH = os.environ.get("NVFP4_GRAPH_LAUNCH", "1") not in ("", "0")
+_CAPTURE_STREAMS: dict = {}
+
+
+def _check_cuda(result, what: str) -> None:
+    if result != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {result!r}")
+
+
+class GraphLaunch:
+    """One launch recorded as an executable CUDA graph; replayable on any stream.
+
+    A replay is ordered after earlier work on its stream and after earlier replays of the
+    same graph (CUDA's rule for cuGraphLaunch). Destroying it while a replay is pending is
+    safe: the driver frees the graph when that replay completes.
+    """
+
+    __slots__ = ("graph_exec",)
+
+    def __init__(self, record: Callable[[cuda.CUstream], Callable[[], None]], device: torch.device):
+        """Capture what `record(stream)()` launches on a private stream of `device`."""
+        self.graph_exec = None
+        with torch.cuda.device(device):
+            capture_stream = _CAPTURE_STREAMS.get(device.index)
+            if capture_stream is None:
+                capture_stream = _CAPTURE_STREAMS[device.index] = torch.cuda.Stream(device)
+            stream = cuda.CUstream(capture_stream.cuda_stream)
+            launch = record(stream)
+            # Thread-local: CUDA calls of other threads are not captured and not disturbed
+            mode = cuda.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            _check_cuda(cuda.cuStreamBeginCapture(stream, mode)[0], "cuStreamBeginCapture")
+            try:
+                launch()
+            finally:
+                # Always leave capture mode, also when the launch raised
+                result, graph = cuda.cuStreamEndCapture(stream)
+            _check_cuda(result, "cuStreamEndCapture")
+            try:
+                result, graph_exec = cuda.cuGraphInstantiate(graph, 0)
+                _check_cuda(result, "cuGraphInstantiate")
+            finally:
+                cuda.cuGraphDestroy(graph)  # the executable graph does not need it
+        self.graph_exec = graph_exec
+
+    def launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
+        graph_launch = cuda.cuGraphLaunch
+        graph_exec = self.graph_exec
+
+        def launch():
+            result = graph_launch(graph_exec, stream)[0]
+            if result:  # CUresult is an IntEnum, CUDA_SUCCESS == 0
+                raise RuntimeError(f"cuGraphLaunch failed: {result!r}")
+
+        launch.keepalive = self
+        return launch
+
+    def __del__(self):
+        if self.graph_exec is not None:
+            try:
+                cuda.cuGraphExecDestroy(self.graph_exec)
+            except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
+                pass
+
+
 def _gmem_ptr(dtype, tensor: torch.Tensor):
     return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
@@ -1147,6 +1217,11 @@ class Sm100LaunchState:
     def __init__(self, tables, tensormaps):
         self.tables = tables
         self.tensormaps = tensormaps
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        # The tensormaps may have been written on another stream (a miss on stream S1, now
+        # launched on S2): keep their memory alive for S2's work after an eviction.
+        self.tensormaps.record_stream(stream)
 
 
 class Sm100Backend:
@@ -1204,9 +1279,6 @@ class Sm100Backend:
         if tables.num_tiles == 0:
             return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
         _, gemm_fn = self.compile(tables.num_groups)
-        # The tensormaps may have been written on another stream (a miss on stream S1, now
-        # launched on S2): keep their memory alive for S2's work after an eviction.
-        state.tensormaps.record_stream(torch.cuda.current_stream(tables.device))
         return make_launcher(
             gemm_fn,
             _gmem_ptr(cutlass.Int64, tables.ptrs),
@@ -1378,7 +1450,7 @@ class RuntimeState:
     """Everything one input set needs on a hit: its tables, the backend's launch state, and
     the launch prepared for the stream it last ran on."""
 
-    __slots__ = ("backend", "launch", "launch_state", "stream", "tables")
+    __slots__ = ("backend", "graph", "launch", "launch_state", "stream", "tables")
 
     def __init__(self, backend, tables, launch_state):
         self.backend = backend
@@ -1386,15 +1458,33 @@ class RuntimeState:
         self.launch_state = launch_state
         self.stream = None
         self.launch = None
+        # GraphLaunch of this input set's launch; None: not captured yet; False: launched
+        # directly (graphs off, nothing to launch, or the capture failed)
+        self.graph = None
 
     def bind(self, stream: cuda.CUstream) -> None:
         """Prepare the launch for `stream` (torch's current stream)."""
-        self.launch = self.backend.launcher(self.launch_state, stream)
+        tables = self.tables
+        if self.graph is None:
+            self.graph = False
+            if _GRAPH_LAUNCH and tables.device.type == "cuda" and tables.num_tiles > 0:
+                try:
+                    self.graph = GraphLaunch(
+                        lambda s: self.backend.launcher(self.launch_state, s), tables.device
+                    )
+                except Exception:  # noqa: BLE001 - the direct launch reports any real error
+                    self.graph = False
+        if self.graph:
+            self.launch = self.graph.launcher(stream)
+        else:
+            self.launch = self.backend.launcher(self.launch_state, stream)
         self.stream = stream
-        if self.tables.device.type == "cuda":
-            # Tables copied on another stream (a miss on S1, now launched on S2): keep their
-            # memory alive for S2's work after an eviction.
-            self.tables.record_stream(torch.cuda.current_stream(self.tables.device))
+        if tables.device.type == "cuda":
+            # Tables (and descriptors) written on another stream (a miss on S1, now launched
+            # on S2): keep their memory alive for S2's work after an eviction.
+            torch_stream = torch.cuda.current_stream(tables.device)
+            tables.record_stream(torch_stream)
+            self.launch_state.record_stream(torch_stream)
 
     def run(self, stream: cuda.CUstream) -> None:
         if stream is not self.stream:

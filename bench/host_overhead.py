@@ -74,7 +74,7 @@ def breakdown(module, groups: int, iterations: int = 2000) -> None:
         "input_key": lambda: module.input_key(data),
         "cache get": lambda: module._RUNTIME_CACHE.get(key),
         "stream lookup": module._stream_for_current,
-        "prepared launch": state.launch,
+        "graph replay" if getattr(state, "graph", False) else "prepared launch": state.launch,
         "custom_kernel": lambda: module.custom_kernel(data),
         "bare add_": lambda: bare_tensor.add_(1),
     }
@@ -114,8 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     def bare_launch(_data):
         bare_tensor.add_(1)
 
+    module = sys.modules[custom_kernel.__module__]
+    launch_path = {True: "CUDA graph replay", False: "prepared DSL call"}.get(
+        getattr(module, "_GRAPH_LAUNCH", None), "the submission's own"
+    )
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"submission {options.submission.name}, {options.repeats} repeats x 15 calls")
+          f"submission {options.submission.name}, launch: {launch_path}, "
+          f"{options.repeats} repeats x 15 calls")
     header = f"{'case':<5}{'G':>3}{'call µs':>10}{'bare µs':>10}{'ratio':>8}{'call best':>11}{'bare best':>11}"
     print(header)
     ratios = []

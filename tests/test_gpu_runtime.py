@@ -122,3 +122,99 @@ def test_steady_state_is_one_launch_without_copies():
     names = [e.name for e in kernels]
     assert not any("Memcpy" in name or "Memset" in name for name in names), names
     assert len([n for n in names if "Memcpy" not in n]) == 1, names
+
+
+def _state_of(data):
+    return submission._RUNTIME_CACHE.get(submission.input_key(data))
+
+
+def _zero_outputs(data):
+    for _, _, c in data[0]:
+        c.zero_()
+
+
+def test_hit_replays_the_recorded_graph_on_any_stream():
+    """By default a state's launch is a CUDA graph recorded once; each replay computes (the
+    outputs are zeroed before it), on torch's current stream and on another one."""
+    data = generate_input(**SIZES, seed=77)
+    expected = ref_kernel(_clone(data))
+    submission.custom_kernel(data)
+    state = _state_of(data)
+    assert isinstance(state.graph, submission.GraphLaunch)
+    graph = state.graph
+    for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            _zero_outputs(data)
+            out = submission.custom_kernel(data)
+        stream.synchronize()
+        good, message = match_outputs(expected, out)
+        assert good, message
+    assert state.graph is graph  # a stream change re-binds the replay, it does not re-record
+
+
+def test_direct_launch_when_graphs_are_off(monkeypatch):
+    monkeypatch.setattr(submission, "_GRAPH_LAUNCH", False)
+    data = generate_input(**SIZES, seed=78)
+    expected = ref_kernel(_clone(data))
+    submission.custom_kernel(data)
+    assert _state_of(data).graph is False
+    _zero_outputs(data)
+    good, message = match_outputs(expected, submission.custom_kernel(data))
+    assert good, message
+
+
+def test_failed_capture_leaves_capture_mode_and_falls_back(monkeypatch):
+    """A launch that raises while recorded ends the capture (the private stream is usable
+    again), and custom_kernel then launches directly."""
+
+    def failing_record(stream):
+        def launch():
+            raise RuntimeError("launch refused")
+
+        return launch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    with pytest.raises(RuntimeError, match="launch refused"):
+        submission.GraphLaunch(failing_record, device)
+    capture_stream = submission._CAPTURE_STREAMS[device.index]
+    result, status = submission.cuda.cuStreamIsCapturing(
+        submission.cuda.CUstream(capture_stream.cuda_stream)
+    )
+    assert result == submission.cuda.CUresult.CUDA_SUCCESS
+    assert status == submission.cuda.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+    class RefusingGraphLaunch:
+        def __init__(self, record, device):
+            raise RuntimeError("no graphs here")
+
+    monkeypatch.setattr(submission, "GraphLaunch", RefusingGraphLaunch)
+    data = generate_input(**SIZES, seed=79)
+    expected = ref_kernel(_clone(data))
+    out = submission.custom_kernel(data)
+    torch.cuda.synchronize()
+    assert _state_of(data).graph is False
+    good, message = match_outputs(expected, out)
+    assert good, message
+
+
+def test_first_launch_of_a_fresh_process_is_recorded():
+    """The very first launch of the kernel in a process (its module not loaded yet) is
+    recorded into a graph and computes: run in a subprocess."""
+    import subprocess
+
+    script = (
+        "import torch, submission\n"
+        "from reference import generate_input, ref_kernel, match_outputs\n"
+        f"data = generate_input(**{SIZES!r}, seed=80)\n"
+        "expected = ref_kernel(data)\n"
+        "out = submission.custom_kernel(data)\n"
+        "torch.cuda.synchronize()\n"
+        "state = submission._RUNTIME_CACHE.get(submission.input_key(data))\n"
+        "print(type(state.graph).__name__, match_outputs(expected, out)[0])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, cwd=root, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["GraphLaunch", "True"], done.stdout
