@@ -13,9 +13,9 @@ from 2^-14 to 65504): |v * s| lies in [2^-10, 2688]. The kernel therefore decode
 operand into fp16 in shared memory and runs 16-bit wgmma with fp32 accumulation; the sums
 are the exact block-scaled products, accumulated in fp32.
 
-Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x128 tiles
-(128x64, 128x256 and split-K over a 2-CTA cluster are options, all measured slower: see
-NARROW_CONFIG, tile_n and split_k).
+Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x128 tiles.
+Input sets whose tiles fill the GPU's CTA slots badly run split-K over a 2-CTA cluster
+(split_k_pays); 128x64 and 128x256 tiles are options, measured slower (NARROW_CONFIG, tile_n).
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
@@ -104,13 +104,16 @@ class HopperGemmConfig:
     # wait for the previous wgmma is not what bounds the kernel.
     a_register_buffers: int = 1
     # CTAs sharing one output tile along K (a cluster of split_k CTAs along grid x): 1, or 2
-    # (each CTA runs half the k-tiles; rank 1 adds its fp32 accumulators into rank 0's
-    # shared memory through DSMEM, rank 0 stores C). Meant for input sets with no more
-    # tiles than SMs (one CTA per SM), but not faster there: H200 device µs, shapes 0-3,
-    # split 1 vs 2: 206.7/129.2/54.4/28.7 vs 209.4/161.2/57.2/28.7. Two co-resident CTAs
-    # issue no faster than one (Nsight Compute on shape 2: 42% issue-active either way): the
-    # SM's decode throughput, not the latency of one CTA, bounds the kernel.
+    # (each CTA runs half the k-tiles; the fp32 partial sums meet through DSMEM, see
+    # split_k_reduce). The default backend picks 2 per input set (split_k_pays). On shape 2
+    # (120 tiles, one CTA per SM unsplit) Nsight Compute at 1.8 GHz: 53.1 vs 48.7 µs, 1.99 vs
+    # 3.48 warps per scheduler, issue slots 46% vs 50% busy.
     split_k: int = 1
+    # split_k = 2: who sums and stores. "halves": the rows of warpgroup w are summed and
+    # stored by rank w % 2 (each rank sends half its sums and receives half, and the two
+    # epilogues run in parallel); "rank0": rank 1 sends all its sums to rank 0, which
+    # stores the whole tile.
+    split_k_reduce: str = "halves"
     arch: str = "sm_90a"
 
     @property
@@ -158,11 +161,17 @@ class HopperGemmConfig:
         if self.split_k not in (1, 2):
             # K % 256 == 0 gives a multiple of 4 k-tiles: 2 halves of an even count each
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
+        if self.split_k_reduce not in ("halves", "rank0"):
+            raise ValueError(f"split_k_reduce={self.split_k_reduce!r}: must be 'halves' or 'rank0'")
 
     @property
     def reduction_bytes(self) -> int:
-        """Shared memory rank 0 of a split-K cluster receives: every thread's fp32 accumulators."""
-        return self.tile_m * self.tile_n * 4 if self.split_k > 1 else 0
+        """Shared memory one summing rank of a split-K cluster receives: the other rank's fp32
+        accumulators of the rows it stores (all rows with "rank0", its half with "halves")."""
+        if self.split_k == 1:
+            return 0
+        rows = self.tile_m if self.split_k_reduce == "rank0" else self.tile_m // self.split_k
+        return rows * self.tile_n * 4
 
 
 SM90_CONFIG = HopperGemmConfig()
@@ -173,7 +182,8 @@ SM90_CONFIG = HopperGemmConfig()
 # 230.8/143.9/58.8/30.4 vs 310.8/193.5/71.9/33.3 (bench/peers.py --configs). The extra A
 # decode per FLOP costs more than the latency it hides. Kept as an option for other GPUs.
 NARROW_CONFIG = dataclasses.replace(SM90_CONFIG, tile_n=64)
-# Split-K over a 2-CTA cluster: twice the CTAs, each with half the k-tiles.
+# Split-K over a 2-CTA cluster: twice the CTAs, each with half the k-tiles (what the default
+# backend runs where split_k_pays).
 SPLIT_K_CONFIG = dataclasses.replace(SM90_CONFIG, split_k=2)
 
 
@@ -228,16 +238,17 @@ def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
 
 
 @dsl_user_op
-def store_f32x4_to_cta0(local_smem: cutlass.Int32, values, *, loc=None, ip=None):
-    """Store 4 fp32 at shared address `local_smem` of CTA rank 0 of this cluster (DSMEM):
-    mapa translates this CTA's shared address into rank 0's window."""
+def store_f32x4_to_rank(local_smem: cutlass.Int32, values, rank: cutlass.Int32, *, loc=None, ip=None):
+    """Store 4 fp32 at shared address `local_smem` of CTA `rank` of this cluster (DSMEM):
+    mapa translates this CTA's shared address into that CTA's window."""
     _inline_asm(
         None,
         [cutlass.Int32(local_smem).ir_value(loc=loc, ip=ip)]
-        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
-        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, $0, 0;\n\t"
+        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+        + [cutlass.Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, $0, $5;\n\t"
         "st.shared::cluster.v4.f32 [remote], {$1, $2, $3, $4};\n\t}",
-        "r,f,f,f,f,~{memory}",
+        "r,f,f,f,f,r,~{memory}",
         loc=loc,
         ip=ip,
     )
@@ -820,34 +831,52 @@ class Sm90Nvfp4GroupedGemm:
             values = pack_f16x8(steps[step])
             step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
 
+    def summing_rank(self, warp_group_idx):
+        """Split-K: the cluster rank that sums and stores the rows of warpgroup
+        `warp_group_idx` (a trace-time choice: plain Python, no device branch)."""
+        if self.config.split_k_reduce == "rank0":
+            return 0
+        return warp_group_idx % self.config.split_k
+
     @cute.jit
-    def reduce_split_k(self, tidx, reduction_base, accumulators):
-        """Split-K: rank 1 adds its accumulators into rank 0's. Each thread's fragment goes
-        to rank 0's shared memory in fragment order (rank 0's thread tidx has the same
-        fragment layout), 16 bytes per store, consecutive threads on consecutive 16 bytes;
-        in reduction_passes passes when the sums exceed rank 0's shared memory."""
+    def reduce_split_k(self, tidx, warp_group_idx, reduction_base, accumulators):
+        """Split-K: the other rank's accumulators of a warpgroup's rows are added into those
+        of the summing rank (summing_rank). Each thread's fragment goes to the summing rank's
+        shared memory in fragment order (its thread tidx has the same fragment layout), 16
+        bytes per store, consecutive threads on consecutive 16 bytes; in reduction_passes
+        passes when the sums exceed its shared memory."""
         num_vectors = cute.size(accumulators) // 4
         per_pass = num_vectors // self.reduction_passes
         k_rank = cute.arch.block_idx_in_cluster()
+        summing_rank = self.summing_rank(warp_group_idx)
+        # "halves": one rank receives from the warpgroups it sums: warpgroup w uses slot
+        # w // split_k of the buffer, its 128 threads side by side
+        if cutlass.const_expr(self.config.split_k_reduce == "rank0"):
+            slot_thread = tidx
+            threads_per_slot = self.num_threads
+        else:
+            slot_thread = (warp_group_idx // self.config.split_k) * 128 * per_pass + tidx % 128
+            threads_per_slot = 128
         for p in cutlass.range_constexpr(self.reduction_passes):
             # every thread of the cluster is past its main loop (pass 0) or its reads of the
-            # previous pass: rank 0's buffer is free
+            # previous pass: the receiving buffers are free
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            if k_rank == 1:
+            if k_rank != summing_rank:
                 for j in cutlass.range_constexpr(per_pass):
                     vector_idx = p * per_pass + j
-                    store_f32x4_to_cta0(
-                        reduction_base + (j * self.num_threads + tidx) * 16,
+                    store_f32x4_to_rank(
+                        reduction_base + (j * threads_per_slot + slot_thread) * 16,
                         [accumulators[4 * vector_idx + e] for e in range(4)],
+                        summing_rank,
                     )
-            # release (rank 1's stores) / acquire (rank 0's loads)
+            # release (the senders' stores) / acquire (the summing rank's loads)
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            if k_rank == 0:
+            if k_rank == summing_rank:
                 for j in cutlass.range_constexpr(per_pass):
                     vector_idx = p * per_pass + j
-                    partial = load_f32x4(reduction_base + (j * self.num_threads + tidx) * 16)
+                    partial = load_f32x4(reduction_base + (j * threads_per_slot + slot_thread) * 16)
                     for e in cutlass.range_constexpr(4):
                         accumulators[4 * vector_idx + e] = accumulators[4 * vector_idx + e] + partial[e]
 
@@ -1029,7 +1058,7 @@ class Sm90Nvfp4GroupedGemm:
         cute.arch.cp_async_wait_group(0)
 
         if cutlass.const_expr(split > 1):
-            self.reduce_split_k(tidx, sA_base, accumulators)
+            self.reduce_split_k(tidx, warp_group_idx, sA_base, accumulators)
 
         #
         # Epilogue: fp32 -> fp16, stores predicated on the M and N residues
@@ -1046,8 +1075,13 @@ class Sm90Nvfp4GroupedGemm:
         # 32-bit store per pair; N is even, so a pair is all in or all out of the matrix.
         # Paired stores halve the epilogue's conversions, predicates and stores (the
         # epilogue was 12% of shape 2's warp stall samples with one 16-bit store per value).
-        # (split_k > 1: only rank 0 holds the sum)
-        if warp_group_has_rows and cute.arch.block_idx()[0] % split == 0:
+        # (split_k > 1: only the summing rank of this warpgroup's rows holds their sum)
+        stores_rows = warp_group_has_rows
+        if cutlass.const_expr(split > 1):
+            stores_rows = warp_group_has_rows and (
+                cute.arch.block_idx_in_cluster() == self.summing_rank(warp_group_idx)
+            )
+        if stores_rows:
             for i in cutlass.range_constexpr(cute.size(accumulators) // 2):
                 coord = tCcC[2 * i]
                 if coord[0] < m and coord[1] < n:
@@ -1124,18 +1158,58 @@ class Sm90LaunchState:
         """Nothing beyond the tables (which RuntimeState records) is read by a launch."""
 
 
+# CTAs of the default config one SM holds: 127 registers x 256 threads and 70.7 KB of
+# shared memory each (tests/test_hopper.py asserts <= 128 registers)
+CTAS_PER_SM = 2
+_NUM_SMS: dict = {}
+
+
+def split_k_pays(num_tiles: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) -> bool:
+    """Whether split-K over 2 CTAs shortens an input set's schedule, in a wave model: whole
+    tiles take ceil(T / slots) waves, half tiles ceil(2T / slots) waves half as long.
+
+    Split when that is at most 0.8 of the unsplit time. On the benchmark shapes (352, 728,
+    120, 128 tiles on 132 SMs) it picks split-K for shapes 0, 2 and 3 (1.5 vs 2, 0.5 vs 1,
+    0.5 vs 1 waves) and not for shape 1 (3 vs 3). H200 device µs, shapes 0-3, split-K vs
+    not: 201.7/136.3/48.8/24.2 vs 207.2/117.8/53.0/24.9 (bench/peers.py --configs)."""
+    slots = num_sms * ctas_per_sm
+    whole_waves = -(-num_tiles // slots)
+    half_waves = -(-2 * num_tiles // slots) / 2
+    return half_waves <= 0.8 * whole_waves
+
+
+def _num_sms(device: torch.device) -> int:
+    """SM count of `device`; 132 (H100/H200 SXM) for a CPU device (tables built in tests)."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
 class Sm90Backend:
     """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host
     runtime: no descriptors (the kernel reads the pointer table), so the launch state is the
-    tables and the config they were built for. One config runs every input set."""
+    tables and the config they were built for.
+
+    auto_split_k: run split-K (over a 2-CTA cluster) for the input sets where split_k_pays;
+    otherwise `config` runs every input set as given."""
 
     name = "sm90"
 
-    def __init__(self, config: HopperGemmConfig = SM90_CONFIG):
+    def __init__(self, config: HopperGemmConfig = SM90_CONFIG, auto_split_k: bool = False):
         config.check()
         self.config = config
+        self.auto_split_k = auto_split_k and config.split_k == 1
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
+
+    def config_for(self, tables) -> HopperGemmConfig:
+        """The config this input set runs (same tile shape: one tile table serves both)."""
+        if self.auto_split_k and split_k_pays(tables.num_tiles, _num_sms(tables.device)):
+            return dataclasses.replace(self.config, split_k=2)
+        return self.config
 
     def compile(self, num_groups: int, config: HopperGemmConfig | None = None):
         return compile_gemm(num_groups, config=config or self.config)
@@ -1147,9 +1221,10 @@ class Sm90Backend:
         return self.tile_m, self.tile_n
 
     def prepare(self, tables) -> Sm90LaunchState:
-        """Compile the kernel (cached) for this input set's group count."""
-        self.compile(tables.num_groups, self.config)
-        return Sm90LaunchState(tables, self.config)
+        """Pick this input set's config and compile its kernel (cached) for its group count."""
+        config = self.config_for(tables)
+        self.compile(tables.num_groups, config)
+        return Sm90LaunchState(tables, config)
 
     def launcher(self, state: Sm90LaunchState, stream: cuda.CUstream) -> Callable[[], None]:
         """The GEMM launch of this input set on `stream`, its arguments prepared once."""
@@ -1173,8 +1248,11 @@ def _no_launch() -> None:
 
 
 def make_backend(config: HopperGemmConfig | None = None) -> Sm90Backend:
-    """The backend custom_kernel uses (config None: SM90_CONFIG), or one running `config`."""
-    return Sm90Backend(config or SM90_CONFIG)
+    """The backend custom_kernel uses (config None: SM90_CONFIG, split-K where split_k_pays),
+    or one running `config` as given for every input set."""
+    if config is None:
+        return Sm90Backend(SM90_CONFIG, auto_split_k=True)
+    return Sm90Backend(config)
 
 
 def run_grouped(data, config: HopperGemmConfig | None = None):

@@ -84,6 +84,9 @@ def compare_configs(repeats, names=None):
         "split 2": hopper.SPLIT_K_CONFIG,
         "n256": hopper.HopperGemmConfig(tile_n=256),
         "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),
+        "split 2 rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
+        # what custom_kernel runs: split-K per input set where split_k_pays
+        "auto": None,
     }
     if names:
         unknown = set(names) - set(configs)
@@ -102,7 +105,7 @@ def compare_configs(repeats, names=None):
         expected = [c.clone() for c in expected]
         cells = []
         for config in configs.values():
-            backend = hopper.make_backend(config)
+            backend = hopper.make_backend(config)  # None: the default backend
             states = [
                 submission.build_state(data, submission.validate_inputs(data), backend)
                 for data in inputs

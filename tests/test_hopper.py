@@ -349,8 +349,8 @@ def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups)
 
 @pytest.mark.parametrize("num_groups", [1, 8])
 def test_split_k_kernel_reduces_through_the_cluster(sm90_builds, num_groups):
-    """Rank 1's partial sums reach rank 0 through distributed shared memory, fenced by
-    cluster barriers; the default kernel has neither."""
+    """Partial sums reach the summing rank through distributed shared memory (mapa to a
+    rank computed at run time), fenced by cluster barriers; the default kernel has neither."""
     split_ptx = Path(sm90_builds[("sm90_nvfp4_gemm_splitk2", num_groups)].ptx_path).read_text()
     assert "mapa.shared::cluster.u32" in split_ptx and "st.shared::cluster.v4.f32" in split_ptx
     assert "barrier.cluster.arrive" in split_ptx and "barrier.cluster.wait" in split_ptx
@@ -367,6 +367,25 @@ BENCHMARK_SIZES = {
     2: list(zip([192, 320], [3072] * 2, [4096] * 2, [1] * 2)),
     3: list(zip([128, 384], [4096] * 2, [1536] * 2, [1] * 2)),
 }
+
+
+def test_split_k_pays_where_half_tiles_fill_the_slots_better():
+    # the benchmark shapes' tile counts on 132 SMs x 2 CTAs: split for shapes 0, 2 and 3
+    assert [hopper.split_k_pays(t, 132) for t in (352, 728, 120, 128)] == [True, False, True, True]
+    assert hopper.split_k_pays(1, 132)  # 1 wave of a half tile vs 1 of a whole one
+    assert not hopper.split_k_pays(264, 132)  # exactly one full wave: 2 half waves, no gain
+    assert not hopper.split_k_pays(1000, 132)  # many waves: quantization no longer matters
+    assert hopper.split_k_pays(120, 132, ctas_per_sm=1) is False  # 240 halves = 2 waves
+
+
+def test_split_k_reduction_buffer_sizes():
+    # "halves": each rank receives the other's sums of the 64 rows it stores
+    assert hopper.SPLIT_K_CONFIG.reduction_bytes == 64 * 128 * 4
+    rank0 = hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0")
+    assert rank0.reduction_bytes == 128 * 128 * 4
+    assert hopper.SM90_CONFIG.reduction_bytes == 0
+    with pytest.raises(ValueError, match="split_k_reduce"):
+        hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank1").check()
 
 
 def test_every_backend_runs_one_tile_shape():
@@ -430,6 +449,22 @@ def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape,
 # ---------------------------------------------------------------------------------------
 # CUDA (sm_90): kernel vs the exact reference
 # ---------------------------------------------------------------------------------------
+def test_default_backend_picks_split_k_per_input_set(sm90_backend_on_cpu):
+    """make_backend() (custom_kernel's) runs split-K where split_k_pays, on the same tile
+    table; a backend made for an explicit config runs it for every input set."""
+    compiled, launched = sm90_backend_on_cpu
+    for shape, split in ((0, 2), (1, 1), (2, 2), (3, 2)):
+        sizes = tuple(BENCHMARK_SIZES[shape])
+        for backend, want in ((hopper.make_backend(), split), (hopper.make_backend(hopper.SM90_CONFIG), 1)):
+            state = submission.build_state(_cpu_input_set(sizes), sizes, backend)
+            assert state.tables.num_tiles == (352, 728, 120, 128)[shape]
+            assert state.launch_state.config == dataclasses.replace(hopper.SM90_CONFIG, split_k=want)
+            assert compiled[-1] == (len(sizes), state.launch_state.config)
+            launched.clear()
+            state.run(object())
+            assert launched == [(("kernel", len(sizes), state.launch_state.config), state.tables.num_tiles)]
+
+
 def _is_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -490,6 +525,8 @@ CONFIG_CASES = (
     + [("tile_n_64_smem_a", seed) for seed in range(600, 608)]
     + [("split_k_2", seed) for seed in range(700, 740)]
     + [("split_k_2_smem_a", seed) for seed in range(800, 808)]
+    + [("split_k_2_rank0", seed) for seed in range(900, 916)]
+    + [("auto", seed) for seed in range(1000, 1016)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -501,6 +538,8 @@ CONFIGS = {
     "tile_n_64_smem_a": hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
     "split_k_2": hopper.SPLIT_K_CONFIG,
     "split_k_2_smem_a": hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
+    "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
+    "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
 }
 
 
@@ -517,7 +556,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 
 
 @requires_sm90
-@pytest.mark.parametrize("config_name", ["default", "tile_n_64", "split_k_2"])
+@pytest.mark.parametrize("config_name", ["default", "tile_n_64", "split_k_2", "split_k_2_rank0"])
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
     """The four official benchmark shapes in every config custom_kernel may pick, and 128x64."""
