@@ -84,13 +84,7 @@ class HopperGemmConfig:
     # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
     # 215.0/132.9/57.5/29.5.
     raw_stages: int = 4
-    # True: each warp copies exactly the packed bytes and scales its own lanes decode (A:
-    # the warp's 16 rows; B: its 8 rows of every 64-row slab), so one warp-wide sync makes
-    # them visible and the CTA-wide barrier before the decode goes (one CTA barrier per
-    # k-tile instead of two). B then takes 3 fp16 stages: the barrier that remains orders
-    # the decode of B(k) after every warpgroup retired wgmma k - 3. Needs register A,
-    # tile_m = 128 and tile_n 128 or 256.
-    warp_local_loads: bool = False
+    mma_stages: int = 2  # decoded fp16 stages: decode k+1 while wgmma reads k
     # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
     # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
     # the H200) and scale the fp32 accumulators by 2^28 once; False: two multiplies, v * s.
@@ -121,11 +115,6 @@ class HopperGemmConfig:
     # stores the whole tile.
     split_k_reduce: str = "halves"
     arch: str = "sm_90a"
-
-    @property
-    def mma_stages(self) -> int:
-        """Decoded fp16 B stages: decode k+1 while wgmma reads k (3 with warp_local_loads)."""
-        return 3 if self.warp_local_loads else 2
 
     @property
     def num_warpgroups(self) -> int:
@@ -165,15 +154,8 @@ class HopperGemmConfig:
             raise ValueError(f"tile_n=64 with tile_m={self.tile_m}: tile_n=64 needs tile_m=128")
         if self.tile_k != 64:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
-        if self.raw_stages < 2:
-            raise ValueError(f"raw_stages={self.raw_stages}: must be >= 2")
-        if self.warp_local_loads and not (
-            self.a_in_registers and self.tile_m == 128 and self.tile_n in (128, 256)
-        ):
-            raise ValueError(
-                "warp_local_loads needs a_in_registers, tile_m = 128 and tile_n 128 or 256 "
-                "(the warp-to-row mapping of decode_a_registers and decode_stage)"
-            )
+        if self.raw_stages < 2 or self.mma_stages != 2:
+            raise ValueError("raw_stages must be >= 2 and mma_stages == 2")
         if self.a_register_buffers not in (1, 2):
             raise ValueError(f"a_register_buffers={self.a_register_buffers}: must be 1 or 2")
         if self.split_k not in (1, 2):
@@ -249,23 +231,6 @@ def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
             cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip),
         ],
         "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
-def cp_async_4B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cutlass.Int32, *, loc=None, ip=None):
-    """4-byte cp.async (through L1: .cg takes 16 bytes only); src_bytes == 0 zero-fills."""
-    _inline_asm(
-        None,
-        [
-            cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
-            cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
-            cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.ca.shared.global [$0], [$1], 4, $2;",
         "r,l,r",
         loc=loc,
         ip=ip,
@@ -731,77 +696,6 @@ class Sm90Nvfp4GroupedGemm:
         m, n, m0, n0, row_bytes, rest_k,
     ):
         stage_base = raw_base + stage * self.raw_stage_bytes
-        if cutlass.const_expr(self.config.warp_local_loads):
-            self.load_raw_stage_by_warp(
-                tidx, stage_base, k_tile, a_addr, b_addr, sfa_addr, sfb_addr,
-                m, n, m0, n0, row_bytes, rest_k,
-            )
-        else:
-            self.load_raw_stage_by_cta(
-                tidx, stage_base, k_tile, a_addr, b_addr, sfa_addr, sfb_addr,
-                m, n, m0, n0, row_bytes, rest_k,
-            )
-
-    @cute.jit
-    def load_raw_stage_by_warp(
-        self, tidx, stage_base, k_tile, a_addr, b_addr, sfa_addr, sfb_addr,
-        m, n, m0, n0, row_bytes, rest_k,
-    ):
-        """warp_local_loads: warp w copies what its own lanes decode, into the same raw stage
-        layout: A rows 16 w .. 16 w + 15 (decode_a_registers), B rows 64 s + 8 w .. + 7 of
-        every 64-row slab s (decode_stage item tidx + 256 i is row (tidx + 256 i) // 4), and
-        the 4 scale bytes (the k-tile's 4 blocks) of each of those rows. Same zero-fills as
-        load_raw_stage_by_cta."""
-        lane = tidx % 32
-        warp = tidx // 32
-        k_byte = k_tile * self.raw_row_bytes
-        chunks_per_row = self.raw_row_bytes // 16
-        # A: 16 rows x 2 chunks, one per lane
-        a_row = warp * 16 + lane // chunks_per_row
-        part = lane % chunks_per_row
-        valid = (m0 + a_row) < m
-        src_row = (m0 + a_row) if valid else 0
-        src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
-        cp_async_16B(stage_base + a_row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
-        # B: 8 rows x 2 chunks per 64-row slab
-        b_chunks_per_warp = (self.tile_n // 64) * 8 * chunks_per_row
-        for i in cutlass.range_constexpr(b_chunks_per_warp // 32):
-            chunk = lane + 32 * i
-            slab_chunk = chunk % (8 * chunks_per_row)
-            b_row = (chunk // (8 * chunks_per_row)) * 64 + warp * 8 + slab_chunk // chunks_per_row
-            self.load_b_chunk(
-                b_row * chunks_per_row + slab_chunk % chunks_per_row, stage_base, k_byte,
-                b_addr, n, n0, row_bytes,
-            )
-        # Scales: 4 bytes per row (block 0 at the row's in-atom offset), 16 A rows then the
-        # B rows; atoms past the tensor zero-filled as by load_raw_stage_by_cta
-        a_pieces = 16
-        pieces = a_pieces + (self.tile_n // 64) * 8
-        for i in cutlass.range_constexpr(-(-pieces // 32)):
-            piece = lane + 32 * i
-            is_a = piece < a_pieces
-            b_piece = piece - a_pieces
-            row = warp * 16 + piece if is_a else (b_piece // 8) * 64 + warp * 8 + b_piece % 8
-            atom_row = (m0 if is_a else n0) // SF_ATOM_ROWS + row // SF_ATOM_ROWS
-            valid = atom_row * SF_ATOM_ROWS < (m if is_a else n)
-            in_atom = (row % 32) * 16 + ((row % SF_ATOM_ROWS) // 32) * 4
-            sf_addr = sfa_addr if is_a else sfb_addr
-            src = sf_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + in_atom
-            dst = stage_base + (self.raw_sfa_offset if is_a else self.raw_sfb_offset)
-            dst = dst + (row // SF_ATOM_ROWS) * SF_ATOM_BYTES + in_atom
-            if cutlass.const_expr(pieces % 32 == 0):
-                cp_async_4B(dst, src, 4 if valid else 0)
-            else:
-                if piece < pieces:
-                    cp_async_4B(dst, src, 4 if valid else 0)
-
-    @cute.jit
-    def load_raw_stage_by_cta(
-        self, tidx, stage_base, k_tile, a_addr, b_addr, sfa_addr, sfb_addr,
-        m, n, m0, n0, row_bytes, rest_k,
-    ):
-        """The CTA's threads copy the k-tile in order: 16-byte chunks of the A rows, of the
-        B rows, then the scale atoms (whole 512-byte atoms)."""
         k_byte = k_tile * self.raw_row_bytes
         chunks_per_row = self.raw_row_bytes // 16
         # A rows (zero-filled past M)
@@ -1097,19 +991,11 @@ class Sm90Nvfp4GroupedGemm:
                     self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
                                   sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
                     cute.arch.cp_async_wait_group(self.raw_stages - 1)
-                    if cutlass.const_expr(self.config.warp_local_loads):
-                        # raw k_tile (copied by this warp) visible to its lanes; wgmma
-                        # k_tile - 3, the last reader of B stage b_stage, retired by every
-                        # warpgroup before the CTA barrier of k_tile - 1
-                        cute.arch.sync_warp()
-                        b_stage = k_tile % self.mma_stages
-                    else:
-                        # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
-                        cute.arch.sync_threads()
-                        b_stage = mma_stage
+                    # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
+                    cute.arch.sync_threads()
                     raw_stage = k_tile % self.raw_stages
                     self.decode_stage(
-                        tidx, raw_base, raw_stage, sA_base, sB_base, b_stage, sfb_row_offset, b_only=True
+                        tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=True
                     )
                     # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
                     # stall samples in Nsight Compute); issuing the prefetch after it instead of
@@ -1131,7 +1017,7 @@ class Sm90Nvfp4GroupedGemm:
                                 tiled_mma,
                                 accumulators,
                                 a_frag[(None, None, k_block)],
-                                tCrB[(None, None, k_block, b_stage)],
+                                tCrB[(None, None, k_block, mma_stage)],
                                 accumulators,
                             )
                         cute.nvgpu.warpgroup.commit_group()
