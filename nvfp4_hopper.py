@@ -55,7 +55,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import cute, utils
+from cutlass import cute, pipeline, utils
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.runtime import make_ptr
@@ -84,7 +84,12 @@ class HopperGemmConfig:
     # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
     # 215.0/132.9/57.5/29.5.
     raw_stages: int = 4
-    mma_stages: int = 2  # decoded fp16 stages: decode k+1 while wgmma reads k
+    # True: warp specialization. Two more warpgroups per CTA (512 threads, one CTA per SM):
+    # warpgroups 2-3 copy and decode A and B into shared memory stages, warpgroups 0-1 only
+    # wait for a full stage, run wgmma on it and release it (an mbarrier pipeline of
+    # mma_stages), so the decode of later k-tiles overlaps the wgmma of earlier ones. Needs
+    # shared-memory A, tile_m = 128, tile_n 128 or 256 and split_k = 1.
+    warp_specialized: bool = False
     # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
     # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
     # the H200) and scale the fp32 accumulators by 2^28 once; False: two multiplies, v * s.
@@ -117,12 +122,24 @@ class HopperGemmConfig:
     arch: str = "sm_90a"
 
     @property
+    def mma_stages(self) -> int:
+        """Decoded fp16 stages: 2 (decode k+1 while wgmma reads k); 3 with warp_specialized
+        (the decode runs up to two k-tiles ahead of the wgmma)."""
+        return 3 if self.warp_specialized else 2
+
+    @property
     def num_warpgroups(self) -> int:
+        """MMA warpgroups: one per 64 rows of the tile."""
         return self.tile_m // 64
 
     @property
     def num_threads(self) -> int:
+        """Threads that copy and decode (the whole CTA, or its producer warpgroups)."""
         return 128 * self.num_warpgroups
+
+    @property
+    def block_threads(self) -> int:
+        return 2 * self.num_threads if self.warp_specialized else self.num_threads
 
     @property
     def sfa_atoms(self) -> int:
@@ -154,8 +171,15 @@ class HopperGemmConfig:
             raise ValueError(f"tile_n=64 with tile_m={self.tile_m}: tile_n=64 needs tile_m=128")
         if self.tile_k != 64:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
-        if self.raw_stages < 2 or self.mma_stages != 2:
-            raise ValueError("raw_stages must be >= 2 and mma_stages == 2")
+        if self.raw_stages < 2:
+            raise ValueError(f"raw_stages={self.raw_stages}: must be >= 2")
+        if self.warp_specialized and (
+            self.a_in_registers or self.tile_m != 128 or self.tile_n not in (128, 256) or self.split_k != 1
+        ):
+            raise ValueError(
+                "warp_specialized needs a_in_registers=False, tile_m = 128, tile_n 128 or 256 "
+                "and split_k = 1"
+            )
         if self.a_register_buffers not in (1, 2):
             raise ValueError(f"a_register_buffers={self.a_register_buffers}: must be 1 or 2")
         if self.split_k not in (1, 2):
@@ -664,7 +688,21 @@ class Sm90Nvfp4GroupedGemm:
                 cute.struct.MemRange[cutlass.Uint8, self.raw_stage_bytes * self.raw_stages], 128
             ]
 
-        self.shared_storage = SharedStorage
+        @cute.struct
+        class WarpSpecializedStorage:
+            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, sa_elems], 1024]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float16, cute.cosize(b_smem_layout_staged)], 1024
+            ]
+            raw: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, self.raw_stage_bytes * self.raw_stages], 128
+            ]
+            # full and empty mbarrier of every decoded stage
+            stage_barriers: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * self.mma_stages], 8]
+
+        self.shared_storage = (
+            WarpSpecializedStorage if self.config.warp_specialized else SharedStorage
+        )
 
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
@@ -677,13 +715,14 @@ class Sm90Nvfp4GroupedGemm:
             # in as many passes as it takes (128x256 tiles: 128 KB of sums, 2 passes)
             region = SharedStorage.size_in_bytes()
             self.reduction_passes = -(-self.config.reduction_bytes // region)
-        self.kernel(
+        kernel = self.kernel_warp_specialized if self.config.warp_specialized else self.kernel
+        kernel(
             tiled_mma, mPtrs, mSizes, mTiles, a_smem_layout_staged, b_smem_layout_staged
         ).launch(
             grid=(num_tiles * split, 1, 1),
-            block=(self.num_threads, 1, 1),
+            block=(self.config.block_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
-            smem=SharedStorage.size_in_bytes(),
+            smem=self.shared_storage.size_in_bytes(),
             stream=stream,
         )
 
@@ -1095,6 +1134,147 @@ class Sm90Nvfp4GroupedGemm:
                         accumulators[2 * i] * acc_scale,
                         accumulators[2 * i + 1] * acc_scale,
                     )
+
+
+    @cute.kernel
+    def kernel_warp_specialized(
+        self,
+        tiled_mma: cute.TiledMma,
+        mPtrs: cute.Tensor,
+        mSizes: cute.Tensor,
+        mTiles: cute.Tensor,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+    ):
+        """warp_specialized: warpgroups 0-1 run wgmma on decoded stages, warpgroups 2-3 copy
+        and decode into them (PipelineAsync: full and empty mbarrier per stage)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        group = mTiles[bidx, 0]
+        tile_row = mTiles[bidx, 1]
+        tile_col = mTiles[bidx, 2]
+        m = mSizes[group, 0]
+        n = mSizes[group, 1]
+        k = mSizes[group, 2]
+        a_addr = mPtrs[group, 0]
+        b_addr = mPtrs[group, 1]
+        c_addr = mPtrs[group, 2]
+        sfa_addr = mPtrs[group, 3]
+        sfb_addr = mPtrs[group, 4]
+        m0 = tile_row * self.tile_m
+        n0 = tile_col * self.tile_n
+        row_bytes = k // 2
+        rest_k = k // (SF_VEC_SIZE * 4)
+        k_tile_cnt = k // self.tile_k
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        sA_base = storage.sA.data_ptr().toint()
+        sB_base = storage.sB.data_ptr().toint()
+        raw_base = storage.raw.data_ptr().toint()
+        # initialized by one thread, then a CTA barrier (every thread runs create)
+        stage_pipeline = pipeline.PipelineAsync.create(
+            num_stages=self.mma_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
+            barrier_storage=storage.stage_barriers.data_ptr(),
+        )
+
+        if warp_group_idx >= self.config.num_warpgroups:
+            #
+            # Producers: cp.async of raw k-tiles, decode into the fp16 stages
+            #
+            ptid = tidx - self.num_threads
+            for s in cutlass.range_constexpr(self.raw_stages - 1):
+                if s < k_tile_cnt:
+                    self.load_raw_stage(
+                        ptid, raw_base, s, s, a_addr, b_addr, sfa_addr, sfb_addr,
+                        m, n, m0, n0, row_bytes, rest_k,
+                    )
+                cute.arch.cp_async_commit_group()
+            producer_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Producer, self.mma_stages
+            )
+            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                # raw k_tile landed (raw_stages - 1 groups committed before it, one per
+                # k-tile since), and visible to every producer thread; every producer is
+                # past its decode of k_tile - 1, so its raw stage may be refilled
+                cute.arch.cp_async_wait_group(self.raw_stages - 2)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads)
+                self.prefetch(ptid, raw_base, k_tile + self.raw_stages - 1, k_tile_cnt, a_addr,
+                              b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+                stage_pipeline.producer_acquire(producer_state)
+                self.decode_stage(
+                    ptid, raw_base, k_tile % self.raw_stages, sA_base, sB_base,
+                    producer_state.index, 0,
+                )
+                # generic-proxy stores -> async-proxy (wgmma) reads, then the full barrier
+                cute.arch.fence_proxy(
+                    cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
+                )
+                stage_pipeline.producer_commit(producer_state)
+                producer_state.advance()
+            cute.arch.cp_async_wait_group(0)
+        else:
+            #
+            # Consumers: wgmma on each full stage, release it once that wgmma retired
+            #
+            warp_group_thread_layout = cute.make_layout(self.config.num_warpgroups, stride=128)
+            thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            gC_shape_probe = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            accumulators = cute.make_rmem_tensor(thr_mma.partition_C(gC_shape_probe).shape, cutlass.Float32)
+            accumulators.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            warp_group_has_rows = (m0 + warp_group_idx * 64) < m
+
+            consumer_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.mma_stages
+            )
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.mma_stages
+            )
+            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                stage_pipeline.consumer_wait(consumer_state)
+                if warp_group_has_rows:
+                    cute.nvgpu.warpgroup.fence()
+                    for k_block in cutlass.range_constexpr(num_k_blocks):
+                        cute.gemm(
+                            tiled_mma,
+                            accumulators,
+                            tCrA[(None, None, k_block, consumer_state.index)],
+                            tCrB[(None, None, k_block, consumer_state.index)],
+                            accumulators,
+                        )
+                    cute.nvgpu.warpgroup.commit_group()
+                    # wgmma k_tile - 1 retired: its stage is free
+                    cute.nvgpu.warpgroup.wait_group(1)
+                if k_tile > 0:
+                    stage_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                consumer_state.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+
+            cC = cute.local_tile(
+                cute.make_identity_tensor((m, n)), (self.tile_m, self.tile_n), (tile_row, tile_col)
+            )
+            tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
+            acc_scale = cutlass.Float32(2.0**28 if self.config.single_multiply else 1.0)
+            if warp_group_has_rows:
+                for i in cutlass.range_constexpr(cute.size(accumulators) // 2):
+                    coord = tCcC[2 * i]
+                    if coord[0] < m and coord[1] < n:
+                        store_f16x2(
+                            c_addr + (cutlass.Int64(coord[0]) * n + coord[1]) * 2,
+                            accumulators[2 * i] * acc_scale,
+                            accumulators[2 * i + 1] * acc_scale,
+                        )
 
 
 # =============================================================================

@@ -302,6 +302,7 @@ def test_narrow_config_stage_layout():
     hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
     hopper.SPLIT_K_CONFIG,
     hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
+    hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
     compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a", config=config)
@@ -527,6 +528,7 @@ CONFIG_CASES = (
     + [("split_k_2_smem_a", seed) for seed in range(800, 808)]
     + [("split_k_2_rank0", seed) for seed in range(900, 916)]
     + [("auto", seed) for seed in range(1000, 1016)]
+    + [("warp_specialized", seed) for seed in range(1100, 1116)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -540,6 +542,7 @@ CONFIGS = {
     "split_k_2_smem_a": hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
     "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
+    "warp_specialized": hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
 }
 
 
@@ -556,7 +559,9 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 
 
 @requires_sm90
-@pytest.mark.parametrize("config_name", ["default", "tile_n_64", "split_k_2", "split_k_2_rank0"])
+@pytest.mark.parametrize(
+    "config_name", ["default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized"]
+)
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
     """The four official benchmark shapes in every config custom_kernel may pick, and 128x64."""
