@@ -84,11 +84,16 @@ class HopperGemmConfig:
     # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
     # 215.0/132.9/57.5/29.5.
     raw_stages: int = 4
-    # True: warp specialization. Two more warpgroups per CTA (512 threads, one CTA per SM):
-    # warpgroups 2-3 copy and decode A and B into shared memory stages, warpgroups 0-1 only
-    # wait for a full stage, run wgmma on it and release it (an mbarrier pipeline of
-    # mma_stages), so the decode of later k-tiles overlaps the wgmma of earlier ones. Needs
-    # shared-memory A, tile_m = 128, tile_n 128 or 256 and split_k = 1.
+    # True: warp specialization. Two more warpgroups per CTA (512 threads, 90 registers, 134
+    # KB of shared memory: one CTA per SM): warpgroups 2-3 copy and decode A and B into
+    # shared memory stages, warpgroups 0-1 only wait for a full stage, run wgmma on it and
+    # release it (an mbarrier pipeline of mma_stages), so the decode of later k-tiles
+    # overlaps the wgmma of earlier ones. Needs shared-memory A, tile_m = 128, tile_n 128 or
+    # 256 and split_k = 1. Exact on the H200, but slower: device µs, shapes 0-3,
+    # 239.3/151.4/52.6/25.2 vs 199.0/118.0/46.4/23.4 for the default backend: an SM then has
+    # 8 decoding warps where the default has 16 (two CTAs of 8), and the decode, not the
+    # wgmma, bounds the kernel. More producer warpgroups need fewer registers per thread
+    # (setmaxnreg); this is the starting point for that.
     warp_specialized: bool = False
     # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
     # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
