@@ -15,7 +15,8 @@ are the exact block-scaled products, accumulated in fp32.
 
 Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x128 tiles.
 Input sets whose tiles fill the GPU's CTA slots badly run split-K over a 2-CTA cluster
-(split_k_pays); 128x64 and 128x256 tiles are options, measured slower (NARROW_CONFIG, tile_n).
+(split_k_pays); 128x64 and 128x256 tiles and a warp-specialized kernel are options, measured
+slower (NARROW_CONFIG, tile_n, warp_specialized).
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)

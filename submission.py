@@ -1136,10 +1136,11 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
 
 
 # A prepared launch recorded once per input set as a CUDA graph and replayed with
-# cuGraphLaunch: 1.8 µs of CPU per call on the H200 host, against 4.4-6.1 µs for the prepared
+# cuGraphLaunch: 1.8 µs of CPU per call on the H200 host, against 4.6-6.1 µs for the prepared
 # DSL call (whose host code builds the launch config and launches through the runtime on every
-# call) and 6.8-7.2 µs for a bare torch launch, all measured in one run. The graph holds the
-# kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
+# call) and 7.2-9.0 µs for a bare torch launch (medians of two rounds of one run). The graph
+# holds the kernel's parameters by value; nothing of the DSL is touched beyond the call it
+# records.
 # NVFP4_GRAPH_LAUNCH=0 launches the prepared call directly (to compare, or to rule graphs out).
 _GRAPH_LAUNCH = os.environ.get("NVFP4_GRAPH_LAUNCH", "1") not in ("", "0")
 _CAPTURE_STREAMS: dict = {}

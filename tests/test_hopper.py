@@ -348,6 +348,27 @@ def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups)
     assert build_report.problems(report) == []
 
 
+def test_warp_specialized_kernel_fits_one_512_thread_cta(tmp_path):
+    """512 threads share the 65,536-register file: at most 128 registers each, no spills;
+    the stages are handed over through mbarriers, the producers sync on a named barrier."""
+    config = hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True)
+    assert config.block_threads == 512 and config.mma_stages == 3
+    (report,) = build_report.build_kernel(
+        "sm90_nvfp4_gemm_ws", "sm_90a", lambda g, o: hopper.compile_gemm(g, o, config=config), 2, tmp_path
+    )
+    assert 0 < report.registers <= 128
+    assert report.frame_bytes == 0 and report.spill_bytes_max == 0
+    raw_bytes = config.raw_stages * config.raw_stage_bytes
+    decoded_bytes = 3 * (128 + 128) * 64 * 2
+    assert report.dynamic_smem_bytes >= decoded_bytes + raw_bytes
+    assert report.smem_bytes <= SM90_SMEM_LIMIT
+    ptx = Path(report.ptx_path).read_text()
+    assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
+    assert "bar.sync 1, 256;" in ptx and ".reqntid 512, 1, 1" in ptx
+    with pytest.raises(ValueError, match="warp_specialized needs"):
+        hopper.HopperGemmConfig(warp_specialized=True).check()  # register A
+
+
 @pytest.mark.parametrize("num_groups", [1, 8])
 def test_split_k_kernel_reduces_through_the_cluster(sm90_builds, num_groups):
     """Partial sums reach the summing rank through distributed shared memory (mapa to a
