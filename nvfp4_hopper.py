@@ -883,6 +883,42 @@ class Sm90Nvfp4GroupedGemm:
             return 0
         return warp_group_idx % self.config.split_k
 
+    def tile_of(self, tile_idx, mPtrs, mSizes, mTiles):
+        """(tile_row, tile_col, m, n, k, a, b, c, sfa, sfb addresses) of tile `tile_idx` of
+        the tile table (plain Python: loads only, no device branch)."""
+        group = mTiles[tile_idx, 0]
+        return (
+            mTiles[tile_idx, 1], mTiles[tile_idx, 2],
+            mSizes[group, 0], mSizes[group, 1], mSizes[group, 2],
+            mPtrs[group, 0], mPtrs[group, 1], mPtrs[group, 2], mPtrs[group, 3], mPtrs[group, 4],
+        )
+
+    @cute.jit
+    def store_tile(self, tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows):
+        """Epilogue: fp32 -> fp16, stores predicated on the M and N residues (when
+        `stores_rows`: this thread's warpgroup has rows in the group and holds their sums).
+
+        wgmma's fp32 fragment holds, per row and 8-column block, columns 2t and 2t + 1 as
+        consecutive values (value mode (2, 2, N/8): column pair, row + 8, block): one 32-bit
+        store per pair; N is even, so a pair is all in or all out of the matrix. Paired stores
+        halve the epilogue's conversions, predicates and stores (the epilogue was 12% of shape
+        2's warp stall samples with one 16-bit store per value)."""
+        cC = cute.local_tile(
+            cute.make_identity_tensor((m, n)), (self.tile_m, self.tile_n), (tile_row, tile_col)
+        )
+        tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
+        # both operands carry 2^-14 when the decode used a single multiply (exact rescale)
+        acc_scale = cutlass.Float32(2.0**28 if self.config.single_multiply else 1.0)
+        if stores_rows:
+            for i in cutlass.range_constexpr(cute.size(accumulators) // 2):
+                coord = tCcC[2 * i]
+                if coord[0] < m and coord[1] < n:
+                    store_f16x2(
+                        c_addr + (cutlass.Int64(coord[0]) * n + coord[1]) * 2,
+                        accumulators[2 * i] * acc_scale,
+                        accumulators[2 * i + 1] * acc_scale,
+                    )
+
     @cute.jit
     def reduce_split_k(self, tidx, warp_group_idx, reduction_base, accumulators):
         """Split-K: the other rank's accumulators of a warpgroup's rows are added into those
@@ -944,18 +980,9 @@ class Sm90Nvfp4GroupedGemm:
         #
         # split_k > 1: the split_k consecutive CTAs of a cluster (grid x) share one tile
         split = self.config.split_k
-        tile_idx = bidx // split
-        group = mTiles[tile_idx, 0]
-        tile_row = mTiles[tile_idx, 1]
-        tile_col = mTiles[tile_idx, 2]
-        m = mSizes[group, 0]
-        n = mSizes[group, 1]
-        k = mSizes[group, 2]
-        a_addr = mPtrs[group, 0]
-        b_addr = mPtrs[group, 1]
-        c_addr = mPtrs[group, 2]
-        sfa_addr = mPtrs[group, 3]
-        sfb_addr = mPtrs[group, 4]
+        (tile_row, tile_col, m, n, k, a_addr, b_addr, c_addr, sfa_addr, sfb_addr) = self.tile_of(
+            bidx // split, mPtrs, mSizes, mTiles
+        )
         m0 = tile_row * self.tile_m
         n0 = tile_col * self.tile_n
         # tile_n = 64: the B tile is the first or second half of its 128-row scale atom
@@ -1110,36 +1137,13 @@ class Sm90Nvfp4GroupedGemm:
         if cutlass.const_expr(split > 1):
             self.reduce_split_k(tidx, warp_group_idx, sA_base, accumulators)
 
-        #
-        # Epilogue: fp32 -> fp16, stores predicated on the M and N residues
-        #
-        cC = cute.local_tile(
-            cute.make_identity_tensor((m, n)), (self.tile_m, self.tile_n), (tile_row, tile_col)
-        )
-        thr_mma_c = tiled_mma.get_slice(tidx)
-        tCcC = thr_mma_c.partition_C(cC)
-        # both operands carry 2^-14 when the decode used a single multiply (exact rescale)
-        acc_scale = cutlass.Float32(2.0**28 if self.config.single_multiply else 1.0)
-        # wgmma's fp32 fragment holds, per row and 8-column block, columns 2t and 2t + 1 as
-        # consecutive values (value mode (2, 2, N/8): column pair, row + 8, block): one
-        # 32-bit store per pair; N is even, so a pair is all in or all out of the matrix.
-        # Paired stores halve the epilogue's conversions, predicates and stores (the
-        # epilogue was 12% of shape 2's warp stall samples with one 16-bit store per value).
         # (split_k > 1: only the summing rank of this warpgroup's rows holds their sum)
         stores_rows = warp_group_has_rows
         if cutlass.const_expr(split > 1):
             stores_rows = warp_group_has_rows and (
                 cute.arch.block_idx_in_cluster() == self.summing_rank(warp_group_idx)
             )
-        if stores_rows:
-            for i in cutlass.range_constexpr(cute.size(accumulators) // 2):
-                coord = tCcC[2 * i]
-                if coord[0] < m and coord[1] < n:
-                    store_f16x2(
-                        c_addr + (cutlass.Int64(coord[0]) * n + coord[1]) * 2,
-                        accumulators[2 * i] * acc_scale,
-                        accumulators[2 * i + 1] * acc_scale,
-                    )
+        self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
 
 
     @cute.kernel
@@ -1158,17 +1162,9 @@ class Sm90Nvfp4GroupedGemm:
         bidx, _, _ = cute.arch.block_idx()
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
 
-        group = mTiles[bidx, 0]
-        tile_row = mTiles[bidx, 1]
-        tile_col = mTiles[bidx, 2]
-        m = mSizes[group, 0]
-        n = mSizes[group, 1]
-        k = mSizes[group, 2]
-        a_addr = mPtrs[group, 0]
-        b_addr = mPtrs[group, 1]
-        c_addr = mPtrs[group, 2]
-        sfa_addr = mPtrs[group, 3]
-        sfb_addr = mPtrs[group, 4]
+        (tile_row, tile_col, m, n, k, a_addr, b_addr, c_addr, sfa_addr, sfb_addr) = self.tile_of(
+            bidx, mPtrs, mSizes, mTiles
+        )
         m0 = tile_row * self.tile_m
         n0 = tile_col * self.tile_n
         row_bytes = k // 2
@@ -1266,21 +1262,9 @@ class Sm90Nvfp4GroupedGemm:
                     release_state.advance()
                 consumer_state.advance()
             cute.nvgpu.warpgroup.wait_group(0)
-
-            cC = cute.local_tile(
-                cute.make_identity_tensor((m, n)), (self.tile_m, self.tile_n), (tile_row, tile_col)
+            self.store_tile(
+                tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, warp_group_has_rows
             )
-            tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
-            acc_scale = cutlass.Float32(2.0**28 if self.config.single_multiply else 1.0)
-            if warp_group_has_rows:
-                for i in cutlass.range_constexpr(cute.size(accumulators) // 2):
-                    coord = tCcC[2 * i]
-                    if coord[0] < m and coord[1] < n:
-                        store_f16x2(
-                            c_addr + (cutlass.Int64(coord[0]) * n + coord[1]) * 2,
-                            accumulators[2 * i] * acc_scale,
-                            accumulators[2 * i + 1] * acc_scale,
-                        )
 
 
 # =============================================================================
