@@ -125,6 +125,17 @@ class HopperGemmConfig:
     # epilogues run in parallel); "rank0": rank 1 sends all its sums to rank 0, which
     # stores the whole tile.
     split_k_reduce: str = "halves"
+    # Register-A, one A fragment: True runs one CTA barrier per k-tile instead of two. The
+    # wgmma of k-tile k is issued right after the barrier; then the B decode of k + 1 (other
+    # fp16 stage), the wait for that wgmma and the A decode of k + 1 into the fragment, then
+    # the cp.async wait for k + 2 and the barrier, which publishes both the decoded B of k + 1
+    # and the raw stage of k + 2. (The wait for the wgmma before the A decode also means that
+    # every warpgroup is past the wgmma of k - 1 at the barrier: the B stage it read is free.)
+    single_barrier: bool = False
+    # single_barrier only: the wgmma of a k-tile commits one group per k16 step, and the A
+    # decode of the next k-tile waits step by step (k16 step s of the fragment is rewritten
+    # once step s of the wgmma is done), so the A decode overlaps the later steps.
+    a_decode_per_step: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -193,6 +204,10 @@ class HopperGemmConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.split_k_reduce not in ("halves", "rank0"):
             raise ValueError(f"split_k_reduce={self.split_k_reduce!r}: must be 'halves' or 'rank0'")
+        if self.single_barrier and not (self.a_in_registers and self.a_register_buffers == 1):
+            raise ValueError("single_barrier needs a_in_registers=True and a_register_buffers=1")
+        if self.a_decode_per_step and not self.single_barrier:
+            raise ValueError("a_decode_per_step needs single_barrier=True")
 
     @property
     def reduction_bytes(self) -> int:
@@ -400,20 +415,24 @@ def _place_word_ptx(word: str, destinations: dict) -> list[str]:
     ]
 
 
-def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunks") -> str:
+def _decode_blocks_asm(
+    num_units: int, single_multiply: bool, mode: str = "chunks", steps: tuple[int, ...] = (0, 1, 2, 3)
+) -> str:
     """PTX decoding `num_units` units. All loads are issued first and all stores last, so
     the units' integer work interleaves instead of waiting on each load.
 
     mode "chunks" (unit = one scale block of one row, into shared memory): operands per
     unit u: $(4u) packed source (8 bytes), $(4u+1) scale byte, $(4u+2) / $(4u+3) the
     16-byte destination chunks (CHUNK_REGISTERS).
-    mode "registers" (unit = rows g and g+8 of a 64-wide k-tile, register-A mode): outputs
-    $(16u + 4s + i) = FRAGMENT_REGISTERS[i] of k16 step s; inputs after the 16 * num_units
-    outputs, per unit: row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), the
-    a_word_selector, row g's 4 scale bytes, row g+8's (aligned).
+    mode "registers" (unit = rows g and g+8 of a 64-wide k-tile, register-A mode), only the
+    k16 steps `steps` (scale blocks) of the k-tile: outputs $(4 len(steps) u + 4 j + i) =
+    FRAGMENT_REGISTERS[i] of step steps[j]; inputs after the outputs, per unit: row g packed
+    + 4 (t // 2), row g+8 packed + 4 (t // 2), the a_word_selector, row g's 4 scale bytes,
+    row g+8's (aligned).
     """
     registers = mode == "registers"
-    first_input = 16 * num_units if registers else 0
+    outputs_per_unit = 4 * len(steps)
+    first_input = outputs_per_unit * num_units if registers else 0
     per_unit = 5 if registers else 4
     lines = [
         "{",
@@ -431,7 +450,7 @@ def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunk
     for u in range(num_units):  # loads
         src = first_input + per_unit * u
         if registers:
-            for s in range(4):
+            for s in steps:
                 lines.append(f"ld.shared.u32 g{u}_{s}, [${src} + {8 * s}];")
                 lines.append(f"ld.shared.u32 h{u}_{s}, [${src + 1} + {8 * s}];")
             lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
@@ -442,18 +461,26 @@ def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunk
     for u in range(num_units):  # scales: fp16x2 (s, s) per row and block
         if registers:
             for row, scales in enumerate((f"sg{u}", f"sh{u}")):
-                for half, selector in ((0, "0x1100"), (1, "0x3322")):
-                    lines += [
-                        f"prmt.b32 sc, {scales}, 0, {selector};",
-                        "mov.b32 {slo, shi}, sc;",
-                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half}, slo;",
-                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half + 1}, shi;",
-                    ]
+                if len(steps) == 4:
+                    for half, selector in ((0, "0x1100"), (1, "0x3322")):
+                        lines += [
+                            f"prmt.b32 sc, {scales}, 0, {selector};",
+                            "mov.b32 {slo, shi}, sc;",
+                            f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half}, slo;",
+                            f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half + 1}, shi;",
+                        ]
+                else:
+                    for s in steps:  # scale byte s twice in the low half
+                        lines += [
+                            f"prmt.b32 sc, {scales}, 0, {hex(s | (s << 4))};",
+                            "mov.b32 {slo, shi}, sc;",
+                            f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + s}, slo;",
+                        ]
         else:
             lines += [f"mul.lo.u32 sc, s{u}, 257;", "mov.b32 {slo, shi}, sc;", f"cvt.rn.f16x2.e4m3x2 S{u}, slo;"]
     for u in range(num_units):  # bit placement and scaling
         if registers:
-            for s in range(4):
+            for s in steps:
                 lines.append(f"prmt.b32 w{u}, g{u}_{s}, h{u}_{s}, ${first_input + per_unit * u + 2};")
                 destinations = {name: f"r{u}_{s}_{i}" for i, name in enumerate(FRAGMENT_REGISTERS)}
                 lines += _place_word_ptx(f"w{u}", destinations)
@@ -476,7 +503,11 @@ def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunk
                     lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u};")
     for u in range(num_units):  # stores / outputs
         if registers:
-            lines += [f"mov.b32 ${16 * u + 4 * s + i}, r{u}_{s}_{i};" for s in range(4) for i in range(4)]
+            lines += [
+                f"mov.b32 ${outputs_per_unit * u + 4 * j + i}, r{u}_{s}_{i};"
+                for j, s in enumerate(steps)
+                for i in range(4)
+            ]
         else:
             for chunk in range(2):
                 regs = ", ".join(f"r{u}_{chunk}_{i}" for i in range(4))
@@ -502,23 +533,29 @@ def decode_scale_blocks(addresses, single_multiply: bool = False, *, loc=None, i
 
 
 @dsl_user_op
-def decode_scale_blocks_to_registers(units, single_multiply: bool = False, *, loc=None, ip=None):
+def decode_scale_blocks_to_registers(
+    units, single_multiply: bool = False, steps: tuple[int, ...] = (0, 1, 2, 3), *, loc=None, ip=None
+):
     """Decode a lane's share of row pairs (g, g+8) of a k-tile into registers; `units` lists
     (row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), a_word_selector(t), row g's
-    scales, row g+8's) per row pair. Returns, per unit and k16 step, the 4 Int32 fragment
-    registers (FRAGMENT_REGISTERS order)."""
+    scales, row g+8's) per row pair. Returns, per unit and k16 step of `steps`, the 4 Int32
+    fragment registers (FRAGMENT_REGISTERS order)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
-    num_outputs = 16 * len(units)
+    per_unit = 4 * len(steps)
+    num_outputs = per_unit * len(units)
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
-        _decode_blocks_asm(len(units), single_multiply, "registers"),
+        _decode_blocks_asm(len(units), single_multiply, "registers", tuple(steps)),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
         loc=loc,
         ip=ip,
     )
     registers = [llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip) for i in range(num_outputs)]
-    return [[registers[16 * u + 4 * s : 16 * u + 4 * s + 4] for s in range(4)] for u in range(len(units))]
+    return [
+        [registers[per_unit * u + 4 * j : per_unit * u + 4 * j + 4] for j in range(len(steps))]
+        for u in range(len(units))
+    ]
 
 
 @dsl_user_op
@@ -852,10 +889,13 @@ class Sm90Nvfp4GroupedGemm:
         decode_scale_blocks(blocks, self.config.single_multiply)
 
     @cute.jit
-    def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag):
+    def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag, wait_per_step=False):
         """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
         64 v + 16 w + g and + 8 (4-byte half t // 2 of every scale block, the bytes
-        a_word_selector(t) picks) into the wgmma A fragment (K permutation above)."""
+        a_word_selector(t) picks) into the wgmma A fragment (K permutation above).
+
+        wait_per_step: the wgmma reading the fragment committed one group per k16 step;
+        step s is decoded once that wgmma's step s is done (wait_group(3 - s))."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
         lane = tidx % 32
         row = (tidx // 32) * 16 + lane // 4
@@ -869,12 +909,71 @@ class Sm90Nvfp4GroupedGemm:
             selector,
             *(stage_scale_offset(0, self.tile_m, r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
         )
-        steps = decode_scale_blocks_to_registers([unit], self.config.single_multiply)[0]
-        # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
-        for step in cutlass.range_constexpr(self.tile_k // 16):
-            step_frag = a_frag[(None, 0, step)]
-            values = pack_f16x8(steps[step])
-            step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
+        num_steps = self.tile_k // 16
+        if cutlass.const_expr(wait_per_step):
+            for step in cutlass.range_constexpr(num_steps):
+                cute.nvgpu.warpgroup.wait_group(num_steps - 1 - step)
+                registers = decode_scale_blocks_to_registers([unit], self.config.single_multiply, (step,))
+                self.store_a_step(a_frag, step, registers[0][0])
+        else:
+            steps = decode_scale_blocks_to_registers([unit], self.config.single_multiply)[0]
+            for step in cutlass.range_constexpr(num_steps):
+                self.store_a_step(a_frag, step, steps[step])
+
+    def store_a_step(self, a_frag, step, registers):
+        """k16 step `step` of the A fragment: registers (row g, cols 2t..) (row g+8, 2t..)
+        (g, 2t+8..) (g+8, 2t+8..)."""
+        step_frag = a_frag[(None, 0, step)]
+        values = pack_f16x8(registers)
+        step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
+
+    @cute.jit
+    def issue_wgmma(self, tiled_mma, accumulators, a_frag, tCrB, mma_stage, num_k_blocks, group_per_step):
+        """wgmma of one k-tile (register A, fp16 stage `mma_stage` of B): one commit group,
+        or one per k16 step (group_per_step)."""
+        cute.nvgpu.warpgroup.fence()
+        for k_block in cutlass.range_constexpr(num_k_blocks):
+            cute.gemm(
+                tiled_mma,
+                accumulators,
+                a_frag[(None, None, k_block)],
+                tCrB[(None, None, k_block, mma_stage)],
+                accumulators,
+            )
+            if cutlass.const_expr(group_per_step):
+                cute.nvgpu.warpgroup.commit_group()
+        if cutlass.const_expr(not group_per_step):
+            cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def single_barrier_k_tile(
+        self, tidx, tiled_mma, accumulators, a_frag, tCrB, num_k_blocks, warp_group_has_rows,
+        raw_base, sA_base, sB_base, sfb_row_offset, k_tile, k_tile_cnt,
+        a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
+    ):
+        """single_barrier, k-tile k_tile >= 1: on entry the wgmma of k_tile - 1 is in flight
+        and the raw stage of k_tile is visible to every thread (the previous barrier).
+        Prefetches k_tile - 1 + raw_stages into the raw stage k_tile - 1 used, decodes
+        k_tile, publishes it (and raw k_tile + 1) with the barrier, issues its wgmma."""
+        per_step = self.config.a_decode_per_step
+        self.prefetch(tidx, raw_base, k_tile - 1 + self.raw_stages, k_tile_cnt, a_addr, b_addr,
+                      sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+        raw_stage = k_tile % self.raw_stages
+        # fp16 stage k_tile % 2 was last read by the wgmma of k_tile - 2, which every
+        # warpgroup waited for before the previous barrier (its A decode of k_tile - 1)
+        mma_stage = k_tile % self.mma_stages
+        self.decode_stage(
+            tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=True
+        )
+        if cutlass.const_expr(not per_step):
+            cute.nvgpu.warpgroup.wait_group(0)
+        self.decode_a_registers(tidx, raw_base, raw_stage, a_frag, wait_per_step=per_step)
+        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+        # raw k_tile + 1 (committed raw_stages - 1 groups ago)
+        cute.arch.cp_async_wait_group(self.raw_stages - 2)
+        cute.arch.sync_threads()
+        if warp_group_has_rows:
+            self.issue_wgmma(tiled_mma, accumulators, a_frag, tCrB, mma_stage, num_k_blocks, per_step)
 
     def summing_rank(self, warp_group_idx):
         """Split-K: the cluster rank that sums and stores the rows of warpgroup
@@ -1053,7 +1152,29 @@ class Sm90Nvfp4GroupedGemm:
         #
         # Main loop
         #
-        if cutlass.const_expr(self.config.a_in_registers):
+        if cutlass.const_expr(self.config.single_barrier):
+            single_a_frag = a_frags[0]
+            # k-tile 0: decode, prefetch raw_stages - 1, publish with raw 1, wgmma
+            cute.arch.cp_async_wait_group(self.raw_stages - 2)
+            cute.arch.sync_threads()
+            self.decode_stage(tidx, raw_base, 0, sA_base, sB_base, 0, sfb_row_offset, b_only=True)
+            self.decode_a_registers(tidx, raw_base, 0, single_a_frag)
+            self.prefetch(tidx, raw_base, self.raw_stages - 1, k_tile_cnt, a_addr, b_addr,
+                          sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+            cute.arch.cp_async_wait_group(self.raw_stages - 2)
+            cute.arch.sync_threads()
+            if warp_group_has_rows:
+                self.issue_wgmma(tiled_mma, accumulators, single_a_frag, tCrB, 0, num_k_blocks, self.config.a_decode_per_step)
+            # one loop over k-tiles 1 .. k_tile_cnt - 1 with a run-time fp16 stage: a peeled
+            # last k-tile raised the kernel to 134 registers, over the 128 of 2 CTAs per SM
+            for k_tile in cutlass.range(1, k_tile_cnt, unroll=1):
+                self.single_barrier_k_tile(
+                    tidx, tiled_mma, accumulators, single_a_frag, tCrB, num_k_blocks, warp_group_has_rows,
+                    raw_base, sA_base, sB_base, sfb_row_offset, k_tile, k_tile_cnt,
+                    a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
+                )
+        elif cutlass.const_expr(self.config.a_in_registers):
             # unrolled by the 2 fp16 stages so that stage and A fragment are static
             # (k_tile_cnt is a multiple of 4: K % 256 == 0)
             for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):

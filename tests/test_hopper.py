@@ -303,6 +303,8 @@ def test_narrow_config_stage_layout():
     hopper.SPLIT_K_CONFIG,
     hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
     hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
+    hopper.HopperGemmConfig(single_barrier=True),
+    hopper.HopperGemmConfig(single_barrier=True, a_decode_per_step=True, split_k=2),
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
     compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a", config=config)
@@ -550,6 +552,10 @@ CONFIG_CASES = (
     + [("split_k_2_rank0", seed) for seed in range(900, 916)]
     + [("auto", seed) for seed in range(1000, 1016)]
     + [("warp_specialized", seed) for seed in range(1100, 1116)]
+    + [("single_barrier", seed) for seed in range(1200, 1232)]
+    + [("single_barrier_split_k_2", seed) for seed in range(1300, 1316)]
+    + [("a_decode_per_step", seed) for seed in range(1400, 1432)]
+    + [("a_decode_per_step_split_k_2", seed) for seed in range(1500, 1516)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -564,6 +570,12 @@ CONFIGS = {
     "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
     "warp_specialized": hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
+    "single_barrier": hopper.HopperGemmConfig(single_barrier=True),
+    "single_barrier_split_k_2": hopper.HopperGemmConfig(single_barrier=True, split_k=2),
+    "a_decode_per_step": hopper.HopperGemmConfig(single_barrier=True, a_decode_per_step=True),
+    "a_decode_per_step_split_k_2": hopper.HopperGemmConfig(
+        single_barrier=True, a_decode_per_step=True, split_k=2
+    ),
 }
 
 
@@ -581,7 +593,11 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 
 @requires_sm90
 @pytest.mark.parametrize(
-    "config_name", ["default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized"]
+    "config_name",
+    [
+        "default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized",
+        "single_barrier", "single_barrier_split_k_2", "a_decode_per_step", "a_decode_per_step_split_k_2",
+    ],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
