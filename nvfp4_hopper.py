@@ -96,6 +96,10 @@ class HopperGemmConfig:
     # wgmma, bounds the kernel. More producer warpgroups need fewer registers per thread
     # (setmaxnreg); this is the starting point for that.
     warp_specialized: bool = False
+    # warp_specialized: producer warpgroups, 2 or 3 (640 threads, at most 96 registers each,
+    # 65536 / 640 in steps of 8; 4 would leave 80, fewer than ptxas needs for one m64n128
+    # wgmma, 90, and ptxas 13.1 still compiles at that limit after setmaxnreg.inc).
+    producer_warpgroups: int = 2
     # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
     # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
     # the H200) and scale the fp32 accumulators by 2^28 once; False: two multiplies, v * s.
@@ -150,13 +154,18 @@ class HopperGemmConfig:
         return self.tile_m // 64
 
     @property
-    def num_threads(self) -> int:
-        """Threads that copy and decode (the whole CTA, or its producer warpgroups)."""
+    def mma_threads(self) -> int:
+        """Threads of the MMA warpgroups."""
         return 128 * self.num_warpgroups
 
     @property
+    def num_threads(self) -> int:
+        """Threads that copy and decode (the whole CTA, or its producer warpgroups)."""
+        return 128 * self.producer_warpgroups if self.warp_specialized else self.mma_threads
+
+    @property
     def block_threads(self) -> int:
-        return 2 * self.num_threads if self.warp_specialized else self.num_threads
+        return self.mma_threads + self.num_threads if self.warp_specialized else self.num_threads
 
     @property
     def sfa_atoms(self) -> int:
@@ -196,6 +205,10 @@ class HopperGemmConfig:
             raise ValueError(
                 "warp_specialized needs a_in_registers=False, tile_m = 128, tile_n 128 or 256 "
                 "and split_k = 1"
+            )
+        if self.producer_warpgroups not in (2, 3) or (self.producer_warpgroups != 2 and not self.warp_specialized):
+            raise ValueError(
+                f"producer_warpgroups={self.producer_warpgroups}: 2, or 3 with warp_specialized"
             )
         if self.a_register_buffers not in (1, 2):
             raise ValueError(f"a_register_buffers={self.a_register_buffers}: must be 1 or 2")
@@ -780,15 +793,15 @@ class Sm90Nvfp4GroupedGemm:
         stage_base = raw_base + stage * self.raw_stage_bytes
         k_byte = k_tile * self.raw_row_bytes
         chunks_per_row = self.raw_row_bytes // 16
-        # A rows (zero-filled past M)
-        for i in cutlass.range_constexpr(self.tile_m * chunks_per_row // self.num_threads):
+        # A rows (zero-filled past M); 4 producer warpgroups have more threads than chunks
+        a_chunks = self.tile_m * chunks_per_row
+        for i in cutlass.range_constexpr(-(-a_chunks // self.num_threads)):
             chunk = tidx + i * self.num_threads
-            row = chunk // chunks_per_row
-            part = chunk % chunks_per_row
-            valid = (m0 + row) < m
-            src_row = (m0 + row) if valid else 0
-            src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
-            cp_async_16B(stage_base + row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
+            if cutlass.const_expr(a_chunks % self.num_threads == 0):
+                self.load_a_chunk(chunk, stage_base, k_byte, a_addr, m, m0, row_bytes)
+            else:
+                if chunk < a_chunks:
+                    self.load_a_chunk(chunk, stage_base, k_byte, a_addr, m, m0, row_bytes)
         # B rows (zero-filled past N); tile_n = 64 has fewer chunks than threads
         b_chunks = self.tile_n * chunks_per_row
         for i in cutlass.range_constexpr(-(-b_chunks // self.num_threads)):
@@ -835,6 +848,17 @@ class Sm90Nvfp4GroupedGemm:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
+    def load_a_chunk(self, chunk, stage_base, k_byte, a_addr, m, m0, row_bytes):
+        """16 bytes of packed A row m0 + chunk // chunks_per_row (zero-filled past M)."""
+        chunks_per_row = self.raw_row_bytes // 16
+        row = chunk // chunks_per_row
+        part = chunk % chunks_per_row
+        valid = (m0 + row) < m
+        src_row = (m0 + row) if valid else 0
+        src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
+        cp_async_16B(stage_base + row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
+
+    @cute.jit
     def load_b_chunk(self, chunk, stage_base, k_byte, b_addr, n, n0, row_bytes):
         """16 bytes of packed B row n0 + chunk // chunks_per_row (zero-filled past N)."""
         chunks_per_row = self.raw_row_bytes // 16
@@ -863,30 +887,67 @@ class Sm90Nvfp4GroupedGemm:
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
         a_items = 0 if b_only else self.tile_m * self.blocks_per_row
         b_items = self.tile_n * self.blocks_per_row
+        threads = self.num_threads
         blocks = []
-        for i in cutlass.range_constexpr((a_items + b_items) // self.num_threads):
-            item = tidx + i * self.num_threads
-            is_b = cutlass.const_expr(b_only or i * self.num_threads >= a_items)
+        for i in cutlass.range_constexpr((a_items + b_items) // threads):
+            first, last = i * threads, (i + 1) * threads  # the items of this pass
+            if cutlass.const_expr(b_only or first >= a_items):
+                is_b = True
+            elif cutlass.const_expr(last <= a_items):
+                is_b = False
+            else:
+                # 3 producer warpgroups: a pass holding both A and B items (tile_m == tile_n)
+                is_b = cutlass.Int32(tidx + first >= a_items)
+            blocks.append(self.decode_item_addresses(
+                tidx + first, is_b, a_items, raw_stage_base, sA_base, sB_base, mma_stage, sfb_row_offset
+            ))
+        decode_scale_blocks(blocks, self.config.single_multiply)
+        remainder = (a_items + b_items) % threads
+        if cutlass.const_expr(remainder != 0):
+            # the last, partial pass: B items only (the A items come first)
+            first = (a_items + b_items) - remainder
+            if tidx < remainder:
+                decode_scale_blocks(
+                    [self.decode_item_addresses(
+                        tidx + first, True, a_items, raw_stage_base, sA_base, sB_base, mma_stage,
+                        sfb_row_offset,
+                    )],
+                    self.config.single_multiply,
+                )
+
+    def decode_item_addresses(
+        self, item, is_b, a_items, raw_stage_base, sA_base, sB_base, mma_stage, sfb_row_offset
+    ):
+        """(packed, scale, dst_lo, dst_hi) shared addresses of decode item `item` (one scale
+        block of one row: A items first, then B). is_b: a Python bool, or a run-time 0 / 1
+        (then tile_m == tile_n, and the offsets are blended arithmetically)."""
+        if isinstance(is_b, bool):
             local = item - a_items if is_b else item
-            row = local // self.blocks_per_row
-            blk = local % self.blocks_per_row
             packed_off = self.raw_b_offset if is_b else 0
             sf_off = self.raw_sfb_offset if is_b else self.raw_sfa_offset
             dst_base = sB_base if is_b else sA_base
             rows_per_stage = self.tile_n if is_b else self.tile_m
-            src = raw_stage_base + packed_off + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
-            # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes,
-            # rows of a 64-row B tile shifted by its first row inside the atom
-            scale = stage_scale_offset(
-                sfb_row_offset if is_b else 0, rows_per_stage, row, blk, base=raw_stage_base + sf_off
-            )
-            # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
-            row_base = dst_base + (mma_stage * rows_per_stage + row) * self.dec_row_bytes
-            swz = row % 8
-            dst_lo = row_base + ((2 * blk) ^ swz) * 16
-            dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
-            blocks.append((src, scale, dst_lo, dst_hi))
-        decode_scale_blocks(blocks, self.config.single_multiply)
+            tile_start = sfb_row_offset if is_b else 0
+        else:
+            assert self.tile_m == self.tile_n
+            local = item - a_items * is_b
+            packed_off = self.raw_b_offset * is_b
+            sf_off = self.raw_sfa_offset + (self.raw_sfb_offset - self.raw_sfa_offset) * is_b
+            dst_base = sA_base + (sB_base - sA_base) * is_b
+            rows_per_stage = self.tile_m
+            tile_start = 0
+        row = local // self.blocks_per_row
+        blk = local % self.blocks_per_row
+        src = raw_stage_base + packed_off + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
+        # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes,
+        # rows of a 64-row B tile shifted by its first row inside the atom
+        scale = stage_scale_offset(tile_start, rows_per_stage, row, blk, base=raw_stage_base + sf_off)
+        # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
+        row_base = dst_base + (mma_stage * rows_per_stage + row) * self.dec_row_bytes
+        swz = row % 8
+        dst_lo = row_base + ((2 * blk) ^ swz) * 16
+        dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
+        return (src, scale, dst_lo, dst_hi)
 
     @cute.jit
     def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag, wait_per_step=False):
@@ -1303,7 +1364,7 @@ class Sm90Nvfp4GroupedGemm:
         stage_pipeline = pipeline.PipelineAsync.create(
             num_stages=self.mma_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.config.mma_threads),
             barrier_storage=storage.stage_barriers.data_ptr(),
         )
 
@@ -1311,7 +1372,7 @@ class Sm90Nvfp4GroupedGemm:
             #
             # Producers: cp.async of raw k-tiles, decode into the fp16 stages
             #
-            ptid = tidx - self.num_threads
+            ptid = tidx - self.config.mma_threads
             for s in cutlass.range_constexpr(self.raw_stages - 1):
                 if s < k_tile_cnt:
                     self.load_raw_stage(

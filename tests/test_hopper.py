@@ -305,6 +305,7 @@ def test_narrow_config_stage_layout():
     hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
     hopper.HopperGemmConfig(single_barrier=True),
     hopper.HopperGemmConfig(single_barrier=True, a_decode_per_step=True, split_k=2),
+    hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True, producer_warpgroups=3),
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
     compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a", config=config)
@@ -552,6 +553,7 @@ CONFIG_CASES = (
     + [("split_k_2_rank0", seed) for seed in range(900, 916)]
     + [("auto", seed) for seed in range(1000, 1016)]
     + [("warp_specialized", seed) for seed in range(1100, 1116)]
+    + [("warp_specialized_3", seed) for seed in range(1600, 1632)]
     + [("single_barrier", seed) for seed in range(1200, 1232)]
     + [("single_barrier_split_k_2", seed) for seed in range(1300, 1316)]
     + [("a_decode_per_step", seed) for seed in range(1400, 1432)]
@@ -570,6 +572,9 @@ CONFIGS = {
     "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
     "warp_specialized": hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
+    "warp_specialized_3": hopper.HopperGemmConfig(
+        a_in_registers=False, warp_specialized=True, producer_warpgroups=3
+    ),
     "single_barrier": hopper.HopperGemmConfig(single_barrier=True),
     "single_barrier_split_k_2": hopper.HopperGemmConfig(single_barrier=True, split_k=2),
     "a_decode_per_step": hopper.HopperGemmConfig(single_barrier=True, a_decode_per_step=True),
@@ -595,7 +600,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @pytest.mark.parametrize(
     "config_name",
     [
-        "default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized",
+        "default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized", "warp_specialized_3",
         "single_barrier", "single_barrier_split_k_2", "a_decode_per_step", "a_decode_per_step_split_k_2",
     ],
 )
