@@ -85,6 +85,13 @@ class HopperGemmConfig:
     # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
     # 215.0/132.9/57.5/29.5.
     raw_stages: int = 4
+    # k-tiles per raw stage (1, 2 or 4): the packed bytes of one row and k-tile are 32, one
+    # sector, so a warp's 16-byte cp.async covers 16 rows and costs 16 shared-memory
+    # wavefronts where 4 would carry its 512 bytes (Nsight Compute, shape 2 on the H200:
+    # 3.9x the ideal wavefronts, 75% of all excess shared-memory wavefronts). R k-tiles per
+    # stage copy R * 32 contiguous bytes per row. Register-A kernel only; every CTA's k-tile
+    # count must be a multiple of R (can_implement).
+    raw_k_tiles: int = 1
     # True: warp specialization. Two more warpgroups per CTA (512 threads, 90 registers, 134
     # KB of shared memory: one CTA per SM): warpgroups 2-3 copy and decode A and B into
     # shared memory stages, warpgroups 0-1 only wait for a full stage, run wgmma on it and
@@ -181,9 +188,10 @@ class HopperGemmConfig:
 
     @property
     def raw_stage_bytes(self) -> int:
-        # packed rows (tile_k / 2 bytes each) + the A and B scale atoms
+        # packed rows (tile_k / 2 bytes per k-tile) + the A and B scale atoms (one per k-tile)
         rows = self.tile_m + self.tile_n
-        return rows * (self.tile_k // 2) + (self.sfa_atoms + self.sfb_atoms) * SF_ATOM_BYTES
+        atoms = self.sfa_atoms + self.sfb_atoms
+        return self.raw_k_tiles * (rows * (self.tile_k // 2) + atoms * SF_ATOM_BYTES)
 
     def check(self) -> None:
         if self.tile_m not in (64, 128, 256) or self.tile_m % SF_ATOM_ROWS not in (0, 64):
@@ -199,6 +207,15 @@ class HopperGemmConfig:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
         if self.raw_stages < 2:
             raise ValueError(f"raw_stages={self.raw_stages}: must be >= 2")
+        if self.raw_k_tiles not in (1, 2, 4):
+            raise ValueError(f"raw_k_tiles={self.raw_k_tiles}: must be 1, 2 or 4")
+        if self.raw_k_tiles > 1 and not (
+            self.a_in_registers and not self.single_barrier and self.tile_m == 128 and self.tile_n == 128
+        ):
+            raise ValueError(
+                f"raw_k_tiles={self.raw_k_tiles}: needs the register-A kernel (single_barrier off) "
+                "with 128x128 tiles"
+            )
         if self.warp_specialized and (
             self.a_in_registers or self.tile_m != 128 or self.tile_n not in (128, 256) or self.split_k != 1
         ):
@@ -258,6 +275,13 @@ def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None
             raise ValueError(f"group {g}: N = {n}; N must be a positive multiple of 128")
         if k <= 0 or k % 256 != 0:
             raise ValueError(f"group {g}: K = {k}; K must be a positive multiple of 256")
+        if (k // (config.tile_k * config.split_k)) % config.raw_k_tiles != 0:
+            # each CTA's k-tiles fill whole raw stages
+            multiple = config.tile_k * config.split_k * config.raw_k_tiles
+            raise ValueError(
+                f"group {g}: K = {k}; raw_k_tiles = {config.raw_k_tiles} with split_k = "
+                f"{config.split_k} needs K a multiple of {multiple}"
+            )
 
 
 # =============================================================================
@@ -704,10 +728,14 @@ class Sm90Nvfp4GroupedGemm:
         self.mma_stages = config.mma_stages
         self.raw_stage_bytes = config.raw_stage_bytes
         # byte offsets inside one raw stage
-        self.raw_row_bytes = config.tile_k // 2
+        # packed bytes of one row and k-tile (global), of one row in a raw stage (shared)
+        self.k_tile_bytes = config.tile_k // 2
+        self.raw_k_tiles = config.raw_k_tiles
+        self.raw_row_bytes = self.k_tile_bytes * config.raw_k_tiles
         self.raw_b_offset = config.tile_m * self.raw_row_bytes
         self.raw_sfa_offset = (config.tile_m + config.tile_n) * self.raw_row_bytes
-        self.raw_sfb_offset = self.raw_sfa_offset + config.sfa_atoms * SF_ATOM_BYTES
+        # scale atoms: per operand, atom slot a of k-tile j at offset (a * R + j) * 512
+        self.raw_sfb_offset = self.raw_sfa_offset + config.sfa_atoms * config.raw_k_tiles * SF_ATOM_BYTES
         # decoded fp16 row: tile_k * 2 bytes = one 128-byte swizzle row
         self.dec_row_bytes = config.tile_k * 2
         self.blocks_per_row = config.tile_k // SF_VEC_SIZE
@@ -791,7 +819,7 @@ class Sm90Nvfp4GroupedGemm:
         m, n, m0, n0, row_bytes, rest_k,
     ):
         stage_base = raw_base + stage * self.raw_stage_bytes
-        k_byte = k_tile * self.raw_row_bytes
+        k_byte = k_tile * self.k_tile_bytes
         chunks_per_row = self.raw_row_bytes // 16
         # A rows (zero-filled past M); 4 producer warpgroups have more threads than chunks
         a_chunks = self.tile_m * chunks_per_row
@@ -811,38 +839,42 @@ class Sm90Nvfp4GroupedGemm:
             else:
                 if chunk < b_chunks:
                     self.load_b_chunk(chunk, stage_base, k_byte, b_addr, n, n0, row_bytes)
-        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile (tile_n = 64: the whole
-        # atom of rows n0 - n0 % 128 .. + 127; decode_stage picks the tile's half)
-        sf_chunks_a = self.config.sfa_atoms * (SF_ATOM_BYTES // 16)
-        sf_chunks_b = self.config.sfb_atoms * (SF_ATOM_BYTES // 16)
+        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile, the R atoms of R
+        # consecutive k-tiles contiguous (tile_n = 64: the whole atom of rows n0 - n0 % 128 ..
+        # + 127; decode_stage picks the tile's half)
+        atom_chunks = self.raw_k_tiles * SF_ATOM_BYTES // 16  # per 128 rows
+        sf_chunks_a = self.config.sfa_atoms * atom_chunks
+        sf_chunks_b = self.config.sfb_atoms * atom_chunks
         if tidx < sf_chunks_a:
-            atom = tidx // (SF_ATOM_BYTES // 16)
-            part = tidx % (SF_ATOM_BYTES // 16)
+            atom = tidx // atom_chunks
+            part = tidx % atom_chunks
             atom_row = m0 // SF_ATOM_ROWS + atom
             valid = atom_row * SF_ATOM_ROWS < m
             src = sfa_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
             cp_async_16B(
-                stage_base + self.raw_sfa_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
+                stage_base + self.raw_sfa_offset + atom * atom_chunks * 16 + part * 16, src, 16 if valid else 0
             )
         if tidx >= sf_chunks_a and tidx < sf_chunks_a + sf_chunks_b:
             local = tidx - sf_chunks_a
-            atom = local // (SF_ATOM_BYTES // 16)
-            part = local % (SF_ATOM_BYTES // 16)
+            atom = local // atom_chunks
+            part = local % atom_chunks
             atom_row = n0 // SF_ATOM_ROWS + atom
             valid = atom_row * SF_ATOM_ROWS < n
             src = sfb_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
             cp_async_16B(
-                stage_base + self.raw_sfb_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
+                stage_base + self.raw_sfb_offset + atom * atom_chunks * 16 + part * 16, src, 16 if valid else 0
             )
 
     @cute.jit
     def prefetch(self, tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr, sfa_addr, sfb_addr,
                  m, n, m0, n0, row_bytes, rest_k):
-        """cp.async of k-tile next_tile into its raw stage (when it exists), as one commit
-        group: every k-tile commits exactly one group, empty past the last k-tile."""
+        """cp.async of raw stage fill next_tile (k-tiles next_tile * raw_k_tiles ..; with
+        raw_k_tiles = 1 the k-tile next_tile) into its raw stage when it exists, as one commit
+        group: every fill commits exactly one group, empty past the last one (k_tile_cnt: the
+        number of fills)."""
         if next_tile < k_tile_cnt:
             self.load_raw_stage(
-                tidx, raw_base, next_tile % self.raw_stages, next_tile,
+                tidx, raw_base, next_tile % self.raw_stages, next_tile * self.raw_k_tiles,
                 a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
             )
         cute.arch.cp_async_commit_group()
@@ -878,13 +910,16 @@ class Sm90Nvfp4GroupedGemm:
     # -------------------------------------------------------------------------
     @cute.jit
     def decode_stage(
-        self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=False
+        self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=False, k_sub=0
     ):
         """Decode A and B (or only B, in register-A mode) of one raw stage into the fp16 stages.
 
         sfb_row_offset: row of the B tile's first row inside its scale atom (n0 % 128: 0 or
         64 with tile_n = 64; unused, and always 0, otherwise)."""
-        raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
+        # k-tile k_sub of the raw stage (raw_k_tiles > 1): its packed bytes in every row and
+        # its scale atom (one atom per operand: 128x128 tiles)
+        raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes + k_sub * self.k_tile_bytes
+        scale_k_offset = k_sub * (SF_ATOM_BYTES - self.k_tile_bytes)
         a_items = 0 if b_only else self.tile_m * self.blocks_per_row
         b_items = self.tile_n * self.blocks_per_row
         threads = self.num_threads
@@ -899,7 +934,8 @@ class Sm90Nvfp4GroupedGemm:
                 # 3 producer warpgroups: a pass holding both A and B items (tile_m == tile_n)
                 is_b = cutlass.Int32(tidx + first >= a_items)
             blocks.append(self.decode_item_addresses(
-                tidx + first, is_b, a_items, raw_stage_base, sA_base, sB_base, mma_stage, sfb_row_offset
+                tidx + first, is_b, a_items, raw_stage_base, sA_base, sB_base, mma_stage, sfb_row_offset,
+                scale_k_offset,
             ))
         decode_scale_blocks(blocks, self.config.single_multiply)
         remainder = (a_items + b_items) % threads
@@ -910,17 +946,20 @@ class Sm90Nvfp4GroupedGemm:
                 decode_scale_blocks(
                     [self.decode_item_addresses(
                         tidx + first, True, a_items, raw_stage_base, sA_base, sB_base, mma_stage,
-                        sfb_row_offset,
+                        sfb_row_offset, scale_k_offset,
                     )],
                     self.config.single_multiply,
                 )
 
     def decode_item_addresses(
-        self, item, is_b, a_items, raw_stage_base, sA_base, sB_base, mma_stage, sfb_row_offset
+        self, item, is_b, a_items, raw_stage_base, sA_base, sB_base, mma_stage, sfb_row_offset,
+        scale_k_offset=0,
     ):
         """(packed, scale, dst_lo, dst_hi) shared addresses of decode item `item` (one scale
         block of one row: A items first, then B). is_b: a Python bool, or a run-time 0 / 1
-        (then tile_m == tile_n, and the offsets are blended arithmetically)."""
+        (then tile_m == tile_n, and the offsets are blended arithmetically). raw_stage_base
+        points at the k-tile's packed bytes of row 0; scale_k_offset moves from there to its
+        scale atom."""
         if isinstance(is_b, bool):
             local = item - a_items if is_b else item
             packed_off = self.raw_b_offset if is_b else 0
@@ -941,7 +980,9 @@ class Sm90Nvfp4GroupedGemm:
         src = raw_stage_base + packed_off + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
         # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes,
         # rows of a 64-row B tile shifted by its first row inside the atom
-        scale = stage_scale_offset(tile_start, rows_per_stage, row, blk, base=raw_stage_base + sf_off)
+        scale = stage_scale_offset(
+            tile_start, rows_per_stage, row, blk, base=raw_stage_base + sf_off + scale_k_offset
+        )
         # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
         row_base = dst_base + (mma_stage * rows_per_stage + row) * self.dec_row_bytes
         swz = row % 8
@@ -950,7 +991,7 @@ class Sm90Nvfp4GroupedGemm:
         return (src, scale, dst_lo, dst_hi)
 
     @cute.jit
-    def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag, wait_per_step=False):
+    def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag, wait_per_step=False, k_sub=0):
         """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
         64 v + 16 w + g and + 8 (4-byte half t // 2 of every scale block, the bytes
         a_word_selector(t) picks) into the wgmma A fragment (K permutation above).
@@ -958,6 +999,8 @@ class Sm90Nvfp4GroupedGemm:
         wait_per_step: the wgmma reading the fragment committed one group per k16 step;
         step s is decoded once that wgmma's step s is done (wait_group(3 - s))."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
+        packed_base = raw_stage_base + k_sub * self.k_tile_bytes  # k-tile k_sub of the stage
+        sfa_base = raw_stage_base + self.raw_sfa_offset + k_sub * SF_ATOM_BYTES
         lane = tidx % 32
         row = (tidx // 32) * 16 + lane // 4
         t = lane % 4
@@ -966,9 +1009,9 @@ class Sm90Nvfp4GroupedGemm:
         selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
         rows = (row, row + 8)
         unit = (
-            *(raw_stage_base + r * self.raw_row_bytes + half_offset for r in rows),
+            *(packed_base + r * self.raw_row_bytes + half_offset for r in rows),
             selector,
-            *(stage_scale_offset(0, self.tile_m, r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
+            *(stage_scale_offset(0, self.tile_m, r, 0, base=sfa_base) for r in rows),
         )
         num_steps = self.tile_k // 16
         if cutlass.const_expr(wait_per_step):
@@ -1155,8 +1198,8 @@ class Sm90Nvfp4GroupedGemm:
             # rank r of the cluster (shape (split_k, 1, 1)) starts at k-tile r * k_tile_cnt:
             # moved into the base addresses, so the main loop is the same for every split
             k_tile_begin = (bidx % split) * k_tile_cnt
-            a_addr = a_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
-            b_addr = b_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
+            a_addr = a_addr + cutlass.Int64(k_tile_begin) * self.k_tile_bytes
+            b_addr = b_addr + cutlass.Int64(k_tile_begin) * self.k_tile_bytes
             sfa_addr = sfa_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
             sfb_addr = sfb_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
 
@@ -1200,12 +1243,12 @@ class Sm90Nvfp4GroupedGemm:
         warp_group_has_rows = (m0 + warp_group_idx * 64) < m
 
         #
-        # Prologue: prefetch raw_stages - 1 k-tiles
+        # Prologue: prefetch raw_stages - 1 raw stages (of raw_k_tiles k-tiles each)
         #
         for s in cutlass.range_constexpr(self.raw_stages - 1):
-            if s < k_tile_cnt:
+            if s * self.raw_k_tiles < k_tile_cnt:
                 self.load_raw_stage(
-                    tidx, raw_base, s, s, a_addr, b_addr, sfa_addr, sfb_addr,
+                    tidx, raw_base, s, s * self.raw_k_tiles, a_addr, b_addr, sfa_addr, sfb_addr,
                     m, n, m0, n0, row_bytes, rest_k,
                 )
             cute.arch.cp_async_commit_group()
@@ -1236,15 +1279,24 @@ class Sm90Nvfp4GroupedGemm:
                     a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
                 )
         elif cutlass.const_expr(self.config.a_in_registers):
-            # unrolled by the 2 fp16 stages so that stage and A fragment are static
-            # (k_tile_cnt is a multiple of 4: K % 256 == 0)
-            for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
-                for mma_stage in cutlass.range_constexpr(2):
-                    k_tile = 2 * k_pair + mma_stage
-                    next_tile = k_tile + self.raw_stages - 1
-                    self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
-                                  sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
-                    cute.arch.cp_async_wait_group(self.raw_stages - 1)
+            # unrolled by the 2 fp16 stages and the k-tiles of a raw stage, so that fp16
+            # stage, A fragment and place in the raw stage are static (a CTA's k_tile_cnt is
+            # even, and a multiple of raw_k_tiles: can_implement)
+            k_tiles_per_raw = self.raw_k_tiles
+            unroll = max(2, k_tiles_per_raw)
+            for k_outer in cutlass.range(k_tile_cnt // unroll, unroll=1):
+                for j in cutlass.range_constexpr(unroll):
+                    mma_stage = j % 2
+                    k_sub = j % k_tiles_per_raw
+                    k_tile = unroll * k_outer + j
+                    fill = k_tile if k_tiles_per_raw == 1 else k_tile // k_tiles_per_raw
+                    if cutlass.const_expr(k_sub == 0):
+                        # first k-tile of a raw stage: refill the stage the previous one
+                        # used, wait for this one
+                        self.prefetch(tidx, raw_base, fill + self.raw_stages - 1,
+                                      k_tile_cnt // k_tiles_per_raw, a_addr, b_addr,
+                                      sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+                        cute.arch.cp_async_wait_group(self.raw_stages - 1)
                     # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2.
                     # Tried and removed: each warp copying exactly what its lanes decode (4-byte
                     # cp.async for the scales), a warp sync here instead and 3 fp16 B stages.
@@ -1252,9 +1304,10 @@ class Sm90Nvfp4GroupedGemm:
                     # 208.1/118.0/52.7/25.2 (split-K: 209.2/137.2/48.9/24.8 vs
                     # 199.3/131.1/46.8/23.8).
                     cute.arch.sync_threads()
-                    raw_stage = k_tile % self.raw_stages
+                    raw_stage = fill % self.raw_stages
                     self.decode_stage(
-                        tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=True
+                        tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset,
+                        b_only=True, k_sub=k_sub,
                     )
                     # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
                     # stall samples in Nsight Compute); issuing the prefetch after it instead of
@@ -1267,7 +1320,7 @@ class Sm90Nvfp4GroupedGemm:
                     if cutlass.const_expr(self.config.a_register_buffers == 1):
                         # the one A fragment is still read by wgmma k_tile - 1
                         cute.nvgpu.warpgroup.wait_group(0)
-                    self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
+                    self.decode_a_registers(tidx, raw_base, raw_stage, a_frag, k_sub=k_sub)
                     cute.arch.sync_threads()
                     if warp_group_has_rows:
                         cute.nvgpu.warpgroup.fence()

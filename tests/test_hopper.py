@@ -554,6 +554,8 @@ CONFIG_CASES = (
     + [("auto", seed) for seed in range(1000, 1016)]
     + [("warp_specialized", seed) for seed in range(1100, 1116)]
     + [("warp_specialized_3", seed) for seed in range(1600, 1632)]
+    + [("raw_k_tiles_2", seed) for seed in range(1700, 1732)]
+    + [("raw_k_tiles_2_split_k_2", seed) for seed in range(1800, 1832)]
     + [("single_barrier", seed) for seed in range(1200, 1232)]
     + [("single_barrier_split_k_2", seed) for seed in range(1300, 1316)]
     + [("a_decode_per_step", seed) for seed in range(1400, 1432)]
@@ -575,6 +577,8 @@ CONFIGS = {
     "warp_specialized_3": hopper.HopperGemmConfig(
         a_in_registers=False, warp_specialized=True, producer_warpgroups=3
     ),
+    "raw_k_tiles_2": hopper.HopperGemmConfig(raw_k_tiles=2, raw_stages=3),
+    "raw_k_tiles_2_split_k_2": hopper.HopperGemmConfig(raw_k_tiles=2, raw_stages=3, split_k=2),
     "single_barrier": hopper.HopperGemmConfig(single_barrier=True),
     "single_barrier_split_k_2": hopper.HopperGemmConfig(single_barrier=True, split_k=2),
     "a_decode_per_step": hopper.HopperGemmConfig(single_barrier=True, a_decode_per_step=True),
@@ -601,6 +605,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
     "config_name",
     [
         "default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized", "warp_specialized_3",
+        "raw_k_tiles_2", "raw_k_tiles_2_split_k_2",
         "single_barrier", "single_barrier_split_k_2", "a_decode_per_step", "a_decode_per_step_split_k_2",
     ],
 )
