@@ -85,13 +85,6 @@ class HopperGemmConfig:
     # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
     # 215.0/132.9/57.5/29.5.
     raw_stages: int = 4
-    # k-tiles per raw stage (1, 2 or 4): the packed bytes of one row and k-tile are 32, one
-    # sector, so a warp's 16-byte cp.async covers 16 rows and costs 16 shared-memory
-    # wavefronts where 4 would carry its 512 bytes (Nsight Compute, shape 2 on the H200:
-    # 3.9x the ideal wavefronts, 75% of all excess shared-memory wavefronts). R k-tiles per
-    # stage copy R * 32 contiguous bytes per row. Register-A kernel only; every CTA's k-tile
-    # count must be a multiple of R (can_implement).
-    raw_k_tiles: int = 1
     # True: warp specialization. Two more warpgroups per CTA (512 threads, 90 registers, 134
     # KB of shared memory: one CTA per SM): warpgroups 2-3 copy and decode A and B into
     # shared memory stages, warpgroups 0-1 only wait for a full stage, run wgmma on it and
@@ -103,10 +96,6 @@ class HopperGemmConfig:
     # wgmma, bounds the kernel. More producer warpgroups need fewer registers per thread
     # (setmaxnreg); this is the starting point for that.
     warp_specialized: bool = False
-    # warp_specialized: producer warpgroups, 2 or 3 (640 threads, at most 96 registers each,
-    # 65536 / 640 in steps of 8; 4 would leave 80, fewer than ptxas needs for one m64n128
-    # wgmma, 90, and ptxas 13.1 still compiles at that limit after setmaxnreg.inc).
-    producer_warpgroups: int = 2
     # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
     # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
     # the H200) and scale the fp32 accumulators by 2^28 once; False: two multiplies, v * s.
@@ -136,17 +125,6 @@ class HopperGemmConfig:
     # epilogues run in parallel); "rank0": rank 1 sends all its sums to rank 0, which
     # stores the whole tile.
     split_k_reduce: str = "halves"
-    # Register-A, one A fragment: True runs one CTA barrier per k-tile instead of two. The
-    # wgmma of k-tile k is issued right after the barrier; then the B decode of k + 1 (other
-    # fp16 stage), the wait for that wgmma and the A decode of k + 1 into the fragment, then
-    # the cp.async wait for k + 2 and the barrier, which publishes both the decoded B of k + 1
-    # and the raw stage of k + 2. (The wait for the wgmma before the A decode also means that
-    # every warpgroup is past the wgmma of k - 1 at the barrier: the B stage it read is free.)
-    single_barrier: bool = False
-    # single_barrier only: the wgmma of a k-tile commits one group per k16 step, and the A
-    # decode of the next k-tile waits step by step (k16 step s of the fragment is rewritten
-    # once step s of the wgmma is done), so the A decode overlaps the later steps.
-    a_decode_per_step: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -161,18 +139,13 @@ class HopperGemmConfig:
         return self.tile_m // 64
 
     @property
-    def mma_threads(self) -> int:
-        """Threads of the MMA warpgroups."""
+    def num_threads(self) -> int:
+        """Threads that copy and decode (the whole CTA, or its producer warpgroups)."""
         return 128 * self.num_warpgroups
 
     @property
-    def num_threads(self) -> int:
-        """Threads that copy and decode (the whole CTA, or its producer warpgroups)."""
-        return 128 * self.producer_warpgroups if self.warp_specialized else self.mma_threads
-
-    @property
     def block_threads(self) -> int:
-        return self.mma_threads + self.num_threads if self.warp_specialized else self.num_threads
+        return 2 * self.num_threads if self.warp_specialized else self.num_threads
 
     @property
     def sfa_atoms(self) -> int:
@@ -188,10 +161,9 @@ class HopperGemmConfig:
 
     @property
     def raw_stage_bytes(self) -> int:
-        # packed rows (tile_k / 2 bytes per k-tile) + the A and B scale atoms (one per k-tile)
+        # packed rows (tile_k / 2 bytes each) + the A and B scale atoms
         rows = self.tile_m + self.tile_n
-        atoms = self.sfa_atoms + self.sfb_atoms
-        return self.raw_k_tiles * (rows * (self.tile_k // 2) + atoms * SF_ATOM_BYTES)
+        return rows * (self.tile_k // 2) + (self.sfa_atoms + self.sfb_atoms) * SF_ATOM_BYTES
 
     def check(self) -> None:
         if self.tile_m not in (64, 128, 256) or self.tile_m % SF_ATOM_ROWS not in (0, 64):
@@ -207,25 +179,12 @@ class HopperGemmConfig:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
         if self.raw_stages < 2:
             raise ValueError(f"raw_stages={self.raw_stages}: must be >= 2")
-        if self.raw_k_tiles not in (1, 2, 4):
-            raise ValueError(f"raw_k_tiles={self.raw_k_tiles}: must be 1, 2 or 4")
-        if self.raw_k_tiles > 1 and not (
-            self.a_in_registers and not self.single_barrier and self.tile_m == 128 and self.tile_n == 128
-        ):
-            raise ValueError(
-                f"raw_k_tiles={self.raw_k_tiles}: needs the register-A kernel (single_barrier off) "
-                "with 128x128 tiles"
-            )
         if self.warp_specialized and (
             self.a_in_registers or self.tile_m != 128 or self.tile_n not in (128, 256) or self.split_k != 1
         ):
             raise ValueError(
                 "warp_specialized needs a_in_registers=False, tile_m = 128, tile_n 128 or 256 "
                 "and split_k = 1"
-            )
-        if self.producer_warpgroups not in (2, 3) or (self.producer_warpgroups != 2 and not self.warp_specialized):
-            raise ValueError(
-                f"producer_warpgroups={self.producer_warpgroups}: 2, or 3 with warp_specialized"
             )
         if self.a_register_buffers not in (1, 2):
             raise ValueError(f"a_register_buffers={self.a_register_buffers}: must be 1 or 2")
@@ -234,10 +193,6 @@ class HopperGemmConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.split_k_reduce not in ("halves", "rank0"):
             raise ValueError(f"split_k_reduce={self.split_k_reduce!r}: must be 'halves' or 'rank0'")
-        if self.single_barrier and not (self.a_in_registers and self.a_register_buffers == 1):
-            raise ValueError("single_barrier needs a_in_registers=True and a_register_buffers=1")
-        if self.a_decode_per_step and not self.single_barrier:
-            raise ValueError("a_decode_per_step needs single_barrier=True")
 
     @property
     def reduction_bytes(self) -> int:
@@ -275,13 +230,6 @@ def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None
             raise ValueError(f"group {g}: N = {n}; N must be a positive multiple of 128")
         if k <= 0 or k % 256 != 0:
             raise ValueError(f"group {g}: K = {k}; K must be a positive multiple of 256")
-        if (k // (config.tile_k * config.split_k)) % config.raw_k_tiles != 0:
-            # each CTA's k-tiles fill whole raw stages
-            multiple = config.tile_k * config.split_k * config.raw_k_tiles
-            raise ValueError(
-                f"group {g}: K = {k}; raw_k_tiles = {config.raw_k_tiles} with split_k = "
-                f"{config.split_k} needs K a multiple of {multiple}"
-            )
 
 
 # =============================================================================
@@ -452,24 +400,20 @@ def _place_word_ptx(word: str, destinations: dict) -> list[str]:
     ]
 
 
-def _decode_blocks_asm(
-    num_units: int, single_multiply: bool, mode: str = "chunks", steps: tuple[int, ...] = (0, 1, 2, 3)
-) -> str:
+def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunks") -> str:
     """PTX decoding `num_units` units. All loads are issued first and all stores last, so
     the units' integer work interleaves instead of waiting on each load.
 
     mode "chunks" (unit = one scale block of one row, into shared memory): operands per
     unit u: $(4u) packed source (8 bytes), $(4u+1) scale byte, $(4u+2) / $(4u+3) the
     16-byte destination chunks (CHUNK_REGISTERS).
-    mode "registers" (unit = rows g and g+8 of a 64-wide k-tile, register-A mode), only the
-    k16 steps `steps` (scale blocks) of the k-tile: outputs $(4 len(steps) u + 4 j + i) =
-    FRAGMENT_REGISTERS[i] of step steps[j]; inputs after the outputs, per unit: row g packed
-    + 4 (t // 2), row g+8 packed + 4 (t // 2), the a_word_selector, row g's 4 scale bytes,
-    row g+8's (aligned).
+    mode "registers" (unit = rows g and g+8 of a 64-wide k-tile, register-A mode): outputs
+    $(16u + 4s + i) = FRAGMENT_REGISTERS[i] of k16 step s; inputs after the 16 * num_units
+    outputs, per unit: row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), the
+    a_word_selector, row g's 4 scale bytes, row g+8's (aligned).
     """
     registers = mode == "registers"
-    outputs_per_unit = 4 * len(steps)
-    first_input = outputs_per_unit * num_units if registers else 0
+    first_input = 16 * num_units if registers else 0
     per_unit = 5 if registers else 4
     lines = [
         "{",
@@ -487,7 +431,7 @@ def _decode_blocks_asm(
     for u in range(num_units):  # loads
         src = first_input + per_unit * u
         if registers:
-            for s in steps:
+            for s in range(4):
                 lines.append(f"ld.shared.u32 g{u}_{s}, [${src} + {8 * s}];")
                 lines.append(f"ld.shared.u32 h{u}_{s}, [${src + 1} + {8 * s}];")
             lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
@@ -498,26 +442,18 @@ def _decode_blocks_asm(
     for u in range(num_units):  # scales: fp16x2 (s, s) per row and block
         if registers:
             for row, scales in enumerate((f"sg{u}", f"sh{u}")):
-                if len(steps) == 4:
-                    for half, selector in ((0, "0x1100"), (1, "0x3322")):
-                        lines += [
-                            f"prmt.b32 sc, {scales}, 0, {selector};",
-                            "mov.b32 {slo, shi}, sc;",
-                            f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half}, slo;",
-                            f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half + 1}, shi;",
-                        ]
-                else:
-                    for s in steps:  # scale byte s twice in the low half
-                        lines += [
-                            f"prmt.b32 sc, {scales}, 0, {hex(s | (s << 4))};",
-                            "mov.b32 {slo, shi}, sc;",
-                            f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + s}, slo;",
-                        ]
+                for half, selector in ((0, "0x1100"), (1, "0x3322")):
+                    lines += [
+                        f"prmt.b32 sc, {scales}, 0, {selector};",
+                        "mov.b32 {slo, shi}, sc;",
+                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half}, slo;",
+                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half + 1}, shi;",
+                    ]
         else:
             lines += [f"mul.lo.u32 sc, s{u}, 257;", "mov.b32 {slo, shi}, sc;", f"cvt.rn.f16x2.e4m3x2 S{u}, slo;"]
     for u in range(num_units):  # bit placement and scaling
         if registers:
-            for s in steps:
+            for s in range(4):
                 lines.append(f"prmt.b32 w{u}, g{u}_{s}, h{u}_{s}, ${first_input + per_unit * u + 2};")
                 destinations = {name: f"r{u}_{s}_{i}" for i, name in enumerate(FRAGMENT_REGISTERS)}
                 lines += _place_word_ptx(f"w{u}", destinations)
@@ -540,11 +476,7 @@ def _decode_blocks_asm(
                     lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u};")
     for u in range(num_units):  # stores / outputs
         if registers:
-            lines += [
-                f"mov.b32 ${outputs_per_unit * u + 4 * j + i}, r{u}_{s}_{i};"
-                for j, s in enumerate(steps)
-                for i in range(4)
-            ]
+            lines += [f"mov.b32 ${16 * u + 4 * s + i}, r{u}_{s}_{i};" for s in range(4) for i in range(4)]
         else:
             for chunk in range(2):
                 regs = ", ".join(f"r{u}_{chunk}_{i}" for i in range(4))
@@ -570,29 +502,23 @@ def decode_scale_blocks(addresses, single_multiply: bool = False, *, loc=None, i
 
 
 @dsl_user_op
-def decode_scale_blocks_to_registers(
-    units, single_multiply: bool = False, steps: tuple[int, ...] = (0, 1, 2, 3), *, loc=None, ip=None
-):
+def decode_scale_blocks_to_registers(units, single_multiply: bool = False, *, loc=None, ip=None):
     """Decode a lane's share of row pairs (g, g+8) of a k-tile into registers; `units` lists
     (row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), a_word_selector(t), row g's
-    scales, row g+8's) per row pair. Returns, per unit and k16 step of `steps`, the 4 Int32
-    fragment registers (FRAGMENT_REGISTERS order)."""
+    scales, row g+8's) per row pair. Returns, per unit and k16 step, the 4 Int32 fragment
+    registers (FRAGMENT_REGISTERS order)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
-    per_unit = 4 * len(steps)
-    num_outputs = per_unit * len(units)
+    num_outputs = 16 * len(units)
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
-        _decode_blocks_asm(len(units), single_multiply, "registers", tuple(steps)),
+        _decode_blocks_asm(len(units), single_multiply, "registers"),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
         loc=loc,
         ip=ip,
     )
     registers = [llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip) for i in range(num_outputs)]
-    return [
-        [registers[per_unit * u + 4 * j : per_unit * u + 4 * j + 4] for j in range(len(steps))]
-        for u in range(len(units))
-    ]
+    return [[registers[16 * u + 4 * s : 16 * u + 4 * s + 4] for s in range(4)] for u in range(len(units))]
 
 
 @dsl_user_op
@@ -728,14 +654,10 @@ class Sm90Nvfp4GroupedGemm:
         self.mma_stages = config.mma_stages
         self.raw_stage_bytes = config.raw_stage_bytes
         # byte offsets inside one raw stage
-        # packed bytes of one row and k-tile (global), of one row in a raw stage (shared)
-        self.k_tile_bytes = config.tile_k // 2
-        self.raw_k_tiles = config.raw_k_tiles
-        self.raw_row_bytes = self.k_tile_bytes * config.raw_k_tiles
+        self.raw_row_bytes = config.tile_k // 2
         self.raw_b_offset = config.tile_m * self.raw_row_bytes
         self.raw_sfa_offset = (config.tile_m + config.tile_n) * self.raw_row_bytes
-        # scale atoms: per operand, atom slot a of k-tile j at offset (a * R + j) * 512
-        self.raw_sfb_offset = self.raw_sfa_offset + config.sfa_atoms * config.raw_k_tiles * SF_ATOM_BYTES
+        self.raw_sfb_offset = self.raw_sfa_offset + config.sfa_atoms * SF_ATOM_BYTES
         # decoded fp16 row: tile_k * 2 bytes = one 128-byte swizzle row
         self.dec_row_bytes = config.tile_k * 2
         self.blocks_per_row = config.tile_k // SF_VEC_SIZE
@@ -819,17 +741,17 @@ class Sm90Nvfp4GroupedGemm:
         m, n, m0, n0, row_bytes, rest_k,
     ):
         stage_base = raw_base + stage * self.raw_stage_bytes
-        k_byte = k_tile * self.k_tile_bytes
+        k_byte = k_tile * self.raw_row_bytes
         chunks_per_row = self.raw_row_bytes // 16
-        # A rows (zero-filled past M); 4 producer warpgroups have more threads than chunks
-        a_chunks = self.tile_m * chunks_per_row
-        for i in cutlass.range_constexpr(-(-a_chunks // self.num_threads)):
+        # A rows (zero-filled past M)
+        for i in cutlass.range_constexpr(self.tile_m * chunks_per_row // self.num_threads):
             chunk = tidx + i * self.num_threads
-            if cutlass.const_expr(a_chunks % self.num_threads == 0):
-                self.load_a_chunk(chunk, stage_base, k_byte, a_addr, m, m0, row_bytes)
-            else:
-                if chunk < a_chunks:
-                    self.load_a_chunk(chunk, stage_base, k_byte, a_addr, m, m0, row_bytes)
+            row = chunk // chunks_per_row
+            part = chunk % chunks_per_row
+            valid = (m0 + row) < m
+            src_row = (m0 + row) if valid else 0
+            src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
+            cp_async_16B(stage_base + row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
         # B rows (zero-filled past N); tile_n = 64 has fewer chunks than threads
         b_chunks = self.tile_n * chunks_per_row
         for i in cutlass.range_constexpr(-(-b_chunks // self.num_threads)):
@@ -839,56 +761,41 @@ class Sm90Nvfp4GroupedGemm:
             else:
                 if chunk < b_chunks:
                     self.load_b_chunk(chunk, stage_base, k_byte, b_addr, n, n0, row_bytes)
-        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile, the R atoms of R
-        # consecutive k-tiles contiguous (tile_n = 64: the whole atom of rows n0 - n0 % 128 ..
-        # + 127; decode_stage picks the tile's half)
-        atom_chunks = self.raw_k_tiles * SF_ATOM_BYTES // 16  # per 128 rows
-        sf_chunks_a = self.config.sfa_atoms * atom_chunks
-        sf_chunks_b = self.config.sfb_atoms * atom_chunks
+        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile (tile_n = 64: the whole
+        # atom of rows n0 - n0 % 128 .. + 127; decode_stage picks the tile's half)
+        sf_chunks_a = self.config.sfa_atoms * (SF_ATOM_BYTES // 16)
+        sf_chunks_b = self.config.sfb_atoms * (SF_ATOM_BYTES // 16)
         if tidx < sf_chunks_a:
-            atom = tidx // atom_chunks
-            part = tidx % atom_chunks
+            atom = tidx // (SF_ATOM_BYTES // 16)
+            part = tidx % (SF_ATOM_BYTES // 16)
             atom_row = m0 // SF_ATOM_ROWS + atom
             valid = atom_row * SF_ATOM_ROWS < m
             src = sfa_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
             cp_async_16B(
-                stage_base + self.raw_sfa_offset + atom * atom_chunks * 16 + part * 16, src, 16 if valid else 0
+                stage_base + self.raw_sfa_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
             )
         if tidx >= sf_chunks_a and tidx < sf_chunks_a + sf_chunks_b:
             local = tidx - sf_chunks_a
-            atom = local // atom_chunks
-            part = local % atom_chunks
+            atom = local // (SF_ATOM_BYTES // 16)
+            part = local % (SF_ATOM_BYTES // 16)
             atom_row = n0 // SF_ATOM_ROWS + atom
             valid = atom_row * SF_ATOM_ROWS < n
             src = sfb_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
             cp_async_16B(
-                stage_base + self.raw_sfb_offset + atom * atom_chunks * 16 + part * 16, src, 16 if valid else 0
+                stage_base + self.raw_sfb_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
             )
 
     @cute.jit
     def prefetch(self, tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr, sfa_addr, sfb_addr,
                  m, n, m0, n0, row_bytes, rest_k):
-        """cp.async of raw stage fill next_tile (k-tiles next_tile * raw_k_tiles ..; with
-        raw_k_tiles = 1 the k-tile next_tile) into its raw stage when it exists, as one commit
-        group: every fill commits exactly one group, empty past the last one (k_tile_cnt: the
-        number of fills)."""
+        """cp.async of k-tile next_tile into its raw stage (when it exists), as one commit
+        group: every k-tile commits exactly one group, empty past the last k-tile."""
         if next_tile < k_tile_cnt:
             self.load_raw_stage(
-                tidx, raw_base, next_tile % self.raw_stages, next_tile * self.raw_k_tiles,
+                tidx, raw_base, next_tile % self.raw_stages, next_tile,
                 a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
             )
         cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def load_a_chunk(self, chunk, stage_base, k_byte, a_addr, m, m0, row_bytes):
-        """16 bytes of packed A row m0 + chunk // chunks_per_row (zero-filled past M)."""
-        chunks_per_row = self.raw_row_bytes // 16
-        row = chunk // chunks_per_row
-        part = chunk % chunks_per_row
-        valid = (m0 + row) < m
-        src_row = (m0 + row) if valid else 0
-        src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
-        cp_async_16B(stage_base + row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
 
     @cute.jit
     def load_b_chunk(self, chunk, stage_base, k_byte, b_addr, n, n0, row_bytes):
@@ -910,97 +817,46 @@ class Sm90Nvfp4GroupedGemm:
     # -------------------------------------------------------------------------
     @cute.jit
     def decode_stage(
-        self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=False, k_sub=0
+        self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=False
     ):
         """Decode A and B (or only B, in register-A mode) of one raw stage into the fp16 stages.
 
         sfb_row_offset: row of the B tile's first row inside its scale atom (n0 % 128: 0 or
         64 with tile_n = 64; unused, and always 0, otherwise)."""
-        # k-tile k_sub of the raw stage (raw_k_tiles > 1): its packed bytes in every row and
-        # its scale atom (one atom per operand: 128x128 tiles)
-        raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes + k_sub * self.k_tile_bytes
-        scale_k_offset = k_sub * (SF_ATOM_BYTES - self.k_tile_bytes)
+        raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
         a_items = 0 if b_only else self.tile_m * self.blocks_per_row
         b_items = self.tile_n * self.blocks_per_row
-        threads = self.num_threads
         blocks = []
-        for i in cutlass.range_constexpr((a_items + b_items) // threads):
-            first, last = i * threads, (i + 1) * threads  # the items of this pass
-            if cutlass.const_expr(b_only or first >= a_items):
-                is_b = True
-            elif cutlass.const_expr(last <= a_items):
-                is_b = False
-            else:
-                # 3 producer warpgroups: a pass holding both A and B items (tile_m == tile_n)
-                is_b = cutlass.Int32(tidx + first >= a_items)
-            blocks.append(self.decode_item_addresses(
-                tidx + first, is_b, a_items, raw_stage_base, sA_base, sB_base, mma_stage, sfb_row_offset,
-                scale_k_offset,
-            ))
-        decode_scale_blocks(blocks, self.config.single_multiply)
-        remainder = (a_items + b_items) % threads
-        if cutlass.const_expr(remainder != 0):
-            # the last, partial pass: B items only (the A items come first)
-            first = (a_items + b_items) - remainder
-            if tidx < remainder:
-                decode_scale_blocks(
-                    [self.decode_item_addresses(
-                        tidx + first, True, a_items, raw_stage_base, sA_base, sB_base, mma_stage,
-                        sfb_row_offset, scale_k_offset,
-                    )],
-                    self.config.single_multiply,
-                )
-
-    def decode_item_addresses(
-        self, item, is_b, a_items, raw_stage_base, sA_base, sB_base, mma_stage, sfb_row_offset,
-        scale_k_offset=0,
-    ):
-        """(packed, scale, dst_lo, dst_hi) shared addresses of decode item `item` (one scale
-        block of one row: A items first, then B). is_b: a Python bool, or a run-time 0 / 1
-        (then tile_m == tile_n, and the offsets are blended arithmetically). raw_stage_base
-        points at the k-tile's packed bytes of row 0; scale_k_offset moves from there to its
-        scale atom."""
-        if isinstance(is_b, bool):
+        for i in cutlass.range_constexpr((a_items + b_items) // self.num_threads):
+            item = tidx + i * self.num_threads
+            is_b = cutlass.const_expr(b_only or i * self.num_threads >= a_items)
             local = item - a_items if is_b else item
+            row = local // self.blocks_per_row
+            blk = local % self.blocks_per_row
             packed_off = self.raw_b_offset if is_b else 0
             sf_off = self.raw_sfb_offset if is_b else self.raw_sfa_offset
             dst_base = sB_base if is_b else sA_base
             rows_per_stage = self.tile_n if is_b else self.tile_m
-            tile_start = sfb_row_offset if is_b else 0
-        else:
-            assert self.tile_m == self.tile_n
-            local = item - a_items * is_b
-            packed_off = self.raw_b_offset * is_b
-            sf_off = self.raw_sfa_offset + (self.raw_sfb_offset - self.raw_sfa_offset) * is_b
-            dst_base = sA_base + (sB_base - sA_base) * is_b
-            rows_per_stage = self.tile_m
-            tile_start = 0
-        row = local // self.blocks_per_row
-        blk = local % self.blocks_per_row
-        src = raw_stage_base + packed_off + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
-        # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes,
-        # rows of a 64-row B tile shifted by its first row inside the atom
-        scale = stage_scale_offset(
-            tile_start, rows_per_stage, row, blk, base=raw_stage_base + sf_off + scale_k_offset
-        )
-        # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
-        row_base = dst_base + (mma_stage * rows_per_stage + row) * self.dec_row_bytes
-        swz = row % 8
-        dst_lo = row_base + ((2 * blk) ^ swz) * 16
-        dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
-        return (src, scale, dst_lo, dst_hi)
+            src = raw_stage_base + packed_off + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
+            # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes,
+            # rows of a 64-row B tile shifted by its first row inside the atom
+            scale = stage_scale_offset(
+                sfb_row_offset if is_b else 0, rows_per_stage, row, blk, base=raw_stage_base + sf_off
+            )
+            # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
+            row_base = dst_base + (mma_stage * rows_per_stage + row) * self.dec_row_bytes
+            swz = row % 8
+            dst_lo = row_base + ((2 * blk) ^ swz) * 16
+            dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
+            blocks.append((src, scale, dst_lo, dst_hi))
+        decode_scale_blocks(blocks, self.config.single_multiply)
 
     @cute.jit
-    def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag, wait_per_step=False, k_sub=0):
+    def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag):
         """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
         64 v + 16 w + g and + 8 (4-byte half t // 2 of every scale block, the bytes
-        a_word_selector(t) picks) into the wgmma A fragment (K permutation above).
-
-        wait_per_step: the wgmma reading the fragment committed one group per k16 step;
-        step s is decoded once that wgmma's step s is done (wait_group(3 - s))."""
+        a_word_selector(t) picks) into the wgmma A fragment (K permutation above)."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
-        packed_base = raw_stage_base + k_sub * self.k_tile_bytes  # k-tile k_sub of the stage
-        sfa_base = raw_stage_base + self.raw_sfa_offset + k_sub * SF_ATOM_BYTES
         lane = tidx % 32
         row = (tidx // 32) * 16 + lane // 4
         t = lane % 4
@@ -1009,75 +865,16 @@ class Sm90Nvfp4GroupedGemm:
         selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
         rows = (row, row + 8)
         unit = (
-            *(packed_base + r * self.raw_row_bytes + half_offset for r in rows),
+            *(raw_stage_base + r * self.raw_row_bytes + half_offset for r in rows),
             selector,
-            *(stage_scale_offset(0, self.tile_m, r, 0, base=sfa_base) for r in rows),
+            *(stage_scale_offset(0, self.tile_m, r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
         )
-        num_steps = self.tile_k // 16
-        if cutlass.const_expr(wait_per_step):
-            for step in cutlass.range_constexpr(num_steps):
-                cute.nvgpu.warpgroup.wait_group(num_steps - 1 - step)
-                registers = decode_scale_blocks_to_registers([unit], self.config.single_multiply, (step,))
-                self.store_a_step(a_frag, step, registers[0][0])
-        else:
-            steps = decode_scale_blocks_to_registers([unit], self.config.single_multiply)[0]
-            for step in cutlass.range_constexpr(num_steps):
-                self.store_a_step(a_frag, step, steps[step])
-
-    def store_a_step(self, a_frag, step, registers):
-        """k16 step `step` of the A fragment: registers (row g, cols 2t..) (row g+8, 2t..)
-        (g, 2t+8..) (g+8, 2t+8..)."""
-        step_frag = a_frag[(None, 0, step)]
-        values = pack_f16x8(registers)
-        step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
-
-    @cute.jit
-    def issue_wgmma(self, tiled_mma, accumulators, a_frag, tCrB, mma_stage, num_k_blocks, group_per_step):
-        """wgmma of one k-tile (register A, fp16 stage `mma_stage` of B): one commit group,
-        or one per k16 step (group_per_step)."""
-        cute.nvgpu.warpgroup.fence()
-        for k_block in cutlass.range_constexpr(num_k_blocks):
-            cute.gemm(
-                tiled_mma,
-                accumulators,
-                a_frag[(None, None, k_block)],
-                tCrB[(None, None, k_block, mma_stage)],
-                accumulators,
-            )
-            if cutlass.const_expr(group_per_step):
-                cute.nvgpu.warpgroup.commit_group()
-        if cutlass.const_expr(not group_per_step):
-            cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def single_barrier_k_tile(
-        self, tidx, tiled_mma, accumulators, a_frag, tCrB, num_k_blocks, warp_group_has_rows,
-        raw_base, sA_base, sB_base, sfb_row_offset, k_tile, k_tile_cnt,
-        a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
-    ):
-        """single_barrier, k-tile k_tile >= 1: on entry the wgmma of k_tile - 1 is in flight
-        and the raw stage of k_tile is visible to every thread (the previous barrier).
-        Prefetches k_tile - 1 + raw_stages into the raw stage k_tile - 1 used, decodes
-        k_tile, publishes it (and raw k_tile + 1) with the barrier, issues its wgmma."""
-        per_step = self.config.a_decode_per_step
-        self.prefetch(tidx, raw_base, k_tile - 1 + self.raw_stages, k_tile_cnt, a_addr, b_addr,
-                      sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
-        raw_stage = k_tile % self.raw_stages
-        # fp16 stage k_tile % 2 was last read by the wgmma of k_tile - 2, which every
-        # warpgroup waited for before the previous barrier (its A decode of k_tile - 1)
-        mma_stage = k_tile % self.mma_stages
-        self.decode_stage(
-            tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=True
-        )
-        if cutlass.const_expr(not per_step):
-            cute.nvgpu.warpgroup.wait_group(0)
-        self.decode_a_registers(tidx, raw_base, raw_stage, a_frag, wait_per_step=per_step)
-        cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-        # raw k_tile + 1 (committed raw_stages - 1 groups ago)
-        cute.arch.cp_async_wait_group(self.raw_stages - 2)
-        cute.arch.sync_threads()
-        if warp_group_has_rows:
-            self.issue_wgmma(tiled_mma, accumulators, a_frag, tCrB, mma_stage, num_k_blocks, per_step)
+        steps = decode_scale_blocks_to_registers([unit], self.config.single_multiply)[0]
+        # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
+        for step in cutlass.range_constexpr(self.tile_k // 16):
+            step_frag = a_frag[(None, 0, step)]
+            values = pack_f16x8(steps[step])
+            step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
 
     def summing_rank(self, warp_group_idx):
         """Split-K: the cluster rank that sums and stores the rows of warpgroup
@@ -1198,8 +995,8 @@ class Sm90Nvfp4GroupedGemm:
             # rank r of the cluster (shape (split_k, 1, 1)) starts at k-tile r * k_tile_cnt:
             # moved into the base addresses, so the main loop is the same for every split
             k_tile_begin = (bidx % split) * k_tile_cnt
-            a_addr = a_addr + cutlass.Int64(k_tile_begin) * self.k_tile_bytes
-            b_addr = b_addr + cutlass.Int64(k_tile_begin) * self.k_tile_bytes
+            a_addr = a_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
+            b_addr = b_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
             sfa_addr = sfa_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
             sfb_addr = sfb_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
 
@@ -1243,12 +1040,12 @@ class Sm90Nvfp4GroupedGemm:
         warp_group_has_rows = (m0 + warp_group_idx * 64) < m
 
         #
-        # Prologue: prefetch raw_stages - 1 raw stages (of raw_k_tiles k-tiles each)
+        # Prologue: prefetch raw_stages - 1 k-tiles
         #
         for s in cutlass.range_constexpr(self.raw_stages - 1):
-            if s * self.raw_k_tiles < k_tile_cnt:
+            if s < k_tile_cnt:
                 self.load_raw_stage(
-                    tidx, raw_base, s, s * self.raw_k_tiles, a_addr, b_addr, sfa_addr, sfb_addr,
+                    tidx, raw_base, s, s, a_addr, b_addr, sfa_addr, sfb_addr,
                     m, n, m0, n0, row_bytes, rest_k,
                 )
             cute.arch.cp_async_commit_group()
@@ -1256,47 +1053,16 @@ class Sm90Nvfp4GroupedGemm:
         #
         # Main loop
         #
-        if cutlass.const_expr(self.config.single_barrier):
-            single_a_frag = a_frags[0]
-            # k-tile 0: decode, prefetch raw_stages - 1, publish with raw 1, wgmma
-            cute.arch.cp_async_wait_group(self.raw_stages - 2)
-            cute.arch.sync_threads()
-            self.decode_stage(tidx, raw_base, 0, sA_base, sB_base, 0, sfb_row_offset, b_only=True)
-            self.decode_a_registers(tidx, raw_base, 0, single_a_frag)
-            self.prefetch(tidx, raw_base, self.raw_stages - 1, k_tile_cnt, a_addr, b_addr,
-                          sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
-            cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
-            cute.arch.cp_async_wait_group(self.raw_stages - 2)
-            cute.arch.sync_threads()
-            if warp_group_has_rows:
-                self.issue_wgmma(tiled_mma, accumulators, single_a_frag, tCrB, 0, num_k_blocks, self.config.a_decode_per_step)
-            # one loop over k-tiles 1 .. k_tile_cnt - 1 with a run-time fp16 stage: a peeled
-            # last k-tile raised the kernel to 134 registers, over the 128 of 2 CTAs per SM
-            for k_tile in cutlass.range(1, k_tile_cnt, unroll=1):
-                self.single_barrier_k_tile(
-                    tidx, tiled_mma, accumulators, single_a_frag, tCrB, num_k_blocks, warp_group_has_rows,
-                    raw_base, sA_base, sB_base, sfb_row_offset, k_tile, k_tile_cnt,
-                    a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
-                )
-        elif cutlass.const_expr(self.config.a_in_registers):
-            # unrolled by the 2 fp16 stages and the k-tiles of a raw stage, so that fp16
-            # stage, A fragment and place in the raw stage are static (a CTA's k_tile_cnt is
-            # even, and a multiple of raw_k_tiles: can_implement)
-            k_tiles_per_raw = self.raw_k_tiles
-            unroll = max(2, k_tiles_per_raw)
-            for k_outer in cutlass.range(k_tile_cnt // unroll, unroll=1):
-                for j in cutlass.range_constexpr(unroll):
-                    mma_stage = j % 2
-                    k_sub = j % k_tiles_per_raw
-                    k_tile = unroll * k_outer + j
-                    fill = k_tile if k_tiles_per_raw == 1 else k_tile // k_tiles_per_raw
-                    if cutlass.const_expr(k_sub == 0):
-                        # first k-tile of a raw stage: refill the stage the previous one
-                        # used, wait for this one
-                        self.prefetch(tidx, raw_base, fill + self.raw_stages - 1,
-                                      k_tile_cnt // k_tiles_per_raw, a_addr, b_addr,
-                                      sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
-                        cute.arch.cp_async_wait_group(self.raw_stages - 1)
+        if cutlass.const_expr(self.config.a_in_registers):
+            # unrolled by the 2 fp16 stages so that stage and A fragment are static
+            # (k_tile_cnt is a multiple of 4: K % 256 == 0)
+            for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
+                for mma_stage in cutlass.range_constexpr(2):
+                    k_tile = 2 * k_pair + mma_stage
+                    next_tile = k_tile + self.raw_stages - 1
+                    self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
+                                  sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+                    cute.arch.cp_async_wait_group(self.raw_stages - 1)
                     # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2.
                     # Tried and removed: each warp copying exactly what its lanes decode (4-byte
                     # cp.async for the scales), a warp sync here instead and 3 fp16 B stages.
@@ -1304,10 +1070,9 @@ class Sm90Nvfp4GroupedGemm:
                     # 208.1/118.0/52.7/25.2 (split-K: 209.2/137.2/48.9/24.8 vs
                     # 199.3/131.1/46.8/23.8).
                     cute.arch.sync_threads()
-                    raw_stage = fill % self.raw_stages
+                    raw_stage = k_tile % self.raw_stages
                     self.decode_stage(
-                        tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset,
-                        b_only=True, k_sub=k_sub,
+                        tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=True
                     )
                     # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
                     # stall samples in Nsight Compute); issuing the prefetch after it instead of
@@ -1320,7 +1085,7 @@ class Sm90Nvfp4GroupedGemm:
                     if cutlass.const_expr(self.config.a_register_buffers == 1):
                         # the one A fragment is still read by wgmma k_tile - 1
                         cute.nvgpu.warpgroup.wait_group(0)
-                    self.decode_a_registers(tidx, raw_base, raw_stage, a_frag, k_sub=k_sub)
+                    self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
                     cute.arch.sync_threads()
                     if warp_group_has_rows:
                         cute.nvgpu.warpgroup.fence()
@@ -1417,7 +1182,7 @@ class Sm90Nvfp4GroupedGemm:
         stage_pipeline = pipeline.PipelineAsync.create(
             num_stages=self.mma_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.config.mma_threads),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
             barrier_storage=storage.stage_barriers.data_ptr(),
         )
 
@@ -1425,7 +1190,7 @@ class Sm90Nvfp4GroupedGemm:
             #
             # Producers: cp.async of raw k-tiles, decode into the fp16 stages
             #
-            ptid = tidx - self.config.mma_threads
+            ptid = tidx - self.num_threads
             for s in cutlass.range_constexpr(self.raw_stages - 1):
                 if s < k_tile_cnt:
                     self.load_raw_stage(

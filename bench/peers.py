@@ -86,17 +86,6 @@ def compare_configs(repeats, names=None):
         "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),
         "split 2 rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
         "warp specialized": hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
-        "ws 3 producers": hopper.HopperGemmConfig(
-            a_in_registers=False, warp_specialized=True, producer_warpgroups=3
-        ),
-        "raw2": hopper.HopperGemmConfig(raw_k_tiles=2, raw_stages=3),
-        "raw2 split 2": hopper.HopperGemmConfig(raw_k_tiles=2, raw_stages=3, split_k=2),
-        "raw2 s2": hopper.HopperGemmConfig(raw_k_tiles=2, raw_stages=2),
-        "raw2 s2 split 2": hopper.HopperGemmConfig(raw_k_tiles=2, raw_stages=2, split_k=2),
-        "1 barrier": hopper.HopperGemmConfig(single_barrier=True),
-        "1 barrier split 2": hopper.HopperGemmConfig(single_barrier=True, split_k=2),
-        "per step": hopper.HopperGemmConfig(single_barrier=True, a_decode_per_step=True),
-        "per step split 2": hopper.HopperGemmConfig(single_barrier=True, a_decode_per_step=True, split_k=2),
         # what custom_kernel runs: split-K per input set where split_k_pays
         "auto": None,
     }
