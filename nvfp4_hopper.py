@@ -84,6 +84,13 @@ class HopperGemmConfig:
     # cp.async prefetch depth of packed data (9 KB per stage). H200 device µs, shapes 0-3:
     # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
     # 215.0/132.9/57.5/29.5.
+    # A row's packed bytes of one k-tile are 32 (one sector), so a warp's 16-byte cp.async
+    # spans 16 rows and costs 16 shared-memory wavefronts where 4 would carry its 512 bytes
+    # (Nsight Compute, shape 2 split-K: 3.9x the ideal, most of the kernel's excess
+    # wavefronts). Tried and removed (commit ef8e037): 2 k-tiles per raw stage (64 contiguous
+    # bytes per row). Exact, but slower: H200 device µs, shapes 0-3, split-K where the
+    # default picks it, 3 stages of 2: 219.7/138.2/49.5/24.6, 2 stages of 2:
+    # 211.4/134.8/47.6/24.0, vs 199.1/117.6/47.1/23.3 (4 k-tiles per stage: 152 registers).
     raw_stages: int = 4
     # True: warp specialization. Two more warpgroups per CTA (512 threads, 90 registers, 134
     # KB of shared memory: one CTA per SM): warpgroups 2-3 copy and decode A and B into
@@ -92,9 +99,11 @@ class HopperGemmConfig:
     # overlaps the wgmma of earlier ones. Needs shared-memory A, tile_m = 128, tile_n 128 or
     # 256 and split_k = 1. Exact on the H200, but slower: device µs, shapes 0-3,
     # 239.3/151.4/52.6/25.2 vs 199.0/118.0/46.4/23.4 for the default backend: an SM then has
-    # 8 decoding warps where the default has 16 (two CTAs of 8), and the decode, not the
-    # wgmma, bounds the kernel. More producer warpgroups need fewer registers per thread
-    # (setmaxnreg); this is the starting point for that.
+    # 8 decoding warps where the default has 16 (two CTAs of 8). More decoding warps do not
+    # fix that: 3 producer warpgroups (640 threads, 90 registers; commit 571da5b) were exact
+    # and no faster, 241.8/152.7/52.2/25.6 vs 239.1/150.6/52.7/25.4 µs. 4 would leave 80
+    # registers per thread, fewer than ptxas needs for an m64n128 wgmma (90), and ptxas still
+    # compiles the consumers at the launch limit after setmaxnreg.inc.
     warp_specialized: bool = False
     # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
     # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
@@ -1069,6 +1078,17 @@ class Sm90Nvfp4GroupedGemm:
                     # Exact, but slower: H200 device µs, shapes 0-3, 215.9/121.9/55.8/26.3 vs
                     # 208.1/118.0/52.7/25.2 (split-K: 209.2/137.2/48.9/24.8 vs
                     # 199.3/131.1/46.8/23.8).
+                    # Also tried and removed (commit ea7d79a), exact on the H200 but no faster:
+                    # one barrier per k-tile (wgmma k issued right after it, then the decode
+                    # of k + 1; the wait for wgmma k before the A decode frees the B stage):
+                    # 205.9/117.7/52.6/25.5 unsplit, 202.4/132.6/47.6/23.9 split-K, vs
+                    # 207.2/117.9/53.0/24.8 and 199.7/131.4/46.7/23.9; on top, one wgmma
+                    # commit group per k16 step with the A decode of step s waiting only for
+                    # step s: 210.6/122.5/53.6/25.2 unsplit. Nsight Compute (shape 2 split-K)
+                    # finds no saturated unit: issue slots 43%, ALU 34%, L1/shared 60%, 3.4
+                    # warps per scheduler of which 1.0 eligible; warp stalls spread over
+                    # fixed-latency dependencies 19%, barrier 11%, math pipe 10%, shared and
+                    # global scoreboards 9% each.
                     cute.arch.sync_threads()
                     raw_stage = k_tile % self.raw_stages
                     self.decode_stage(
