@@ -27,9 +27,11 @@ slower (NARROW_CONFIG, tile_n, warp_specialized).
 
 The decode of k-tile k+1 runs on the CUDA cores while the wgmma of k-tile k runs on the
 tensor cores (wgmma is asynchronous; ``wait_group(1)`` keeps one in flight). The decode's
-integer instructions bound the kernel (Nsight Compute, benchmark shape 0 on the H200: integer
+instructions are most of the kernel's (Nsight Compute, benchmark shape 0 on the H200: integer
 and multiply pipes 44% busy each, tensor pipe 41%, issue slots 55%), so the decode places two
-codes per register with 7 integer instructions per 8 codes (see _place_word_ptx).
+codes per register with 7 integer instructions per 8 codes (see _place_word_ptx). No unit is
+saturated, though: the warps mostly wait on instruction latencies (the figures and the
+options tried are at the main loop's barrier).
 
 Why cp.async and not TMA: the per-group base pointers arrive at run time in the pointer
 table, so TMA would need one descriptor per group written on the device (an init kernel
