@@ -75,7 +75,11 @@ SF_ATOM_BYTES = 512
 class HopperGemmConfig:
     """Everything baked into the compiled sm_90a kernel."""
 
-    tile_m: int = 128  # one 64-row warpgroup per 64 rows
+    # one warpgroup per 64 rows. 256 (512 threads, 123 registers: one CTA per SM, the B
+    # decode shared by twice the rows) is exact on the benchmark shapes but slower: H200
+    # device µs, shapes 0-3, 246.3/141.4/82.8/36.2 (split-K 259.2/156.4/69.4/35.8) vs
+    # 199.9/117.7/46.6/23.7 for the default backend.
+    tile_m: int = 128
     # 64 (m64n64k16 wgmma; the B tile is half of a 128-row scale atom, see load_raw_stage),
     # 128 or 256. 128 is the fastest measured on all four benchmark shapes (see NARROW_CONFIG).
     # H200 device µs, shapes 0-3, 128 vs 256 (register A, 239 registers, 1 CTA/SM):
