@@ -898,6 +898,19 @@ class Sm90Nvfp4GroupedGemm:
             return 0
         return warp_group_idx % self.config.split_k
 
+    def mma_k_tile(self, tiled_mma, accumulators, tCrA, a_stage, tCrB, b_stage, num_k_blocks):
+        """The wgmma of one k-tile as one commit group (plain Python: traced inline): A from
+        the register fragment (a_stage None) or shared-memory stage a_stage, B from
+        shared-memory stage b_stage."""
+        cute.nvgpu.warpgroup.fence()
+        for k_block in range(num_k_blocks):
+            if a_stage is None:
+                a_operand = tCrA[(None, None, k_block)]
+            else:
+                a_operand = tCrA[(None, None, k_block, a_stage)]
+            cute.gemm(tiled_mma, accumulators, a_operand, tCrB[(None, None, k_block, b_stage)], accumulators)
+        cute.nvgpu.warpgroup.commit_group()
+
     def tile_of(self, tile_idx, mPtrs, mSizes, mTiles):
         """(tile_row, tile_col, m, n, k, a, b, c, sfa, sfb addresses) of tile `tile_idx` of
         the tile table (plain Python: loads only, no device branch)."""
@@ -1114,16 +1127,7 @@ class Sm90Nvfp4GroupedGemm:
                     self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
                     cute.arch.sync_threads()
                     if warp_group_has_rows:
-                        cute.nvgpu.warpgroup.fence()
-                        for k_block in cutlass.range_constexpr(num_k_blocks):
-                            cute.gemm(
-                                tiled_mma,
-                                accumulators,
-                                a_frag[(None, None, k_block)],
-                                tCrB[(None, None, k_block, mma_stage)],
-                                accumulators,
-                            )
-                        cute.nvgpu.warpgroup.commit_group()
+                        self.mma_k_tile(tiled_mma, accumulators, a_frag, None, tCrB, mma_stage, num_k_blocks)
                         cute.nvgpu.warpgroup.wait_group(1)
         else:
             for k_tile in cutlass.range(k_tile_cnt, unroll=1):
@@ -1145,16 +1149,7 @@ class Sm90Nvfp4GroupedGemm:
                 cute.arch.sync_threads()
 
                 if warp_group_has_rows:
-                    cute.nvgpu.warpgroup.fence()
-                    for k_block in cutlass.range_constexpr(num_k_blocks):
-                        cute.gemm(
-                            tiled_mma,
-                            accumulators,
-                            tCrA[(None, None, k_block, mma_stage)],
-                            tCrB[(None, None, k_block, mma_stage)],
-                            accumulators,
-                        )
-                    cute.nvgpu.warpgroup.commit_group()
+                    self.mma_k_tile(tiled_mma, accumulators, tCrA, mma_stage, tCrB, mma_stage, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
 
         cute.nvgpu.warpgroup.wait_group(0)
@@ -1271,16 +1266,8 @@ class Sm90Nvfp4GroupedGemm:
             for k_tile in cutlass.range(k_tile_cnt, unroll=1):
                 stage_pipeline.consumer_wait(consumer_state)
                 if warp_group_has_rows:
-                    cute.nvgpu.warpgroup.fence()
-                    for k_block in cutlass.range_constexpr(num_k_blocks):
-                        cute.gemm(
-                            tiled_mma,
-                            accumulators,
-                            tCrA[(None, None, k_block, consumer_state.index)],
-                            tCrB[(None, None, k_block, consumer_state.index)],
-                            accumulators,
-                        )
-                    cute.nvgpu.warpgroup.commit_group()
+                    stage = consumer_state.index
+                    self.mma_k_tile(tiled_mma, accumulators, tCrA, stage, tCrB, stage, num_k_blocks)
                     # wgmma k_tile - 1 retired: its stage is free
                     cute.nvgpu.warpgroup.wait_group(1)
                 if k_tile > 0:
