@@ -50,6 +50,7 @@ Standalone use on an H200: ``run_grouped(data)`` (same 4-tuple input as custom_k
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,9 @@ SF_VEC_SIZE = 16
 # Reordered scale tensors: one 512-byte atom holds 128 rows x 4 scale blocks (64 elements of K)
 SF_ATOM_ROWS = 128
 SF_ATOM_BYTES = 512
+# Stream-K segment row: (tile, first k-tile, k-tile count, part, parts of the tile, first
+# workspace slot of the tile)
+SEGMENT_FIELDS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +144,15 @@ class HopperGemmConfig:
     # epilogues run in parallel); "rank0": rank 1 sends all its sums to rank 0, which
     # stores the whole tile.
     split_k_reduce: str = "halves"
+    # True: stream-K. The grid is CTAS_PER_SM CTAs per SM ("workers", all resident at once);
+    # the host cuts the input set's k-tiles, all tiles in table order, into one contiguous
+    # share of equal weighted cost per worker (plan_stream_k): a worker runs the tail of one
+    # tile, whole tiles, the head of the next. The parts of a tile shared by workers meet in
+    # a global fp32 workspace: each part stores its sums there, and the last part to arrive
+    # (a per-tile counter) adds all parts in k order and stores the tile. Fixes what tile
+    # counts that are not a multiple of the CTA slots leave idle (shape 2: 144 full and 96
+    # half split-K CTAs on 264 slots). Needs register A and split_k = 1.
+    stream_k: bool = False
     arch: str = "sm_90a"
 
     @property
@@ -208,6 +221,8 @@ class HopperGemmConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.split_k_reduce not in ("halves", "rank0"):
             raise ValueError(f"split_k_reduce={self.split_k_reduce!r}: must be 'halves' or 'rank0'")
+        if self.stream_k and (not self.a_in_registers or self.split_k != 1 or self.warp_specialized):
+            raise ValueError("stream_k needs a_in_registers=True, split_k = 1 and warp_specialized=False")
 
     @property
     def reduction_bytes(self) -> int:
@@ -230,6 +245,8 @@ NARROW_CONFIG = dataclasses.replace(SM90_CONFIG, tile_n=64)
 # Split-K over a 2-CTA cluster: twice the CTAs, each with half the k-tiles (what the default
 # backend runs where split_k_pays).
 SPLIT_K_CONFIG = dataclasses.replace(SM90_CONFIG, split_k=2)
+# Stream-K: one share of equal weighted cost per CTA slot (see stream_k, plan_stream_k).
+STREAM_K_CONFIG = dataclasses.replace(SM90_CONFIG, stream_k=True)
 
 
 def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None:
@@ -332,6 +349,109 @@ def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
         cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
         for i in range(4)
     ]
+
+
+@dsl_user_op
+def store_f32x4_global(address: cutlass.Int64, values, *, loc=None, ip=None):
+    """Store 4 fp32 at global `address` (one 16-byte store)."""
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def load_f32x4_global_l2(address: cutlass.Int64, *, loc=None, ip=None):
+    """4 fp32 from global `address`, read at L2 (.cg: never a stale line of this SM's L1)."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 4),
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
+        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,l,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    return [
+        cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
+        for i in range(4)
+    ]
+
+
+@dsl_user_op
+def opaque_i64(value: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
+    """`value`, through an asm statement the compiler cannot move: keeps an address computed
+    from it where it is used (hoisted out of a loop, it would hold registers throughout)."""
+    result = _inline_asm(
+        cutlass.Int64.mlir_type,
+        [cutlass.Int64(value).ir_value(loc=loc, ip=ip)],
+        "mov.b64 $0, $1;",
+        "=l,l",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int64(result)
+
+
+@dsl_user_op
+def fence_acq_rel_gpu(*, loc=None, ip=None):
+    """fence.acq_rel.gpu: orders this thread's global accesses before / after it, GPU-wide."""
+    _inline_asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def atomic_add_u32(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    """atom.global.add.u32 (relaxed, GPU scope): adds `value`, returns the previous value."""
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "atom.global.add.u32 $0, [$1], $2;",
+        "=r,l,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
+
+
+@dsl_user_op
+def store_u32_global(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.u32 [$0], $1;",
+        "l,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_u32_shared(smem: cutlass.Int32, value: cutlass.Int32, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.shared.u32 [$0], $1;",
+        "r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def load_u32_shared(smem: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip)],
+        "ld.shared.u32 $0, [$1];",
+        "=r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
 
 
 # Decode of packed e2m1 into fp16 (v * 2^-14, exact), two elements per 32-bit register.
@@ -684,8 +804,14 @@ class Sm90Nvfp4GroupedGemm:
         sizes: cute.Pointer,
         tiles: cute.Pointer,
         num_tiles: cutlass.Int32,
+        work: cute.Pointer,
+        num_workers: cutlass.Int32,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
         stream: cuda.CUstream,
     ):
+        """work, num_workers, workspace, counters: the stream-K plan (StreamKPlan); unused
+        (any value) unless config.stream_k."""
         mma_tiler_mnk = (self.tile_m, self.tile_n, self.tile_k)
         tiled_mma = make_tiled_mma(self.config)
         a_smem_layout_staged = sm90_utils.make_smem_layout_a(
@@ -728,6 +854,14 @@ class Sm90Nvfp4GroupedGemm:
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
         mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, 3), stride=(3, 1)))
+        # stream-K: worker w runs segments [mWork[w], mWork[w + 1]) of the segment rows that
+        # follow the num_workers + 1 offsets (at most num_workers + num_tiles - 1 rows: every
+        # cut between two workers splits at most one tile)
+        mWork = cute.make_tensor(work, cute.make_layout(num_workers + 1))
+        mSegments = cute.make_tensor(
+            work + (num_workers + 1),
+            cute.make_layout((num_workers + num_tiles, SEGMENT_FIELDS), stride=(SEGMENT_FIELDS, 1)),
+        )
 
         split = self.config.split_k
         if cutlass.const_expr(split > 1):
@@ -736,13 +870,27 @@ class Sm90Nvfp4GroupedGemm:
             # in as many passes as it takes (128x256 tiles: 128 KB of sums, 2 passes)
             region = SharedStorage.size_in_bytes()
             self.reduction_passes = -(-self.config.reduction_bytes // region)
-        kernel = self.kernel_warp_specialized if self.config.warp_specialized else self.kernel
-        kernel(
-            tiled_mma, mPtrs, mSizes, mTiles, a_smem_layout_staged, b_smem_layout_staged
+        if cutlass.const_expr(self.config.warp_specialized):
+            self.kernel_warp_specialized(
+                tiled_mma, mPtrs, mSizes, mTiles, a_smem_layout_staged, b_smem_layout_staged
+            ).launch(
+                grid=(num_tiles, 1, 1),
+                block=(self.config.block_threads, 1, 1),
+                smem=self.shared_storage.size_in_bytes(),
+                stream=stream,
+            )
+            return
+        num_ctas = num_workers if cutlass.const_expr(self.config.stream_k) else num_tiles * split
+        self.kernel(
+            tiled_mma, mPtrs, mSizes, mTiles, mWork, mSegments, workspace, counters,
+            a_smem_layout_staged, b_smem_layout_staged,
         ).launch(
-            grid=(num_tiles * split, 1, 1),
+            grid=(num_ctas, 1, 1),
             block=(self.config.block_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
+            # stream-K's segment loop costs registers: unbounded, ptxas takes 169 (one CTA per
+            # SM); 2 CTAs per SM caps it at 128 (16 bytes spilled, CPU build)
+            min_blocks_per_mp=CTAS_PER_SM if cutlass.const_expr(self.config.stream_k) else 0,
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
         )
@@ -996,37 +1144,16 @@ class Sm90Nvfp4GroupedGemm:
         mPtrs: cute.Tensor,
         mSizes: cute.Tensor,
         mTiles: cute.Tensor,
+        mWork: cute.Tensor,
+        mSegments: cute.Tensor,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
         a_smem_layout_staged: cute.ComposedLayout,
         b_smem_layout_staged: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-
-        #
-        # Tile and group lookup
-        #
-        # split_k > 1: the split_k consecutive CTAs of a cluster (grid x) share one tile
-        split = self.config.split_k
-        (tile_row, tile_col, m, n, k, a_addr, b_addr, c_addr, sfa_addr, sfb_addr) = self.tile_of(
-            bidx // split, mPtrs, mSizes, mTiles
-        )
-        m0 = tile_row * self.tile_m
-        n0 = tile_col * self.tile_n
-        # tile_n = 64: the B tile is the first or second half of its 128-row scale atom
-        sfb_row_offset = n0 % SF_ATOM_ROWS
-        row_bytes = k // 2
-        rest_k = k // (SF_VEC_SIZE * 4)
-        # this CTA's k-tiles: [k_tile_begin, k_tile_begin + k_tile_cnt) (an even count)
-        k_tile_cnt = k // (self.tile_k * split)
-        if cutlass.const_expr(split > 1):
-            # rank r of the cluster (shape (split_k, 1, 1)) starts at k-tile r * k_tile_cnt:
-            # moved into the base addresses, so the main loop is the same for every split
-            k_tile_begin = (bidx % split) * k_tile_cnt
-            a_addr = a_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
-            b_addr = b_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
-            sfa_addr = sfa_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
-            sfb_addr = sfb_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
 
         #
         # Shared memory
@@ -1048,22 +1175,98 @@ class Sm90Nvfp4GroupedGemm:
         thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
         tCsB = thr_mma.partition_B(sB)
         tCrB = tiled_mma.make_fragment_B(tCsB)
+        tCrA = None
+        a_frags = None
         if cutlass.const_expr(self.config.a_in_registers):
             a_frag_shape = tiled_mma.partition_shape_A((self.tile_m, self.tile_k))
             a_frags = [
                 cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
                 for _ in range(self.config.a_register_buffers)
             ]
-            num_k_blocks = cute.size(a_frags[0], mode=[2])
         else:
             tCsA = thr_mma.partition_A(sA)
             tCrA = tiled_mma.make_fragment_A(tCsA)
-            num_k_blocks = cute.size(tCrA, mode=[2])
         gC_shape_probe = cute.make_identity_tensor((self.tile_m, self.tile_n))
         acc_shape = thr_mma.partition_C(gC_shape_probe).shape
         accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
-        accumulators.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        smem_bases = (sA_base, sB_base, raw_base)
+
+        if cutlass.const_expr(self.config.stream_k):
+            # register-A mode leaves sA's 1 KB unused: its first word carries the arrival count
+            arrival_smem = sA_base
+            workspace_addr = workspace.toint()
+            counters_addr = counters.toint()
+            for segment in cutlass.range(mWork[bidx], mWork[bidx + 1], unroll=1):
+                seg_tile = mSegments[segment, 0]
+                self.mma_segment(
+                    tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
+                    tCrA, a_frags, tCrB, accumulators,
+                    seg_tile, mSegments[segment, 1], mSegments[segment, 2],
+                )
+                (tile_row, tile_col, m, n, _k, _a, _b, c_addr, _sfa, _sfb) = self.tile_of(
+                    seg_tile, mPtrs, mSizes, mTiles
+                )
+                stores_rows = (tile_row * self.tile_m + warp_group_idx * 64) < m
+                num_parts = mSegments[segment, 4]
+                if num_parts == 1:
+                    self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
+                else:
+                    self.stream_k_fixup(
+                        tiled_mma, tidx, accumulators, arrival_smem,
+                        workspace_addr, counters_addr + cutlass.Int64(seg_tile) * 4,
+                        mSegments[segment, 5], mSegments[segment, 3], num_parts,
+                        c_addr, m, n, tile_row, tile_col, stores_rows,
+                    )
+        else:
+            # split_k > 1: the split_k consecutive CTAs of a cluster (grid x) share one tile;
+            # rank r (cluster shape (split_k, 1, 1)) runs its k-tiles r * cnt .. (r + 1) * cnt
+            split = self.config.split_k
+            tile_idx = bidx // split
+            (tile_row, tile_col, m, n, k, _a, _b, c_addr, _sfa, _sfb) = self.tile_of(
+                tile_idx, mPtrs, mSizes, mTiles
+            )
+            k_tile_cnt = k // (self.tile_k * split)
+            self.mma_segment(
+                tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
+                tCrA, a_frags, tCrB, accumulators,
+                tile_idx, (bidx % split) * k_tile_cnt, k_tile_cnt,
+            )
+            if cutlass.const_expr(split > 1):
+                self.reduce_split_k(tidx, warp_group_idx, sA_base, accumulators)
+
+            # (split_k > 1: only the summing rank of this warpgroup's rows holds their sum)
+            stores_rows = (tile_row * self.tile_m + warp_group_idx * 64) < m
+            if cutlass.const_expr(split > 1):
+                stores_rows = stores_rows and (
+                    cute.arch.block_idx_in_cluster() == self.summing_rank(warp_group_idx)
+                )
+            self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
+
+    @cute.jit
+    def mma_segment(
+        self, tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
+        tCrA, a_frags, tCrB, accumulators, tile_idx, k_tile_begin, k_tile_cnt,
+    ):
+        """accumulators = the sums of tile `tile_idx` over its k-tiles [k_tile_begin,
+        k_tile_begin + k_tile_cnt) (an even count): copy, decode and wgmma of each k-tile,
+        pipelined; every copy and wgmma of the segment has completed on return."""
+        sA_base, sB_base, raw_base = smem_bases
+        (tile_row, tile_col, m, n, k, a_addr, b_addr, _c, sfa_addr, sfb_addr) = self.tile_of(
+            tile_idx, mPtrs, mSizes, mTiles
+        )
+        m0 = tile_row * self.tile_m
+        n0 = tile_col * self.tile_n
+        # tile_n = 64: the B tile is the first or second half of its 128-row scale atom
+        sfb_row_offset = n0 % SF_ATOM_ROWS
+        row_bytes = k // 2
+        rest_k = k // (SF_VEC_SIZE * 4)
+        # the segment's first k-tile moves into the base addresses: the loop runs from 0
+        a_addr = a_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
+        b_addr = b_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
+        sfa_addr = sfa_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
+        sfb_addr = sfb_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
+        accumulators.fill(0.0)
         # Rows of this warpgroup that exist in the group: skip its wgmma when there are none
         warp_group_has_rows = (m0 + warp_group_idx * 64) < m
 
@@ -1082,8 +1285,9 @@ class Sm90Nvfp4GroupedGemm:
         # Main loop
         #
         if cutlass.const_expr(self.config.a_in_registers):
+            num_k_blocks = cute.size(a_frags[0], mode=[2])
             # unrolled by the 2 fp16 stages so that stage and A fragment are static
-            # (k_tile_cnt is a multiple of 4: K % 256 == 0)
+            # (k_tile_cnt is even: K % 256 == 0, stream-K cuts at even k-tiles)
             for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
                 for mma_stage in cutlass.range_constexpr(2):
                     k_tile = 2 * k_pair + mma_stage
@@ -1130,6 +1334,7 @@ class Sm90Nvfp4GroupedGemm:
                         self.mma_k_tile(tiled_mma, accumulators, a_frag, None, tCrB, mma_stage, num_k_blocks)
                         cute.nvgpu.warpgroup.wait_group(1)
         else:
+            num_k_blocks = cute.size(tCrA, mode=[2])
             for k_tile in cutlass.range(k_tile_cnt, unroll=1):
                 next_tile = k_tile + self.raw_stages - 1
                 self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
@@ -1155,17 +1360,48 @@ class Sm90Nvfp4GroupedGemm:
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)
 
-        if cutlass.const_expr(split > 1):
-            self.reduce_split_k(tidx, warp_group_idx, sA_base, accumulators)
+    @cute.jit
+    def stream_k_fixup(
+        self, tiled_mma, tidx, accumulators, arrival_smem, workspace_addr, counter_addr,
+        slot_base, part, num_parts, c_addr, m, n, tile_row, tile_col, stores_rows,
+    ):
+        """Stream-K, a tile shared by num_parts workers: store this part's sums into workspace
+        slot slot_base + part; the last part to arrive adds slots slot_base .. + num_parts - 1
+        in that order (the same sum whichever worker is last), stores the tile and resets the
+        tile's counter to 0 for the next launch.
 
-        # (split_k > 1: only the summing rank of this warpgroup's rows holds their sum)
-        stores_rows = warp_group_has_rows
-        if cutlass.const_expr(split > 1):
-            stores_rows = warp_group_has_rows and (
-                cute.arch.block_idx_in_cluster() == self.summing_rank(warp_group_idx)
+        Slot layout: vector j (4 fp32) of thread t at ((j * num_threads) + t) * 16 bytes, so a
+        warp's stores and loads are 512 contiguous bytes."""
+        tile_bytes = self.tile_m * self.tile_n * 4
+        num_vectors = cute.size(accumulators) // 4
+        # computed here, not hoisted out of the segment loop (a hoisted per-thread address
+        # spilled 16 bytes)
+        workspace_addr = opaque_i64(workspace_addr)
+        own_slot = workspace_addr + cutlass.Int64(slot_base + part) * tile_bytes + tidx * 16
+        for j in cutlass.range_constexpr(num_vectors):
+            store_f32x4_global(
+                own_slot + j * self.num_threads * 16, [accumulators[4 * j + e] for e in range(4)]
             )
-        self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
-
+        # release: every thread's stores are ordered before thread 0's arrival
+        fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            store_u32_shared(arrival_smem, atomic_add_u32(counter_addr, 1))
+        cute.arch.sync_threads()
+        arrived_before = load_u32_shared(arrival_smem)
+        if arrived_before == num_parts - 1:
+            # acquire: the other parts' stores (released before their arrivals) are visible
+            fence_acq_rel_gpu()
+            accumulators.fill(0.0)
+            for slot in cutlass.range(slot_base, slot_base + num_parts, unroll=1):
+                src = workspace_addr + cutlass.Int64(slot) * tile_bytes + tidx * 16
+                for j in cutlass.range_constexpr(num_vectors):
+                    partial = load_f32x4_global_l2(src + j * self.num_threads * 16)
+                    for e in cutlass.range_constexpr(4):
+                        accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
+            self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
+            if tidx == 0:
+                store_u32_global(counter_addr, 0)
 
     @cute.kernel
     def kernel_warp_specialized(
@@ -1288,6 +1524,34 @@ def _fake_ptr(dtype):
 
 
 _compiled_cache: dict = {}
+# Shared memory per SM of sm_90 GPUs (228 KB), for the compile below on a machine without one
+SM90_SMEM_PER_SM = 233472
+
+
+@contextlib.contextmanager
+def _smem_per_sm_known_without_gpu():
+    """A launch with min_blocks_per_mp > 1 makes DSL 4.3.5 read the device's shared memory per
+    SM while tracing (for a shared-memory carveout hint), which fails where there is no GPU.
+    There, answer with the sm_90 value; with a GPU, the real query runs."""
+    from cutlass.cutlass_dsl import cutlass as dsl_cutlass
+
+    helpers = dsl_cutlass.cuda_helpers
+    query = helpers.get_device_attribute
+    smem_attribute = cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+
+    def get_device_attribute(attribute, device_id=0):
+        try:
+            return query(attribute, device_id)
+        except Exception:
+            if attribute == smem_attribute:
+                return SM90_SMEM_PER_SM
+            raise
+
+    helpers.get_device_attribute = get_device_attribute
+    try:
+        yield
+    finally:
+        helpers.get_device_attribute = query
 
 
 def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemmConfig = SM90_CONFIG):
@@ -1295,15 +1559,20 @@ def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemm
     key = (num_groups, config, options)
     if key not in _compiled_cache:
         kernel = Sm90Nvfp4GroupedGemm(config, num_groups)
-        _compiled_cache[key] = cute.compile(
-            kernel,
-            _fake_ptr(cutlass.Int64),
-            _fake_ptr(cutlass.Int32),
-            _fake_ptr(cutlass.Int32),
-            cutlass.Int32(1),
-            cuda.CUstream(0),
-            **({"options": options} if options else {}),
-        )
+        with _smem_per_sm_known_without_gpu():
+            _compiled_cache[key] = cute.compile(
+                kernel,
+                _fake_ptr(cutlass.Int64),
+                _fake_ptr(cutlass.Int32),
+                _fake_ptr(cutlass.Int32),
+                cutlass.Int32(1),
+                _fake_ptr(cutlass.Int32),
+                cutlass.Int32(1),
+                _fake_ptr(cutlass.Float32),
+                _fake_ptr(cutlass.Int32),
+                cuda.CUstream(0),
+                **({"options": options} if options else {}),
+            )
     return _compiled_cache[key]
 
 
@@ -1315,13 +1584,19 @@ def _compile_split_k(num_groups: int, options: str | None = None):
     return compile_gemm(num_groups, options, config=SPLIT_K_CONFIG)
 
 
+def _compile_stream_k(num_groups: int, options: str | None = None):
+    return compile_gemm(num_groups, options, config=STREAM_K_CONFIG)
+
+
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
     """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)):
-    the default config and the two measured options (tile_n = 64, split-K over 2 CTAs)."""
+    the default config and the measured options (tile_n = 64, split-K over 2 CTAs,
+    stream-K)."""
     return [
         ("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm),
         ("sm90_nvfp4_gemm_n64", NARROW_CONFIG.arch, _compile_narrow),
         ("sm90_nvfp4_gemm_splitk2", SPLIT_K_CONFIG.arch, _compile_split_k),
+        ("sm90_nvfp4_gemm_streamk", STREAM_K_CONFIG.arch, _compile_stream_k),
     ]
 
 
@@ -1330,20 +1605,6 @@ def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]
 # =============================================================================
 def _gmem_ptr(dtype, tensor: torch.Tensor):
     return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
-
-
-class Sm90LaunchState:
-    """What a launch of one input set on sm_90 reads: its tables and the kernel config their
-    tile table was built for."""
-
-    __slots__ = ("config", "tables")
-
-    def __init__(self, tables, config: HopperGemmConfig):
-        self.tables = tables
-        self.config = config
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """Nothing beyond the tables (which RuntimeState records) is read by a launch."""
 
 
 # CTAs of the default config one SM holds: 127 registers x 256 threads and 70.7 KB of
@@ -1376,26 +1637,186 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
+# =============================================================================
+# Stream-K planning (host)
+# =============================================================================
+# Shortest segment (k-tiles): a cut closer than this to a tile's first or last k-tile moves
+# there, so that no worker pays a segment's fixed cost (below) for a sliver of work.
+STREAM_K_MIN_SEGMENT = 4
+# What a segment costs beyond its k-tiles, in k-tiles of one CTA: its pipeline fill, the
+# tile lookup and the workspace round trip. Fitted on the H200 to the two benchmark shapes
+# with more tiles than CTA slots: stream-K vs the default, device µs, 182.4 vs 199.2 (shape
+# 0: shares of 150 k-tiles, 2.0 segments per worker, against 3 waves of 56) and 130.2 vs
+# 116.0 (shape 1: 92 k-tiles, 3.5 segments, against 3 waves of 32).
+STREAM_K_SEGMENT_COST = 3
+
+
+def plan_stream_k(tile_k_tiles, max_workers: int, min_segment: int = STREAM_K_MIN_SEGMENT):
+    """Cut the k-tiles of all tiles, in table order, into one contiguous share per worker, the
+    shares as equal as cuts on even k-tiles allow (every k-tile costs the same: the planned
+    shares measured fastest that way, whatever rows a tile has).
+
+    Cuts fall on even k-tiles (the main loop runs k-tile pairs) and at least min_segment
+    k-tiles from a tile's edges. Workers: max_workers, fewer when a share would be shorter
+    than two minimal segments. Returns (work, segments, num_slots): worker w runs segments
+    work[w] .. work[w + 1] - 1; a segment is (tile, first k-tile, k-tile count, part, parts,
+    slot base), the parts of a tile numbered in k order; tiles of more than one part own
+    workspace slots slot base .. + parts - 1 (num_slots in all)."""
+    num_tiles = len(tile_k_tiles)
+    total = sum(tile_k_tiles)
+    num_workers = max(1, min(max_workers, total // (2 * min_segment)))
+    cuts = [(0, 0)]
+    tile, k_before = 0, 0  # k-tiles of the tiles before `tile`
+    for w in range(1, num_workers):
+        target = total * w / num_workers
+        while tile < num_tiles and k_before + tile_k_tiles[tile] <= target:
+            k_before += tile_k_tiles[tile]
+            tile += 1
+        if tile == num_tiles:
+            cut = (num_tiles, 0)
+        else:
+            k_tiles = tile_k_tiles[tile]
+            k = 2 * round((target - k_before) / 2)
+            if k < min_segment:
+                k = 0
+            elif k_tiles - k < min_segment:
+                k = k_tiles
+            cut = (tile + 1, 0) if k >= k_tiles else (tile, k)
+        cuts.append(max(cut, cuts[-1]))
+    cuts.append((num_tiles, 0))
+
+    worker_segments = []
+    for w in range(num_workers):
+        (t, k), end = cuts[w], cuts[w + 1]
+        segments = []
+        while (t, k) < end:
+            stop = end[1] if t == end[0] else tile_k_tiles[t]
+            segments.append((t, k, stop - k))
+            t, k = t + 1, 0
+        worker_segments.append(segments)
+
+    parts = [0] * num_tiles
+    for segments in worker_segments:
+        for t, _, _ in segments:
+            parts[t] += 1
+    slot_base, num_slots = [0] * num_tiles, 0
+    for t in range(num_tiles):
+        if parts[t] > 1:
+            slot_base[t] = num_slots
+            num_slots += parts[t]
+    work, rows, next_part = [0], [], [0] * num_tiles
+    for segments in worker_segments:
+        for t, k0, count in segments:
+            rows.append((t, k0, count, next_part[t], parts[t], slot_base[t]))
+            next_part[t] += 1
+        work.append(len(rows))
+    return work, rows, num_slots
+
+
+def stream_k_pays(tile_k_tiles, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) -> bool:
+    """Whether stream-K beats the default's schedule (split-K where split_k_pays, else whole
+    tiles) in a k-tile model: the default takes ceil(CTAs / slots) waves of its CTAs' k-tiles;
+    stream-K, the longest share plus STREAM_K_SEGMENT_COST per segment of an average worker.
+    Pick it at 0.95 of the default or less. Only input sets with more tiles than CTA slots
+    qualify (fewer: split-K fills one wave, and stream-K measured slower on both such
+    benchmark shapes)."""
+    slots = num_sms * ctas_per_sm
+    num_tiles = len(tile_k_tiles)
+    if num_tiles <= slots:
+        return False
+    longest = max(tile_k_tiles)
+    if split_k_pays(num_tiles, num_sms, ctas_per_sm):
+        default_cost = -(-2 * num_tiles // slots) * longest / 2
+    else:
+        default_cost = -(-num_tiles // slots) * longest
+    work, segments, _ = plan_stream_k(tile_k_tiles, slots)
+    num_workers = len(work) - 1
+    longest_share = max(
+        sum(segments[i][2] for i in range(work[w], work[w + 1])) for w in range(num_workers)
+    )
+    stream_k_cost = longest_share + STREAM_K_SEGMENT_COST * len(segments) / num_workers
+    return stream_k_cost <= 0.95 * default_cost
+
+
+def tile_k_tiles_of(tables, config: HopperGemmConfig) -> list[int]:
+    """k-tiles of every tile of the tables' tile table (its order: plan_tiles)."""
+    from submission import plan_tiles
+
+    tiles = plan_tiles(tables.problem_sizes, config.tile_m, config.tile_n)
+    return [tables.problem_sizes[group][2] // config.tile_k for group, _, _ in tiles]
+
+
+class StreamKPlan:
+    """A stream-K launch's device buffers for one input set: `work` (int32: the num_workers + 1
+    offsets, then the segment rows), the fp32 workspace (one tile_m x tile_n slot per part of
+    a shared tile) and one arrival counter per tile (zero between launches: the last part
+    resets it). Owned by the input set's launch state: launches of other input sets, on any
+    stream, never share them."""
+
+    __slots__ = ("counters", "num_slots", "num_workers", "segments", "work", "work_offsets", "workspace")
+
+    def __init__(self, tables, config: HopperGemmConfig, max_workers: int):
+        tile_k_tiles = tile_k_tiles_of(tables, config)
+        self.work_offsets, self.segments, self.num_slots = plan_stream_k(
+            tile_k_tiles, max_workers, STREAM_K_MIN_SEGMENT
+        )
+        self.num_workers = len(self.work_offsets) - 1
+        flat = self.work_offsets + [v for row in self.segments for v in row]
+        device = tables.device
+        self.work = torch.tensor(flat, dtype=torch.int32).to(device)
+        self.workspace = torch.empty(
+            max(self.num_slots, 1) * config.tile_m * config.tile_n, dtype=torch.float32, device=device
+        )
+        self.counters = torch.zeros(max(len(tile_k_tiles), 1), dtype=torch.int32, device=device)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for buffer in (self.work, self.workspace, self.counters):
+            buffer.record_stream(stream)
+
+
+class Sm90LaunchState:
+    """What a launch of one input set on sm_90 reads: its tables, the kernel config their
+    tile table was built for and, for stream-K, its StreamKPlan."""
+
+    __slots__ = ("config", "stream_k", "tables")
+
+    def __init__(self, tables, config: HopperGemmConfig, stream_k: StreamKPlan | None = None):
+        self.tables = tables
+        self.config = config
+        self.stream_k = stream_k
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """The tables are RuntimeState's to record; the stream-K buffers are this state's."""
+        if self.stream_k is not None and self.tables.device.type == "cuda":
+            self.stream_k.record_stream(stream)
+
+
 class Sm90Backend:
     """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host
     runtime: no descriptors (the kernel reads the pointer table), so the launch state is the
-    tables and the config they were built for.
+    tables, the config they were built for and, for stream-K, its plan.
 
-    auto_split_k: run split-K (over a 2-CTA cluster) for the input sets where split_k_pays;
-    otherwise `config` runs every input set as given."""
+    auto_schedule: per input set, stream-K where stream_k_pays, else split-K over a 2-CTA
+    cluster where split_k_pays, else whole tiles; otherwise `config` runs every input set as
+    given."""
 
     name = "sm90"
 
-    def __init__(self, config: HopperGemmConfig = SM90_CONFIG, auto_split_k: bool = False):
+    def __init__(self, config: HopperGemmConfig = SM90_CONFIG, auto_schedule: bool = False):
         config.check()
         self.config = config
-        self.auto_split_k = auto_split_k and config.split_k == 1
+        self.auto_schedule = auto_schedule and config.split_k == 1 and not config.stream_k
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
 
     def config_for(self, tables) -> HopperGemmConfig:
-        """The config this input set runs (same tile shape: one tile table serves both)."""
-        if self.auto_split_k and split_k_pays(tables.num_tiles, _num_sms(tables.device)):
+        """The config this input set runs (same tile shape: one tile table serves all)."""
+        if not self.auto_schedule:
+            return self.config
+        num_sms = _num_sms(tables.device)
+        if self.config.a_in_registers and stream_k_pays(tile_k_tiles_of(tables, self.config), num_sms):
+            return dataclasses.replace(self.config, stream_k=True)
+        if split_k_pays(tables.num_tiles, num_sms):
             return dataclasses.replace(self.config, split_k=2)
         return self.config
 
@@ -1409,10 +1830,14 @@ class Sm90Backend:
         return self.tile_m, self.tile_n
 
     def prepare(self, tables) -> Sm90LaunchState:
-        """Pick this input set's config and compile its kernel (cached) for its group count."""
+        """Pick this input set's config, compile its kernel (cached) for its group count and,
+        for stream-K, plan the workers' shares and allocate their buffers."""
         config = self.config_for(tables)
         self.compile(tables.num_groups, config)
-        return Sm90LaunchState(tables, config)
+        plan = None
+        if config.stream_k and tables.num_tiles > 0:
+            plan = StreamKPlan(tables, config, _num_sms(tables.device) * CTAS_PER_SM)
+        return Sm90LaunchState(tables, config, plan)
 
     def launcher(self, state: Sm90LaunchState, stream: cuda.CUstream) -> Callable[[], None]:
         """The GEMM launch of this input set on `stream`, its arguments prepared once."""
@@ -1421,12 +1846,24 @@ class Sm90Backend:
         tables = state.tables
         if tables.num_tiles == 0:
             return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
+        plan = state.stream_k
+        if plan is None:
+            # not read by the kernel: any valid pointers
+            work, num_workers = tables.tiles, 0
+            workspace, counters = tables.sizes, tables.sizes
+        else:
+            work, num_workers = plan.work, plan.num_workers
+            workspace, counters = plan.workspace, plan.counters
         return make_launcher(
             self.compile(tables.num_groups, state.config),
             _gmem_ptr(cutlass.Int64, tables.ptrs),
             _gmem_ptr(cutlass.Int32, tables.sizes),
             _gmem_ptr(cutlass.Int32, tables.tiles),
             cutlass.Int32(tables.num_tiles),
+            _gmem_ptr(cutlass.Int32, work),
+            cutlass.Int32(num_workers),
+            _gmem_ptr(cutlass.Float32, workspace),
+            _gmem_ptr(cutlass.Int32, counters),
             stream,
         )
 
@@ -1439,7 +1876,7 @@ def make_backend(config: HopperGemmConfig | None = None) -> Sm90Backend:
     """The backend custom_kernel uses (config None: SM90_CONFIG, split-K where split_k_pays),
     or one running `config` as given for every input set."""
     if config is None:
-        return Sm90Backend(SM90_CONFIG, auto_split_k=True)
+        return Sm90Backend(SM90_CONFIG, auto_schedule=True)
     return Sm90Backend(config)
 
 

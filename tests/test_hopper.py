@@ -315,6 +315,7 @@ def test_compile_targets_include_the_narrow_kernel():
         "sm90_nvfp4_gemm": "sm_90a",
         "sm90_nvfp4_gemm_n64": "sm_90a",
         "sm90_nvfp4_gemm_splitk2": "sm_90a",
+        "sm90_nvfp4_gemm_streamk": "sm_90a",
     }
 
 
@@ -441,8 +442,8 @@ def sm90_backend_on_cpu(monkeypatch):
         compiled.append((num_groups, config))
         return ("kernel", num_groups, config)
 
-    def fake_make_launcher(kernel, ptrs, sizes, tiles, num_tiles, stream):
-        launched.append((kernel, int(num_tiles)))
+    def fake_make_launcher(kernel, ptrs, sizes, tiles, num_tiles, work, num_workers, workspace, counters, stream):
+        launched.append((kernel, int(num_tiles), int(num_workers)))
         return lambda: None
 
     monkeypatch.setattr(hopper, "compile_gemm", fake_compile)
@@ -465,26 +466,116 @@ def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape,
     assert state.launch_state.config == config
     assert compiled == [(len(sizes), config)]
     state.run(object())
-    assert launched == [(("kernel", len(sizes), config), num_tiles)]
+    assert launched == [(("kernel", len(sizes), config), num_tiles, 0)]
 
 
 # ---------------------------------------------------------------------------------------
 # CUDA (sm_90): kernel vs the exact reference
 # ---------------------------------------------------------------------------------------
-def test_default_backend_picks_split_k_per_input_set(sm90_backend_on_cpu):
-    """make_backend() (custom_kernel's) runs split-K where split_k_pays, on the same tile
-    table; a backend made for an explicit config runs it for every input set."""
+def test_default_backend_picks_a_schedule_per_input_set(sm90_backend_on_cpu):
+    """make_backend() (custom_kernel's) runs stream-K where stream_k_pays, else split-K where
+    split_k_pays, on the same tile table; a backend made for an explicit config runs it for
+    every input set."""
     compiled, launched = sm90_backend_on_cpu
-    for shape, split in ((0, 2), (1, 1), (2, 2), (3, 2)):
+    stream_k = hopper.STREAM_K_CONFIG
+    split_k = hopper.SPLIT_K_CONFIG
+    for shape, picked in ((0, stream_k), (1, hopper.SM90_CONFIG), (2, split_k), (3, split_k)):
         sizes = tuple(BENCHMARK_SIZES[shape])
-        for backend, want in ((hopper.make_backend(), split), (hopper.make_backend(hopper.SM90_CONFIG), 1)):
+        for backend, want in ((hopper.make_backend(), picked), (hopper.make_backend(hopper.SM90_CONFIG), hopper.SM90_CONFIG)):
             state = submission.build_state(_cpu_input_set(sizes), sizes, backend)
             assert state.tables.num_tiles == (352, 728, 120, 128)[shape]
-            assert state.launch_state.config == dataclasses.replace(hopper.SM90_CONFIG, split_k=want)
-            assert compiled[-1] == (len(sizes), state.launch_state.config)
+            assert state.launch_state.config == want
+            assert compiled[-1] == (len(sizes), want)
+            plan = state.launch_state.stream_k
+            assert (plan is not None) == want.stream_k
             launched.clear()
             state.run(object())
-            assert launched == [(("kernel", len(sizes), state.launch_state.config), state.tables.num_tiles)]
+            workers = plan.num_workers if plan else 0
+            assert launched == [(("kernel", len(sizes), want), state.tables.num_tiles, workers)]
+    # shape 0 on 132 SMs: one worker per CTA slot, each tile's parts owning workspace slots
+    sizes = tuple(BENCHMARK_SIZES[0])
+    plan = submission.build_state(_cpu_input_set(sizes), sizes, hopper.make_backend()).launch_state.stream_k
+    assert plan.num_workers == 264
+    assert plan.workspace.numel() == plan.num_slots * 128 * 128
+    assert plan.counters.tolist() == [0] * 352
+    assert plan.work.tolist()[: plan.num_workers + 1] == plan.work_offsets
+
+
+def _check_stream_k_plan(tile_k_tiles, max_workers, min_segment):
+    work, segments, num_slots = hopper.plan_stream_k(tile_k_tiles, max_workers, min_segment)
+    num_workers = len(work) - 1
+    assert 1 <= num_workers <= max_workers
+    assert work[0] == 0 and work[-1] == len(segments) and work == sorted(work)
+    # every k-tile of every tile exactly once, in k order across the tile's parts
+    covered = {t: [] for t in range(len(tile_k_tiles))}
+    for tile, k0, count, part, parts, slot_base in segments:
+        assert count >= 2 and count % 2 == 0 and k0 % 2 == 0
+        covered[tile].append((part, k0, count, parts, slot_base))
+    slots_seen = set()
+    for tile, pieces in covered.items():
+        pieces.sort()
+        assert [p[0] for p in pieces] == list(range(len(pieces)))
+        assert all(p[3] == len(pieces) for p in pieces)
+        k = 0
+        for _, k0, count, _, _ in pieces:
+            assert k0 == k
+            k += count
+        assert k == tile_k_tiles[tile]
+        if len(pieces) > 1:
+            # cuts keep min_segment k-tiles from the tile's edges
+            assert pieces[0][2] >= min_segment and pieces[-1][2] >= min_segment
+            slots = set(range(pieces[0][4], pieces[0][4] + len(pieces)))
+            assert not slots & slots_seen and max(slots) < num_slots
+            slots_seen |= slots
+    assert len(slots_seen) == num_slots
+    # shares: as equal as cuts on even k-tiles at min_segment from the edges allow
+    shares = [sum(segments[i][2] for i in range(work[w], work[w + 1])) for w in range(num_workers)]
+    mean = sum(tile_k_tiles) / num_workers
+    assert max(shares) <= mean + 2 * min_segment
+    return work, segments, shares
+
+
+@pytest.mark.parametrize("shape", [0, 1, 2, 3])
+@pytest.mark.parametrize("min_segment", [2, 4])
+def test_stream_k_plan_covers_every_k_tile_once_in_equal_shares(shape, min_segment):
+    sizes = BENCHMARK_SIZES[shape]
+    tiles = submission.plan_tiles(sizes, 128, 128)
+    tile_k_tiles = [sizes[g][2] // 64 for g, _, _ in tiles]
+    _work, _segments, shares = _check_stream_k_plan(tile_k_tiles, 264, min_segment)
+    assert len(shares) == 264
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stream_k_plan_of_random_tile_sets(seed):
+    rng = random.Random(seed)
+    tile_k_tiles = [4 * rng.randint(1, 40) for _ in range(rng.randint(1, 400))]
+    _check_stream_k_plan(tile_k_tiles, rng.choice([1, 2, 8, 264]), rng.choice([2, 4, 8]))
+
+
+def test_stream_k_plan_uses_fewer_workers_for_little_work():
+    # 3 tiles of 4 k-tiles: 12 k-tiles make 1 share of at least 2 minimal segments (8)
+    work, segments, num_slots = hopper.plan_stream_k([4, 4, 4], 264, 4)
+    assert work == [0, 3] and num_slots == 0
+    assert [row[:3] for row in segments] == [(0, 0, 4), (1, 0, 4), (2, 0, 4)]
+
+
+def test_stream_k_pays_on_long_k_input_sets_with_more_tiles_than_slots():
+    def k_tiles(shape):
+        sizes = BENCHMARK_SIZES[shape]
+        return [sizes[g][2] // 64 for g, _, _ in submission.plan_tiles(sizes, 128, 128)]
+
+    assert [hopper.stream_k_pays(k_tiles(shape), 132) for shape in range(4)] == [True, False, False, False]
+    assert not hopper.stream_k_pays([112] * 264, 132)  # one full wave: nothing to balance
+    assert hopper.stream_k_pays([112] * 300, 132)  # 2 waves, the second nearly empty
+
+
+def test_stream_k_config_needs_register_a_and_no_split():
+    for bad in (
+        dataclasses.replace(hopper.STREAM_K_CONFIG, split_k=2),
+        dataclasses.replace(hopper.STREAM_K_CONFIG, a_in_registers=False),
+    ):
+        with pytest.raises(ValueError, match="stream_k needs"):
+            bad.check()
 
 
 def _is_sm90():
@@ -550,6 +641,7 @@ CONFIG_CASES = (
     + [("split_k_2_rank0", seed) for seed in range(900, 916)]
     + [("auto", seed) for seed in range(1000, 1016)]
     + [("warp_specialized", seed) for seed in range(1100, 1116)]
+    + [("stream_k", seed) for seed in range(1200, 1240)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -564,6 +656,7 @@ CONFIGS = {
     "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
     "warp_specialized": hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
+    "stream_k": hopper.STREAM_K_CONFIG,
 }
 
 
@@ -581,7 +674,8 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 
 @requires_sm90
 @pytest.mark.parametrize(
-    "config_name", ["default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized"]
+    "config_name",
+    ["default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized", "stream_k"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
@@ -600,3 +694,33 @@ def test_benchmark_shapes_match_exact_reference(case, config_name):
     torch.cuda.synchronize()
     ok, message = match_outputs(_exact_reference(data), out)
     assert ok, message
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", [2, 1])
+def test_stream_k_state_relaunches_exactly(case):
+    """One stream-K state launched three times, outputs reset to NaN in between: every launch
+    finds its arrival counters back at zero (the last part of each tile resets its own) and
+    sums the same parts in the same order, so every launch is exact and bit-identical."""
+    sizes = BENCHMARK_SIZES[case]
+    m, n, k = (tuple(column) for column in list(zip(*sizes))[:3])
+    data = generate_input(m, n, k, len(m), seed=2222)
+    state = submission.build_state(
+        data, submission.validate_inputs(data), hopper.make_backend(hopper.STREAM_K_CONFIG)
+    )
+    plan = state.launch_state.stream_k
+    assert plan.num_slots > 0  # tiles are shared by workers: the workspace path runs
+    expected = _exact_reference(data)
+    results = []
+    for _ in range(3):
+        for _, _, c in data[0]:
+            c.fill_(float("nan"))
+        state.run(submission._stream_for_current())
+        torch.cuda.synchronize()
+        out = [c.clone() for _, _, c in data[0]]
+        ok, message = match_outputs(expected, out)
+        assert ok, message
+        assert int(plan.counters.count_nonzero()) == 0
+        results.append(out)
+    for first, later in zip(results[0], results[2]):
+        assert torch.equal(first, later)
