@@ -14,7 +14,9 @@ operand into fp16 in shared memory and runs 16-bit wgmma with fp32 accumulation;
 are the exact block-scaled products, accumulated in fp32.
 
 Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x128 tiles.
-Input sets whose tiles fill the GPU's CTA slots badly run split-K over a 2-CTA cluster
+Input sets with more tiles than CTA slots and long K run stream-K instead (stream_k_pays: one
+CTA per slot, equal shares of all k-tiles, partial tiles summed through a global workspace);
+input sets whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
 (split_k_pays); 128x64 and 128x256 tiles and a warp-specialized kernel are options, measured
 slower (NARROW_CONFIG, tile_n, warp_specialized).
 
