@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -1715,6 +1716,12 @@ def plan_stream_k(tile_k_tiles, max_workers: int, min_segment: int = STREAM_K_MI
     return work, rows, num_slots
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_plan(tile_k_tiles: tuple, max_workers: int, min_segment: int):
+    """plan_stream_k, once per tile set (stream_k_pays and StreamKPlan plan the same one)."""
+    return plan_stream_k(tile_k_tiles, max_workers, min_segment)
+
+
 def stream_k_pays(tile_k_tiles, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) -> bool:
     """Whether stream-K beats the default's schedule (split-K where split_k_pays, else whole
     tiles) in a k-tile model: the default takes ceil(CTAs / slots) waves of its CTAs' k-tiles;
@@ -1731,7 +1738,7 @@ def stream_k_pays(tile_k_tiles, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) ->
         default_cost = -(-2 * num_tiles // slots) * longest / 2
     else:
         default_cost = -(-num_tiles // slots) * longest
-    work, segments, _ = plan_stream_k(tile_k_tiles, slots)
+    work, segments, _ = _cached_plan(tuple(tile_k_tiles), slots, STREAM_K_MIN_SEGMENT)
     num_workers = len(work) - 1
     longest_share = max(
         sum(segments[i][2] for i in range(work[w], work[w + 1])) for w in range(num_workers)
@@ -1755,17 +1762,28 @@ class StreamKPlan:
     resets it). Owned by the input set's launch state: launches of other input sets, on any
     stream, never share them."""
 
-    __slots__ = ("counters", "num_slots", "num_workers", "segments", "work", "work_offsets", "workspace")
+    __slots__ = (
+        "_host_staging", "counters", "num_slots", "num_workers", "segments", "work", "work_offsets",
+        "workspace",
+    )
 
     def __init__(self, tables, config: HopperGemmConfig, max_workers: int):
         tile_k_tiles = tile_k_tiles_of(tables, config)
-        self.work_offsets, self.segments, self.num_slots = plan_stream_k(
-            tile_k_tiles, max_workers, STREAM_K_MIN_SEGMENT
+        work_offsets, self.segments, self.num_slots = _cached_plan(
+            tuple(tile_k_tiles), max_workers, STREAM_K_MIN_SEGMENT
         )
+        self.work_offsets = list(work_offsets)
         self.num_workers = len(self.work_offsets) - 1
         flat = self.work_offsets + [v for row in self.segments for v in row]
         device = tables.device
-        self.work = torch.tensor(flat, dtype=torch.int32).to(device)
+        # a pinned staging copy owned by the plan and one non_blocking copy, as for the tables
+        # (a pageable copy would wait for the stream's earlier work: a miss would stall it)
+        host = torch.tensor(flat, dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        self._host_staging = host
+        self.work = torch.empty_like(host, device=device)
+        self.work.copy_(host, non_blocking=True)
         self.workspace = torch.empty(
             max(self.num_slots, 1) * config.tile_m * config.tile_n, dtype=torch.float32, device=device
         )
