@@ -85,7 +85,10 @@ class HopperGemmConfig:
     # one warpgroup per 64 rows. 256 (512 threads, 123 registers: one CTA per SM, the B
     # decode shared by twice the rows) is exact on the benchmark shapes but slower: H200
     # device µs, shapes 0-3, 246.3/141.4/82.8/36.2 (split-K 259.2/156.4/69.4/35.8) vs
-    # 199.9/117.7/46.6/23.7 for the default backend.
+    # 199.9/117.7/46.6/23.7 for the default backend. Ceiling of sharing the B decode between
+    # two CTAs of an M-pair instead (each decoding half of B for both through DSMEM): the
+    # kernel decoding only half of B (wrong sums, timing only, no DSMEM stores or cluster
+    # syncs) took 179.6/106.5/43.0/22.5 vs 200.3/116.1/46.6/23.7 µs (H200, device time).
     tile_m: int = 128
     # 64 (m64n64k16 wgmma; the B tile is half of a 128-row scale atom, see load_raw_stage),
     # 128 or 256. 128 is the fastest measured on all four benchmark shapes (see NARROW_CONFIG).
@@ -128,7 +131,10 @@ class HopperGemmConfig:
     # smem bytes of A (no fp16 stores, no wgmma operand reads) and takes A off the barrier
     # path. Needs the K permutation described at _decode_blocks_asm for B. H200 device time
     # on the 4 benchmark shapes, smem A vs register A: 237.5/145.8/60.8/31.4 vs
-    # 231.2/143.1/59.1/30.6 µs (2-3%: smem bandwidth is not the main limit).
+    # 231.2/143.1/59.1/30.6 µs (2-3%: smem bandwidth is not the main limit). Sharing the A
+    # decode between two CTAs of an N-pair needs shared-memory A; its ceiling (shared-memory
+    # A decoding half of A's rows, wrong sums, timing only) with split-K: 196.3/128.8/46.6/23.3
+    # vs 224.7/143.7/52.2/25.4 for shared-memory A and 200.3/116.2/46.8/23.9 for the default.
     a_in_registers: bool = True
     # register-A only: 2 = decode A of k-tile k+1 while wgmma k reads the other fragment;
     # 1 = one fragment (fewer registers), A decode waits for the previous wgmma.
@@ -154,7 +160,13 @@ class HopperGemmConfig:
     # a global fp32 workspace: each part stores its sums there, and the last part to arrive
     # (a per-tile counter) adds all parts in k order and stores the tile. Fixes what tile
     # counts that are not a multiple of the CTA slots leave idle (shape 2: 144 full and 96
-    # half split-K CTAs on 264 slots). Needs register A and split_k = 1.
+    # half split-K CTAs on 264 slots). Needs register A and split_k = 1. On shape 2 it is
+    # slower than split-K (53.6 vs 47.1 µs): the split-K partition run through this kernel
+    # took 47.6 µs with each part storing its own sums (no workspace, wrong sums) and 49.6
+    # with the workspace; balanced shares without the workspace, 48.8. Nsight Compute, SM
+    # active cycles min/avg/max: split-K 49.1K/69.5K/79.9K, balanced shares 67.4K/74.0K/84.8K:
+    # SMs run equal shares at speeds up to 25% apart, so the longest SM barely moves, while
+    # segment changes add 6% cycles.
     stream_k: bool = False
     arch: str = "sm_90a"
 
@@ -1616,6 +1628,9 @@ CTAS_PER_SM = 2
 _NUM_SMS: dict = {}
 
 
+# Tile order within the tile table (plan_tiles) does not move split-K: H200 device µs, shape 2
+# / 3, full tiles first 46.3 / 23.4, half tiles first 46.3 / 23.5, alternating 46.2 / 23.4,
+# vs 46.8 / 23.3 in plan_tiles' order.
 def split_k_pays(num_tiles: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) -> bool:
     """Whether split-K over 2 CTAs shortens an input set's schedule, in a wave model: whole
     tiles take ceil(T / slots) waves, half tiles ceil(2T / slots) waves half as long.

@@ -334,6 +334,7 @@ def sm90_builds(tmp_path_factory):
     ("sm90_nvfp4_gemm", hopper.SM90_CONFIG, "m64n128k16"),
     ("sm90_nvfp4_gemm_n64", hopper.NARROW_CONFIG, "m64n64k16"),
     ("sm90_nvfp4_gemm_splitk2", hopper.SPLIT_K_CONFIG, "m64n128k16"),
+    ("sm90_nvfp4_gemm_streamk", hopper.STREAM_K_CONFIG, "m64n128k16"),
 ])
 def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups):
     report = sm90_builds[(target, num_groups)]
@@ -368,6 +369,20 @@ def test_warp_specialized_kernel_fits_one_512_thread_cta(tmp_path):
     assert "bar.sync 1, 256;" in ptx and ".reqntid 512, 1, 1" in ptx
     with pytest.raises(ValueError, match="warp_specialized needs"):
         hopper.HopperGemmConfig(warp_specialized=True).check()  # register A
+
+
+@pytest.mark.parametrize("num_groups", [1, 8])
+def test_stream_k_kernel_meets_through_a_global_workspace(sm90_builds, num_groups):
+    """Stream-K parts meet in global memory: 16-byte partial stores and L2 loads, GPU-scope
+    fences around one atomic arrival per part; two CTAs per SM are requested from ptxas
+    (.minnctapersm 2: the segment loop would otherwise take 169 registers, one CTA per SM).
+    The default kernel has none of it."""
+    ptx = Path(sm90_builds[("sm90_nvfp4_gemm_streamk", num_groups)].ptx_path).read_text(errors="replace")
+    for instruction in ("st.global.v4.f32", "ld.global.cg.v4.f32", "fence.acq_rel.gpu", "atom.global.add.u32"):
+        assert instruction in ptx, instruction
+    assert ".minnctapersm 2" in ptx and ".reqntid 256, 1, 1" in ptx
+    default_ptx = Path(sm90_builds[("sm90_nvfp4_gemm", num_groups)].ptx_path).read_text(errors="replace")
+    assert "atom.global" not in default_ptx and ".minnctapersm" not in default_ptx
 
 
 @pytest.mark.parametrize("num_groups", [1, 8])
