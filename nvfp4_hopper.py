@@ -1775,7 +1775,8 @@ class StreamKPlan:
     offsets, then the segment rows), the fp32 workspace (one tile_m x tile_n slot per part of
     a shared tile) and one arrival counter per tile (zero between launches: the last part
     resets it). Owned by the input set's launch state: launches of other input sets, on any
-    stream, never share them."""
+    stream, never share them; two launches of this input set in flight at once on different
+    streams would (as they would share its c)."""
 
     __slots__ = (
         "_host_staging", "counters", "num_slots", "num_workers", "segments", "work", "work_offsets",
