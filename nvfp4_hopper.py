@@ -140,7 +140,10 @@ class HopperGemmConfig:
     # 1 = one fragment (fewer registers), A decode waits for the previous wgmma.
     # 1 buffer: 127 registers, 2 CTAs/SM; 2 buffers: 144 registers, 1 CTA/SM. H200 device
     # µs, shapes 0-3, 1 vs 2 buffers: 206.6/129.1/54.4/28.7 vs 244.2/162.3/56.4/29.3: the
-    # wait for the previous wgmma is not what bounds the kernel.
+    # wait for the previous wgmma is not what bounds the kernel. 2 buffers at 2 CTAs per SM
+    # (ptxas held to 128 registers by .minnctapersm 2, 16-24 bytes spilled; tried, not kept)
+    # were slower still: 223.7/129.5/56.6/26.1, split-K 212.6/139.3/49.8/24.2, vs
+    # 206.4/117.9/52.7/24.6 and 200.1/132.2/46.8/24.0 for 1 buffer.
     a_register_buffers: int = 1
     # CTAs sharing one output tile along K (a cluster of split_k CTAs along grid x): 1, or 2
     # (each CTA runs half the k-tiles; the fp32 partial sums meet through DSMEM, see
