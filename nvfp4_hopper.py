@@ -352,14 +352,13 @@ def store_f16x2(address: cutlass.Int64, low: cutlass.Float32, high: cutlass.Floa
     )
 
 
-@dsl_user_op
-def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
-    """4 fp32 from shared address `smem` (one 16-byte load)."""
+def _load_f32x4(instruction: str, address, address_constraint: str, loc, ip):
+    """4 fp32 from one 16-byte load `instruction` (ld.shared / ld.global form) at `address`."""
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 4),
-        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,r,~{memory}",
+        [address.ir_value(loc=loc, ip=ip)],
+        f"{instruction} {{$0, $1, $2, $3}}, [$4];",
+        f"=f,=f,=f,=f,{address_constraint},~{{memory}}",
         loc=loc,
         ip=ip,
     )
@@ -367,6 +366,12 @@ def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
         cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
         for i in range(4)
     ]
+
+
+@dsl_user_op
+def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
+    """4 fp32 from shared address `smem` (one 16-byte load)."""
+    return _load_f32x4("ld.shared.v4.f32", cutlass.Int32(smem), "r", loc, ip)
 
 
 @dsl_user_op
@@ -386,18 +391,7 @@ def store_f32x4_global(address: cutlass.Int64, values, *, loc=None, ip=None):
 @dsl_user_op
 def load_f32x4_global_l2(address: cutlass.Int64, *, loc=None, ip=None):
     """4 fp32 from global `address`, read at L2 (.cg: never a stale line of this SM's L1)."""
-    result = _inline_asm(
-        llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 4),
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
-        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,l,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
-    return [
-        cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
-        for i in range(4)
-    ]
+    return _load_f32x4("ld.global.cg.v4.f32", cutlass.Int64(address), "l", loc, ip)
 
 
 @dsl_user_op
@@ -889,25 +883,20 @@ class Sm90Nvfp4GroupedGemm:
             region = SharedStorage.size_in_bytes()
             self.reduction_passes = -(-self.config.reduction_bytes // region)
         if cutlass.const_expr(self.config.warp_specialized):
-            self.kernel_warp_specialized(
+            kernel = self.kernel_warp_specialized(
                 tiled_mma, mPtrs, mSizes, mTiles, a_smem_layout_staged, b_smem_layout_staged
-            ).launch(
-                grid=(num_tiles, 1, 1),
-                block=(self.config.block_threads, 1, 1),
-                smem=self.shared_storage.size_in_bytes(),
-                stream=stream,
             )
-            return
-        num_ctas = num_workers if cutlass.const_expr(self.config.stream_k) else num_tiles * split
-        self.kernel(
-            tiled_mma, mPtrs, mSizes, mTiles, mWork, mSegments, workspace, counters,
-            a_smem_layout_staged, b_smem_layout_staged,
-        ).launch(
-            grid=(num_ctas, 1, 1),
+        else:
+            kernel = self.kernel(
+                tiled_mma, mPtrs, mSizes, mTiles, mWork, mSegments, workspace, counters,
+                a_smem_layout_staged, b_smem_layout_staged,
+            )
+        kernel.launch(
+            grid=(num_workers if cutlass.const_expr(self.config.stream_k) else num_tiles * split, 1, 1),
             block=(self.config.block_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
             # stream-K's segment loop costs registers: unbounded, ptxas takes 169 (one CTA per
-            # SM); 2 CTAs per SM caps it at 128 (16 bytes spilled, CPU build)
+            # SM); asking for 2 CTAs per SM holds it at 128 (CPU build)
             min_blocks_per_mp=CTAS_PER_SM if cutlass.const_expr(self.config.stream_k) else 0,
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
@@ -1666,9 +1655,9 @@ def _num_sms(device: torch.device) -> int:
 STREAM_K_MIN_SEGMENT = 4
 # What a segment costs beyond its k-tiles, in k-tiles of one CTA: its pipeline fill, the
 # tile lookup and the workspace round trip. Fitted on the H200 to the two benchmark shapes
-# with more tiles than CTA slots: stream-K vs the default, device µs, 182.4 vs 199.2 (shape
-# 0: shares of 150 k-tiles, 2.0 segments per worker, against 3 waves of 56) and 130.2 vs
-# 116.0 (shape 1: 92 k-tiles, 3.5 segments, against 3 waves of 32).
+# with more tiles than CTA slots: stream-K vs the default, device µs, 184.7 vs 199.4 (shape
+# 0: shares of 150 k-tiles, 2.0 segments per worker, against 3 waves of 56) and 128.9 vs
+# 115.5 (shape 1: 92 k-tiles, 3.5 segments, against 3 waves of 32).
 STREAM_K_SEGMENT_COST = 3
 
 
