@@ -60,8 +60,23 @@ import torch
 from cutlass import cute, pipeline, utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.runtime import make_ptr
+from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from task import input_t, output_t
+
+# =============================================================================
+# Which sm_100a kernel runs
+# =============================================================================
+# "persistent": PersistentGemmSm100 (warp-specialized, 2-CTA block-scaled MMA, swap-AB,
+#   static persistent schedule, TMA-store epilogue); input sets it cannot run (an N that is
+#   not a multiple of 8) go to the per-tile kernel.
+# "per_tile": the seed-structure kernel (one CTA per 128x128 tile, one warp issuing TMA and
+#   MMA, 2 stages) for every input set: the known-good fallback.
+# Both are compiled for sm_100a and checked on a CPU (SASS, PTX, a protocol model); neither has
+# run here. If the default fails on a B200, set this to "per_tile" (or run with the
+# environment variable NVFP4_SM100_KERNEL=per_tile).
+SM100_KERNELS = ("persistent", "per_tile")
+SM100_KERNEL = os.environ.get("NVFP4_SM100_KERNEL", "persistent")
 
 
 # =============================================================================
@@ -112,6 +127,9 @@ PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB = range(5)
 NUM_PTR_COLS = 5
 
 MAX_GROUPS = 64
+# fp16 elements in 32 bytes: the per-tile kernel's full-tile stores are 256-bit when N is a
+# multiple of this
+C_VECTOR_ELEMS = 16
 # Every tensor is addressed as `ptr.align(32)` in the kernels (TMA needs 16 B at least).
 BASE_ALIGN_BYTES = 32
 # Devices the submission has a backend for: capability -> backend name
@@ -287,6 +305,15 @@ def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
 # =============================================================================
 # Device code: tensormap initialization (one CTA per group)
 # =============================================================================
+def tensormap_desc_ptr(tensormap_manager, tensormaps: cute.Tensor, group_idx, slot: int):
+    """Generic-address pointer to descriptor `slot` of `group_idx` in `tensormaps` [G, S, 16],
+    as the TMA copies take it."""
+    return tensormap_manager.get_tensormap_ptr(
+        tensormap_manager.get_tensormap_ptr(tensormaps[(group_idx, slot, None)].iterator),
+        cute.AddressSpace.generic,
+    )
+
+
 def group_tensormap_gmem_ptrs(tensormap_manager, tensormaps: cute.Tensor, group_idx):
     """Global-memory pointers of the A, B, SFA, SFB descriptors of `group_idx` in
     `tensormaps` [G, 4, 16] (written by the init kernel, read by the GEMM kernel)."""
@@ -473,9 +500,8 @@ def gemm_kernel(
     mC_mnl_iter = cute.make_ptr(
         c_dtype, tensor_of_ptrs[group_idx, PTR_C], cute.AddressSpace.gmem
     ).align(32)
-    # Deviation from the seed: no `cute.assume(n, 32)` on the row stride. validate_inputs
-    # accepts any N >= 1 and the epilogue predicates N residues; a divisibility promise that
-    # N does not keep would let the compiler fold the address arithmetic wrongly.
+    # No divisibility promise on the row stride here: validate_inputs accepts any N >= 1. The
+    # full-tile store below states it only where N keeps it.
     mC_mnl_layout = cute.make_layout((m, n, 1), stride=(n, 1, m * n))
     mC_mnl = cute.make_tensor(mC_mnl_iter, mC_mnl_layout)
     # (bM, bN)
@@ -828,12 +854,29 @@ def gemm_kernel(
     # ((atom_v, rest_v), NumGmemCpy)
     tDcC = thr_copy_r2g.partition_D(cC)
 
+    # The same C tile with its rows stated to start on 32-byte boundaries: each thread's 128
+    # contiguous fp16 then go out as 256-bit stores (the seed's STG.E.ENL2.256). Used only
+    # where N % C_VECTOR_ELEMS == 0 makes the statement true.
+    mC_aligned = cute.make_tensor(
+        mC_mnl_iter,
+        cute.make_layout(
+            (m, n, 1), stride=(cute.assume(n, C_VECTOR_ELEMS), 1, cute.assume(m * n, C_VECTOR_ELEMS))
+        ),
+    )
+    gC_aligned = cute.local_tile(
+        mC_aligned, cute.slice_(mma_tiler_mnk, (None, None, 0)), (coord_x, coord_y, 0)
+    )
+    tDgC_aligned = thr_copy_t2r.partition_D(thr_mma.partition_C(gC_aligned)[None, 0, 0])
+
     residue_m = mC_mnl.shape[0] - cutlass.Int32(coord_x) * cutlass.Int32(mma_tiler_mnk[0])
     residue_n = mC_mnl.shape[1] - cutlass.Int32(coord_y) * cutlass.Int32(mma_tiler_mnk[1])
 
     # Full tiles (most of them) store without predicates
     if residue_m >= cutlass.Int32(mma_tiler_mnk[0]) and residue_n >= cutlass.Int32(mma_tiler_mnk[1]):
-        cute.copy(simt_atom, cute.flatten(tDrC), cute.flatten(tDgC))
+        if n % C_VECTOR_ELEMS == 0:
+            cute.copy(simt_atom, cute.flatten(tDrC), cute.flatten(tDgC_aligned))
+        else:
+            cute.copy(simt_atom, cute.flatten(tDrC), cute.flatten(tDgC))
     else:
         tDpC = cute.make_rmem_tensor(tDrC.shape, cutlass.Boolean)
         for i in range(cute.size(tDrC.shape)):
@@ -955,6 +998,14 @@ def _make_mma_and_atoms():
     }
 
 
+def _tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
+    """[G, num_slots, 16] int64: the 128-byte TMA descriptors of every group."""
+    return cute.make_tensor(
+        ptr_of_tensormaps,
+        cute.make_layout((num_groups, num_slots, 16), stride=(num_slots * 16, 16, 1)),
+    )
+
+
 def _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups):
     tensor_of_ptrs = cute.make_tensor(
         ptr_of_ptrs, cute.make_layout((num_groups, NUM_PTR_COLS), stride=(NUM_PTR_COLS, 1))
@@ -1036,6 +1087,807 @@ def gemm_jit(
 
 
 # =============================================================================
+# sm_100a persistent kernel: warp-specialized, 2-CTA block-scaled MMA, swap-AB
+# =============================================================================
+# Swap-AB: the problem's B (N rows, the large weight operand) is the MMA's A operand with
+# MMA M = 256 over a CTA pair (128 N rows per CTA); the problem's A (M tokens, as few as 40)
+# is the MMA's B operand with MMA N = tokens_per_tile, so small M wastes MMA N columns
+# (16-granular) instead of 128-row MMA M tiles. The MMA computes C^T, which is C read through
+# its M-major view (N, M):(1, N). In the kernel below "A", "B", "SFA", "SFB", "M" and "N"
+# are the MMA's; the host tables keep the problem's names.
+@dataclasses.dataclass(frozen=True)
+class PersistentGemmConfig:
+    """Python-time configuration of the persistent sm_100a kernel (baked into its code)."""
+
+    # MMA N: tokens (problem M rows) per tile. 128 or 256 (NVIDIA's grouped block-scaled
+    # example supports exactly these with cta_group::2); picked per input set by
+    # choose_tokens_per_tile.
+    tokens_per_tile: int = 128
+    # MMA M over the CTA pair: problem N rows per tile (128 per CTA)
+    mma_m: int = 256
+    # Shared memory per CTA the stage count is computed against (sm_100 opt-in limit)
+    smem_capacity_bytes: int = 232_448
+    arch: str = "sm_100a"
+
+    @property
+    def num_acc_stage(self) -> int:
+        # Two fp32 accumulators of 128 columns fit TMEM's 512 columns with the scale
+        # columns; two of 256 do not.
+        return 2 if self.tokens_per_tile == 128 else 1
+
+    def check(self) -> None:
+        if self.tokens_per_tile not in (128, 256):
+            raise ValueError(f"tokens_per_tile = {self.tokens_per_tile}; rule: 128 or 256")
+        if self.mma_m != 256:
+            raise ValueError(f"mma_m = {self.mma_m}; rule: 256 (cta_group::2 over a CTA pair)")
+
+
+PERSISTENT_CONFIGS = {t: PersistentGemmConfig(tokens_per_tile=t) for t in (128, 256)}
+# Descriptor slots of one group, in MMA roles: A = problem B, B = problem A,
+# SFA = problem SFB, SFB = problem SFA, C = problem C through its (N, M) view
+PERSISTENT_NUM_TENSORMAPS = 5
+
+
+class PersistentGemmSm100:
+    """Grouped NVFP4 GEMM over a host-built tile list, one CTA pair per tile at a time.
+
+    Warp roles (192 threads, one CTA per SM): warps 0-3 epilogue (warp 0 allocates TMEM),
+    warp 4 MMA (the pair's leader CTA issues ``tcgen05.mma.cta_group::2``), warp 5 TMA.
+    ``PipelineTmaUmma`` carries A/B/SFA/SFB stages from the TMA warp to the MMA warp (as many
+    stages as shared memory holds); ``PipelineUmmaAsync`` carries TMEM accumulators from the
+    MMA warp to the epilogue (two for 128 tokens per tile, so tile t's epilogue overlaps tile
+    t+1's mainloop); ``PipelineTmaStore`` drains C subtiles through shared memory.
+
+    Schedule: cluster c runs tiles c, c + num_clusters, ... of the tile table
+    (``plan_persistent_tiles``); both CTAs of a pair read the same entries. Every TMA
+    descriptor comes prebuilt from global memory (``init_tensormaps``), five per group.
+    """
+
+    def __init__(self, config: PersistentGemmConfig):
+        config.check()
+        self.config = config
+        self.acc_dtype = cutlass.Float32
+        self.sf_vec_size = sf_vec_size
+        self.cluster_shape_mn = (2, 1)
+        self.cta_group = tcgen05.CtaGroup.TWO
+        self.mma_inst_shape_mn = (config.mma_m, config.tokens_per_tile)
+        # SFB (the tokens' scales) is loaded for a full 128-row scale atom per CTA
+        self.mma_inst_shape_mn_sfb = (
+            config.mma_m // 2,
+            cute.round_up(config.tokens_per_tile, 128),
+        )
+        self.num_acc_stage = config.num_acc_stage
+        self.epilog_warp_id = (0, 1, 2, 3)
+        self.mma_warp_id = 4
+        self.tma_warp_id = 5
+        self.threads_per_cta = 32 * len((*self.epilog_warp_id, self.mma_warp_id, self.tma_warp_id))
+        self.epilog_sync_barrier = pipeline.NamedBarrier(
+            barrier_id=1, num_threads=32 * len(self.epilog_warp_id)
+        )
+        self.tmem_alloc_barrier = pipeline.NamedBarrier(
+            barrier_id=2, num_threads=32 * len((self.mma_warp_id, *self.epilog_warp_id))
+        )
+        self.num_tmem_alloc_cols = 512
+        self.c_layout = utils.LayoutEnum.COL_MAJOR  # C^T: the MMA's M (problem N) is contiguous
+        # mbarriers, the TMEM address and alignment slack, reserved before the stages
+        self.reserved_smem_bytes = 1024
+
+    # ------------------------------------------------------------------ Python time
+    def _setup_attributes(self):
+        """MMA, tile shapes, stage counts and shared-memory layouts (trace time)."""
+        self.tiled_mma = self._make_tiled_mma(self.cta_group, self.mma_inst_shape_mn)
+        self.tiled_mma_sfb = self._make_tiled_mma(tcgen05.CtaGroup.ONE, self.mma_inst_shape_mn_sfb)
+        mma_inst_shape_k = cute.size(self.tiled_mma.shape_mnk, mode=[2])
+        mma_inst_tile_k = 4  # 4 x 64 = 256 K elements per stage (the K tile)
+        self.mma_tiler = (*self.mma_inst_shape_mn, mma_inst_shape_k * mma_inst_tile_k)
+        self.mma_tiler_sfb = (*self.mma_inst_shape_mn_sfb, mma_inst_shape_k * mma_inst_tile_k)
+        self.cta_tile_shape_mnk = (
+            self.mma_tiler[0] // cute.size(self.tiled_mma.thr_id.shape),
+            self.mma_tiler[1],
+            self.mma_tiler[2],
+        )
+        self.cluster_layout_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (self.tiled_mma.thr_id.shape,)
+        )
+        self.cluster_layout_sfb_vmnk = cute.tiled_divide(
+            cute.make_layout((*self.cluster_shape_mn, 1)), (self.tiled_mma_sfb.thr_id.shape,)
+        )
+        self.num_mcast_ctas_a = cute.size(self.cluster_layout_vmnk.shape[2])
+        self.num_mcast_ctas_b = cute.size(self.cluster_layout_vmnk.shape[1])
+        self.epi_tile = sm100_utils.compute_epilogue_tile_shape(
+            self.cta_tile_shape_mnk, True, self.c_layout, c_dtype
+        )
+        self.num_ab_stage, self.num_c_stage = self._compute_stages()
+        self.a_smem_layout_staged = sm100_utils.make_smem_layout_a(
+            self.tiled_mma, self.mma_tiler, ab_dtype, self.num_ab_stage
+        )
+        self.b_smem_layout_staged = sm100_utils.make_smem_layout_b(
+            self.tiled_mma, self.mma_tiler, ab_dtype, self.num_ab_stage
+        )
+        self.sfa_smem_layout_staged = blockscaled_utils.make_smem_layout_sfa(
+            self.tiled_mma, self.mma_tiler, self.sf_vec_size, self.num_ab_stage
+        )
+        self.sfb_smem_layout_staged = blockscaled_utils.make_smem_layout_sfb(
+            self.tiled_mma, self.mma_tiler, self.sf_vec_size, self.num_ab_stage
+        )
+        self.c_smem_layout_staged = sm100_utils.make_smem_layout_epi(
+            c_dtype, self.c_layout, self.epi_tile, self.num_c_stage
+        )
+
+    def _make_tiled_mma(self, cta_group, mma_inst_shape_mn):
+        return sm100_utils.make_blockscaled_trivial_tiled_mma(
+            ab_dtype,
+            tcgen05.OperandMajorMode.K,
+            tcgen05.OperandMajorMode.K,
+            sf_dtype,
+            self.sf_vec_size,
+            cta_group,
+            mma_inst_shape_mn,
+        )
+
+    def _stage_bytes(self):
+        """(bytes of one A/B/SFA/SFB stage, bytes of one C subtile stage) per CTA."""
+        one = 1
+        ab = (
+            cute.size_in_bytes(ab_dtype, sm100_utils.make_smem_layout_a(self.tiled_mma, self.mma_tiler, ab_dtype, one))
+            + cute.size_in_bytes(ab_dtype, sm100_utils.make_smem_layout_b(self.tiled_mma, self.mma_tiler, ab_dtype, one))
+            + cute.size_in_bytes(sf_dtype, blockscaled_utils.make_smem_layout_sfa(
+                self.tiled_mma, self.mma_tiler, self.sf_vec_size, one))
+            + cute.size_in_bytes(sf_dtype, blockscaled_utils.make_smem_layout_sfb(
+                self.tiled_mma, self.mma_tiler, self.sf_vec_size, one))
+        )
+        c = cute.size_in_bytes(c_dtype, sm100_utils.make_smem_layout_epi(c_dtype, self.c_layout, self.epi_tile, one))
+        return ab, c
+
+    def _compute_stages(self):
+        """As many A/B stages as fit beside two C stages; C takes what is left over."""
+        ab_stage_bytes, c_stage_bytes = self._stage_bytes()
+        budget = self.config.smem_capacity_bytes - self.reserved_smem_bytes
+        num_ab_stage = (budget - 2 * c_stage_bytes) // ab_stage_bytes
+        num_c_stage = (budget - num_ab_stage * ab_stage_bytes) // c_stage_bytes
+        return num_ab_stage, num_c_stage
+
+    # ------------------------------------------------------------------ host (JIT)
+    def _make_atoms(self):
+        """TMA atoms from placeholder tensors (dynamic 64 x 64 shapes at address 0): shapes,
+        strides and addresses come from the per-group descriptors at run time."""
+        dyn = cutlass.Int32(64)
+        k_major = (dyn, cute.assume(dyn, 32), cutlass.Int32(1))
+
+        def operand():
+            return cute.make_tensor(
+                cute.make_ptr(ab_dtype, 0, cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout(k_major, stride=(cute.assume(dyn, 32), 1, cute.assume(dyn * dyn, 32))),
+            )
+
+        def scales(operand_tensor):
+            layout = blockscaled_utils.tile_atom_to_shape_SF(operand_tensor.shape, self.sf_vec_size)
+            return cute.make_tensor(
+                cute.make_ptr(sf_dtype, 0, cute.AddressSpace.gmem, assumed_align=16), layout
+            )
+
+        initial_a, initial_b = operand(), operand()
+        initial_sfa, initial_sfb = scales(initial_a), scales(initial_b)
+        # C^T: (M, N, L) of the MMA with the M mode contiguous
+        initial_c = cute.make_tensor(
+            cute.make_ptr(c_dtype, 0, cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout(
+                (dyn, dyn, cutlass.Int32(1)),
+                stride=(1, cute.assume(dyn, 8), cute.assume(dyn * dyn, 8)),
+            ),
+        )
+        tiled_mma = self.tiled_mma
+        a_op = sm100_utils.cluster_shape_to_tma_atom_A(self.cluster_shape_mn, tiled_mma.thr_id)
+        b_op = sm100_utils.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, tiled_mma.thr_id)
+        sfb_op = sm100_utils.cluster_shape_to_tma_atom_SFB(self.cluster_shape_mn, tiled_mma.thr_id)
+        a_smem_layout = cute.slice_(self.a_smem_layout_staged, (None, None, None, 0))
+        b_smem_layout = cute.slice_(self.b_smem_layout_staged, (None, None, None, 0))
+        sfa_smem_layout = cute.slice_(self.sfa_smem_layout_staged, (None, None, None, 0))
+        sfb_smem_layout = cute.slice_(self.sfb_smem_layout_staged, (None, None, None, 0))
+        tma_atom_a, tma_tensor_a = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, initial_a, a_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+        )
+        tma_atom_b, tma_tensor_b = cute.nvgpu.make_tiled_tma_atom_B(
+            b_op, initial_b, b_smem_layout, self.mma_tiler, tiled_mma, self.cluster_layout_vmnk.shape
+        )
+        tma_atom_sfa, tma_tensor_sfa = cute.nvgpu.make_tiled_tma_atom_A(
+            a_op, initial_sfa, sfa_smem_layout, self.mma_tiler, tiled_mma,
+            self.cluster_layout_vmnk.shape, internal_type=cutlass.Int16,
+        )
+        tma_atom_sfb, tma_tensor_sfb = cute.nvgpu.make_tiled_tma_atom_B(
+            sfb_op, initial_sfb, sfb_smem_layout, self.mma_tiler_sfb, self.tiled_mma_sfb,
+            self.cluster_layout_sfb_vmnk.shape, internal_type=cutlass.Int16,
+        )
+        epi_smem_layout = cute.slice_(self.c_smem_layout_staged, (None, None, 0))
+        tma_atom_c, tma_tensor_c = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), initial_c, epi_smem_layout, self.epi_tile
+        )
+        # Bytes one stage lands in the pair's leader barrier: every CTA's A, B, SFA, SFB
+        self.num_tma_load_bytes = (
+            cute.size_in_bytes(ab_dtype, a_smem_layout)
+            + cute.size_in_bytes(ab_dtype, b_smem_layout)
+            + cute.size_in_bytes(sf_dtype, sfa_smem_layout)
+            + cute.size_in_bytes(sf_dtype, sfb_smem_layout)
+        ) * cute.size(tiled_mma.thr_id.shape)
+        atoms = (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c)
+        proxies = (tma_tensor_a, tma_tensor_b, tma_tensor_sfa, tma_tensor_sfb, tma_tensor_c)
+        return atoms, proxies
+
+    @cute.jit
+    def init_tensormaps(
+        self,
+        ptr_of_ptrs: cute.Pointer,
+        ptr_of_sizes: cute.Pointer,
+        ptr_of_tensormaps: cute.Pointer,
+        num_groups: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """Write the five descriptors of every group (one CTA per group)."""
+        self._setup_attributes()
+        atoms, _ = self._make_atoms()
+        tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
+        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+        self.init_tensormaps_kernel(*atoms, tensor_of_ptrs, tensor_of_problem_sizes, tensormaps).launch(
+            grid=(1, 1, num_groups), block=[32, 1, 1], cluster=(1, 1, 1), stream=stream
+        )
+
+    @cute.kernel
+    def init_tensormaps_kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        tma_atom_b: cute.CopyAtom,
+        tma_atom_sfa: cute.CopyAtom,
+        tma_atom_sfb: cute.CopyAtom,
+        tma_atom_c: cute.CopyAtom,
+        tensor_of_ptrs: cute.Tensor,  # [G, 5] int64: problem a, b, c, sfa, sfb
+        tensor_of_problem_sizes: cute.Tensor,  # [G, 4] int32: problem m, n, k, l
+        tensormaps: cute.Tensor,  # [G, 5, 16] int64: MMA a, b, sfa, sfb, c
+    ):
+        _, _, group_idx = cute.arch.block_idx()
+        m = tensor_of_problem_sizes[group_idx, 0]
+        n = tensor_of_problem_sizes[group_idx, 1]
+        k = tensor_of_problem_sizes[group_idx, 2]
+        one = cutlass.Int32(1)
+
+        @cute.struct
+        class SharedStorage:
+            tensormap_buffer: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Int64, PERSISTENT_NUM_TENSORMAPS * bytes_per_tensormap // 8],
+                128,
+            ]
+
+        storage = utils.SmemAllocator().allocate(SharedStorage)
+        smem_ptrs = tuple(
+            storage.tensormap_buffer.data_ptr() + slot * (bytes_per_tensormap // 8)
+            for slot in range(PERSISTENT_NUM_TENSORMAPS)
+        )
+        tensormap_manager = utils.TensorMapManager(utils.TensorMapUpdateMode.SMEM, bytes_per_tensormap)
+        gmem_ptrs = tuple(
+            tensormap_manager.get_tensormap_ptr(tensormaps[(group_idx, slot, None)].iterator)
+            for slot in range(PERSISTENT_NUM_TENSORMAPS)
+        )
+
+        def gmem(dtype, column):
+            return cute.make_ptr(dtype, tensor_of_ptrs[group_idx, column], cute.AddressSpace.gmem).align(32)
+
+        def k_major(rows):
+            return cute.make_layout((rows, k, one), stride=(cute.assume(k, 32), 1, cute.assume(rows * k, 32)))
+
+        # Swap-AB: the MMA's A is the problem's B (N x K), its B the problem's A (M x K)
+        mma_a = cute.make_tensor(gmem(ab_dtype, PTR_B), k_major(n))
+        mma_b = cute.make_tensor(gmem(ab_dtype, PTR_A), k_major(m))
+        mma_sfa = cute.make_tensor(
+            gmem(sf_dtype, PTR_SFB), blockscaled_utils.tile_atom_to_shape_SF((n, k, one), self.sf_vec_size)
+        )
+        mma_sfb = cute.make_tensor(
+            gmem(sf_dtype, PTR_SFA), blockscaled_utils.tile_atom_to_shape_SF((m, k, one), self.sf_vec_size)
+        )
+        # C^T (N, M, 1):(1, N, M * N); can_implement guarantees N % 8 == 0 (16-byte strides)
+        mma_c = cute.make_tensor(
+            gmem(c_dtype, PTR_C),
+            cute.make_layout((n, m, one), stride=(1, cute.assume(n, 8), cute.assume(m * n, 8))),
+        )
+        atoms = (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c)
+        for atom, smem_ptr in zip(atoms, smem_ptrs):
+            tensormap_manager.init_tensormap_from_atom(atom, smem_ptr, 0)
+        tensormap_manager.update_tensormap(
+            (mma_a, mma_b, mma_sfa, mma_sfb, mma_c), atoms, gmem_ptrs, 0, smem_ptrs
+        )
+        for gmem_ptr in gmem_ptrs:
+            tensormap_manager.fence_tensormap_update(gmem_ptr)
+
+    @cute.jit
+    def __call__(
+        self,
+        ptr_of_sizes: cute.Pointer,
+        ptr_of_tiles: cute.Pointer,
+        ptr_of_tensormaps: cute.Pointer,
+        num_groups: cutlass.Int32,
+        num_tiles: cutlass.Int32,
+        num_clusters: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        """Launch ``num_clusters`` CTA pairs over the ``num_tiles`` entries of the tile table."""
+        self._setup_attributes()
+        atoms, proxies = self._make_atoms()
+        tensor_of_problem_sizes = cute.make_tensor(ptr_of_sizes, cute.make_layout((num_groups, 4), stride=(4, 1)))
+        tensor_of_tiles = cute.make_tensor(ptr_of_tiles, cute.make_layout((num_tiles, 3), stride=(3, 1)))
+        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+
+        @cute.struct
+        class SharedStorage:
+            ab_full_mbar_ptr: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage]
+            ab_empty_mbar_ptr: cute.struct.MemRange[cutlass.Int64, self.num_ab_stage]
+            acc_full_mbar_ptr: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage]
+            acc_empty_mbar_ptr: cute.struct.MemRange[cutlass.Int64, self.num_acc_stage]
+            tmem_dealloc_mbar_ptr: cutlass.Int64
+            tmem_holding_buf: cutlass.Int32
+            sC: cute.struct.Align[
+                cute.struct.MemRange[c_dtype, cute.cosize(self.c_smem_layout_staged.outer)], 1024
+            ]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[ab_dtype, cute.cosize(self.a_smem_layout_staged.outer)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[ab_dtype, cute.cosize(self.b_smem_layout_staged.outer)], 1024
+            ]
+            sSFA: cute.struct.Align[
+                cute.struct.MemRange[sf_dtype, cute.cosize(self.sfa_smem_layout_staged)], 128
+            ]
+            sSFB: cute.struct.Align[
+                cute.struct.MemRange[sf_dtype, cute.cosize(self.sfb_smem_layout_staged)], 128
+            ]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            self.tiled_mma,
+            self.tiled_mma_sfb,
+            *atoms,
+            *proxies,
+            self.cluster_layout_vmnk,
+            self.cluster_layout_sfb_vmnk,
+            self.a_smem_layout_staged,
+            self.b_smem_layout_staged,
+            self.sfa_smem_layout_staged,
+            self.sfb_smem_layout_staged,
+            self.c_smem_layout_staged,
+            self.epi_tile,
+            tensor_of_problem_sizes,
+            tensor_of_tiles,
+            tensormaps,
+            num_tiles,
+        ).launch(
+            grid=(2 * num_clusters, 1, 1),
+            block=[self.threads_per_cta, 1, 1],
+            cluster=(*self.cluster_shape_mn, 1),
+            smem=self.shared_storage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_sfb: cute.TiledMma,
+        tma_atom_a: cute.CopyAtom,
+        tma_atom_b: cute.CopyAtom,
+        tma_atom_sfa: cute.CopyAtom,
+        tma_atom_sfb: cute.CopyAtom,
+        tma_atom_c: cute.CopyAtom,
+        mA_mkl: cute.Tensor,  # coordinate proxies; the real tensors are in the descriptors
+        mB_nkl: cute.Tensor,
+        mSFA_mkl: cute.Tensor,
+        mSFB_nkl: cute.Tensor,
+        mC_mnl: cute.Tensor,
+        cluster_layout_vmnk: cute.Layout,
+        cluster_layout_sfb_vmnk: cute.Layout,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        sfa_smem_layout_staged: cute.Layout,
+        sfb_smem_layout_staged: cute.Layout,
+        c_smem_layout_staged: cute.ComposedLayout,
+        epi_tile: cute.Tile,
+        tensor_of_problem_sizes: cute.Tensor,  # [G, 4] int32: problem m, n, k, l
+        tensor_of_tiles: cute.Tensor,  # [T, 3] int32: group, MMA m tile, MMA n tile
+        tensormaps: cute.Tensor,  # [G, 5, 16] int64
+        num_tiles: cutlass.Int32,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        grid_dim_x, _, _ = cute.arch.grid_dim()
+        mma_tile_coord_v = bidx % 2
+        is_leader_cta = mma_tile_coord_v == 0
+        cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        block_in_cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank_in_cluster)
+        block_in_cluster_coord_sfb_vmnk = cluster_layout_sfb_vmnk.get_flat_coord(cta_rank_in_cluster)
+        # Both CTAs of a pair walk the same tiles: cluster c takes c, c + num_clusters, ...
+        cluster_idx = bidx // 2
+        num_clusters = grid_dim_x // 2
+
+        #
+        # Shared storage, pipelines
+        #
+        storage = utils.SmemAllocator().allocate(self.shared_storage)
+        ab_pipeline = pipeline.PipelineTmaUmma.create(
+            barrier_storage=storage.ab_full_mbar_ptr.data_ptr(),
+            num_stages=self.num_ab_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.num_mcast_ctas_a + self.num_mcast_ctas_b - 1
+            ),
+            tx_count=self.num_tma_load_bytes,
+            cta_layout_vmnk=cluster_layout_vmnk,
+        )
+        # Every epilogue warp of both CTAs releases the leader's accumulator
+        acc_pipeline = pipeline.PipelineUmmaAsync.create(
+            barrier_storage=storage.acc_full_mbar_ptr.data_ptr(),
+            num_stages=self.num_acc_stage,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(self.epilog_warp_id) * 2),
+            cta_layout_vmnk=cluster_layout_vmnk,
+        )
+        tmem_dealloc_mbar_ptr = storage.tmem_dealloc_mbar_ptr
+        tmem_holding_buf = storage.tmem_holding_buf
+        if warp_idx == self.tma_warp_id:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(tmem_dealloc_mbar_ptr, 32)
+        pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        # (EPI_TILE_M, EPI_TILE_N, STAGE)
+        sC = storage.sC.get_tensor(c_smem_layout_staged.outer, swizzle=c_smem_layout_staged.inner)
+        # (MMA, MMA_M, MMA_K, STAGE)
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
+        # (MMA, MMA_N, MMA_K, STAGE)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        # (MMA, MMA_M, MMA_K, STAGE)
+        sSFA = storage.sSFA.get_tensor(sfa_smem_layout_staged)
+        # (MMA, MMA_N, MMA_K, STAGE)
+        sSFB = storage.sSFB.get_tensor(sfb_smem_layout_staged)
+
+        # Multicast masks: A and SFA stay in their CTA (mode 2 has one CTA), B is split over
+        # the pair by the 2-CTA TMA, SFB (the tokens' scales) goes to both CTAs
+        a_full_mcast_mask = cpasync.create_tma_multicast_mask(
+            cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=2
+        )
+        b_full_mcast_mask = cpasync.create_tma_multicast_mask(
+            cluster_layout_vmnk, block_in_cluster_coord_vmnk, mcast_mode=1
+        )
+        sfb_full_mcast_mask = cpasync.create_tma_multicast_mask(
+            cluster_layout_sfb_vmnk, block_in_cluster_coord_sfb_vmnk, mcast_mode=1
+        )
+
+        #
+        # Global tile partitions (coordinates only)
+        #
+        # (bM, bK, RestM, RestK, RestL)
+        gA_mkl = cute.local_tile(mA_mkl, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        # (bN, bK, RestN, RestK, RestL)
+        gB_nkl = cute.local_tile(mB_nkl, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        # (bM, bK, RestM, RestK, RestL)
+        gSFA_mkl = cute.local_tile(mSFA_mkl, cute.slice_(self.mma_tiler, (None, 0, None)), (None, None, None))
+        # (bN, bK, RestN, RestK, RestL)
+        gSFB_nkl = cute.local_tile(mSFB_nkl, cute.slice_(self.mma_tiler, (0, None, None)), (None, None, None))
+        # (bM, bN, RestM, RestN, RestL)
+        gC_mnl = cute.local_tile(mC_mnl, cute.slice_(self.mma_tiler, (None, None, 0)), (None, None, None))
+        thr_mma = tiled_mma.get_slice(mma_tile_coord_v)
+        thr_mma_sfb = tiled_mma_sfb.get_slice(mma_tile_coord_v)
+        # (MMA, MMA_M, MMA_K, RestM, RestK, RestL)
+        tCgA = thr_mma.partition_A(gA_mkl)
+        # (MMA, MMA_N, MMA_K, RestN, RestK, RestL)
+        tCgB = thr_mma.partition_B(gB_nkl)
+        # (MMA, MMA_M, MMA_K, RestM, RestK, RestL)
+        tCgSFA = thr_mma.partition_A(gSFA_mkl)
+        # (MMA, MMA_N, MMA_K, RestN, RestK, RestL)
+        tCgSFB = thr_mma_sfb.partition_B(gSFB_nkl)
+        # (MMA, MMA_M, MMA_N, RestM, RestN, RestL)
+        tCgC = thr_mma.partition_C(gC_mnl)
+
+        #
+        # TMA partitions
+        #
+        a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
+        # ((atom_v, rest_v), STAGE), ((atom_v, rest_v), RestM, RestK, RestL)
+        tAsA, tAgA = cpasync.tma_partition(
+            tma_atom_a, block_in_cluster_coord_vmnk[2], a_cta_layout,
+            cute.group_modes(sA, 0, 3), cute.group_modes(tCgA, 0, 3),
+        )
+        b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
+        # ((atom_v, rest_v), STAGE), ((atom_v, rest_v), RestN, RestK, RestL)
+        tBsB, tBgB = cpasync.tma_partition(
+            tma_atom_b, block_in_cluster_coord_vmnk[1], b_cta_layout,
+            cute.group_modes(sB, 0, 3), cute.group_modes(tCgB, 0, 3),
+        )
+        # ((atom_v, rest_v), STAGE), ((atom_v, rest_v), RestM, RestK, RestL)
+        tAsSFA, tAgSFA = cpasync.tma_partition(
+            tma_atom_sfa, block_in_cluster_coord_vmnk[2], a_cta_layout,
+            cute.group_modes(sSFA, 0, 3), cute.group_modes(tCgSFA, 0, 3),
+        )
+        tAsSFA = cute.filter_zeros(tAsSFA)
+        tAgSFA = cute.filter_zeros(tAgSFA)
+        sfb_cta_layout = cute.make_layout(cute.slice_(cluster_layout_sfb_vmnk, (0, None, 0, 0)).shape)
+        # ((atom_v, rest_v), STAGE), ((atom_v, rest_v), RestN, RestK, RestL)
+        tBsSFB, tBgSFB = cpasync.tma_partition(
+            tma_atom_sfb, block_in_cluster_coord_sfb_vmnk[1], sfb_cta_layout,
+            cute.group_modes(sSFB, 0, 3), cute.group_modes(tCgSFB, 0, 3),
+        )
+        tBsSFB = cute.filter_zeros(tBsSFB)
+        tBgSFB = cute.filter_zeros(tBgSFB)
+
+        #
+        # MMA fragments
+        #
+        # (MMA, MMA_M, MMA_K, STAGE)
+        tCrA = tiled_mma.make_fragment_A(sA)
+        # (MMA, MMA_N, MMA_K, STAGE)
+        tCrB = tiled_mma.make_fragment_B(sB)
+        # (MMA, MMA_M, MMA_N, STAGE)
+        acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
+        tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
+
+        pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        tensormap_manager = utils.TensorMapManager(utils.TensorMapUpdateMode.SMEM, bytes_per_tensormap)
+
+        #
+        # TMA warp: A/B/SFA/SFB stages of every k-tile of every tile of this pair
+        #
+        if warp_idx == self.tma_warp_id:
+            ab_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
+            tile_idx = cluster_idx
+            while tile_idx < num_tiles:
+                group_idx = tensor_of_tiles[tile_idx, 0]
+                mma_tile_m = tensor_of_tiles[tile_idx, 1]
+                mma_tile_n = tensor_of_tiles[tile_idx, 2]
+                k_tile_cnt = tensor_of_problem_sizes[group_idx, 2] // self.mma_tiler[2]
+                desc_a = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 0)
+                desc_b = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 1)
+                desc_sfa = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 2)
+                desc_sfb = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 3)
+                # ((atom_v, rest_v), RestK)
+                tAgA_slice = tAgA[(None, mma_tile_m, None, 0)]
+                tBgB_slice = tBgB[(None, mma_tile_n, None, 0)]
+                tAgSFA_slice = tAgSFA[(None, mma_tile_m, None, 0)]
+                tBgSFB_slice = tBgSFB[(None, mma_tile_n, None, 0)]
+
+                ab_producer_state.reset_count()
+                peek_ab_empty_status = cutlass.Boolean(1)
+                if ab_producer_state.count < k_tile_cnt:
+                    peek_ab_empty_status = ab_pipeline.producer_try_acquire(ab_producer_state)
+                for k_tile in cutlass.range(0, k_tile_cnt, 1, unroll=1):
+                    ab_pipeline.producer_acquire(ab_producer_state, peek_ab_empty_status)
+                    full_barrier = ab_pipeline.producer_get_barrier(ab_producer_state)
+                    k_coord = ab_producer_state.count
+                    stage = ab_producer_state.index
+                    cute.copy(tma_atom_a, tAgA_slice[(None, k_coord)], tAsA[(None, stage)],
+                              tma_bar_ptr=full_barrier, mcast_mask=a_full_mcast_mask, tma_desc_ptr=desc_a)
+                    cute.copy(tma_atom_b, tBgB_slice[(None, k_coord)], tBsB[(None, stage)],
+                              tma_bar_ptr=full_barrier, mcast_mask=b_full_mcast_mask, tma_desc_ptr=desc_b)
+                    cute.copy(tma_atom_sfa, tAgSFA_slice[(None, k_coord)], tAsSFA[(None, stage)],
+                              tma_bar_ptr=full_barrier, mcast_mask=a_full_mcast_mask, tma_desc_ptr=desc_sfa)
+                    cute.copy(tma_atom_sfb, tBgSFB_slice[(None, k_coord)], tBsSFB[(None, stage)],
+                              tma_bar_ptr=full_barrier, mcast_mask=sfb_full_mcast_mask, tma_desc_ptr=desc_sfb)
+                    ab_producer_state.advance()
+                    peek_ab_empty_status = cutlass.Boolean(1)
+                    if ab_producer_state.count < k_tile_cnt:
+                        peek_ab_empty_status = ab_pipeline.producer_try_acquire(ab_producer_state)
+                tile_idx += num_clusters
+            ab_pipeline.producer_tail(ab_producer_state)
+
+        #
+        # MMA warp: the leader CTA issues the pair's MMAs into one of the TMEM accumulators
+        #
+        if warp_idx == self.mma_warp_id:
+            self.tmem_alloc_barrier.arrive_and_wait()
+            acc_tmem_ptr = cute.arch.retrieve_tmem_ptr(
+                self.acc_dtype, alignment=16, ptr_to_buffer_holding_addr=tmem_holding_buf
+            )
+            # (MMA, MMA_M, MMA_N, STAGE)
+            tCtAcc_base = cute.make_tensor(acc_tmem_ptr, tCtAcc_fake.layout)
+            tCtSFA, tCtSFB = self._scale_tmem_tensors(
+                tiled_mma, acc_tmem_ptr, tCtAcc_base, sfa_smem_layout_staged, sfb_smem_layout_staged
+            )
+            tiled_copy_s2t_sfa, tCsSFA_compact_s2t, tCtSFA_compact_s2t = self._s2t_copy_and_partition(sSFA, tCtSFA)
+            tiled_copy_s2t_sfb, tCsSFB_compact_s2t, tCtSFB_compact_s2t = self._s2t_copy_and_partition(sSFB, tCtSFB)
+
+            ab_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stage)
+            acc_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
+            tile_idx = cluster_idx
+            while tile_idx < num_tiles:
+                group_idx = tensor_of_tiles[tile_idx, 0]
+                k_tile_cnt = tensor_of_problem_sizes[group_idx, 2] // self.mma_tiler[2]
+                # (MMA, MMA_M, MMA_N)
+                tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
+
+                ab_consumer_state.reset_count()
+                peek_ab_full_status = cutlass.Boolean(1)
+                if ab_consumer_state.count < k_tile_cnt and is_leader_cta:
+                    peek_ab_full_status = ab_pipeline.consumer_try_wait(ab_consumer_state)
+                if is_leader_cta:
+                    acc_pipeline.producer_acquire(acc_producer_state)
+                tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
+                for k_tile in cutlass.range(0, k_tile_cnt, 1, unroll=1):
+                    if is_leader_cta:
+                        ab_pipeline.consumer_wait(ab_consumer_state, peek_ab_full_status)
+                        s2t_stage_coord = (None, None, None, None, ab_consumer_state.index)
+                        cute.copy(tiled_copy_s2t_sfa, tCsSFA_compact_s2t[s2t_stage_coord], tCtSFA_compact_s2t)
+                        cute.copy(tiled_copy_s2t_sfb, tCsSFB_compact_s2t[s2t_stage_coord], tCtSFB_compact_s2t)
+                        # tCtAcc += tCrA * tCtSFA * tCrB * tCtSFB
+                        num_kblocks = cute.size(tCrA, mode=[2])
+                        for kblock_idx in cutlass.range(num_kblocks, unroll_full=True):
+                            kblock_coord = (None, None, kblock_idx, ab_consumer_state.index)
+                            sf_kblock_coord = (None, None, kblock_idx)
+                            tiled_mma.set(tcgen05.Field.SFA, tCtSFA[sf_kblock_coord].iterator)
+                            tiled_mma.set(tcgen05.Field.SFB, tCtSFB[sf_kblock_coord].iterator)
+                            cute.gemm(tiled_mma, tCtAcc, tCrA[kblock_coord], tCrB[kblock_coord], tCtAcc)
+                            tiled_mma.set(tcgen05.Field.ACCUMULATE, True)
+                        ab_pipeline.consumer_release(ab_consumer_state)
+                    ab_consumer_state.advance()
+                    peek_ab_full_status = cutlass.Boolean(1)
+                    if ab_consumer_state.count < k_tile_cnt and is_leader_cta:
+                        peek_ab_full_status = ab_pipeline.consumer_try_wait(ab_consumer_state)
+                if is_leader_cta:
+                    acc_pipeline.producer_commit(acc_producer_state)
+                acc_producer_state.advance()
+                tile_idx += num_clusters
+            acc_pipeline.producer_tail(acc_producer_state)
+
+        #
+        # Epilogue warps: TMEM -> registers -> fp16 -> shared memory -> TMA store
+        #
+        if warp_idx < self.mma_warp_id:
+            if warp_idx == self.epilog_warp_id[0]:
+                cute.arch.alloc_tmem(self.num_tmem_alloc_cols, tmem_holding_buf, is_two_cta=True)
+            self.tmem_alloc_barrier.arrive_and_wait()
+            acc_tmem_ptr = cute.arch.retrieve_tmem_ptr(
+                self.acc_dtype, alignment=16, ptr_to_buffer_holding_addr=tmem_holding_buf
+            )
+            # (MMA, MMA_M, MMA_N, STAGE)
+            tCtAcc_base = cute.make_tensor(acc_tmem_ptr, tCtAcc_fake.layout)
+            tiled_copy_t2r, tTR_tAcc_base, tTR_rAcc = self._epilog_tmem_copy_and_partition(
+                tidx, tCtAcc_base, tCgC, epi_tile
+            )
+            tTR_rC = cute.make_rmem_tensor(tTR_rAcc.shape, c_dtype)
+            copy_atom_r2s = sm100_utils.get_smem_store_op(self.c_layout, c_dtype, self.acc_dtype, tiled_copy_t2r)
+            tiled_copy_r2s = cute.make_tiled_copy_D(copy_atom_r2s, tiled_copy_t2r)
+            thr_copy_r2s = tiled_copy_r2s.get_slice(tidx)
+            # (R2S, R2S_M, R2S_N, PIPE_D)
+            tRS_sC = thr_copy_r2s.partition_D(sC)
+            # (R2S, R2S_M, R2S_N)
+            tRS_rC = tiled_copy_r2s.retile(tTR_rC)
+            # (EPI_TILE_M, EPI_TILE_N, EPI_M, EPI_N, RestM, RestN, RestL)
+            gC_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
+            # ((ATOM_V, REST_V), EPI_M, EPI_N), ((ATOM_V, REST_V), EPI_M, EPI_N, RestM, RestN, RestL)
+            bSG_sC, bSG_gC_partitioned = cpasync.tma_partition(
+                tma_atom_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), cute.group_modes(gC_epi, 0, 2)
+            )
+            c_pipeline = pipeline.PipelineTmaStore.create(
+                num_stages=self.num_c_stage,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * len(self.epilog_warp_id)),
+            )
+            acc_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
+            num_subtiles_done = cutlass.Int32(0)
+            tile_idx = cluster_idx
+            while tile_idx < num_tiles:
+                group_idx = tensor_of_tiles[tile_idx, 0]
+                mma_tile_m = tensor_of_tiles[tile_idx, 1]
+                mma_tile_n = tensor_of_tiles[tile_idx, 2]
+                desc_c = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 4)
+                # ((ATOM_V, REST_V), EPI_M * EPI_N)
+                bSG_gC = cute.group_modes(bSG_gC_partitioned[(None, None, None, mma_tile_m, mma_tile_n, 0)], 1, 3)
+                # (T2R, T2R_M, T2R_N, EPI_M * EPI_N)
+                tTR_tAcc = tTR_tAcc_base[(None, None, None, None, None, acc_consumer_state.index)]
+                tTR_tAcc = cute.group_modes(tTR_tAcc, 3, cute.rank(tTR_tAcc))
+                acc_pipeline.consumer_wait(acc_consumer_state)
+                subtile_cnt = cute.size(tTR_tAcc.shape, mode=[3])
+                for subtile_idx in cutlass.range_constexpr(subtile_cnt):
+                    cute.copy(tiled_copy_t2r, tTR_tAcc[(None, None, None, subtile_idx)], tTR_rAcc)
+                    if subtile_idx == subtile_cnt - 1:
+                        # The whole accumulator is in registers: hand it back to the MMA warp
+                        # before converting and storing the last subtile
+                        cute.arch.fence_view_async_tmem_load()
+                        with cute.arch.elect_one():
+                            acc_pipeline.consumer_release(acc_consumer_state)
+                    tRS_rC.store(tiled_copy_r2s.retile(tTR_rAcc).load().to(c_dtype))
+                    c_buffer = (num_subtiles_done + subtile_idx) % self.num_c_stage
+                    cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, c_buffer)])
+                    # Shared-memory writes visible to the TMA unit before the store is issued
+                    cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+                    self.epilog_sync_barrier.arrive_and_wait()
+                    if warp_idx == self.epilog_warp_id[0]:
+                        cute.copy(tma_atom_c, bSG_sC[(None, c_buffer)], bSG_gC[(None, subtile_idx)],
+                                  tma_desc_ptr=desc_c)
+                        c_pipeline.producer_commit()
+                        c_pipeline.producer_acquire()
+                    self.epilog_sync_barrier.arrive_and_wait()
+                acc_consumer_state.advance()
+                num_subtiles_done += subtile_cnt
+                tile_idx += num_clusters
+
+            #
+            # Free TMEM once both CTAs of the pair are done with it
+            #
+            if warp_idx == self.epilog_warp_id[0]:
+                cute.arch.relinquish_tmem_alloc_permit(is_two_cta=True)
+            self.epilog_sync_barrier.arrive_and_wait()
+            if warp_idx == self.epilog_warp_id[0]:
+                cute.arch.mbarrier_arrive(tmem_dealloc_mbar_ptr, cta_rank_in_cluster ^ 1)
+                cute.arch.mbarrier_wait(tmem_dealloc_mbar_ptr, 0)
+                cute.arch.dealloc_tmem(acc_tmem_ptr, self.num_tmem_alloc_cols, is_two_cta=True)
+            c_pipeline.producer_tail()
+
+    # ------------------------------------------------------------------ device helpers
+    def _scale_tmem_tensors(
+        self, tiled_mma, acc_tmem_ptr, tCtAcc_base, sfa_smem_layout_staged, sfb_smem_layout_staged
+    ):
+        """SFA and SFB in TMEM, placed after the accumulator columns."""
+        sfa_tmem_ptr = cute.recast_ptr(
+            acc_tmem_ptr + tcgen05.find_tmem_tensor_col_offset(tCtAcc_base), dtype=sf_dtype
+        )
+        # (MMA, MMA_M, MMA_K)
+        tCtSFA = cute.make_tensor(
+            sfa_tmem_ptr,
+            blockscaled_utils.make_tmem_layout_sfa(
+                tiled_mma, self.mma_tiler, self.sf_vec_size,
+                cute.slice_(sfa_smem_layout_staged, (None, None, None, 0)),
+            ),
+        )
+        sfb_tmem_ptr = cute.recast_ptr(
+            acc_tmem_ptr
+            + tcgen05.find_tmem_tensor_col_offset(tCtAcc_base)
+            + tcgen05.find_tmem_tensor_col_offset(tCtSFA),
+            dtype=sf_dtype,
+        )
+        # (MMA, MMA_N, MMA_K)
+        tCtSFB = cute.make_tensor(
+            sfb_tmem_ptr,
+            blockscaled_utils.make_tmem_layout_sfb(
+                tiled_mma, self.mma_tiler, self.sf_vec_size,
+                cute.slice_(sfb_smem_layout_staged, (None, None, None, 0)),
+            ),
+        )
+        return tCtSFA, tCtSFB
+
+    def _s2t_copy_and_partition(self, sSF, tSF):
+        """Scale copies shared memory -> TMEM (``tcgen05.cp``, issued by the leader CTA)."""
+        # (MMA, MMA_MN, MMA_K, STAGE)
+        tCsSF_compact = cute.filter_zeros(sSF)
+        # (MMA, MMA_MN, MMA_K)
+        tCtSF_compact = cute.filter_zeros(tSF)
+        copy_atom_s2t = cute.make_copy_atom(tcgen05.Cp4x32x128bOp(self.cta_group), sf_dtype)
+        tiled_copy_s2t = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSF_compact)
+        thr_copy_s2t = tiled_copy_s2t.get_slice(0)
+        # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K, STAGE)
+        tCsSF_compact_s2t = tcgen05.get_s2t_smem_desc_tensor(
+            tiled_copy_s2t, thr_copy_s2t.partition_S(tCsSF_compact)
+        )
+        # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K)
+        tCtSF_compact_s2t = thr_copy_s2t.partition_D(tCtSF_compact)
+        return tiled_copy_s2t, tCsSF_compact_s2t, tCtSF_compact_s2t
+
+    def _epilog_tmem_copy_and_partition(self, tidx, tAcc, tCgC, epi_tile):
+        """TMEM -> register copy of one epilogue subtile, partitioned for thread `tidx`."""
+        copy_atom_t2r = sm100_utils.get_tmem_load_op(
+            self.cta_tile_shape_mnk, self.c_layout, c_dtype, self.acc_dtype, epi_tile, True
+        )
+        # (EPI_TILE_M, EPI_TILE_N, EPI_M, EPI_N, STAGE)
+        tAcc_epi = cute.flat_divide(tAcc[((None, None), 0, 0, None)], epi_tile)
+        tiled_copy_t2r = tcgen05.make_tmem_copy(copy_atom_t2r, tAcc_epi[(None, None, 0, 0, 0)])
+        thr_copy_t2r = tiled_copy_t2r.get_slice(tidx)
+        # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, STAGE)
+        tTR_tAcc = thr_copy_t2r.partition_S(tAcc_epi)
+        # (EPI_TILE_M, EPI_TILE_N, EPI_M, EPI_N, RestM, RestN, RestL)
+        gC_mnl_epi = cute.flat_divide(tCgC[((None, None), 0, 0, None, None, None)], epi_tile)
+        # (T2R, T2R_M, T2R_N, EPI_M, EPI_N, RestM, RestN, RestL)
+        tTR_gC = thr_copy_t2r.partition_D(gC_mnl_epi)
+        # (T2R, T2R_M, T2R_N)
+        tTR_rAcc = cute.make_rmem_tensor(tTR_gC[(None, None, None, 0, 0, 0, 0, 0)].shape, self.acc_dtype)
+        return tiled_copy_t2r, tTR_tAcc, tTR_rAcc
+
+
+# =============================================================================
 # Host code (Python): compile caches, prepared launches, the sm_100 backend
 # =============================================================================
 def _fake_ptr(dtype):
@@ -1047,8 +1899,9 @@ _compiled_init_cache: dict = {}
 _compiled_gemm_cache: dict = {}
 
 
-def compile_init_tensormaps(num_groups: int, options: str | None = None, config=SM100_CONFIG):
-    key = (num_groups, config, options)
+def compile_init_tensormaps(num_groups: int, options: str | None = None):
+    """The per-tile kernel's descriptor init (it reads SM100_CONFIG's module constants)."""
+    key = (num_groups, options)
     if key not in _compiled_init_cache:
         compiled = cute.compile(
             init_tensormaps_jit,
@@ -1063,8 +1916,9 @@ def compile_init_tensormaps(num_groups: int, options: str | None = None, config=
     return _compiled_init_cache[key]
 
 
-def compile_gemm(num_groups: int, options: str | None = None, config=SM100_CONFIG):
-    key = (num_groups, config, options)
+def compile_gemm(num_groups: int, options: str | None = None):
+    """The per-tile GEMM (it reads SM100_CONFIG's module constants)."""
+    key = (num_groups, options)
     if key not in _compiled_gemm_cache:
         compiled = cute.compile(
             gemm_jit,
@@ -1083,10 +1937,19 @@ def compile_gemm(num_groups: int, options: str | None = None, config=SM100_CONFI
 
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
     """Kernels of this backend for the build report: (kernel name, arch, compile(G, options))."""
-    return [
+    targets = [
         ("sm100_init_tensormaps", SM100_CONFIG.arch, compile_init_tensormaps),
         ("sm100_gemm", SM100_CONFIG.arch, compile_gemm),
     ]
+    for tokens, config in PERSISTENT_CONFIGS.items():
+        # One build serves every G (G is a runtime value there); the report lists it per G
+        targets += [
+            (f"sm100_persistent_init_t{tokens}", config.arch,
+             lambda g, options, config=config: compile_persistent_init(config, options)),
+            (f"sm100_persistent_gemm_t{tokens}", config.arch,
+             lambda g, options, config=config: compile_persistent_gemm(config, options)),
+        ]
+    return targets
 
 
 # The only place that reaches into DSL internals. A compiled-function call converts its
@@ -1210,14 +2073,128 @@ def _gmem_ptr(dtype, tensor: torch.Tensor):
     return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
 
+def plan_persistent_tiles(problem_sizes, tokens_per_tile: int, mma_m: int = 256) -> list[tuple[int, int, int]]:
+    """Tile list of the persistent kernel: (group, MMA m tile, MMA n tile) per entry.
+
+    A tile covers `mma_m` rows of the problem's N and `tokens_per_tile` rows of its M (swap-AB).
+    Order: groups by descending M (ties by group index), then N tile, then token tile fastest.
+    Cluster c runs entries c, c + num_clusters, ..., so the clusters of one wave hold
+    consecutive entries: they share a group's N slice of B, the operand that dominates the
+    bytes, which is then read from DRAM once and from L2 by the others.
+    """
+    order = sorted(range(len(problem_sizes)), key=lambda g: (-problem_sizes[g][0], g))
+    tiles = []
+    for g in order:
+        m, n, _k, _l = problem_sizes[g]
+        for n_tile in range(ceil_div(n, mma_m)):
+            for m_tile in range(ceil_div(m, tokens_per_tile)):  # none when M == 0
+                tiles.append((g, n_tile, m_tile))
+    return tiles
+
+
+def persistent_stage_bytes(tokens_per_tile: int) -> int:
+    """Bytes one k-tile stage brings into each CTA of the pair (the kernel's
+    num_tma_load_bytes / 2): 128 N rows of the problem's B, half the token rows of its A,
+    both scale tiles (the tokens' scales whole, multicast), K tile 256 = 128 bytes a row."""
+    k_bytes = 256 // 2
+    sf_bytes_per_row = 256 // sf_vec_size
+    return (
+        128 * k_bytes
+        + tokens_per_tile // 2 * k_bytes
+        + 128 * sf_bytes_per_row
+        + max(tokens_per_tile, 128) * sf_bytes_per_row
+    )
+
+
+# sm_100 SMs a B200 has; the host reads the real count from the device when it has one
+B200_NUM_SMS = 148
+
+
+def choose_tokens_per_tile(problem_sizes, num_sms: int = B200_NUM_SMS) -> int:
+    """Tokens per tile (MMA N) of the persistent kernel for this input set.
+
+    The DSL's 2-CTA block-scaled MMA takes N = 16..256 in steps of 16; the kernel compiles 128
+    and 256, the two sizes NVIDIA's grouped block-scaled example runs with cta_group::2 (the
+    tokens' scales are loaded as whole 128-row atoms, so other sizes waste them or need
+    column offsets into TMEM). Rule: the size whose busiest CTA pair streams the fewest bytes
+    (k-tiles x stage bytes over its share of the tile list), 128 on a tie. 256 pays on large M
+    (152 against 224 stage bytes per token) when the tile count leaves no partial wave; 128
+    keeps two accumulators, so its epilogues overlap the next tile's mainloop.
+    """
+    num_clusters = max(num_sms // 2, 1)
+    best = None
+    for tokens_per_tile in (128, 256):
+        tiles = plan_persistent_tiles(problem_sizes, tokens_per_tile)
+        stream = [0] * num_clusters
+        for index, (g, _n_tile, _m_tile) in enumerate(tiles):
+            stream[index % num_clusters] += problem_sizes[g][2] // 256
+        cost = max(stream) * persistent_stage_bytes(tokens_per_tile)
+        if best is None or cost < best[0]:
+            best = (cost, tokens_per_tile)
+    return best[1]
+
+
+def persistent_can_implement(problem_sizes) -> str | None:
+    """None if the persistent kernel runs this input set, else the rule it breaks.
+
+    C is stored by TMA through its (N, M) view, whose row stride (N fp16) must be a multiple
+    of 16 bytes. validate_inputs has checked everything else (K % 256, L, G, alignment).
+    """
+    for g, (m, n, _k, _l) in enumerate(problem_sizes):
+        if m > 0 and n % 8 != 0:
+            return f"group {g}: N = {n}; the persistent kernel's TMA store of C needs N % 8 == 0"
+    return None
+
+
+_compiled_persistent_cache: dict = {}
+
+
+def compile_persistent_init(config: PersistentGemmConfig, options: str | None = None):
+    """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
+    key = ("init", config, options)
+    if key not in _compiled_persistent_cache:
+        _compiled_persistent_cache[key] = cute.compile(
+            PersistentGemmSm100(config).init_tensormaps,
+            _fake_ptr(cutlass.Int64),
+            _fake_ptr(cutlass.Int32),
+            _fake_ptr(cutlass.Int64),
+            cutlass.Int32(1),
+            cuda.CUstream(0),
+            **({"options": options} if options else {}),
+        )
+    return _compiled_persistent_cache[key]
+
+
+def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = None):
+    """The persistent GEMM for `config`; G, the tile count and the cluster count are runtime
+    values, so one build serves every input set of that config."""
+    key = ("gemm", config, options)
+    if key not in _compiled_persistent_cache:
+        _compiled_persistent_cache[key] = cute.compile(
+            PersistentGemmSm100(config),
+            _fake_ptr(cutlass.Int32),
+            _fake_ptr(cutlass.Int32),
+            _fake_ptr(cutlass.Int64),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            cutlass.Int32(1),
+            cuda.CUstream(0),
+            **({"options": options} if options else {}),
+        )
+    return _compiled_persistent_cache[key]
+
+
 class Sm100LaunchState:
-    """What a launch of one input set on sm_100 reads: its tables and TMA descriptors."""
+    """What a launch of one input set on sm_100 reads: its tables, its TMA descriptors, and
+    the persistent kernel's config (None: the per-tile kernel)."""
 
-    __slots__ = ("tables", "tensormaps")
+    __slots__ = ("config", "num_clusters", "tables", "tensormaps")
 
-    def __init__(self, tables, tensormaps):
+    def __init__(self, tables, tensormaps, config=None, num_clusters=0):
         self.tables = tables
         self.tensormaps = tensormaps
+        self.config = config
+        self.num_clusters = num_clusters
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         # The tensormaps may have been written on another stream (a miss on stream S1, now
@@ -1226,34 +2203,60 @@ class Sm100LaunchState:
 
 
 class Sm100Backend:
-    """Backend protocol implementation for B200 (sm_100a)."""
+    """Backend protocol implementation for B200 (sm_100a).
+
+    `kernel`: "persistent" (PersistentGemmSm100, where persistent_can_implement allows; the
+    per-tile kernel otherwise) or "per_tile" (the seed-structure kernel for every input set).
+    """
 
     name = "sm100"
-    tile_m = SM100_CONFIG.mma_tiler_mnk[0]
-    tile_n = SM100_CONFIG.mma_tiler_mnk[1]
 
-    def __init__(self):
-        # Descriptors depend on the A/B/SFA/SFB pointers and the sizes, not on C: input sets
-        # that differ only in C share them, and the init kernel runs only when an A/B/SF
-        # pointer (or a size) changed. Bounded like the runtime cache.
+    def __init__(self, kernel: str = SM100_KERNEL, num_sms: int = B200_NUM_SMS):
+        if kernel not in SM100_KERNELS:
+            raise ValueError(f"SM100_KERNEL = {kernel!r}; rule: one of {SM100_KERNELS}")
+        self.kernel = kernel
+        self.num_sms = num_sms
+        # Descriptors depend on the pointers and sizes: the per-tile kernel's not on C (input
+        # sets that differ only in C share them), the persistent kernel's on C too (C is
+        # stored by TMA). The init kernel runs only when one of those changed.
         self._descriptors = RuntimeCache(max_entries=64)
 
-    def compile(self, num_groups: int):
-        return compile_init_tensormaps(num_groups), compile_gemm(num_groups)
+    def persistent_config(self, problem_sizes) -> PersistentGemmConfig | None:
+        """The persistent kernel's config for this input set, or None for the per-tile kernel."""
+        if self.kernel != "persistent" or persistent_can_implement(problem_sizes) is not None:
+            return None
+        return PERSISTENT_CONFIGS[choose_tokens_per_tile(problem_sizes, self.num_sms)]
+
+    def plan_tiles(self, problem_sizes) -> list[tuple[int, int, int]]:
+        config = self.persistent_config(problem_sizes)
+        if config is None:
+            return plan_tiles(problem_sizes, SM100_CONFIG.mma_tiler_mnk[0], SM100_CONFIG.mma_tiler_mnk[1])
+        return plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
 
     def prepare(self, tables: "GroupTables") -> Sm100LaunchState:
-        """TMA descriptors of every group: reused, or built by the init kernel on the
-        current stream."""
+        """TMA descriptors of every group: reused, or built by an init kernel on the current
+        stream."""
+        config = self.persistent_config(tables.problem_sizes)
+        if config is None:
+            slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB)
+            num_slots = num_tensormaps
+        else:
+            slots = (PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB)
+            num_slots = PERSISTENT_NUM_TENSORMAPS
         descriptor_key = (
             str(tables.device),
+            config,
             tables.problem_sizes,
-            tuple((p[PTR_A], p[PTR_B], p[PTR_SFA], p[PTR_SFB]) for p in tables.pointers),
+            tuple(tuple(p[i] for i in slots) for p in tables.pointers),
         )
         tensormaps = self._descriptors.get(descriptor_key)
         if tensormaps is None:
-            init_fn, _ = self.compile(tables.num_groups)
+            if config is None:
+                init_fn = compile_init_tensormaps(tables.num_groups)
+            else:
+                init_fn = compile_persistent_init(config)
             tensormaps = torch.empty(
-                (tables.num_groups, num_tensormaps, bytes_per_tensormap // 8),
+                (tables.num_groups, num_slots, bytes_per_tensormap // 8),
                 dtype=torch.int64,
                 device=tables.device,
             )
@@ -1265,21 +2268,38 @@ class Sm100Backend:
                 _stream_for_current(),
             )
             self._descriptors.put(descriptor_key, tensormaps)
-        return Sm100LaunchState(tables, tensormaps)
+        num_clusters = min(tables.num_tiles, max(self.num_sms // 2, 1))
+        return Sm100LaunchState(tables, tensormaps, config, num_clusters)
 
     def can_implement(self, problem_sizes) -> None:
-        """validate_inputs states every sm_100 constraint; nothing more to check here."""
+        """validate_inputs states every sm_100 constraint; input sets the persistent kernel
+        cannot run go to the per-tile kernel (persistent_config)."""
 
     def tile_shape(self, problem_sizes) -> tuple[int, int]:
-        """(tile_m, tile_n) of the tile table: the one MMA tile of the sm_100 kernel."""
-        return self.tile_m, self.tile_n
+        """(problem M rows, problem N columns) one tile of this input set covers."""
+        config = self.persistent_config(problem_sizes)
+        if config is None:
+            return SM100_CONFIG.mma_tiler_mnk[0], SM100_CONFIG.mma_tiler_mnk[1]
+        return config.tokens_per_tile, config.mma_m
 
     def launcher(self, state: Sm100LaunchState, stream: cuda.CUstream) -> Callable[[], None]:
         """The GEMM launch of this input set on `stream`, its arguments prepared once."""
         tables = state.tables
         if tables.num_tiles == 0:
             return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
-        _, gemm_fn = self.compile(tables.num_groups)
+        if state.config is not None:
+            gemm_fn = compile_persistent_gemm(state.config)
+            return make_launcher(
+                gemm_fn,
+                _gmem_ptr(cutlass.Int32, tables.sizes),
+                _gmem_ptr(cutlass.Int32, tables.tiles),
+                _gmem_ptr(cutlass.Int64, state.tensormaps),
+                cutlass.Int32(tables.num_groups),
+                cutlass.Int32(tables.num_tiles),
+                cutlass.Int32(state.num_clusters),
+                stream,
+            )
+        gemm_fn = compile_gemm(tables.num_groups)
         return make_launcher(
             gemm_fn,
             _gmem_ptr(cutlass.Int64, tables.ptrs),
@@ -1353,15 +2373,15 @@ class GroupTables:
         self._device_buf.record_stream(stream)
 
 
-def build_group_tables(problem_sizes, pointers, tile_m: int, tile_n: int, device) -> GroupTables:
-    """Build GroupTables on `device` from validated sizes and per-group pointer 5-tuples.
+def build_group_tables(problem_sizes, pointers, tiles, device) -> GroupTables:
+    """Build GroupTables on `device` from validated sizes, per-group pointer 5-tuples and
+    the backend's tile list (3-tuples).
 
     One freshly allocated (pinned, for CUDA) host buffer holds all three tables; one
     non_blocking copy on torch's current stream moves it to the device.
     """
     device = torch.device(device)
     num_groups = len(problem_sizes)
-    tiles = plan_tiles(problem_sizes, tile_m, tile_n)
     num_tiles = len(tiles)
     # Byte offsets, each table 128-byte aligned
     ptrs_bytes = num_groups * NUM_PTR_COLS * 8
@@ -1493,6 +2513,15 @@ class RuntimeState:
         self.launch()
 
 
+def backend_tiles(backend, problem_sizes) -> list[tuple[int, int, int]]:
+    """The backend's own tile list where it plans one (sm_100), else plan_tiles over its tile
+    shape."""
+    plan = getattr(backend, "plan_tiles", None)
+    if plan is not None:
+        return plan(problem_sizes)
+    return plan_tiles(problem_sizes, *backend.tile_shape(problem_sizes))
+
+
 def build_state(data, problem_sizes, backend) -> RuntimeState:
     """Tables and launch state of a validated input set for `backend` (every backend, and every
     caller: custom_kernel, the Hopper module's standalone entry, the benchmarks)."""
@@ -1504,8 +2533,7 @@ def build_state(data, problem_sizes, backend) -> RuntimeState:
         for (a, b, c), (sfa, sfb) in zip(abc, sfasfb_reordered)
     ]
     with torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext():
-        tile_m, tile_n = backend.tile_shape(problem_sizes)
-        tables = build_group_tables(problem_sizes, pointers, tile_m, tile_n, device)
+        tables = build_group_tables(problem_sizes, pointers, backend_tiles(backend, problem_sizes), device)
         launch_state = backend.prepare(tables)
     return RuntimeState(backend, tables, launch_state)
 
@@ -1533,7 +2561,8 @@ def select_backend(device_index: int):
     if backend is None:
         capability = torch.cuda.get_device_capability(device_index)
         if capability[0] == 10:
-            backend = Sm100Backend()
+            num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+            backend = Sm100Backend(SM100_KERNEL, num_sms)
         elif capability == (9, 0):
             backend = _make_sm90_backend()
         else:

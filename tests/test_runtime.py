@@ -57,7 +57,7 @@ def _pointers(g, base):
 def test_group_tables_contents_and_alignment():
     sizes = [(0, 128, 256, 1), (40, 384, 512, 1), (129, 128, 768, 1)]
     pointers = _pointers(3, 1 << 40)
-    tables = submission.build_group_tables(sizes, pointers, TILE, TILE, "cpu")
+    tables = submission.build_group_tables(sizes, pointers, submission.plan_tiles(sizes, TILE, TILE), "cpu")
     assert tables.num_groups == 3
     assert tables.ptrs.dtype == torch.int64 and tables.ptrs.tolist() == [list(p) for p in pointers]
     assert tables.sizes.dtype == torch.int32 and tables.sizes.tolist() == [list(s) for s in sizes]
@@ -75,7 +75,7 @@ def test_staging_buffer_is_owned_per_input_set():
     # gets its own staging buffer, so no pending copy can ever read another set's pointers.
     sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
     built = [
-        submission.build_group_tables(sizes, _pointers(2, (i + 1) << 36), TILE, TILE, "cpu")
+        submission.build_group_tables(sizes, _pointers(2, (i + 1) << 36), submission.plan_tiles(sizes, TILE, TILE), "cpu")
         for i in range(15)
     ]
     staging_ptrs = {t.host_staging.data_ptr() for t in built}
@@ -267,9 +267,10 @@ def test_make_launcher_falls_back_to_the_plain_call():
     assert calls == [(1, 2), (1, 2)]
 
 
-@pytest.fixture
-def sm100_backend_on_cpu(monkeypatch):
-    """Sm100Backend with its compiled kernels replaced by recorders (no GPU here)."""
+@pytest.fixture(params=["per_tile", "persistent"])
+def sm100_backend_on_cpu(request, monkeypatch):
+    """Sm100Backend (each kernel choice) with its compiled kernels replaced by recorders (no
+    GPU here)."""
     init_calls, gemm_calls = [], []
 
     def fake_init(ptrs, sizes, tensormaps, num_groups, stream):
@@ -278,45 +279,92 @@ def sm100_backend_on_cpu(monkeypatch):
     def fake_gemm(*args):
         gemm_calls.append(args)
 
-    backend = submission.Sm100Backend()
-    monkeypatch.setattr(backend, "compile", lambda num_groups: (fake_init, fake_gemm))
+    monkeypatch.setattr(submission, "compile_init_tensormaps", lambda num_groups: fake_init)
+    monkeypatch.setattr(submission, "compile_gemm", lambda num_groups: fake_gemm)
+    monkeypatch.setattr(submission, "compile_persistent_init", lambda config: fake_init)
+    monkeypatch.setattr(submission, "compile_persistent_gemm", lambda config: fake_gemm)
     monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream")
-    return backend, init_calls, gemm_calls
+    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
+    return submission.Sm100Backend(request.param), init_calls, gemm_calls
 
 
-def _tables_with(pointers, sizes=((40, 384, 512, 1), (129, 128, 768, 1))):
-    return submission.build_group_tables(list(sizes), pointers, TILE, TILE, "cpu")
+def _tables_with(pointers, sizes=((40, 384, 512, 1), (129, 128, 768, 1)), backend=None):
+    sizes = list(sizes)
+    tiles = backend.plan_tiles(sizes) if backend else submission.plan_tiles(sizes, TILE, TILE)
+    return submission.build_group_tables(sizes, pointers, tiles, "cpu")
 
 
-def test_descriptors_rebuilt_only_when_an_ab_or_sf_pointer_changes(sm100_backend_on_cpu):
+def test_descriptors_rebuilt_only_when_a_pointer_they_hold_changes(sm100_backend_on_cpu):
     backend, init_calls, _ = sm100_backend_on_cpu
+    persistent = backend.kernel == "persistent"
+    num_slots = 5 if persistent else 4
     base = _pointers(2, 1 << 40)
-    first = backend.prepare(_tables_with(base))
-    assert init_calls == [2]
+    first = backend.prepare(_tables_with(base, backend=backend))
+    assert init_calls == [2] and tuple(first.tensormaps.shape) == (2, num_slots, 16)
+    assert (first.config is not None) == persistent
 
-    # Only C of group 1 differs: same descriptors, no init kernel
+    # Only C of group 1 differs: the per-tile kernel's descriptors do not hold C (no init
+    # kernel); the persistent kernel stores C by TMA, so its descriptors are rebuilt
     only_c = [base[0], base[1][:2] + (base[1][2] + 4096,) + base[1][3:]]
-    second = backend.prepare(_tables_with(only_c))
-    assert init_calls == [2] and second.tensormaps is first.tensormaps
+    second = backend.prepare(_tables_with(only_c, backend=backend))
+    assert (second.tensormaps is first.tensormaps) != persistent
+    assert len(init_calls) == (2 if persistent else 1)
+    calls = len(init_calls)
 
     # Any A/B/SFA/SFB pointer differs: new descriptors
     for column in (submission.PTR_A, submission.PTR_B, submission.PTR_SFA, submission.PTR_SFB):
         changed = [base[0], tuple(v + 4096 if j == column else v for j, v in enumerate(base[1]))]
-        state = backend.prepare(_tables_with(changed))
+        state = backend.prepare(_tables_with(changed, backend=backend))
         assert state.tensormaps is not first.tensormaps, column
-    assert init_calls == [2] * 5
+    assert len(init_calls) == calls + 4
 
+    # The same pointers again: the cached descriptors
+    assert backend.prepare(_tables_with(base, backend=backend)).tensormaps is first.tensormaps
     # Same pointers, other sizes: new descriptors
-    backend.prepare(_tables_with(base, sizes=((40, 384, 512, 1), (128, 128, 768, 1))))
-    assert len(init_calls) == 6
+    backend.prepare(_tables_with(base, sizes=((40, 384, 512, 1), (128, 128, 768, 1)), backend=backend))
+    assert len(init_calls) == calls + 5
 
 
 def test_no_launch_when_every_group_is_empty(sm100_backend_on_cpu):
     backend, _, gemm_calls = sm100_backend_on_cpu
-    state = backend.prepare(_tables_with(_pointers(2, 1 << 40), sizes=((0, 128, 256, 1), (0, 256, 256, 1))))
+    sizes = ((0, 128, 256, 1), (0, 256, 256, 1))
+    state = backend.prepare(_tables_with(_pointers(2, 1 << 40), sizes=sizes, backend=backend))
     assert state.tables.num_tiles == 0
     backend.launcher(state, "stream")()
     assert gemm_calls == []
+
+
+def test_persistent_launch_arguments(monkeypatch):
+    """The persistent GEMM gets the sizes, the tile table, the descriptors, G, the tile count
+    and min(tiles, SMs / 2) clusters; the per-tile GEMM one CTA per 128x128 tile."""
+    launched = []
+    monkeypatch.setattr(submission, "compile_persistent_init", lambda config: lambda *a: None)
+    monkeypatch.setattr(submission, "compile_persistent_gemm", lambda config: ("gemm", config))
+    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream")
+    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: launched.append((fn, args)))
+    sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
+    for num_sms, clusters in ((148, 4), (4, 2)):
+        backend = submission.Sm100Backend("persistent", num_sms=num_sms)
+        state = backend.prepare(_tables_with(_pointers(2, 1 << 40), sizes=sizes, backend=backend))
+        backend.launcher(state, "stream")
+        (fn, config), args = launched[-1]
+        assert fn == "gemm" and config.tokens_per_tile == 128
+        # tiles: group 1 (M = 129) first: 1 N tile x 2 token tiles, then group 0: 2 x 1
+        assert state.tables.tiles.tolist() == [[1, 0, 0], [1, 0, 1], [0, 0, 0], [0, 1, 0]]
+        assert [int(a) for a in args[3:6]] == [2, 4, clusters] and args[6] == "stream"
+
+
+def test_kernel_switch_and_fallback_for_n_not_a_multiple_of_8():
+    sizes = [(64, 4096, 512, 1), (128, 4096, 256, 1)]
+    assert submission.Sm100Backend("persistent").persistent_config(sizes).tokens_per_tile == 128
+    assert submission.Sm100Backend("per_tile").persistent_config(sizes) is None
+    odd = sizes + [(16, 100, 256, 1)]
+    assert "N % 8 == 0" in submission.persistent_can_implement(odd)
+    assert submission.Sm100Backend("persistent").persistent_config(odd) is None
+    # An empty group's N does not matter: it has no tiles and no stores
+    assert submission.persistent_can_implement(sizes + [(0, 100, 256, 1)]) is None
+    with pytest.raises(ValueError, match="SM100_KERNEL"):
+        submission.Sm100Backend("fast")
 
 
 def test_list_problem_sizes_validate_every_call_but_share_one_state(recording_runtime):

@@ -6,6 +6,7 @@ and the rule, before any launch, with the output tensors left untouched.
 
 import pickle
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,10 @@ def test_missing_hopper_backend_message(monkeypatch):
 def test_sm100_capability_selects_the_blackwell_backend(monkeypatch):
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index=None: types.SimpleNamespace(multi_processor_count=148)
+    )
     backend = submission.select_backend(3)
     assert isinstance(backend, submission.Sm100Backend)
+    assert backend.num_sms == 148 and backend.kernel == submission.SM100_KERNEL == "persistent"
     assert submission._BACKEND_BY_DEVICE[3] is backend
