@@ -1115,6 +1115,36 @@ class PersistentGemmConfig:
         # columns; two of 256 do not.
         return 2 if self.tokens_per_tile == 128 else 1
 
+    # Bytes kept for mbarriers and the TMEM address before the 1024-byte aligned buffers
+    reserved_smem_bytes: int = 1024
+    # One C subtile in shared memory: the epilogue tile (128 N rows x 32 tokens) in fp16
+    c_stage_bytes: int = 128 * 32 * 2
+
+    @property
+    def ab_stage_bytes(self) -> int:
+        return persistent_stage_bytes(self.tokens_per_tile)
+
+    @property
+    def num_ab_stage(self) -> int:
+        """As many A/B/SFA/SFB stages as fit beside two C stages."""
+        budget = self.smem_capacity_bytes - self.reserved_smem_bytes - 2 * self.c_stage_bytes
+        return budget // self.ab_stage_bytes
+
+    @property
+    def num_c_stage(self) -> int:
+        """C stages: what the A/B stages leave over."""
+        budget = self.smem_capacity_bytes - self.reserved_smem_bytes
+        return (budget - self.num_ab_stage * self.ab_stage_bytes) // self.c_stage_bytes
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one CTA (every buffer is a multiple of 1024 bytes)."""
+        return (
+            self.reserved_smem_bytes
+            + self.num_ab_stage * self.ab_stage_bytes
+            + self.num_c_stage * self.c_stage_bytes
+        )
+
     def check(self) -> None:
         if self.tokens_per_tile not in (128, 256):
             raise ValueError(f"tokens_per_tile = {self.tokens_per_tile}; rule: 128 or 256")
@@ -1169,8 +1199,6 @@ class PersistentGemmSm100:
         )
         self.num_tmem_alloc_cols = 512
         self.c_layout = utils.LayoutEnum.COL_MAJOR  # C^T: the MMA's M (problem N) is contiguous
-        # mbarriers, the TMEM address and alignment slack, reserved before the stages
-        self.reserved_smem_bytes = 1024
 
     # ------------------------------------------------------------------ Python time
     def _setup_attributes(self):
@@ -1242,7 +1270,7 @@ class PersistentGemmSm100:
     def _compute_stages(self):
         """As many A/B stages as fit beside two C stages; C takes what is left over."""
         ab_stage_bytes, c_stage_bytes = self._stage_bytes()
-        budget = self.config.smem_capacity_bytes - self.reserved_smem_bytes
+        budget = self.config.smem_capacity_bytes - self.config.reserved_smem_bytes
         num_ab_stage = (budget - 2 * c_stage_bytes) // ab_stage_bytes
         num_c_stage = (budget - num_ab_stage * ab_stage_bytes) // c_stage_bytes
         return num_ab_stage, num_c_stage
@@ -1520,6 +1548,7 @@ class PersistentGemmSm100:
             ),
             tx_count=self.num_tma_load_bytes,
             cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,  # one cluster barrier for every mbarrier init: pipeline_init_*
         )
         # Every epilogue warp of both CTAs releases the leader's accumulator
         acc_pipeline = pipeline.PipelineUmmaAsync.create(
@@ -1528,6 +1557,7 @@ class PersistentGemmSm100:
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, len(self.epilog_warp_id) * 2),
             cta_layout_vmnk=cluster_layout_vmnk,
+            defer_sync=True,
         )
         tmem_dealloc_mbar_ptr = storage.tmem_dealloc_mbar_ptr
         tmem_holding_buf = storage.tmem_holding_buf
