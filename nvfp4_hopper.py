@@ -410,6 +410,21 @@ def opaque_i64(value: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
 
 
 @dsl_user_op
+def fence_proxy_async_shared_cta(*, loc=None, ip=None):
+    """fence.proxy.async.shared::cta: this thread's generic-proxy shared-memory writes become
+    visible to the async proxy (wgmma operand reads).
+
+    DSL compatibility: 4.3.5 (the runner's) takes the nvvm enums ``cute.arch.ProxyKind`` /
+    ``cute.arch.SharedSpace``; 4.8.1 no longer exports them and takes string literals."""
+    if hasattr(cute.arch, "ProxyKind"):  # DSL 4.3.5
+        cute.arch.fence_proxy(
+            cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta, loc=loc, ip=ip
+        )
+    else:  # DSL 4.8.1
+        cute.arch.fence_proxy("async.shared", space="cta", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def fence_acq_rel_gpu(*, loc=None, ip=None):
     """fence.acq_rel.gpu: orders this thread's global accesses before / after it, GPU-wide."""
     _inline_asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc=loc, ip=ip)
@@ -1328,9 +1343,7 @@ class Sm90Nvfp4GroupedGemm:
                     # stall samples in Nsight Compute); issuing the prefetch after it instead of
                     # first measured slower on the H200: 217.8/131.2/59.3/29.4 vs
                     # 207.5/129.2/54.6/28.1 µs device time, shapes 0-3.
-                    cute.arch.fence_proxy(
-                        cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
-                    )
+                    fence_proxy_async_shared_cta()
                     a_frag = a_frags[mma_stage % self.config.a_register_buffers]
                     if cutlass.const_expr(self.config.a_register_buffers == 1):
                         # the one A fragment is still read by wgmma k_tile - 1
@@ -1355,9 +1368,7 @@ class Sm90Nvfp4GroupedGemm:
                     tidx, raw_base, k_tile % self.raw_stages, sA_base, sB_base, mma_stage, sfb_row_offset
                 )
                 # generic-proxy stores -> async-proxy (wgmma) reads
-                cute.arch.fence_proxy(
-                    cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
-                )
+                fence_proxy_async_shared_cta()
                 cute.arch.sync_threads()
 
                 if warp_group_has_rows:
@@ -1479,9 +1490,7 @@ class Sm90Nvfp4GroupedGemm:
                     producer_state.index, 0,
                 )
                 # generic-proxy stores -> async-proxy (wgmma) reads, then the full barrier
-                cute.arch.fence_proxy(
-                    cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta
-                )
+                fence_proxy_async_shared_cta()
                 stage_pipeline.producer_commit(producer_state)
                 producer_state.advance()
             cute.arch.cp_async_wait_group(0)
