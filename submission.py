@@ -21,20 +21,37 @@ Constraints (checked by ``validate_inputs`` before any launch; outputs stay unto
     official strides (a permuted view of a contiguous tensor); base addresses 32-byte aligned
   * every tensor on the same CUDA device
 
-Kernel design (sm_100a):
-  * ``init_tensormaps_kernel``: one CTA per group writes the TMA descriptors of A, B, SFA, SFB
-    of its group into a device buffer. It runs once per input set (pointers + sizes).
-  * ``gemm_kernel``: one CTA per 128x128 output tile; a tile table maps each CTA to
-    (group, tile_m, tile_n). Warp 0 drives TMA loads through the prebuilt descriptors and the
-    block-scaled ``tcgen05`` MMA (``MmaMXF4NVF4Op``, 128x128x64 instructions, 256-deep K tile,
-    2-stage smem pipeline, fp32 accumulator in TMEM); all 4 warps run the epilogue
-    TMEM -> registers -> global, predicated on the M and N residues.
+Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
+  * ``PersistentGemmSm100`` (default): swap-AB on a 2-CTA pair. The problem's B (N rows) is
+    the MMA's A with MMA M = 256 (128 N rows per CTA), the tokens (problem M rows) are the
+    MMA's N (128 or 256 per tile, ``choose_tokens_per_tile``), and C is written through its
+    (N, M):(1, N) view by TMA stores. 192 threads, one CTA per SM: warps 0-3 epilogue, warp 4
+    MMA (``tcgen05.mma.cta_group::2.kind::mxf4nvf4``, issued by the pair's leader), warp 5
+    TMA; ``PipelineTmaUmma`` with as many stages as shared memory holds (7 / 5),
+    ``PipelineUmmaAsync`` with two TMEM accumulators (128 tokens) so a tile's epilogue
+    overlaps the next tile's mainloop; the tokens' scales are multicast to both CTAs. Static
+    persistent schedule over a host-built tile list (``plan_persistent_tiles``: groups by
+    descending M, then N slice, then token tile, so the clusters of a wave share B's N slice).
+    Input sets with an N that is not a multiple of 8 (C's TMA row stride) use the per-tile
+    kernel.
+  * ``gemm_kernel`` (the per-tile fallback, the seed's structure): one CTA per 128x128 output
+    tile; warp 0 drives TMA and the 1-CTA block-scaled MMA (2 stages); all 4 warps run the
+    epilogue TMEM -> registers -> global (256-bit stores on full tiles when N % 16 == 0,
+    predicated scalar stores elsewhere).
+  * Descriptors: an init kernel (one CTA per group) writes every group's TMA descriptors into
+    a device buffer once per pointer set (five per group for the persistent kernel: its A, B,
+    SFA, SFB and C; four for the per-tile kernel, which does not need C's). A call whose
+    pointers the runtime has seen launches only the GEMM; updating descriptors in the kernel
+    instead would put a descriptor write and proxy fence on every CTA's path at every group
+    change of every call.
   * Host side: validated inputs become ``GroupTables`` (pointers, sizes, tiles) kept, together
     with descriptors and prepared launch arguments, in a bounded LRU keyed on every data
     pointer (a hit also compares the problem sizes); a cache hit is one kernel launch.
   * On Hopper (sm_90) the same host runtime drives the backend from ``nvfp4_hopper.py``.
 
-Status: compiled for sm_100a (``python eval.py compile``); not run here (no B200 available).
+Status: both sm_100a kernels are compiled for sm_100a and checked from their cubin, SASS and
+PTX, and the persistent kernel's pipeline protocol by a model (``tests/``); neither has run
+on a B200.
 
 Run: ``python eval.py test tests/cases/...`` (harness) or ``python eval.py compile`` (any
 machine, no GPU: builds every kernel for its target and prints its resources).
@@ -43,6 +60,7 @@ machine, no GPU: builds every kernel for its target and prints its resources).
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import operator
 import os
@@ -2214,6 +2232,14 @@ def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = 
     return _compiled_persistent_cache[key]
 
 
+@functools.lru_cache(maxsize=256)
+def _persistent_config_for(problem_sizes: tuple, num_sms: int) -> PersistentGemmConfig | None:
+    # A miss asks three times (tile list, descriptors, tile shape): the rule plans once
+    if persistent_can_implement(problem_sizes) is not None:
+        return None
+    return PERSISTENT_CONFIGS[choose_tokens_per_tile(problem_sizes, num_sms)]
+
+
 class Sm100LaunchState:
     """What a launch of one input set on sm_100 reads: its tables, its TMA descriptors, and
     the persistent kernel's config (None: the per-tile kernel)."""
@@ -2253,9 +2279,9 @@ class Sm100Backend:
 
     def persistent_config(self, problem_sizes) -> PersistentGemmConfig | None:
         """The persistent kernel's config for this input set, or None for the per-tile kernel."""
-        if self.kernel != "persistent" or persistent_can_implement(problem_sizes) is not None:
+        if self.kernel != "persistent":
             return None
-        return PERSISTENT_CONFIGS[choose_tokens_per_tile(problem_sizes, self.num_sms)]
+        return _persistent_config_for(tuple(map(tuple, problem_sizes)), self.num_sms)
 
     def plan_tiles(self, problem_sizes) -> list[tuple[int, int, int]]:
         config = self.persistent_config(problem_sizes)
