@@ -424,3 +424,39 @@ def test_hit_path_keys_and_touches_the_lru_like_the_cache_api(recording_runtime,
     assert submission.input_key(sets[0]) in submission._RUNTIME_CACHE
     assert submission.input_key(sets[1]) not in submission._RUNTIME_CACHE
     assert len(validations) == 4
+
+
+BENCHMARK_SETS = [
+    ([80, 176, 128, 72, 64, 248, 96, 160], 4096, 7168),
+    ([40, 76, 168, 72, 164, 148, 196, 160], 7168, 2048),
+    ([192, 320], 3072, 4096),
+    ([128, 384], 4096, 1536),
+]
+
+
+def _busiest_pair_bytes(sizes, tokens, num_sms=148):
+    """Independent restatement of the rule's cost: k-tiles x stage bytes of the busiest pair."""
+    per_pair = [0] * (num_sms // 2)
+    for index, (g, _, _) in enumerate(submission.plan_persistent_tiles(sizes, tokens)):
+        per_pair[index % len(per_pair)] += sizes[g][2] // 256
+    stage = 128 * 128 + tokens // 2 * 128 + 128 * 16 + tokens * 16
+    return max(per_pair) * stage
+
+
+@pytest.mark.parametrize("ms, n, k", BENCHMARK_SETS)
+def test_token_tile_rule_picks_the_cheaper_busiest_pair(ms, n, k):
+    sizes = [(m, n, k, 1) for m in ms]
+    costs = {t: _busiest_pair_bytes(sizes, t) for t in (128, 256)}
+    expected = 256 if costs[256] < costs[128] else 128
+    assert submission.choose_tokens_per_tile(sizes) == expected
+
+
+def test_token_tile_rule_on_known_sets():
+    # Shape 0: 176 tiles of 128 tokens are 3 per pair at most (2.41 MB), 128 tiles of 256 are 2
+    # (2.18 MB); shape 3: one tile per pair either way, the smaller stage wins
+    assert [submission.choose_tokens_per_tile([(m, n, k, 1) for m in ms]) for ms, n, k in BENCHMARK_SETS] == [
+        256, 128, 128, 128
+    ]
+    assert submission.choose_tokens_per_tile([(2048, 4096, 4096, 1)] * 4) == 256
+    # One tile either way: the smaller stage wins
+    assert submission.choose_tokens_per_tile([(40, 256, 256, 1)]) == 128
