@@ -3,30 +3,43 @@
 Needs no GPU: ``python build_report.py`` (or ``python eval.py compile``) compiles each kernel
 with the CuTe DSL for its target (sm_100a for the kernels in ``submission.py``, sm_90a for
 those in ``nvfp4_hopper.py`` when that module exists), keeps the cubin and the PTX, and prints
-per kernel: registers, spill bytes, stack, shared memory, compile time and the tensor-core MMA
-found in the generated code.
+per kernel: registers, spill bytes, stack, shared memory, threads, compile time and the
+tensor-core MMA found in the generated code. Works with every DSL release the project checks
+(4.3.5, the leaderboard runner's, and 4.8.1): nothing here reads DSL internals.
 
 Backends expose their kernels through one hook:
 
     compile_targets() -> [(kernel_name, arch, compile_fn), ...]
     compile_fn(num_groups, options) -> compiled function   (options: cute.compile options)
 
-On a machine without a GPU the DSL writes the cubin and then fails to load it (no libcuda);
-that failure is expected and ignored once the cubin exists.
-
-Where the numbers come from (pure-Python ELF reader, no CUDA binary needed):
+Where the numbers come from:
   * registers, local frame and stack: the cubin's ``.nv.info`` attributes (EIATTR_REGCOUNT,
-    EIATTR_FRAME_SIZE, EIATTR_MIN/MAX_STACK_SIZE) of the kernel symbol;
+    EIATTR_FRAME_SIZE, EIATTR_MIN/MAX_STACK_SIZE) of the kernel symbol (pure-Python ELF
+    reader, no CUDA binary needed);
   * spill bytes: spills live in the local frame, so a frame of 0 bytes proves 0 spill bytes;
     a non-zero frame is reported as an upper bound ("<=N");
-  * shared memory: static (the cubin's ``.nv.shared.<kernel>`` section) plus dynamic (the
-    launch's dynamic shared memory, which the DSL decides at trace time and which therefore is
-    not in the cubin: recorded while compiling);
-  * MMA: the instruction names matched in the PTX (``tcgen05.mma ... block_scale`` on sm_100a,
-    ``wgmma.mma_async`` on sm_90a).
+  * static shared memory: the cubin's ``.nv.shared.<kernel>`` section;
+  * dynamic shared memory: neither the cubin nor the PTX holds it (the PTX declares the
+    buffer as ``.extern .shared ... []``, size 0, and the cubin has no attribute for it; both
+    checked under 4.3.5 and 4.8.1). The launch sets it, so it is read from the compiled
+    function's host code (its public ``ir_module``, lowered to the LLVM dialect): the
+    constant stored into the ``dynamicSmemBytes`` field of the CUDA runtime's
+    ``cudaLaunchConfig_t`` that the launch of that kernel passes to ``cudaLaunchKernelEx``.
+    Each row names this source (``dynamic_smem_source``);
+  * threads per CTA: the PTX entry's ``.reqntid`` (or ``.maxntid``);
+  * MMA: the instruction names in the kernel's PTX entry (``tcgen05.mma ... block_scale`` on
+    sm_100a, ``wgmma.mma_async`` on sm_90a).
 
-Options: ``--groups 1,2,8`` (group counts to build), ``--dump-dir DIR`` (keep artifacts there),
-``--json PATH`` (also write the rows as JSON).
+How it builds: ``build_all`` runs the builds in a child Python process. There the DSL is told
+(``CUTE_DSL_ARCH``) that the machine's GPU is one no target is built for, so every DSL release
+compiles without loading the module onto a GPU (no GPU or libcuda needed) and returns the
+compiled function; the file cache is off so each build writes its cubin and PTX. A target
+that fails (an exception, no cubin, or the process dying) becomes a failed row with its
+reason; the other targets still build, and the exit code is 1.
+
+Options: ``--groups 1,2,8`` (group counts to build), ``--modules submission,nvfp4_hopper``
+(backends), ``--dump-dir DIR`` (keep artifacts there), ``--json PATH`` (also write the rows
+as JSON).
 """
 
 from __future__ import annotations
@@ -35,13 +48,18 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
+import itertools
 import json
 import os
 import re
 import struct
+import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent
@@ -59,12 +77,23 @@ MMA_PATTERNS = {
 
 BACKEND_MODULES = ("submission", "nvfp4_hopper")
 
+# The GPU architecture the build process tells the DSL it runs on: one that no target is
+# built for, so that the DSL compiles for the target without loading the result onto a GPU.
+HOST_ARCH_FOR_BUILDS = "sm_80"
+
 # .nv.info attribute ids (EIATTR_*) and formats (EIFMT_*)
 EIATTR_FRAME_SIZE = 0x11
 EIATTR_MIN_STACK_SIZE = 0x12
 EIATTR_MAX_STACK_SIZE = 0x23
 EIATTR_REGCOUNT = 0x2F
 EIFMT_SVAL = 0x04
+
+
+def dsl_version() -> str | None:
+    try:
+        return package_version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:
+        return None
 
 
 # =============================================================================
@@ -156,30 +185,137 @@ def read_cubin(data: bytes) -> Cubin:
 
 
 # =============================================================================
-# Dynamic shared memory, recorded while the DSL traces each launch
+# PTX reader
 # =============================================================================
-@contextlib.contextmanager
-def record_dynamic_smem():
-    """Collect the dynamic shared memory (bytes) of every kernel launch traced inside."""
-    recorded: list[int] = []
-    try:
-        from cutlass.cutlass_dsl.cutlass import CutlassBaseDSL
-    except ImportError:
-        yield recorded
-        return
-    original = CutlassBaseDSL._get_smem_usage
+@dataclasses.dataclass
+class PtxEntry:
+    name: str
+    text: str  # from ".entry" to the next entry or function
+    threads: int | None  # .reqntid (or .maxntid) x * y * z
 
-    def recording(self):
-        usage = original(self)
-        if isinstance(usage, int):
-            recorded.append(usage)
-        return usage
 
-    CutlassBaseDSL._get_smem_usage = recording
-    try:
-        yield recorded
-    finally:
-        CutlassBaseDSL._get_smem_usage = original
+_PTX_FUNCTION_START = re.compile(r"^[ \t]*(?:\.(?:visible|weak|extern)\s+)*\.(entry|func)\s+(?:\([^)]*\)\s*)?([\w$]+)", re.MULTILINE)
+_PTX_THREADS = re.compile(r"^[ \t]*\.(?:reqntid|maxntid)\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", re.MULTILINE)
+
+
+def read_ptx(text: str) -> tuple[str | None, dict[str, PtxEntry]]:
+    """The PTX's ``.target`` and its kernel entries (name -> PtxEntry)."""
+    target = re.search(r"^\.target\s+([\w]+)", text, re.MULTILINE)
+    starts = list(_PTX_FUNCTION_START.finditer(text))
+    entries = {}
+    for index, match in enumerate(starts):
+        if match.group(1) != "entry":
+            continue
+        end = starts[index + 1].start() if index + 1 < len(starts) else len(text)
+        body = text[match.start() : end]
+        threads = None
+        found = _PTX_THREADS.search(body[: body.find("{")] if "{" in body else body)
+        if found:
+            threads = 1
+            for dim in found.groups():
+                threads *= int(dim) if dim else 1
+        entries[match.group(2)] = PtxEntry(match.group(2), body, threads)
+    return (target.group(1) if target else None), entries
+
+
+def mma_instructions(ptx_text: str, arch: str) -> list[str]:
+    pattern = MMA_PATTERNS.get(arch)
+    return sorted(set(pattern.findall(ptx_text))) if pattern else []
+
+
+# =============================================================================
+# Dynamic shared memory: the launch's, from the compiled host code
+# =============================================================================
+# The CUDA runtime's cudaLaunchConfig_t as an LLVM struct: dim3 gridDim, dim3 blockDim,
+# size_t dynamicSmemBytes (field 2), cudaStream_t stream, cudaLaunchAttribute *attrs,
+# unsigned numAttrs.
+_LAUNCH_CONFIG_STRUCT = r"!llvm\.struct<\(array<3 x i32>, array<3 x i32>, i64, ptr, ptr, i32\)>"
+_SSA = r"%[\w.$-]+"
+_HOST_FUNC_START = re.compile(r"^\s*llvm\.func\s+@", re.MULTILINE)
+_CONSTANT = re.compile(rf"^\s*({_SSA}) = llvm\.mlir\.constant\((-?\d+) : i(?:32|64)\)", re.MULTILINE)
+_CAST = re.compile(rf"^\s*({_SSA}) = llvm\.(?:sext|zext|trunc|bitcast) ({_SSA}) :", re.MULTILINE)
+_SMEM_FIELD = re.compile(
+    rf"^\s*({_SSA}) = llvm\.getelementptr (?:inbounds )?{_SSA}\[0, 2\] : .*{_LAUNCH_CONFIG_STRUCT}\s*$",
+    re.MULTILINE,
+)
+_STORE = re.compile(rf"^\s*llvm\.store ({_SSA}), ({_SSA}) :", re.MULTILINE)
+_LOAD = re.compile(rf"^\s*({_SSA}) = llvm\.load ({_SSA}) ", re.MULTILINE)
+_ADDRESS_OF = re.compile(rf'^\s*({_SSA}) = llvm\.mlir\.addressof @"?([\w$.]+)"?', re.MULTILINE)
+_LAUNCH_EX = re.compile(rf"^\s*(?:{_SSA} = )?llvm\.call @_?cudaLaunchKernelEx\(({_SSA}), ({_SSA}), ", re.MULTILINE)
+# cudaLaunchKernel(func, gridDim xyz, blockDim xyz, args, sharedMem, stream), scalarized
+_LAUNCH = re.compile(
+    rf"^\s*(?:{_SSA} = )?llvm\.call @_?cudaLaunchKernel\(({_SSA}),(?: {_SSA},){{7}} ({_SSA}), {_SSA}\)",
+    re.MULTILINE,
+)
+
+
+@dataclasses.dataclass
+class HostLaunch:
+    kernel_symbol: str | None  # the host global that holds the kernel handle
+    dynamic_smem_bytes: int | None  # None: not a compile-time constant
+
+
+def _function_launches(function: str) -> list[HostLaunch]:
+    """The launches of one host function (SSA names are unique within a function)."""
+    constants = {m.group(1): int(m.group(2)) for m in _CONSTANT.finditer(function)}
+    casts = {m.group(1): m.group(2) for m in _CAST.finditer(function)}
+    loads = {m.group(1): m.group(2) for m in _LOAD.finditer(function)}
+    addresses = {m.group(1): m.group(2) for m in _ADDRESS_OF.finditer(function)}
+    smem_fields = {m.group(1) for m in _SMEM_FIELD.finditer(function)}
+
+    def constant(value: str) -> int | None:
+        for _ in range(8):  # through integer casts to the constant
+            if value in constants:
+                return constants[value]
+            if value not in casts:
+                return None
+            value = casts[value]
+        return None
+
+    def kernel_symbol(handle: str) -> str | None:
+        return addresses.get(loads.get(handle, handle))
+
+    events = [(m.start(), "smem", m) for m in _STORE.finditer(function) if m.group(2) in smem_fields]
+    events += [(m.start(), "launch_ex", m) for m in _LAUNCH_EX.finditer(function)]
+    events += [(m.start(), "launch", m) for m in _LAUNCH.finditer(function)]
+    launches = []
+    smem: int | None = None  # the launch config filled last before a cudaLaunchKernelEx
+    for _, kind, match in sorted(events, key=lambda event: event[0]):
+        if kind == "smem":
+            smem = constant(match.group(1))
+        elif kind == "launch_ex":
+            launches.append(HostLaunch(kernel_symbol(match.group(2)), smem))
+        else:
+            launches.append(HostLaunch(kernel_symbol(match.group(1)), constant(match.group(2))))
+    return launches
+
+
+def host_launches(host_ir: str) -> list[HostLaunch]:
+    """Kernel launches in a compiled module's host code (LLVM dialect), in program order,
+    with the dynamic shared memory each passes to the CUDA runtime."""
+    starts = [m.start() for m in _HOST_FUNC_START.finditer(host_ir)] + [len(host_ir)]
+    launches = []
+    for begin, end in itertools.pairwise(starts):
+        launches += _function_launches(host_ir[begin:end])
+    return launches
+
+
+def launch_smem_by_kernel(launches: list[HostLaunch], kernels: list[str]) -> dict[str, int | None]:
+    """Dynamic shared memory per kernel (cubin function name) from its launches; a kernel
+    launched more than once gets the largest. Host symbols end with the kernel's name; with
+    one launch and one kernel the two belong together."""
+    found: dict[str, int | None] = {}
+    for launch in launches:
+        matches = [k for k in kernels if launch.kernel_symbol and launch.kernel_symbol.endswith(k)]
+        if not matches and len(launches) == 1 and len(kernels) == 1:
+            matches = kernels
+        for kernel in matches[:1]:
+            previous = found.get(kernel, 0)
+            found[kernel] = (
+                None if launch.dynamic_smem_bytes is None or previous is None
+                else max(previous, launch.dynamic_smem_bytes)
+            )
+    return found
 
 
 @contextlib.contextmanager
@@ -209,77 +345,107 @@ class KernelReport:
     target: str
     arch: str
     num_groups: int
-    kernel: str
-    sm_version: int
+    kernel: str | None
+    sm_version: int | None
     registers: int | None
     frame_bytes: int | None
     spill_bytes_max: int | None  # 0 proves no spill; otherwise an upper bound
     stack_bytes: int | None
-    static_smem_bytes: int
+    static_smem_bytes: int | None
     dynamic_smem_bytes: int | None
     smem_bytes: int | None
     smem_limit_bytes: int | None
     compile_s: float
     mma: list[str]
     ptx_target: str | None
-    cubin_path: str
+    cubin_path: str | None
     ptx_path: str | None
+    threads: int | None = None
+    dynamic_smem_source: str | None = None  # where dynamic_smem_bytes comes from, or why not
+    error: str | None = None  # set on a failed build: why; every figure is None then
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
-class BuildError(RuntimeError):
-    pass
+def failed_report(kernel_name: str, arch: str, num_groups: int, reason: str, compile_s: float = 0.0) -> KernelReport:
+    return KernelReport(
+        target=kernel_name, arch=arch, num_groups=num_groups, kernel=None, sm_version=None,
+        registers=None, frame_bytes=None, spill_bytes_max=None, stack_bytes=None,
+        static_smem_bytes=None, dynamic_smem_bytes=None, smem_bytes=None,
+        smem_limit_bytes=MAX_SMEM_PER_BLOCK_OPTIN.get(arch), compile_s=compile_s, mma=[],
+        ptx_target=None, cubin_path=None, ptx_path=None, error=reason,
+    )
 
 
-def collect_targets(modules=BACKEND_MODULES):
-    """(module name, kernel name, arch, compile_fn) of every backend that exposes the hook."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    targets = []
-    for module_name in modules:
-        if module_name != "submission" and not (REPO_ROOT / f"{module_name}.py").exists():
-            continue
-        module = importlib.import_module(module_name)
-        hook = getattr(module, "compile_targets", None)
-        if hook is None:
-            continue
-        for kernel_name, arch, compile_fn in hook():
-            targets.append((module_name, kernel_name, arch, compile_fn))
-    return targets
+def _exception_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    cause = getattr(exc, "cause", None) or exc.__cause__
+    if cause is not None and str(cause) not in text:
+        text += f" (caused by {type(cause).__name__}: {cause})"
+    return text
 
 
-def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_dir: Path):
-    """Compile one kernel for `arch`, keep its cubin/PTX in dump_dir, return its KernelReports."""
+def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_dir: Path) -> list[KernelReport]:
+    """Compile one target for `arch`, keep its cubin/PTX in dump_dir, return one KernelReport
+    per kernel in its cubin, or one failed KernelReport saying why it did not build.
+
+    Runs in this process: dynamic shared memory is known when the compile returns the
+    compiled function (``build_all`` arranges that on every machine; here, DSL 4.3.5 on a
+    machine without a GPU raises at the load for a target of the architecture it assumes)."""
     dump_dir.mkdir(parents=True, exist_ok=True)
     for stale in list(dump_dir.glob("*.cubin")) + list(dump_dir.glob("*.ptx")):
         stale.unlink()
     options = f"--keep-cubin --keep-ptx --dump-dir {dump_dir} --gpu-arch {arch}"
-    load_error = None
+    compiled, error = None, None
     start = time.perf_counter()
-    with record_dynamic_smem() as dynamic_smem, captured_native_stderr() as native_stderr:
+    with captured_native_stderr() as native_stderr:
         try:
-            compile_fn(num_groups, options)
+            compiled = compile_fn(num_groups, options)
         except Exception as exc:  # noqa: BLE001 - judged below by whether the cubin exists
-            load_error = exc
+            error = exc
     compile_s = time.perf_counter() - start
+    stderr_text = native_stderr[0].strip() if native_stderr else ""
 
     cubins = sorted(dump_dir.glob("*.cubin"))
     if not cubins:
-        raise BuildError(
-            f"{kernel_name} (G={num_groups}, {arch}): no cubin was produced"
-            + (f": {type(load_error).__name__}: {load_error}" if load_error else "")
-            + (f"\n{native_stderr[0]}" if native_stderr and native_stderr[0] else "")
-        )
-    # The cubin exists: a later exception is the JIT/load step (no libcuda here), expected.
+        reason = "no cubin was produced"
+        if error is not None:
+            reason += f": {_exception_text(error)}"
+        if stderr_text:
+            reason += f"\n{stderr_text[-2000:]}"
+        return [failed_report(kernel_name, arch, num_groups, reason, compile_s)]
+    try:
+        cubin = read_cubin(cubins[0].read_bytes())
+    except (ValueError, struct.error) as exc:
+        return [failed_report(kernel_name, arch, num_groups, f"unreadable cubin {cubins[0].name}: {exc}", compile_s)]
     ptx_paths = sorted(dump_dir.glob("*.ptx"))
     ptx_text = ptx_paths[0].read_bytes().decode(errors="replace") if ptx_paths else ""
-    ptx_target_match = re.search(r"^\.target\s+(\S+)", ptx_text, re.MULTILINE)
-    mma_pattern = MMA_PATTERNS.get(arch)
-    mma = sorted(set(mma_pattern.findall(ptx_text))) if mma_pattern else []
+    ptx_target, entries = read_ptx(ptx_text)
 
-    cubin = read_cubin(cubins[0].read_bytes())
+    # Dynamic shared memory: from the launches in the compiled function's host code
+    kernels = list(cubin.functions)
+    host_ir = getattr(compiled, "ir_module", None) if compiled is not None else None
+    smem_by_kernel: dict[str, int | None] = {}
+    if host_ir is not None:
+        smem_by_kernel = launch_smem_by_kernel(host_launches(str(host_ir)), kernels)
+        source = "launch config in the compiled host code"
+    elif error is not None:
+        source = f"unavailable: the compile raised after writing the cubin ({_exception_text(error)[:300]})"
+    else:
+        source = "unavailable: the compiled function has no host code (ir_module)"
+
     reports = []
-    for index, function in enumerate(cubin.functions.values()):
-        dynamic = dynamic_smem[index] if index < len(dynamic_smem) else None
+    for function in cubin.functions.values():
+        entry = entries.get(function.name)
+        dynamic = smem_by_kernel.get(function.name)
+        row_source = source
+        if host_ir is not None and dynamic is None:
+            row_source = (
+                "unavailable: no launch of this kernel with a constant dynamic shared memory "
+                "size in the compiled host code"
+            )
         stack = function.max_stack_bytes if function.max_stack_bytes is not None else function.min_stack_bytes
         reports.append(
             KernelReport(
@@ -297,34 +463,160 @@ def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_
                 smem_bytes=None if dynamic is None else function.static_smem_bytes + dynamic,
                 smem_limit_bytes=MAX_SMEM_PER_BLOCK_OPTIN.get(arch),
                 compile_s=compile_s,
-                mma=mma,
-                ptx_target=ptx_target_match.group(1) if ptx_target_match else None,
+                mma=mma_instructions(entry.text if entry else ptx_text, arch),
+                ptx_target=ptx_target,
                 cubin_path=str(cubins[0]),
                 ptx_path=str(ptx_paths[0]) if ptx_paths else None,
+                threads=entry.threads if entry else None,
+                dynamic_smem_source=row_source,
             )
         )
     return reports
 
 
-def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES) -> list[KernelReport]:
-    reports = []
-    for module_name, kernel_name, arch, compile_fn in collect_targets(modules):
-        for num_groups in num_groups_list:
+def _import_backend(module_name: str):
+    """The backend module, or None when an optional one (any but submission) is absent."""
+    if module_name != "submission" and importlib.util.find_spec(module_name) is None:
+        return None
+    return importlib.import_module(module_name)
+
+
+def collect_targets(modules=BACKEND_MODULES):
+    """(module name, kernel name, arch, compile_fn) of every backend that exposes the hook."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    targets = []
+    for module_name in modules:
+        module = _import_backend(module_name)
+        hook = getattr(module, "compile_targets", None)
+        if hook is None:
+            continue
+        for kernel_name, arch, compile_fn in hook():
+            targets.append((module_name, kernel_name, arch, compile_fn))
+    return targets
+
+
+# ---- the build process --------------------------------------------------------------
+def _run_builds(spec: dict) -> None:
+    """Body of the build process: builds what `spec` says, one JSON line per result."""
+    for path in reversed(spec.get("paths", [])):
+        sys.path.insert(0, path)
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    dump_root = Path(spec["dump_root"])
+    skip = spec["skip"]
+    with open(spec["results"], "a", encoding="utf-8") as results:
+
+        def emit(record: dict) -> None:
+            results.write(json.dumps(record) + "\n")
+            results.flush()
+
+        builds = []
+        for module_name in spec["modules"]:
+            try:
+                module = _import_backend(module_name)
+                listed = list(module.compile_targets()) if hasattr(module, "compile_targets") else []
+            except Exception as exc:  # noqa: BLE001 - a backend that does not import is a failed row
+                if skip == 0:
+                    row = failed_report(module_name, "?", 0, f"the backend did not import: {_exception_text(exc)}")
+                    emit({"index": None, "reports": [dataclasses.asdict(row)]})
+                continue
+            for kernel_name, arch, compile_fn in listed:
+                for num_groups in spec["groups"]:
+                    builds.append((module_name, kernel_name, arch, compile_fn, num_groups))
+        emit({"plan": [[m, k, a, g] for m, k, a, _fn, g in builds]})
+        for index, (module_name, kernel_name, arch, compile_fn, num_groups) in enumerate(builds):
+            if index < skip:
+                continue
             dump_dir = dump_root / f"{module_name}.{kernel_name}.G{num_groups}"
-            reports += build_kernel(kernel_name, arch, compile_fn, num_groups, dump_dir)
+            try:
+                reports = build_kernel(kernel_name, arch, compile_fn, num_groups, dump_dir)
+            except Exception as exc:  # noqa: BLE001 - reading the artifacts failed: a failed row
+                reports = [failed_report(kernel_name, arch, num_groups, _exception_text(exc))]
+            emit({"index": index, "reports": [dataclasses.asdict(r) for r in reports]})
+
+
+def _build_process_env() -> dict:
+    env = dict(os.environ)
+    env["CUTE_DSL_ARCH"] = HOST_ARCH_FOR_BUILDS
+    env["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
+    return env
+
+
+def _tail(text: str, lines: int = 12) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=()) -> list[KernelReport]:
+    """Build every target of `modules` for every group count in a child process; one
+    KernelReport per kernel built, or a failed one per target that did not build. `paths`:
+    extra import paths for the backends."""
+    dump_root = Path(dump_root)
+    dump_root.mkdir(parents=True, exist_ok=True)
+    plan: list | None = None
+    done: dict[int, list[KernelReport]] = {}
+    extra: list[KernelReport] = []
+    skip = 0
+    while True:
+        with tempfile.TemporaryDirectory(prefix="nvfp4_build_run_") as run_dir:
+            results_path = Path(run_dir) / "results.jsonl"
+            log_path = Path(run_dir) / "output.txt"
+            spec = {
+                "modules": list(modules), "groups": list(num_groups_list), "dump_root": str(dump_root),
+                "results": str(results_path), "skip": skip, "paths": [str(p) for p in paths],
+            }
+            with open(log_path, "w+b") as log:
+                process = subprocess.run(
+                    [sys.executable, str(Path(__file__).resolve()), "--build-process", json.dumps(spec)],
+                    cwd=REPO_ROOT, env=_build_process_env(), stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=subprocess.STDOUT, check=False,
+                )
+                log.seek(0)
+                output = log.read().decode(errors="replace")
+            records = []
+            if results_path.exists():
+                records = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
+        for record in records:
+            if "plan" in record:
+                plan = plan if plan is not None else record["plan"]
+            elif record["index"] is None:
+                extra += [KernelReport(**r) for r in record["reports"]]
+            else:
+                done[record["index"]] = [KernelReport(**r) for r in record["reports"]]
+        how = f"exit status {process.returncode}" if process.returncode >= 0 else f"signal {-process.returncode}"
+        if plan is None:
+            extra.append(failed_report(
+                ",".join(modules), "?", 0,
+                f"the build process ended ({how}) before listing the targets\n{_tail(output)}",
+            ))
+            break
+        pending = [i for i in range(skip, len(plan)) if i not in done]
+        if not pending:
+            break
+        # The process died during build `pending[0]`: that one fails, the rest go on
+        _module_name, kernel_name, arch, num_groups = plan[pending[0]]
+        done[pending[0]] = [failed_report(
+            kernel_name, arch, num_groups, f"the build process died ({how})\n{_tail(output)}"
+        )]
+        skip = pending[0] + 1
+    reports = list(extra)
+    for index in sorted(done):
+        reports += done[index]
     return reports
 
 
 def problems(report: KernelReport) -> list[str]:
-    """Reasons a built kernel is not acceptable (empty when fine)."""
+    """Reasons a kernel is not acceptable (empty when fine)."""
+    if report.failed:
+        return [f"build failed: {report.error.splitlines()[0] if report.error else ''}"]
     found = []
     if report.registers is None or report.registers > MAX_REGISTERS_PER_THREAD:
         found.append(f"registers {report.registers}")
     if report.spill_bytes_max != 0:
         found.append(f"local frame {report.frame_bytes} B (possible spills)")
-    if report.smem_bytes is None or (
-        report.smem_limit_bytes is not None and report.smem_bytes > report.smem_limit_bytes
-    ):
+    if report.smem_bytes is None:
+        found.append(f"shared memory unknown: dynamic shared memory {report.dynamic_smem_source}")
+    elif report.smem_limit_bytes is not None and report.smem_bytes > report.smem_limit_bytes:
         found.append(f"shared memory {report.smem_bytes} B > {report.smem_limit_bytes} B")
     return found
 
@@ -338,59 +630,75 @@ def _short(name: str, width: int = 28) -> str:
 
 def format_table(reports: list[KernelReport]) -> str:
     header = (
-        f"{'target':<22} {'G':>2} {'arch':<8} {'regs':>4} {'spill':>6} {'stack':>5} "
-        f"{'smem B':>7} {'(static+dyn)':>14} {'compile s':>9}  mma / kernel"
+        f"{'target':<24} {'G':>2} {'arch':<8} {'regs':>4} {'spill':>6} {'stack':>5} "
+        f"{'smem B':>7} {'(static+dyn)':>14} {'thr':>4} {'compile s':>9}  mma / kernel"
     )
     lines = [header, "-" * len(header)]
     for r in reports:
+        if r.failed:
+            reason = r.error.strip().splitlines() if r.error else [""]
+            lines.append(f"{r.target:<24} {r.num_groups:>2} {r.arch:<8} FAILED: {_short(reason[0], 140)}")
+            lines += [f"{'':<24}    {_short(line, 140)}" for line in reason[1:6]]
+            continue
         spill = "0" if r.spill_bytes_max == 0 else f"<={r.spill_bytes_max}"
         smem = "?" if r.smem_bytes is None else str(r.smem_bytes)
-        split = f"({r.static_smem_bytes}+{r.dynamic_smem_bytes})"
+        dynamic = "?" if r.dynamic_smem_bytes is None else str(r.dynamic_smem_bytes)
+        split = f"({r.static_smem_bytes}+{dynamic})"
+        threads = "?" if r.threads is None else str(r.threads)
         mma = ", ".join(r.mma) if r.mma else "no MMA"
         lines.append(
-            f"{r.target:<22} {r.num_groups:>2} {r.arch:<8} {r.registers!s:>4} {spill:>6} "
-            f"{r.stack_bytes!s:>5} {smem:>7} {split:>14} {r.compile_s:>9.2f}  {mma}"
+            f"{r.target:<24} {r.num_groups:>2} {r.arch:<8} {r.registers!s:>4} {spill:>6} "
+            f"{r.stack_bytes!s:>5} {smem:>7} {split:>14} {threads:>4} {r.compile_s:>9.2f}  {mma}"
         )
-        lines.append(f"{'':<22}    kernel {_short(r.kernel, 90)}")
+        lines.append(f"{'':<24}    kernel {_short(r.kernel or '', 90)}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--build-process"]:
+        _run_builds(json.loads(argv[1]))
+        return 0
     parser = argparse.ArgumentParser(
         prog="build_report",
         description="Compile every kernel for its target architecture (no GPU needed) and "
         "print registers, spills, stack, shared memory and compile time from the cubin.",
     )
     parser.add_argument("--groups", default="1,2,8", help="group counts to build (default 1,2,8)")
+    parser.add_argument("--modules", default=",".join(BACKEND_MODULES),
+                        help=f"backend modules (default {','.join(BACKEND_MODULES)})")
     parser.add_argument("--dump-dir", default=None, help="keep cubins/PTX here (default: temp)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     num_groups_list = [int(x) for x in args.groups.split(",") if x.strip()]
+    modules = tuple(m.strip() for m in args.modules.split(",") if m.strip())
 
     with contextlib.ExitStack() as stack:
         if args.dump_dir:
             dump_root = Path(args.dump_dir)
         else:
             dump_root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nvfp4_build_")))
-        try:
-            reports = build_all(num_groups_list, dump_root)
-        except BuildError as exc:
-            print(f"build failed: {exc}", file=sys.stderr)
-            return 1
+        print(f"nvidia-cutlass-dsl {dsl_version()}, python {sys.version.split()[0]}", flush=True)
+        reports = build_all(num_groups_list, dump_root, modules)
         print(format_table(reports))
-        bad = [(r, problems(r)) for r in reports if problems(r)]
+        failed = [r for r in reports if r.failed]
+        bad = [(r, problems(r)) for r in reports if not r.failed and problems(r)]
         for r, found in bad:
             print(f"NOT OK {r.target} G={r.num_groups}: {'; '.join(found)}")
+        sources = sorted({r.dynamic_smem_source for r in reports if not r.failed and r.dynamic_smem_source})
+        if sources:
+            print("dynamic shared memory: " + "; ".join(sources))
+        built = len(reports) - len(failed)
         print(
-            f"{len(reports)} kernel builds; limits: <= {MAX_REGISTERS_PER_THREAD} registers, "
-            "0 spill bytes, shared memory <= "
+            f"{built} kernel builds, {len(failed)} failed; limits: <= {MAX_REGISTERS_PER_THREAD} "
+            "registers, 0 spill bytes, shared memory <= "
             + ", ".join(f"{a}: {v} B" for a, v in MAX_SMEM_PER_BLOCK_OPTIN.items())
             + ". Compiled only: nothing here was run on a GPU."
         )
         if args.json:
             Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))
-        return 1 if bad else 0
+        return 1 if failed or bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
