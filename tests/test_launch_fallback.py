@@ -1,0 +1,136 @@
+"""submission.make_launcher: the prepared launch (packed DSL arguments, one C call) runs only
+under the DSL release it was written for; under any other release, or when the DSL's
+internals it uses are missing, the launcher takes the public call path, and the kernel's entry
+point receives the same arguments either way.
+
+A stand-in for the compiled function models both paths the way the DSL runs them: the
+public ``compiled(*args)`` converts the arguments, packs them and calls the entry point; the
+prepared path does the conversion and packing once and calls the entry point itself.
+"""
+
+import importlib.metadata
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+import cutlass
+import pytest
+from cutlass import cute
+from cutlass.cute.runtime import make_ptr
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import submission
+
+
+class RecordingCompiled:
+    """A compiled function whose entry point records the packed arguments it receives."""
+
+    def __init__(self):
+        self.entry_calls = []  # packed argument lists, as the entry point received them
+        self.public_calls = []  # argument tuples of compiled(*args)
+        self.conversions = 0  # generate_execution_args calls
+        executor = SimpleNamespace(
+            jit_module=SimpleNamespace(capi_func=self.entry_calls.append),
+            cuda_result=None,
+            _get_invoke_packed_args=lambda exe_args: [("packed", arg) for arg in exe_args],
+        )
+        self.executor = executor
+
+    def generate_execution_args(self, *args):
+        self.conversions += 1
+        return [("converted", arg) for arg in args], list(args)
+
+    def to(self, device):
+        assert device is None
+        return self.executor
+
+    def __call__(self, *args):
+        self.public_calls.append(args)
+        exe_args, _adapted = self.generate_execution_args(*args)
+        self.executor.jit_module.capi_func(self.executor._get_invoke_packed_args(list(exe_args)))
+
+
+class PublicOnlyCompiled(RecordingCompiled):
+    """A release whose compiled function lacks the internals the prepared path uses."""
+
+    to = None
+
+
+@pytest.fixture
+def launch_args():
+    return (
+        make_ptr(cutlass.Int64, 1 << 32, cute.AddressSpace.gmem, assumed_align=16),
+        make_ptr(cutlass.Int32, 2 << 32, cute.AddressSpace.gmem, assumed_align=16),
+        cutlass.Int32(3),
+        cutlass.Int32(8),
+        cuda.CUstream(0),
+    )
+
+
+@pytest.fixture
+def pinned_release(monkeypatch):
+    monkeypatch.setattr(submission, "_DSL_VERSION", submission._PREPARED_LAUNCH_DSL_VERSION)
+    monkeypatch.setattr(submission, "_FORCE_PLAIN_LAUNCH", False)
+
+
+def _packed(args):
+    return [("packed", ("converted", arg)) for arg in args]
+
+
+def test_the_installed_release_is_the_one_checked():
+    assert submission._DSL_VERSION == importlib.metadata.version("nvidia-cutlass-dsl")
+    assert submission._PREPARED_LAUNCH_DSL_VERSION == "4.3.5"  # the leaderboard runner's
+
+
+def test_pinned_release_takes_the_prepared_path(pinned_release, launch_args):
+    compiled = RecordingCompiled()
+    launch = submission.make_launcher(compiled, *launch_args)
+    assert compiled.conversions == 1  # converted and packed once, when the launcher is made
+    launch()
+    launch()
+    assert compiled.public_calls == []
+    assert compiled.conversions == 1
+    assert compiled.entry_calls == [_packed(launch_args)] * 2
+
+
+@pytest.mark.parametrize("release", ["4.8.1", "4.3.4", "4.4.0", None])
+def test_any_other_release_takes_the_public_path_with_the_same_arguments(monkeypatch, launch_args, release):
+    monkeypatch.setattr(submission, "_FORCE_PLAIN_LAUNCH", False)
+    monkeypatch.setattr(submission, "_DSL_VERSION", submission._PREPARED_LAUNCH_DSL_VERSION)
+    prepared = RecordingCompiled()
+    submission.make_launcher(prepared, *launch_args)()
+
+    monkeypatch.setattr(submission, "_DSL_VERSION", release)
+    public = RecordingCompiled()
+    launch = submission.make_launcher(public, *launch_args)
+    assert public.conversions == 0  # nothing of the DSL's internals touched
+    launch()
+    launch()
+    assert public.public_calls == [launch_args] * 2
+    # The kernel's entry point receives what the prepared path gives it
+    assert public.entry_calls == [prepared.entry_calls[0]] * 2 == [_packed(launch_args)] * 2
+
+
+def test_pinned_release_without_the_internals_falls_back_to_the_public_path(pinned_release, launch_args):
+    compiled = PublicOnlyCompiled()
+    launch = submission.make_launcher(compiled, *launch_args)
+    launch()
+    assert compiled.public_calls == [launch_args]
+    assert compiled.entry_calls == [_packed(launch_args)]
+
+
+def test_plain_launch_forced_takes_the_public_path(pinned_release, monkeypatch, launch_args):
+    monkeypatch.setattr(submission, "_FORCE_PLAIN_LAUNCH", True)
+    compiled = RecordingCompiled()
+    submission.make_launcher(compiled, *launch_args)()
+    assert compiled.public_calls == [launch_args] and compiled.conversions == 1
+
+
+def test_prepared_launch_reports_a_failed_launch(pinned_release, launch_args):
+    compiled = RecordingCompiled()
+    compiled.executor.cuda_result = SimpleNamespace(value=700)  # CUDA_ERROR_ILLEGAL_ADDRESS
+    launch = submission.make_launcher(compiled, *launch_args)
+    with pytest.raises(RuntimeError, match="CUresult 700"):
+        launch()
