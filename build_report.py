@@ -629,16 +629,17 @@ def _short(name: str, width: int = 28) -> str:
 
 
 def format_table(reports: list[KernelReport]) -> str:
+    width = max([24] + [len(r.target) for r in reports])
     header = (
-        f"{'target':<24} {'G':>2} {'arch':<8} {'regs':>4} {'spill':>6} {'stack':>5} "
+        f"{'target':<{width}} {'G':>2} {'arch':<8} {'regs':>4} {'spill':>6} {'stack':>5} "
         f"{'smem B':>7} {'(static+dyn)':>14} {'thr':>4} {'compile s':>9}  mma / kernel"
     )
     lines = [header, "-" * len(header)]
     for r in reports:
         if r.failed:
             reason = r.error.strip().splitlines() if r.error else [""]
-            lines.append(f"{r.target:<24} {r.num_groups:>2} {r.arch:<8} FAILED: {_short(reason[0], 140)}")
-            lines += [f"{'':<24}    {_short(line, 140)}" for line in reason[1:6]]
+            lines.append(f"{r.target:<{width}} {r.num_groups:>2} {r.arch:<8} FAILED: {_short(reason[0], 140)}")
+            lines += [f"{'':<{width}}    {_short(line, 140)}" for line in reason[1:6]]
             continue
         spill = "0" if r.spill_bytes_max == 0 else f"<={r.spill_bytes_max}"
         smem = "?" if r.smem_bytes is None else str(r.smem_bytes)
@@ -647,10 +648,10 @@ def format_table(reports: list[KernelReport]) -> str:
         threads = "?" if r.threads is None else str(r.threads)
         mma = ", ".join(r.mma) if r.mma else "no MMA"
         lines.append(
-            f"{r.target:<24} {r.num_groups:>2} {r.arch:<8} {r.registers!s:>4} {spill:>6} "
+            f"{r.target:<{width}} {r.num_groups:>2} {r.arch:<8} {r.registers!s:>4} {spill:>6} "
             f"{r.stack_bytes!s:>5} {smem:>7} {split:>14} {threads:>4} {r.compile_s:>9.2f}  {mma}"
         )
-        lines.append(f"{'':<24}    kernel {_short(r.kernel or '', 90)}")
+        lines.append(f"{'':<{width}}    kernel {_short(r.kernel or '', 90)}")
     return "\n".join(lines)
 
 
