@@ -76,8 +76,10 @@ import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
 import torch
 from cutlass import cute, pipeline, utils
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.cute.runtime import make_ptr
+from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from task import input_t, output_t
@@ -330,6 +332,13 @@ def tensormap_desc_ptr(tensormap_manager, tensormaps: cute.Tensor, group_idx, sl
         tensormap_manager.get_tensormap_ptr(tensormaps[(group_idx, slot, None)].iterator),
         cute.AddressSpace.generic,
     )
+
+
+@dsl_user_op
+def prefetch_tensormap(desc_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """``prefetch.tensormap``: bring a TMA descriptor (generic address) into the descriptor
+    cache before its first copy, instead of on that copy's path."""
+    nvvm.prefetch_tensormap(desc_ptr.llvm_ptr, loc=loc, ip=ip)
 
 
 def group_tensormap_gmem_ptrs(tensormap_manager, tensormaps: cute.Tensor, group_idx):
@@ -1171,6 +1180,9 @@ class PersistentGemmConfig:
 
 
 PERSISTENT_CONFIGS = {t: PersistentGemmConfig(tokens_per_tile=t) for t in (128, 256)}
+# A tile-table row of the persistent kernel: group, MMA m tile (256 problem-N rows), MMA n tile
+# (tokens_per_tile problem-M rows), k-tiles: 16 bytes, one vector load
+PERSISTENT_TILE_ROW = 4
 # Descriptor slots of one group, in MMA roles: A = problem B, B = problem A,
 # SFA = problem SFB, SFB = problem SFA, C = problem C through its (N, M) view
 PERSISTENT_NUM_TENSORMAPS = 5
@@ -1445,7 +1457,6 @@ class PersistentGemmSm100:
     @cute.jit
     def __call__(
         self,
-        ptr_of_sizes: cute.Pointer,
         ptr_of_tiles: cute.Pointer,
         ptr_of_tensormaps: cute.Pointer,
         num_groups: cutlass.Int32,
@@ -1456,8 +1467,9 @@ class PersistentGemmSm100:
         """Launch ``num_clusters`` CTA pairs over the ``num_tiles`` entries of the tile table."""
         self._setup_attributes()
         atoms, proxies = self._make_atoms()
-        tensor_of_problem_sizes = cute.make_tensor(ptr_of_sizes, cute.make_layout((num_groups, 4), stride=(4, 1)))
-        tensor_of_tiles = cute.make_tensor(ptr_of_tiles, cute.make_layout((num_tiles, 3), stride=(3, 1)))
+        tensor_of_tiles = cute.make_tensor(
+            ptr_of_tiles, cute.make_layout((num_tiles, PERSISTENT_TILE_ROW), stride=(PERSISTENT_TILE_ROW, 1))
+        )
         tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
 
         @cute.struct
@@ -1498,7 +1510,6 @@ class PersistentGemmSm100:
             self.sfb_smem_layout_staged,
             self.c_smem_layout_staged,
             self.epi_tile,
-            tensor_of_problem_sizes,
             tensor_of_tiles,
             tensormaps,
             num_tiles,
@@ -1535,8 +1546,7 @@ class PersistentGemmSm100:
         sfb_smem_layout_staged: cute.Layout,
         c_smem_layout_staged: cute.ComposedLayout,
         epi_tile: cute.Tile,
-        tensor_of_problem_sizes: cute.Tensor,  # [G, 4] int32: problem m, n, k, l
-        tensor_of_tiles: cute.Tensor,  # [T, 3] int32: group, MMA m tile, MMA n tile
+        tensor_of_tiles: cute.Tensor,  # [T, 4] int32: group, MMA m tile, MMA n tile, k-tiles
         tensormaps: cute.Tensor,  # [G, 5, 16] int64
         num_tiles: cutlass.Int32,
     ):
@@ -1684,12 +1694,15 @@ class PersistentGemmSm100:
         #
         if warp_idx == self.tma_warp_id:
             ab_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
+            tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
             tile_idx = cluster_idx
+            cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)  # no pair without a tile
             while tile_idx < num_tiles:
-                group_idx = tensor_of_tiles[tile_idx, 0]
-                mma_tile_m = tensor_of_tiles[tile_idx, 1]
-                mma_tile_n = tensor_of_tiles[tile_idx, 2]
-                k_tile_cnt = tensor_of_problem_sizes[group_idx, 2] // self.mma_tiler[2]
+                group_idx, mma_tile_m, mma_tile_n, k_tile_cnt = tile_row[0], tile_row[1], tile_row[2], tile_row[3]
+                # The next tile's row, one 16-byte load a whole tile ahead of its use
+                tile_idx += num_clusters
+                if tile_idx < num_tiles:
+                    cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
                 desc_a = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 0)
                 desc_b = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 1)
                 desc_sfa = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 2)
@@ -1721,7 +1734,11 @@ class PersistentGemmSm100:
                     peek_ab_empty_status = cutlass.Boolean(1)
                     if ab_producer_state.count < k_tile_cnt:
                         peek_ab_empty_status = ab_pipeline.producer_try_acquire(ab_producer_state)
-                tile_idx += num_clusters
+                if tile_idx < num_tiles:
+                    # Its row has arrived: fetch the next tile's descriptors while this tile's
+                    # last stages are still in flight
+                    for slot in cutlass.range_constexpr(4):
+                        prefetch_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], slot))
             ab_pipeline.producer_tail(ab_producer_state)
 
         #
@@ -1742,10 +1759,14 @@ class PersistentGemmSm100:
 
             ab_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stage)
             acc_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
+            tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
             tile_idx = cluster_idx
+            cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
             while tile_idx < num_tiles:
-                group_idx = tensor_of_tiles[tile_idx, 0]
-                k_tile_cnt = tensor_of_problem_sizes[group_idx, 2] // self.mma_tiler[2]
+                k_tile_cnt = tile_row[3]
+                tile_idx += num_clusters
+                if tile_idx < num_tiles:
+                    cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
                 # (MMA, MMA_M, MMA_N)
                 tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
 
@@ -1779,7 +1800,6 @@ class PersistentGemmSm100:
                 if is_leader_cta:
                     acc_pipeline.producer_commit(acc_producer_state)
                 acc_producer_state.advance()
-                tile_idx += num_clusters
             acc_pipeline.producer_tail(acc_producer_state)
 
         #
@@ -1817,11 +1837,14 @@ class PersistentGemmSm100:
             )
             acc_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
             num_subtiles_done = cutlass.Int32(0)
+            tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
             tile_idx = cluster_idx
+            cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
             while tile_idx < num_tiles:
-                group_idx = tensor_of_tiles[tile_idx, 0]
-                mma_tile_m = tensor_of_tiles[tile_idx, 1]
-                mma_tile_n = tensor_of_tiles[tile_idx, 2]
+                group_idx, mma_tile_m, mma_tile_n = tile_row[0], tile_row[1], tile_row[2]
+                tile_idx += num_clusters
+                if tile_idx < num_tiles:
+                    cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
                 desc_c = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 4)
                 # ((ATOM_V, REST_V), EPI_M * EPI_N)
                 bSG_gC = cute.group_modes(bSG_gC_partitioned[(None, None, None, mma_tile_m, mma_tile_n, 0)], 1, 3)
@@ -1852,7 +1875,8 @@ class PersistentGemmSm100:
                     self.epilog_sync_barrier.arrive_and_wait()
                 acc_consumer_state.advance()
                 num_subtiles_done += subtile_cnt
-                tile_idx += num_clusters
+                if warp_idx == self.epilog_warp_id[0] and tile_idx < num_tiles:
+                    prefetch_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
 
             #
             # Free TMEM once both CTAs of the pair are done with it
@@ -2158,25 +2182,41 @@ def persistent_stage_bytes(tokens_per_tile: int) -> int:
 B200_NUM_SMS = 148
 
 
+# Per-SM rates of the token-tile rule: a CTA's TMA stream, fitted by bench/b200_model.py to the
+# published B200 times of the fastest public entry (122.7 KB/µs per SM), and the nvfp4 MMA rate
+# that entry measured (5797 TFLOP/s over 148 SMs). A model's constants, not measurements here.
+SM100_STREAM_BYTES_PER_US = 122_700
+SM100_MMA_FLOP_PER_US = 5797.05e6 / 148
+
+
+def persistent_k_tile_us(tokens_per_tile: int) -> float:
+    """Modelled µs of one k-tile of a CTA of the pair: its stage's bytes at the per-SM stream
+    rate or its MMAs (128 N rows x tokens x 256 K), whichever is longer."""
+    load_us = persistent_stage_bytes(tokens_per_tile) / SM100_STREAM_BYTES_PER_US
+    mma_us = 2 * 128 * tokens_per_tile * 256 / SM100_MMA_FLOP_PER_US
+    return max(load_us, mma_us)
+
+
 def choose_tokens_per_tile(problem_sizes, num_sms: int = B200_NUM_SMS) -> int:
     """Tokens per tile (MMA N) of the persistent kernel for this input set.
 
     The DSL's 2-CTA block-scaled MMA takes N = 16..256 in steps of 16; the kernel compiles 128
     and 256, the two sizes NVIDIA's grouped block-scaled example runs with cta_group::2 (the
     tokens' scales are loaded as whole 128-row atoms, so other sizes waste them or need
-    column offsets into TMEM). Rule: the size whose busiest CTA pair streams the fewest bytes
-    (k-tiles x stage bytes over its share of the tile list), 128 on a tie. 256 pays on large M
-    (152 against 224 stage bytes per token) when the tile count leaves no partial wave; 128
-    keeps two accumulators, so its epilogues overlap the next tile's mainloop.
+    column offsets into TMEM). Rule: the size whose busiest CTA pair finishes first, its
+    tiles' k-tiles at persistent_k_tile_us each; 128 on a tie. A k-tile of 256 tokens is
+    MMA-bound (0.43 µs against 0.23 for 128), so 256 pays only where it removes tiles from
+    the busiest pair: large M without a partial last wave. 128 also keeps two accumulators,
+    so its epilogues overlap the next tile's mainloop.
     """
     num_clusters = max(num_sms // 2, 1)
     best = None
     for tokens_per_tile in (128, 256):
         tiles = plan_persistent_tiles(problem_sizes, tokens_per_tile)
-        stream = [0] * num_clusters
+        k_tiles_per_pair = [0] * num_clusters
         for index, (g, _n_tile, _m_tile) in enumerate(tiles):
-            stream[index % num_clusters] += problem_sizes[g][2] // 256
-        cost = max(stream) * persistent_stage_bytes(tokens_per_tile)
+            k_tiles_per_pair[index % num_clusters] += problem_sizes[g][2] // 256
+        cost = max(k_tiles_per_pair) * persistent_k_tile_us(tokens_per_tile)
         if best is None or cost < best[0]:
             best = (cost, tokens_per_tile)
     return best[1]
@@ -2220,7 +2260,6 @@ def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = 
     if key not in _compiled_persistent_cache:
         _compiled_persistent_cache[key] = cute.compile(
             PersistentGemmSm100(config),
-            _fake_ptr(cutlass.Int32),
             _fake_ptr(cutlass.Int32),
             _fake_ptr(cutlass.Int64),
             cutlass.Int32(1),
@@ -2287,7 +2326,11 @@ class Sm100Backend:
         config = self.persistent_config(problem_sizes)
         if config is None:
             return plan_tiles(problem_sizes, SM100_CONFIG.mma_tiler_mnk[0], SM100_CONFIG.mma_tiler_mnk[1])
-        return plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
+        k_tiles = [size[2] // 256 for size in problem_sizes]
+        return [
+            (g, n_tile, m_tile, k_tiles[g])
+            for g, n_tile, m_tile in plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
+        ]
 
     def prepare(self, tables: "GroupTables") -> Sm100LaunchState:
         """TMA descriptors of every group: reused, or built by an init kernel on the current
@@ -2347,7 +2390,6 @@ class Sm100Backend:
             gemm_fn = compile_persistent_gemm(state.config)
             return make_launcher(
                 gemm_fn,
-                _gmem_ptr(cutlass.Int32, tables.sizes),
                 _gmem_ptr(cutlass.Int32, tables.tiles),
                 _gmem_ptr(cutlass.Int64, state.tensormaps),
                 cutlass.Int32(tables.num_groups),
@@ -2398,7 +2440,8 @@ class GroupTables:
 
     ptrs  int64 [G, 5]: data_ptr of a, b, c, sfa_reordered, sfb_reordered per group
     sizes int32 [G, 4]: (M, N, K, L) per group
-    tiles int32 [T, 3]: (group, tile_m, tile_n), order of plan_tiles
+    tiles int32 [T, W]: the backend's tile rows (W = 3: group, tile_m, tile_n in plan_tiles'
+                        order; the persistent sm_100 kernel's rows: W = 4)
     """
 
     __slots__ = (
@@ -2440,10 +2483,11 @@ def build_group_tables(problem_sizes, pointers, tiles, device) -> GroupTables:
     num_groups = len(problem_sizes)
     num_tiles = len(tiles)
     # Byte offsets, each table 128-byte aligned
+    row = len(tiles[0]) if tiles else 3
     ptrs_bytes = num_groups * NUM_PTR_COLS * 8
     sizes_off = _align_up(ptrs_bytes, 128)
     tiles_off = _align_up(sizes_off + num_groups * 4 * 4, 128)
-    total = _align_up(tiles_off + max(num_tiles, 1) * 3 * 4, 128)
+    total = _align_up(tiles_off + max(num_tiles, 1) * row * 4, 128)
 
     # Packed in Python and handed to torch as one buffer: one torch op per table cost about
     # twice the CPU on a cache miss (144 -> 69 µs for G = 8, benchmark shape 0, on a CPU here).
@@ -2451,7 +2495,7 @@ def build_group_tables(problem_sizes, pointers, tiles, device) -> GroupTables:
     flatten = itertools.chain.from_iterable
     struct.pack_into(f"<{num_groups * NUM_PTR_COLS}q", staging, 0, *flatten(pointers))
     struct.pack_into(f"<{num_groups * 4}i", staging, sizes_off, *flatten(problem_sizes))
-    struct.pack_into(f"<{num_tiles * 3}i", staging, tiles_off, *flatten(tiles))
+    struct.pack_into(f"<{num_tiles * row}i", staging, tiles_off, *flatten(tiles))
     host = torch.frombuffer(staging, dtype=torch.uint8)
     if device.type == "cuda":
         host = host.pin_memory()  # a fresh pinned block, owned by these tables
@@ -2464,7 +2508,7 @@ def build_group_tables(problem_sizes, pointers, tiles, device) -> GroupTables:
         num_tiles=num_tiles,
         ptrs=dev[:ptrs_bytes].view(torch.int64).view(num_groups, NUM_PTR_COLS),
         sizes=dev[sizes_off : sizes_off + num_groups * 16].view(torch.int32).view(num_groups, 4),
-        tiles=dev[tiles_off : tiles_off + num_tiles * 12].view(torch.int32).view(num_tiles, 3),
+        tiles=dev[tiles_off : tiles_off + num_tiles * row * 4].view(torch.int32).view(num_tiles, row),
         host_staging=host,
         device_buf=dev,
     )

@@ -72,7 +72,7 @@ def persistent_build(request, tmp_path_factory):
     fake = submission._fake_ptr
     cubin, ptx = _compile_kept(
         lambda options: cute.compile(
-            kernel, fake(cutlass.Int32), fake(cutlass.Int32), fake(cutlass.Int64),
+            kernel, fake(cutlass.Int32), fake(cutlass.Int64),
             cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0), options=options,
         ),
         tmp_path_factory.mktemp(f"persistent_t{request.param}"),
@@ -162,6 +162,10 @@ def test_sass_per_k_tile(persistent_build):
     scale_copies = (K_TILE // MMA_INST_K) * (1 + max(tokens, 128) // 128)
     assert _count(opcodes, "UTCCP") == scale_copies
     assert opcodes["UTCCP.T.S.2CTA.4x32dp128bit"] == scale_copies
+    # Descriptor prefetches: the next tile's A, B, SFA, SFB (TMA warp) and C (epilogue)
+    assert opcodes["UTMACCTL.PF"] == 5
+    # Tile-table rows come in 16-byte loads
+    assert opcodes["LDG.E.128"] >= 1
     # TMA loads per stage: A, B (2-CTA), SFA, and SFB multicast to both CTAs of the pair
     loads = {op: n for op, n in opcodes.items() if op.startswith("UTMALDG")}
     assert sum(loads.values()) == 4, loads
