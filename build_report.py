@@ -551,7 +551,7 @@ def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=(
     """Build every target of `modules` for every group count in a child process; one
     KernelReport per kernel built, or a failed one per target that did not build. `paths`:
     extra import paths for the backends."""
-    dump_root = Path(dump_root)
+    dump_root = Path(dump_root).resolve()  # the build process runs in the repository root
     dump_root.mkdir(parents=True, exist_ok=True)
     plan: list | None = None
     done: dict[int, list[KernelReport]] = {}
@@ -563,7 +563,7 @@ def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=(
             log_path = Path(run_dir) / "output.txt"
             spec = {
                 "modules": list(modules), "groups": list(num_groups_list), "dump_root": str(dump_root),
-                "results": str(results_path), "skip": skip, "paths": [str(p) for p in paths],
+                "results": str(results_path), "skip": skip, "paths": [str(Path(p).resolve()) for p in paths],
             }
             with open(log_path, "w+b") as log:
                 process = subprocess.run(

@@ -348,3 +348,12 @@ def test_main_exits_0_when_every_target_builds_within_limits(fake_backends, monk
     out = capsys.readouterr().out
     assert "4 kernel builds, 0 failed" in out
     assert "dynamic shared memory: launch config in the compiled host code" in out
+
+
+def test_build_all_relative_dump_dir_is_the_callers(fake_backends, monkeypatch, tmp_path_factory):
+    # The build process runs in the repository root; a relative dump dir is the caller's
+    caller_dir = tmp_path_factory.mktemp("caller")
+    monkeypatch.chdir(caller_dir)
+    reports = build_report.build_all((1,), Path("dumps"), modules=("report_fake_backend",), paths=(fake_backends,))
+    good = [r for r in reports if not r.failed]
+    assert good and all(Path(r.cubin_path).is_relative_to(caller_dir / "dumps") for r in good)
