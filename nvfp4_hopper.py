@@ -47,7 +47,7 @@ Constraints (checked by submission.validate_inputs and by ``can_implement`` here
   * a/b/c row-major with unit stride along K (a, b) or N (c); reordered scale tensors in the
     official permuted layout (a contiguous (rest_mn, rest_k, 32, 4, 4) buffer)
 
-Standalone use on an H200: ``run_grouped(data)`` (same 4-tuple input as custom_kernel).
+Standalone use of one config on an H200: ``submission.run_with_backend(data, make_backend(config))``.
 """
 
 from __future__ import annotations
@@ -1763,36 +1763,32 @@ def stream_k_pays(tile_k_tiles, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) ->
     return stream_k_cost <= 0.95 * default_cost
 
 
-def tile_k_tiles_of(tables, config: HopperGemmConfig) -> list[int]:
-    """k-tiles of every tile of the tables' tile table (its order: plan_tiles)."""
-    from submission import plan_tiles
-
-    tiles = plan_tiles(tables.problem_sizes, config.tile_m, config.tile_n)
-    return [tables.problem_sizes[group][2] // config.tile_k for group, _, _ in tiles]
+def tile_k_tiles_of(plan, config: HopperGemmConfig) -> list[int]:
+    """k-tiles of every tile of the plan's tile rows (group first in each row)."""
+    return [plan.problem_sizes[row[0]][2] // config.tile_k for row in plan.tile_rows]
 
 
 class StreamKPlan:
-    """A stream-K launch's device buffers for one input set: `work` (int32: the num_workers + 1
-    offsets, then the segment rows), the fp32 workspace (one tile_m x tile_n slot per part of
-    a shared tile) and one arrival counter per tile (zero between launches: the last part
-    resets it). Owned by the input set's launch state: launches of other input sets, on any
-    stream, never share them; two launches of this input set in flight at once on different
-    streams would (as they would share its c)."""
+    """A stream-K launch's device buffers for one plan (size set): `work` (int32: the
+    num_workers + 1 offsets, then the segment rows), the fp32 workspace (one tile_m x tile_n
+    slot per part of a shared tile) and one arrival counter per tile (zero between launches:
+    the last part resets it). Every input set of the plan shares them; the runtime orders
+    launches of the plan on different streams (Sm90Plan.shared_scratch)."""
 
     __slots__ = (
         "_host_staging", "counters", "num_slots", "num_workers", "segments", "work", "work_offsets",
         "workspace",
     )
 
-    def __init__(self, tables, config: HopperGemmConfig, max_workers: int):
-        tile_k_tiles = tile_k_tiles_of(tables, config)
+    def __init__(self, plan, config: HopperGemmConfig, max_workers: int):
+        tile_k_tiles = tile_k_tiles_of(plan, config)
         work_offsets, self.segments, self.num_slots = _cached_plan(
             tuple(tile_k_tiles), max_workers, STREAM_K_MIN_SEGMENT
         )
         self.work_offsets = list(work_offsets)
         self.num_workers = len(self.work_offsets) - 1
         flat = self.work_offsets + [v for row in self.segments for v in row]
-        device = tables.device
+        device = plan.device
         # a pinned staging copy owned by the plan and one non_blocking copy, as for the tables
         # (a pageable copy would wait for the stream's earlier work: a miss would stall it)
         host = torch.tensor(flat, dtype=torch.int32)
@@ -1806,34 +1802,44 @@ class StreamKPlan:
         )
         self.counters = torch.zeros(max(len(tile_k_tiles), 1), dtype=torch.int32, device=device)
 
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (self.work, self.workspace, self.counters))
+
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for buffer in (self.work, self.workspace, self.counters):
             buffer.record_stream(stream)
 
 
-class Sm90LaunchState:
-    """What a launch of one input set on sm_90 reads: its tables, the kernel config their
-    tile table was built for and, for stream-K, its StreamKPlan."""
+class Sm90Plan:
+    """The sm_90 backend's part of a plan: the kernel config its size set runs and, for
+    stream-K, the StreamKPlan (whose scratch every input set of the plan shares)."""
 
-    __slots__ = ("config", "stream_k", "tables")
+    __slots__ = ("config", "stream_k")
 
-    def __init__(self, tables, config: HopperGemmConfig, stream_k: StreamKPlan | None = None):
-        self.tables = tables
+    def __init__(self, config: HopperGemmConfig, stream_k: StreamKPlan | None = None):
         self.config = config
         self.stream_k = stream_k
 
+    @property
+    def nbytes(self) -> int:
+        return self.stream_k.nbytes if self.stream_k is not None else 0
+
+    @property
+    def shared_scratch(self) -> bool:
+        return self.stream_k is not None
+
     def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """The tables are RuntimeState's to record; the stream-K buffers are this state's."""
-        if self.stream_k is not None and self.tables.device.type == "cuda":
+        if self.stream_k is not None and self.stream_k.work.device.type == "cuda":
             self.stream_k.record_stream(stream)
 
 
 class Sm90Backend:
     """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host
-    runtime: no descriptors (the kernel reads the pointer table), so the launch state is the
-    tables, the config they were built for and, for stream-K, its plan.
+    runtime: no descriptors (the kernel reads the pointer table), so a plan is the config its
+    size set runs and, for stream-K, its schedule and scratch.
 
-    auto_schedule: per input set, stream-K where stream_k_pays, else split-K over a 2-CTA
+    auto_schedule: per size set, stream-K where stream_k_pays, else split-K over a 2-CTA
     cluster where split_k_pays, else whole tiles; otherwise `config` runs every input set as
     given."""
 
@@ -1846,14 +1852,19 @@ class Sm90Backend:
         self.tile_m = config.tile_m
         self.tile_n = config.tile_n
 
-    def config_for(self, tables) -> HopperGemmConfig:
-        """The config this input set runs (same tile shape: one tile table serves all)."""
+    @property
+    def plan_key(self):
+        """What, besides the device and the sizes, a plan of this backend depends on."""
+        return (self.name, self.config, self.auto_schedule)
+
+    def config_for(self, plan) -> HopperGemmConfig:
+        """The config this size set runs (same tile shape: one tile table serves all)."""
         if not self.auto_schedule:
             return self.config
-        num_sms = _num_sms(tables.device)
-        if self.config.a_in_registers and stream_k_pays(tile_k_tiles_of(tables, self.config), num_sms):
+        num_sms = _num_sms(plan.device)
+        if self.config.a_in_registers and stream_k_pays(tile_k_tiles_of(plan, self.config), num_sms):
             return dataclasses.replace(self.config, stream_k=True)
-        if split_k_pays(tables.num_tiles, num_sms):
+        if split_k_pays(plan.num_tiles, num_sms):
             return dataclasses.replace(self.config, split_k=2)
         return self.config
 
@@ -1866,37 +1877,32 @@ class Sm90Backend:
     def tile_shape(self, problem_sizes) -> tuple[int, int]:
         return self.tile_m, self.tile_n
 
-    def prepare(self, tables) -> Sm90LaunchState:
-        """Pick this input set's config, compile its kernel (cached) for its group count and,
+    def prepare(self, plan) -> Sm90Plan:
+        """Pick the size set's config, compile its kernel (cached) for its group count and,
         for stream-K, plan the workers' shares and allocate their buffers."""
-        config = self.config_for(tables)
-        self.compile(tables.num_groups, config)
-        plan = None
-        if config.stream_k and tables.num_tiles > 0:
-            plan = StreamKPlan(tables, config, _num_sms(tables.device) * CTAS_PER_SM)
-        return Sm90LaunchState(tables, config, plan)
+        config = self.config_for(plan)
+        self.compile(plan.num_groups, config)
+        stream_k = None
+        if config.stream_k and plan.num_tiles > 0:
+            stream_k = StreamKPlan(plan, config, _num_sms(plan.device) * CTAS_PER_SM)
+        return Sm90Plan(config, stream_k)
 
-    def launcher(self, state: Sm90LaunchState, stream: cuda.CUstream) -> Callable[[], None]:
-        """The GEMM launch of this input set on `stream`, its arguments prepared once."""
-        from submission import make_launcher
-
-        tables = state.tables
-        if tables.num_tiles == 0:
-            return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
-        plan = state.stream_k
-        if plan is None:
+    def launch_args(self, plan, binding, stream: cuda.CUstream):
+        """(compiled GEMM, its arguments) for this input set on `stream`."""
+        backend_plan = plan.backend_plan
+        stream_k = backend_plan.stream_k
+        if stream_k is None:
             # not read by the kernel: any valid pointers
-            work, num_workers = tables.tiles, 0
-            workspace, counters = tables.sizes, tables.sizes
+            work, num_workers = plan.tiles, 0
+            workspace, counters = plan.sizes, plan.sizes
         else:
-            work, num_workers = plan.work, plan.num_workers
-            workspace, counters = plan.workspace, plan.counters
-        return make_launcher(
-            self.compile(tables.num_groups, state.config),
-            _gmem_ptr(cutlass.Int64, tables.ptrs),
-            _gmem_ptr(cutlass.Int32, tables.sizes),
-            _gmem_ptr(cutlass.Int32, tables.tiles),
-            cutlass.Int32(tables.num_tiles),
+            work, num_workers = stream_k.work, stream_k.num_workers
+            workspace, counters = stream_k.workspace, stream_k.counters
+        return self.compile(plan.num_groups, backend_plan.config), (
+            _gmem_ptr(cutlass.Int64, binding.ptrs),
+            _gmem_ptr(cutlass.Int32, plan.sizes),
+            _gmem_ptr(cutlass.Int32, plan.tiles),
+            cutlass.Int32(plan.num_tiles),
             _gmem_ptr(cutlass.Int32, work),
             cutlass.Int32(num_workers),
             _gmem_ptr(cutlass.Float32, workspace),
@@ -1905,24 +1911,9 @@ class Sm90Backend:
         )
 
 
-def _no_launch() -> None:
-    pass
-
-
 def make_backend(config: HopperGemmConfig | None = None) -> Sm90Backend:
     """The backend custom_kernel uses (config None: SM90_CONFIG, split-K where split_k_pays),
     or one running `config` as given for every input set."""
     if config is None:
         return Sm90Backend(SM90_CONFIG, auto_schedule=True)
     return Sm90Backend(config)
-
-
-def run_grouped(data, config: HopperGemmConfig | None = None):
-    """Standalone entry: validate, build the state with the shared host runtime, launch on
-    torch's current stream, return the c list. config None: what custom_kernel runs
-    (SM90_CONFIG). No runtime cache: every call rebuilds its tables."""
-    import submission
-
-    state = submission.build_state(data, submission.validate_inputs(data), make_backend(config))
-    state.run(submission._stream_for_current())
-    return [c for _, _, c in data[0]]

@@ -44,9 +44,12 @@ Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
     pointers the runtime has seen launches only the GEMM; updating descriptors in the kernel
     instead would put a descriptor write and proxy fence on every CTA's path at every group
     change of every call.
-  * Host side: validated inputs become ``GroupTables`` (pointers, sizes, tiles) kept, together
-    with descriptors and prepared launch arguments, in a bounded LRU keyed on every data
-    pointer (a hit also compares the problem sizes); a cache hit is one kernel launch.
+  * Host side, two levels of state: a ``Plan`` per (device, problem sizes, backend) holds
+    the tile rows, the device table of sizes and tiles and the backend's plan (compiled
+    kernel, schedule, scratch), shared by every input set of those sizes (bounded by count
+    and bytes); a ``Binding`` per input set (its data pointers) holds the pointer table, the
+    sm_100 descriptors and the prepared launch (bounded LRU). A hit is one launch; a new
+    pointer set of known sizes pays the pointer checks, its pointer table and descriptors.
   * On Hopper (sm_90) the same host runtime drives the backend from ``nvfp4_hopper.py``.
 
 Status: both sm_100a kernels are compiled for sm_100a and checked from their cubin, SASS and
@@ -142,7 +145,7 @@ num_tmem_alloc_cols = SM100_CONFIG.num_tmem_alloc_cols
 num_tensormaps = SM100_CONFIG.num_tensormaps
 bytes_per_tensormap = SM100_CONFIG.bytes_per_tensormap
 
-# Columns of the per-group pointer table (GroupTables.ptrs)
+# Columns of the per-group pointer table (Binding.ptrs)
 PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB = range(5)
 NUM_PTR_COLS = 5
 
@@ -1446,13 +1449,16 @@ class PersistentGemmSm100:
             cute.make_layout((n, m, one), stride=(1, cute.assume(n, 8), cute.assume(m * n, 8))),
         )
         atoms = (tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb, tma_atom_c)
-        for atom, smem_ptr in zip(atoms, smem_ptrs):
-            tensormap_manager.init_tensormap_from_atom(atom, smem_ptr, 0)
-        tensormap_manager.update_tensormap(
-            (mma_a, mma_b, mma_sfa, mma_sfb, mma_c), atoms, gmem_ptrs, 0, smem_ptrs
-        )
-        for gmem_ptr in gmem_ptrs:
-            tensormap_manager.fence_tensormap_update(gmem_ptr)
+        # A group with M = 0 has no tiles: its slots are never read, and its sizes (N need not
+        # be a multiple of 8 there) would not make valid descriptors
+        if m > 0:
+            for atom, smem_ptr in zip(atoms, smem_ptrs):
+                tensormap_manager.init_tensormap_from_atom(atom, smem_ptr, 0)
+            tensormap_manager.update_tensormap(
+                (mma_a, mma_b, mma_sfa, mma_sfb, mma_c), atoms, gmem_ptrs, 0, smem_ptrs
+            )
+            for gmem_ptr in gmem_ptrs:
+                tensormap_manager.fence_tensormap_update(gmem_ptr)
 
     @cute.jit
     def __call__(
@@ -2279,22 +2285,16 @@ def _persistent_config_for(problem_sizes: tuple, num_sms: int) -> PersistentGemm
     return PERSISTENT_CONFIGS[choose_tokens_per_tile(problem_sizes, num_sms)]
 
 
-class Sm100LaunchState:
-    """What a launch of one input set on sm_100 reads: its tables, its TMA descriptors, and
-    the persistent kernel's config (None: the per-tile kernel)."""
+class Sm100Plan:
+    """The sm_100 backend's part of a plan: which kernel runs these sizes (config None: the
+    per-tile kernel) and over how many CTA pairs."""
 
-    __slots__ = ("config", "num_clusters", "tables", "tensormaps")
+    __slots__ = ("config", "num_clusters")
+    nbytes = 0  # no device buffers beyond the runtime's tables
 
-    def __init__(self, tables, tensormaps, config=None, num_clusters=0):
-        self.tables = tables
-        self.tensormaps = tensormaps
+    def __init__(self, config, num_clusters):
         self.config = config
         self.num_clusters = num_clusters
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        # The tensormaps may have been written on another stream (a miss on stream S1, now
-        # launched on S2): keep their memory alive for S2's work after an eviction.
-        self.tensormaps.record_stream(stream)
 
 
 class Sm100Backend:
@@ -2316,13 +2316,24 @@ class Sm100Backend:
         # stored by TMA). The init kernel runs only when one of those changed.
         self._descriptors = RuntimeCache(max_entries=64)
 
+    @property
+    def plan_key(self):
+        """What, besides the device and the sizes, a plan of this backend depends on."""
+        return (self.name, self.kernel, self.num_sms)
+
     def persistent_config(self, problem_sizes) -> PersistentGemmConfig | None:
         """The persistent kernel's config for this input set, or None for the per-tile kernel."""
         if self.kernel != "persistent":
             return None
         return _persistent_config_for(tuple(map(tuple, problem_sizes)), self.num_sms)
 
-    def plan_tiles(self, problem_sizes) -> list[tuple[int, int, int]]:
+    def can_implement(self, problem_sizes) -> None:
+        """validate_inputs states every sm_100 constraint; input sets the persistent kernel
+        cannot run go to the per-tile kernel (persistent_config)."""
+
+    def plan_tiles(self, problem_sizes) -> list[tuple[int, ...]]:
+        """Tile rows: (group, tile_m, tile_n) of 128x128 tiles for the per-tile kernel;
+        (group, MMA m tile, MMA n tile, k-tiles) for the persistent kernel."""
         config = self.persistent_config(problem_sizes)
         if config is None:
             return plan_tiles(problem_sizes, SM100_CONFIG.mma_tiler_mnk[0], SM100_CONFIG.mma_tiler_mnk[1])
@@ -2332,86 +2343,68 @@ class Sm100Backend:
             for g, n_tile, m_tile in plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
         ]
 
-    def prepare(self, tables: "GroupTables") -> Sm100LaunchState:
-        """TMA descriptors of every group: reused, or built by an init kernel on the current
-        stream."""
-        config = self.persistent_config(tables.problem_sizes)
+    def prepare(self, plan: "Plan") -> Sm100Plan:
+        """Compile (cached) the kernels these sizes run; pairs: min(tiles, SMs / 2)."""
+        config = self.persistent_config(plan.problem_sizes)
         if config is None:
-            slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB)
-            num_slots = num_tensormaps
+            compile_init_tensormaps(plan.num_groups)
+            compile_gemm(plan.num_groups)
         else:
-            slots = (PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB)
-            num_slots = PERSISTENT_NUM_TENSORMAPS
+            compile_persistent_init(config)
+            compile_persistent_gemm(config)
+        return Sm100Plan(config, min(plan.num_tiles, max(self.num_sms // 2, 1)))
+
+    def bind(self, plan: "Plan", binding: "Binding"):
+        """TMA descriptors of every group of this input set: reused, or built by an init
+        kernel on the current stream."""
+        config = plan.backend_plan.config
+        if config is None:
+            slots, num_slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB), num_tensormaps
+        else:
+            slots, num_slots = (PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB), PERSISTENT_NUM_TENSORMAPS
         descriptor_key = (
-            str(tables.device),
+            str(plan.device),
             config,
-            tables.problem_sizes,
-            tuple(tuple(p[i] for i in slots) for p in tables.pointers),
+            plan.problem_sizes,
+            tuple(tuple(p[i] for i in slots) for p in binding.pointers),
         )
         tensormaps = self._descriptors.get(descriptor_key)
         if tensormaps is None:
-            if config is None:
-                init_fn = compile_init_tensormaps(tables.num_groups)
-            else:
-                init_fn = compile_persistent_init(config)
+            init_fn = compile_init_tensormaps(plan.num_groups) if config is None else compile_persistent_init(config)
             tensormaps = torch.empty(
-                (tables.num_groups, num_slots, bytes_per_tensormap // 8),
-                dtype=torch.int64,
-                device=tables.device,
+                (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
             )
             init_fn(
-                _gmem_ptr(cutlass.Int64, tables.ptrs),
-                _gmem_ptr(cutlass.Int32, tables.sizes),
+                _gmem_ptr(cutlass.Int64, binding.ptrs),
+                _gmem_ptr(cutlass.Int32, plan.sizes),
                 _gmem_ptr(cutlass.Int64, tensormaps),
-                cutlass.Int32(tables.num_groups),
+                cutlass.Int32(plan.num_groups),
                 _stream_for_current(),
             )
             self._descriptors.put(descriptor_key, tensormaps)
-        num_clusters = min(tables.num_tiles, max(self.num_sms // 2, 1))
-        return Sm100LaunchState(tables, tensormaps, config, num_clusters)
+        return tensormaps
 
-    def can_implement(self, problem_sizes) -> None:
-        """validate_inputs states every sm_100 constraint; input sets the persistent kernel
-        cannot run go to the per-tile kernel (persistent_config)."""
-
-    def tile_shape(self, problem_sizes) -> tuple[int, int]:
-        """(problem M rows, problem N columns) one tile of this input set covers."""
-        config = self.persistent_config(problem_sizes)
-        if config is None:
-            return SM100_CONFIG.mma_tiler_mnk[0], SM100_CONFIG.mma_tiler_mnk[1]
-        return config.tokens_per_tile, config.mma_m
-
-    def launcher(self, state: Sm100LaunchState, stream: cuda.CUstream) -> Callable[[], None]:
-        """The GEMM launch of this input set on `stream`, its arguments prepared once."""
-        tables = state.tables
-        if tables.num_tiles == 0:
-            return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
-        if state.config is not None:
-            gemm_fn = compile_persistent_gemm(state.config)
-            return make_launcher(
-                gemm_fn,
-                _gmem_ptr(cutlass.Int32, tables.tiles),
-                _gmem_ptr(cutlass.Int64, state.tensormaps),
-                cutlass.Int32(tables.num_groups),
-                cutlass.Int32(tables.num_tiles),
-                cutlass.Int32(state.num_clusters),
+    def launch_args(self, plan: "Plan", binding: "Binding", stream: cuda.CUstream):
+        """(compiled GEMM, its arguments) for this input set on `stream`."""
+        config, tensormaps = plan.backend_plan.config, binding.bound
+        if config is not None:
+            return compile_persistent_gemm(config), (
+                _gmem_ptr(cutlass.Int32, plan.tiles),
+                _gmem_ptr(cutlass.Int64, tensormaps),
+                cutlass.Int32(plan.num_groups),
+                cutlass.Int32(plan.num_tiles),
+                cutlass.Int32(plan.backend_plan.num_clusters),
                 stream,
             )
-        gemm_fn = compile_gemm(tables.num_groups)
-        return make_launcher(
-            gemm_fn,
-            _gmem_ptr(cutlass.Int64, tables.ptrs),
-            _gmem_ptr(cutlass.Int32, tables.sizes),
-            _gmem_ptr(cutlass.Int32, tables.tiles),
-            _gmem_ptr(cutlass.Int64, state.tensormaps),
-            cutlass.Int32(tables.num_tiles),
-            cutlass.Int32(tables.num_groups),
+        return compile_gemm(plan.num_groups), (
+            _gmem_ptr(cutlass.Int64, binding.ptrs),
+            _gmem_ptr(cutlass.Int32, plan.sizes),
+            _gmem_ptr(cutlass.Int32, plan.tiles),
+            _gmem_ptr(cutlass.Int64, tensormaps),
+            cutlass.Int32(plan.num_tiles),
+            cutlass.Int32(plan.num_groups),
             stream,
         )
-
-
-def _no_launch() -> None:
-    pass
 
 
 # =============================================================================
@@ -2435,93 +2428,50 @@ def _align_up(x, a):
     return (x + a - 1) // a * a
 
 
-class GroupTables:
-    """Device tables of one input set (see ARCH section 4).
+def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Copy integer tables to `device` in one buffer: (device buffer, host staging, views).
 
-    ptrs  int64 [G, 5]: data_ptr of a, b, c, sfa_reordered, sfb_reordered per group
-    sizes int32 [G, 4]: (M, N, K, L) per group
-    tiles int32 [T, W]: the backend's tile rows (W = 3: group, tile_m, tile_n in plan_tiles'
-                        order; the persistent sm_100 kernel's rows: W = 4)
-    """
-
-    __slots__ = (
-        "_device_buf", "device", "host_staging", "num_groups", "num_tiles", "pointers",
-        "problem_sizes", "ptrs", "sizes", "tiles",
-    )
-
-    def __init__(self, device, problem_sizes, pointers, num_tiles, ptrs, sizes, tiles, host_staging, device_buf):
-        self.device = device
-        # Host copies (tuples) of what the device tables hold
-        self.problem_sizes = problem_sizes
-        self.pointers = pointers
-        self.num_groups = len(problem_sizes)
-        self.num_tiles = num_tiles
-        self.ptrs = ptrs
-        self.sizes = sizes
-        self.tiles = tiles
-        # The host staging buffer belongs to this object and is never written again after the
-        # copy below was issued: a later input set gets its own buffer, so a pending
-        # non_blocking copy can never see another call's pointers. When this object dies, torch's
-        # pinned-memory allocator only reuses the block after the copies that read it finished.
-        self.host_staging = host_staging
-        self._device_buf = device_buf
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """Tell torch's allocator the tables are read on `stream` (memory freed on eviction
-        is then not reused before that stream's work finished)."""
-        self._device_buf.record_stream(stream)
-
-
-def build_group_tables(problem_sizes, pointers, tiles, device) -> GroupTables:
-    """Build GroupTables on `device` from validated sizes, per-group pointer 5-tuples and
-    the backend's tile list (3-tuples).
-
-    One freshly allocated (pinned, for CUDA) host buffer holds all three tables; one
-    non_blocking copy on torch's current stream moves it to the device.
+    `tables`: (struct code "q" or "i", rows of equal length). Each table starts on a 128-byte
+    boundary. The host side is a fresh pinned block owned by the caller and never written
+    again after the one non_blocking copy on torch's current stream, so a pending copy can
+    never see another call's values (torch's pinned allocator reuses the block only after the
+    copies that read it finished).
     """
     device = torch.device(device)
-    num_groups = len(problem_sizes)
-    num_tiles = len(tiles)
-    # Byte offsets, each table 128-byte aligned
-    row = len(tiles[0]) if tiles else 3
-    ptrs_bytes = num_groups * NUM_PTR_COLS * 8
-    sizes_off = _align_up(ptrs_bytes, 128)
-    tiles_off = _align_up(sizes_off + num_groups * 4 * 4, 128)
-    total = _align_up(tiles_off + max(num_tiles, 1) * row * 4, 128)
-
+    layout, offset = [], 0
+    for code, rows in tables:
+        width = len(rows[0]) if rows else 1
+        itemsize = struct.calcsize(code)
+        layout.append((offset, code, len(rows), width, itemsize))
+        offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
     # Packed in Python and handed to torch as one buffer: one torch op per table cost about
-    # twice the CPU on a cache miss (144 -> 69 µs for G = 8, benchmark shape 0, on a CPU here).
-    staging = bytearray(total)
-    flatten = itertools.chain.from_iterable
-    struct.pack_into(f"<{num_groups * NUM_PTR_COLS}q", staging, 0, *flatten(pointers))
-    struct.pack_into(f"<{num_groups * 4}i", staging, sizes_off, *flatten(problem_sizes))
-    struct.pack_into(f"<{num_tiles * row}i", staging, tiles_off, *flatten(tiles))
+    # twice the CPU (144 -> 69 µs for G = 8, benchmark shape 0, on a CPU here).
+    staging = bytearray(offset)
+    for (start, code, count, width, _), (_, rows) in zip(layout, tables):
+        struct.pack_into(f"<{count * width}{code}", staging, start, *_flatten(rows))
     host = torch.frombuffer(staging, dtype=torch.uint8)
     if device.type == "cuda":
-        host = host.pin_memory()  # a fresh pinned block, owned by these tables
-    dev = torch.empty(total, dtype=torch.uint8, device=device)
-    dev.copy_(host, non_blocking=True)
-    return GroupTables(
-        device=device,
-        problem_sizes=tuple(tuple(int(v) for v in p) for p in problem_sizes),
-        pointers=tuple(tuple(int(v) for v in p) for p in pointers),
-        num_tiles=num_tiles,
-        ptrs=dev[:ptrs_bytes].view(torch.int64).view(num_groups, NUM_PTR_COLS),
-        sizes=dev[sizes_off : sizes_off + num_groups * 16].view(torch.int32).view(num_groups, 4),
-        tiles=dev[tiles_off : tiles_off + num_tiles * row * 4].view(torch.int32).view(num_tiles, row),
-        host_staging=host,
-        device_buf=dev,
-    )
+        host = host.pin_memory()
+    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+    buffer.copy_(host, non_blocking=True)
+    dtypes = {"q": torch.int64, "i": torch.int32}
+    views = [
+        buffer[start : start + count * width * itemsize].view(dtypes[code]).view(count, width)
+        for start, code, count, width, itemsize in layout
+    ]
+    return buffer, host, views
 
 
 class RuntimeCache:
-    """Bounded LRU of prepared input sets (tables, descriptors, prepared launch).
+    """Bounded LRU (count, and bytes where entries have `nbytes`).
 
     ``entries`` (least recently used first) is public so that custom_kernel's hit path can
     look up and touch an entry with two C calls, without a Python frame for get()."""
 
-    def __init__(self, max_entries: int = 64):
+    def __init__(self, max_entries: int = 64, max_bytes: int | None = None):
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.nbytes = 0
         self.entries: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 
     def get(self, key):
@@ -2530,11 +2480,22 @@ class RuntimeCache:
             self.entries.move_to_end(key)
         return state
 
-    def put(self, key, state):
+    def put(self, key, state) -> list:
+        """Insert `state`; return the entries evicted to stay within the bounds."""
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= getattr(old, "nbytes", 0)
         self.entries[key] = state
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.max_entries:
-            self.entries.popitem(last=False)
+        self.nbytes += getattr(state, "nbytes", 0)
+        evicted = []
+        while len(self.entries) > 1 and (
+            len(self.entries) > self.max_entries
+            or (self.max_bytes is not None and self.nbytes > self.max_bytes)
+        ):
+            _, entry = self.entries.popitem(last=False)
+            self.nbytes -= getattr(entry, "nbytes", 0)
+            evicted.append(entry)
+        return evicted
 
     def __len__(self):
         return len(self.entries)
@@ -2544,6 +2505,7 @@ class RuntimeCache:
 
     def clear(self):
         self.entries.clear()
+        self.nbytes = 0
 
 
 # const_data_ptr: the same address as data_ptr, without the mutable-data bookkeeping (12%
@@ -2559,7 +2521,7 @@ def input_key(data) -> tuple:
     Built from the raw input on every call, so it holds only what must be hashed:
       * the device is implied: under CUDA's unified virtual addressing a device pointer
         identifies its allocation process-wide (and the backend follows the device);
-      * the problem sizes are not hashed: a hit compares them with the state's validated
+      * the problem sizes are not hashed: a hit compares them with the plan's validated
         sizes (hashing 4G more ints per call cost more than the comparison).
     With G = 8 the 40 data_ptr() calls are most of its cost. Raises on malformed input.
     """
@@ -2567,54 +2529,8 @@ def input_key(data) -> tuple:
     return (*map(_data_ptr, _flatten(abc)), *map(_data_ptr, _flatten(sfasfb_reordered)))
 
 
-class RuntimeState:
-    """Everything one input set needs on a hit: its tables, the backend's launch state, and
-    the launch prepared for the stream it last ran on."""
-
-    __slots__ = ("backend", "graph", "launch", "launch_state", "stream", "tables")
-
-    def __init__(self, backend, tables, launch_state):
-        self.backend = backend
-        self.tables = tables
-        self.launch_state = launch_state
-        self.stream = None
-        self.launch = None
-        # GraphLaunch of this input set's launch; None: not captured yet; False: launched
-        # directly (graphs off, nothing to launch, or the capture failed)
-        self.graph = None
-
-    def bind(self, stream: cuda.CUstream) -> None:
-        """Prepare the launch for `stream` (torch's current stream)."""
-        tables = self.tables
-        if self.graph is None:
-            self.graph = False
-            if _GRAPH_LAUNCH and tables.device.type == "cuda" and tables.num_tiles > 0:
-                try:
-                    self.graph = GraphLaunch(
-                        lambda s: self.backend.launcher(self.launch_state, s), tables.device
-                    )
-                except Exception:  # noqa: BLE001 - the direct launch reports any real error
-                    self.graph = False
-        if self.graph:
-            self.launch = self.graph.launcher(stream)
-        else:
-            self.launch = self.backend.launcher(self.launch_state, stream)
-        self.stream = stream
-        if tables.device.type == "cuda":
-            # Tables (and descriptors) written on another stream (a miss on S1, now launched
-            # on S2): keep their memory alive for S2's work after an eviction.
-            torch_stream = torch.cuda.current_stream(tables.device)
-            tables.record_stream(torch_stream)
-            self.launch_state.record_stream(torch_stream)
-
-    def run(self, stream: cuda.CUstream) -> None:
-        if stream is not self.stream:
-            self.bind(stream)
-        self.launch()
-
-
-def backend_tiles(backend, problem_sizes) -> list[tuple[int, int, int]]:
-    """The backend's own tile list where it plans one (sm_100), else plan_tiles over its tile
+def backend_tiles(backend, problem_sizes) -> list[tuple[int, ...]]:
+    """The backend's own tile rows where it plans them (sm_100), else plan_tiles over its tile
     shape."""
     plan = getattr(backend, "plan_tiles", None)
     if plan is not None:
@@ -2622,23 +2538,187 @@ def backend_tiles(backend, problem_sizes) -> list[tuple[int, int, int]]:
     return plan_tiles(problem_sizes, *backend.tile_shape(problem_sizes))
 
 
-def build_state(data, problem_sizes, backend) -> RuntimeState:
-    """Tables and launch state of a validated input set for `backend` (every backend, and every
-    caller: custom_kernel, the Hopper module's standalone entry, the benchmarks)."""
-    backend.can_implement(problem_sizes)
+class Plan:
+    """What every input set of one size set shares on one device and backend.
+
+    sizes int32 [G, 4]: (M, N, K, L) per group; tiles int32 [T, W]: the backend's tile rows
+    (W = 3: group, tile_m, tile_n in plan_tiles' order; the persistent sm_100 kernel's rows:
+    W = 4). backend_plan: what the backend's prepare(plan) made of them (the kernel config,
+    compiled kernels, a schedule and its scratch buffers). nbytes: device bytes held.
+    """
+
+    __slots__ = (
+        "_device_buf", "_host_staging", "backend", "backend_plan", "device", "nbytes", "num_groups",
+        "num_tiles", "problem_sizes", "scratch_event", "scratch_stream", "sizes", "tile_rows", "tiles",
+    )
+
+    def __init__(self, backend, problem_sizes, device):
+        self.backend = backend
+        self.device = torch.device(device)
+        self.problem_sizes = tuple(tuple(int(v) for v in p) for p in problem_sizes)
+        self.num_groups = len(self.problem_sizes)
+        self.tile_rows = backend_tiles(backend, self.problem_sizes)
+        self.num_tiles = len(self.tile_rows)
+        self._device_buf, self._host_staging, (self.sizes, self.tiles) = upload_int_tables(
+            self.device, [("i", self.problem_sizes), ("i", self.tile_rows)]
+        )
+        # Launches of this plan on different streams are ordered when they share scratch
+        self.scratch_event = None
+        self.scratch_stream = None
+        self.backend_plan = backend.prepare(self)
+        self.nbytes = self._device_buf.numel() + getattr(self.backend_plan, "nbytes", 0)
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Tell torch's allocator the plan's buffers are read on `stream` (memory freed on
+        eviction is then not reused before that stream's work finished)."""
+        self._device_buf.record_stream(stream)
+        record = getattr(self.backend_plan, "record_stream", None)
+        if record is not None:
+            record(stream)
+
+
+class Binding:
+    """One input set (its data pointers) bound to its plan: the pointer table the kernel
+    reads (ptrs int64 [G, 5]: a, b, c, sfa_reordered, sfb_reordered), the backend's
+    per-pointer state (`bound`: the sm_100 TMA descriptors), and the launch prepared for the
+    stream it last ran on."""
+
+    __slots__ = (
+        "_device_buf", "_host_staging", "bound", "direct_launches", "graph", "launch", "plan",
+        "pointers", "ptrs", "stream",
+    )
+
+    def __init__(self, plan: Plan, pointers):
+        self.plan = plan
+        self.pointers = tuple(tuple(int(v) for v in p) for p in pointers)
+        self._device_buf, self._host_staging, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
+        bind = getattr(plan.backend, "bind", None)
+        self.bound = bind(plan, self) if bind is not None else None
+        self.stream = None
+        self.launch = None
+        # GraphLaunch of this input set's launch; None: not recorded (yet); False: launched
+        # directly (graphs off, nothing to launch, or the capture failed)
+        self.graph = None
+        self.direct_launches = 0
+
+    def _direct_launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
+        if self.plan.num_tiles == 0:
+            return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
+        compiled, args = self.plan.backend.launch_args(self.plan, self, stream)
+        return make_launcher(compiled, *args)
+
+    def bind(self, stream: cuda.CUstream) -> None:
+        """Prepare the launch for `stream` (torch's current stream).
+
+        The first call of an input set launches directly; its second call records the launch
+        as a CUDA graph and later calls replay it (1.6-1.8 µs of CPU on the H200 host against
+        4.6-6.1 µs for the prepared DSL call). An input set seen once never pays a capture."""
+        plan = self.plan
+        if self.graph is None and (self.direct_launches or not _GRAPH_LAUNCH):
+            self.graph = False
+            if _GRAPH_LAUNCH and _can_record(plan):
+                try:
+                    self.graph = GraphLaunch(self._direct_launcher, plan.device)
+                except Exception:  # noqa: BLE001 - the direct launch reports any real error
+                    self.graph = False
+        if self.graph:
+            launch = self.graph.launcher(stream)
+        elif self.graph is None:
+            direct = self._direct_launcher(stream)
+
+            def launch():
+                direct()
+                self.direct_launches += 1
+                self.stream = None  # the next call binds again: it records the graph
+
+        else:
+            launch = self._direct_launcher(stream)
+        if plan.device.type == "cuda" and getattr(plan.backend_plan, "shared_scratch", False):
+            launch = _ordered_on_scratch(plan, stream, launch)
+        self.launch = launch
+        self.stream = stream
+        if plan.device.type == "cuda":
+            # Tables (and descriptors) written on another stream (a miss on S1, now launched
+            # on S2): keep their memory alive for S2's work after an eviction.
+            torch_stream = torch.cuda.current_stream(plan.device)
+            self._device_buf.record_stream(torch_stream)
+            plan.record_stream(torch_stream)
+            record = getattr(self.bound, "record_stream", None)
+            if record is not None:
+                record(torch_stream)
+
+    def run(self, stream: cuda.CUstream) -> None:
+        if stream is not self.stream:
+            self.bind(stream)
+        self.launch()
+
+
+def _can_record(plan: Plan) -> bool:
+    return plan.device.type == "cuda" and plan.num_tiles > 0
+
+
+def _ordered_on_scratch(plan: Plan, stream: cuda.CUstream, launch: Callable[[], None]) -> Callable[[], None]:
+    """`launch` made to wait for the plan's previous launch when that ran on another stream:
+    the input sets of a plan share its scratch (the stream-K workspace and counters)."""
+    if plan.scratch_event is None:
+        result, event = cuda.cuEventCreate(cuda.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        _check_cuda(result, "cuEventCreate")
+        plan.scratch_event = event
+    event = plan.scratch_event
+
+    def ordered():
+        if plan.scratch_stream is not None and plan.scratch_stream is not stream:
+            _check_cuda(cuda.cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
+        launch()
+        _check_cuda(cuda.cuEventRecord(event, stream)[0], "cuEventRecord")
+        plan.scratch_stream = stream
+
+    return ordered
+
+
+def _no_launch() -> None:
+    pass
+
+
+def pointers_of(data) -> list[tuple[int, int, int, int, int]]:
     abc, _, sfasfb_reordered, _ = data
-    device = abc[0][0].device
-    pointers = [
+    return [
         (a.data_ptr(), b.data_ptr(), c.data_ptr(), sfa.data_ptr(), sfb.data_ptr())
         for (a, b, c), (sfa, sfb) in zip(abc, sfasfb_reordered)
     ]
-    with torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext():
-        tables = build_group_tables(problem_sizes, pointers, backend_tiles(backend, problem_sizes), device)
-        launch_state = backend.prepare(tables)
-    return RuntimeState(backend, tables, launch_state)
 
 
-_RUNTIME_CACHE = RuntimeCache(max_entries=64)
+def _device_context(device: torch.device):
+    return torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def bind_input_set(data, backend) -> Binding:
+    """Validate one input set and bind it to a new plan for `backend`, outside every cache (a
+    test or benchmark entry for a backend of one's choosing). binding.run(stream) launches it
+    (directly on its first run, as a recorded graph from its second on)."""
+    problem_sizes = validate_inputs(data)
+    backend.can_implement(problem_sizes)
+    device = data[0][0][0].device
+    with _device_context(device):
+        return Binding(Plan(backend, problem_sizes, device), pointers_of(data))
+
+
+def run_with_backend(data, backend) -> list[torch.Tensor]:
+    """bind_input_set, then one direct launch on torch's current stream; the c list."""
+    binding = bind_input_set(data, backend)
+    binding.graph = False  # one launch: nothing to record
+    with _device_context(binding.plan.device):
+        binding.run(_stream_for_current())
+    return [c for _, _, c in data[0]]
+
+
+# Input sets (bindings) by data pointers, plans by (device, sizes, backend), validated sizes by
+# signature. A plan holds device memory (the stream-K workspace: 23 MB for benchmark shape 0):
+# 32 plans and 1 GiB at most; a binding holds its pointer table, so an evicted plan's bindings
+# go with it.
+_BINDINGS = RuntimeCache(max_entries=64)
+_PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
+_SIGNATURES = RuntimeCache(max_entries=256)
 _BACKEND_BY_DEVICE: dict = {}
 
 
@@ -2675,48 +2755,110 @@ def select_backend(device_index: int):
     return backend
 
 
-def _validated_state(data) -> RuntimeState:
-    """The validating path: validate_inputs, then the cached state of this input set or a
-    new one."""
+def _signature(data) -> tuple:
+    """What validate_inputs judged of an input set besides its pointers: the problem sizes and
+    every kernel-read tensor's dtype, shape and strides."""
+    abc, _, sfasfb_reordered, problem_sizes = data
+    return (
+        tuple(map(tuple, problem_sizes)),
+        tuple((t.dtype, t.shape, t.stride()) for t in _flatten(abc)),
+        tuple((t.dtype, t.shape, t.stride()) for t in _flatten(sfasfb_reordered)),
+    )
+
+
+def _same_device_and_aligned(data) -> bool:
+    """The checks of validate_inputs that depend on the pointers: one CUDA device, 32-byte
+    aligned base addresses."""
+    abc, _, sfasfb_reordered, _ = data
+    device = abc[0][0].device
+    if device.type != "cuda":
+        return False
+    for tensor in itertools.chain(_flatten(abc), _flatten(sfasfb_reordered)):
+        if tensor.device != device or (tensor.data_ptr() % BASE_ALIGN_BYTES and tensor.numel()):
+            return False
+    return True
+
+
+def checked_problem_sizes(data) -> tuple[tuple[int, int, int, int], ...]:
+    """validate_inputs, at the cost of what changed: an input set whose signature (sizes,
+    dtypes, shapes, strides) passed before pays only the pointer checks (device,
+    alignment); anything else, or a failed check, runs the full rules and raises their
+    errors."""
+    try:
+        signature = _signature(data)
+    except Exception:  # noqa: BLE001 - malformed input: validate_inputs names what is wrong
+        signature = None
+    if signature is not None:
+        problem_sizes = _SIGNATURES.get(signature)
+        if problem_sizes is not None and _same_device_and_aligned(data):
+            return problem_sizes
     problem_sizes = validate_inputs(data)
+    if signature is not None:
+        _SIGNATURES.put(signature, problem_sizes)
+    return problem_sizes
+
+
+def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
+    """The cached plan of these sizes on `device` for `backend`, or a new one."""
+    key = (str(device), problem_sizes, backend.plan_key)
+    plan = _PLANS.get(key)
+    if plan is None:
+        backend.can_implement(problem_sizes)
+        plan = Plan(backend, problem_sizes, device)
+        evicted = _PLANS.put(key, plan)
+        if evicted:
+            # Their bindings would keep the evicted plans' memory alive: drop them too
+            gone = {id(p) for p in evicted}
+            for binding_key in [k for k, b in _BINDINGS.entries.items() if id(b.plan) in gone]:
+                del _BINDINGS.entries[binding_key]
+    return plan
+
+
+def _bound_input_set(data) -> Binding:
+    """The validating path: checked sizes, then the cached binding of these pointers or a new
+    one on the plan of these sizes."""
+    problem_sizes = checked_problem_sizes(data)
     key = input_key(data)
-    state = _RUNTIME_CACHE.get(key)
-    if state is None or state.tables.problem_sizes != problem_sizes:
-        state = build_state(data, problem_sizes, select_backend(data[0][0][0].device.index))
-        _RUNTIME_CACHE.put(key, state)
-    return state
+    binding = _BINDINGS.get(key)
+    if binding is None or binding.plan.problem_sizes != problem_sizes:
+        device = data[0][0][0].device
+        with _device_context(device):
+            plan = get_plan(select_backend(device.index), problem_sizes, device)
+            binding = Binding(plan, pointers_of(data))
+        _BINDINGS.put(key, binding)
+    return binding
 
 
 def custom_kernel(data: input_t) -> output_t:
     """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
     # Hit: every pointer and the problem sizes equal those of an input set that passed
-    # validate_inputs. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors:
-    # a tensor replaced by one with the same address and problem size but another dtype or
+    # validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a
+    # tensor replaced by one with the same address and problem size but another dtype or
     # layout would be read as the validated one.
-    # (input_key, RuntimeCache.get, _stream_for_current and RuntimeState.run are inlined
-    # below: every Python frame saved is CPU time the leaderboard's 15-call loop times)
+    # (input_key, RuntimeCache.get, _stream_for_current and Binding.run are inlined below:
+    # every Python frame saved is CPU time the leaderboard's 15-call loop times)
     try:
         # input_key(data), inlined
         key = (*map(_data_ptr, _flatten(data[0])), *map(_data_ptr, _flatten(data[2])))
-        entries = _RUNTIME_CACHE.entries
-        state = entries.get(key)
-        if state is not None:
+        entries = _BINDINGS.entries
+        binding = entries.get(key)
+        if binding is not None:
             entries.move_to_end(key)
-            if tuple(data[3]) != state.tables.problem_sizes:
-                state = None  # same buffers, other sizes: validate and rebuild
+            if tuple(data[3]) != binding.plan.problem_sizes:
+                binding = None  # same buffers, other sizes: check and bind again
     except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
-        state = None
-    if state is None:
-        state = _validated_state(data)
+        binding = None
+    if binding is None:
+        binding = _bound_input_set(data)
     if _current_raw_stream is not None:
         stream = _STREAM_OBJECTS.get(_current_raw_stream(_cuda_get_device()))
     else:
         stream = None
     if stream is None:
         stream = _stream_for_current()
-    if stream is not state.stream:
-        state.bind(stream)
-    state.launch()
+    if stream is not binding.stream:
+        binding.bind(stream)
+    binding.launch()
     return list(map(_c_of_group, data[0]))
 
 

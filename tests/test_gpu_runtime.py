@@ -114,6 +114,7 @@ def test_steady_state_is_one_launch_without_copies():
     """A hit launches one kernel and makes no host-to-device copy (torch profiler count)."""
     data = generate_input(**SIZES, seed=99)
     submission.custom_kernel(data)  # miss: tables, copies, compile
+    submission.custom_kernel(data)  # second call: records the graph
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         submission.custom_kernel(data)
@@ -125,7 +126,7 @@ def test_steady_state_is_one_launch_without_copies():
 
 
 def _state_of(data):
-    return submission._RUNTIME_CACHE.get(submission.input_key(data))
+    return submission._BINDINGS.get(submission.input_key(data))
 
 
 def _zero_outputs(data):
@@ -134,12 +135,15 @@ def _zero_outputs(data):
 
 
 def test_hit_replays_the_recorded_graph_on_any_stream():
-    """By default a state's launch is a CUDA graph recorded once; each replay computes (the
-    outputs are zeroed before it), on torch's current stream and on another one."""
+    """By default an input set's first call launches directly and its second records a CUDA
+    graph, once; each replay computes (the outputs are zeroed before it), on torch's current
+    stream and on another one."""
     data = generate_input(**SIZES, seed=77)
     expected = ref_kernel(_clone(data))
     submission.custom_kernel(data)
     state = _state_of(data)
+    assert state.graph is None and state.direct_launches == 1
+    submission.custom_kernel(data)
     assert isinstance(state.graph, submission.GraphLaunch)
     graph = state.graph
     for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
@@ -190,7 +194,9 @@ def test_failed_capture_leaves_capture_mode_and_falls_back(monkeypatch):
     monkeypatch.setattr(submission, "GraphLaunch", RefusingGraphLaunch)
     data = generate_input(**SIZES, seed=79)
     expected = ref_kernel(_clone(data))
-    out = submission.custom_kernel(data)
+    submission.custom_kernel(data)  # launched directly
+    _zero_outputs(data)
+    out = submission.custom_kernel(data)  # the capture fails: launched directly again
     torch.cuda.synchronize()
     assert _state_of(data).graph is False
     good, message = match_outputs(expected, out)
@@ -198,8 +204,8 @@ def test_failed_capture_leaves_capture_mode_and_falls_back(monkeypatch):
 
 
 def test_first_launch_of_a_fresh_process_is_recorded():
-    """The very first launch of the kernel in a process (its module not loaded yet) is
-    recorded into a graph and computes: run in a subprocess."""
+    """In a fresh process (the kernel's module not loaded yet) the first call launches
+    directly and the second is recorded into a graph; both compute: run in a subprocess."""
     import subprocess
 
     script = (
@@ -207,9 +213,12 @@ def test_first_launch_of_a_fresh_process_is_recorded():
         "from reference import generate_input, ref_kernel, match_outputs\n"
         f"data = generate_input(**{SIZES!r}, seed=80)\n"
         "expected = ref_kernel(data)\n"
+        "first = [c.clone() for c in submission.custom_kernel(data)]\n"
+        "for _, _, c in data[0]: c.zero_()\n"
         "out = submission.custom_kernel(data)\n"
         "torch.cuda.synchronize()\n"
-        "state = submission._RUNTIME_CACHE.get(submission.input_key(data))\n"
+        "assert match_outputs(expected, first)[0]\n"
+        "state = submission._BINDINGS.get(submission.input_key(data))\n"
         "print(type(state.graph).__name__, match_outputs(expected, out)[0])\n"
     )
     root = Path(__file__).resolve().parents[1]

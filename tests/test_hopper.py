@@ -434,8 +434,15 @@ def test_every_backend_runs_one_tile_shape():
     assert wide.tile_shape(BENCHMARK_SIZES[3]) == (128, 256)
 
 
+def _bind(data, sizes, backend):
+    """A plan of `sizes` for `backend` and the input set `data` bound to it (on the device of
+    data's first a), outside the runtime's caches."""
+    device = data[0][0][0].device
+    return submission.Binding(submission.Plan(backend, sizes, device), submission.pointers_of(data))
+
+
 def _cpu_input_set(sizes):
-    """Tensors with the official shapes on the CPU (build_state reads only pointers)."""
+    """Tensors with the official shapes on the CPU (a binding reads only pointers)."""
     abc, sfs_reordered = [], []
     for m, n, k, _l in sizes:
         abc.append((
@@ -475,10 +482,10 @@ def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape,
     compiled, launched = sm90_backend_on_cpu
     backend = hopper.make_backend(config)
     sizes = tuple(BENCHMARK_SIZES[shape])
-    state = submission.build_state(_cpu_input_set(sizes), sizes, backend)
-    assert state.tables.num_tiles == num_tiles
-    assert state.tables.tiles[:, 2].max().item() == sizes[0][1] // config.tile_n - 1
-    assert state.launch_state.config == config
+    state = _bind(_cpu_input_set(sizes), sizes, backend)
+    assert state.plan.num_tiles == num_tiles
+    assert state.plan.tiles[:, 2].max().item() == sizes[0][1] // config.tile_n - 1
+    assert state.plan.backend_plan.config == config
     assert compiled == [(len(sizes), config)]
     state.run(object())
     assert launched == [(("kernel", len(sizes), config), num_tiles, 0)]
@@ -497,19 +504,19 @@ def test_default_backend_picks_a_schedule_per_input_set(sm90_backend_on_cpu):
     for shape, picked in ((0, stream_k), (1, hopper.SM90_CONFIG), (2, split_k), (3, split_k)):
         sizes = tuple(BENCHMARK_SIZES[shape])
         for backend, want in ((hopper.make_backend(), picked), (hopper.make_backend(hopper.SM90_CONFIG), hopper.SM90_CONFIG)):
-            state = submission.build_state(_cpu_input_set(sizes), sizes, backend)
-            assert state.tables.num_tiles == (352, 728, 120, 128)[shape]
-            assert state.launch_state.config == want
+            state = _bind(_cpu_input_set(sizes), sizes, backend)
+            assert state.plan.num_tiles == (352, 728, 120, 128)[shape]
+            assert state.plan.backend_plan.config == want
             assert compiled[-1] == (len(sizes), want)
-            plan = state.launch_state.stream_k
+            plan = state.plan.backend_plan.stream_k
             assert (plan is not None) == want.stream_k
             launched.clear()
             state.run(object())
             workers = plan.num_workers if plan else 0
-            assert launched == [(("kernel", len(sizes), want), state.tables.num_tiles, workers)]
+            assert launched == [(("kernel", len(sizes), want), state.plan.num_tiles, workers)]
     # shape 0 on 132 SMs: one worker per CTA slot, each tile's parts owning workspace slots
     sizes = tuple(BENCHMARK_SIZES[0])
-    plan = submission.build_state(_cpu_input_set(sizes), sizes, hopper.make_backend()).launch_state.stream_k
+    plan = _bind(_cpu_input_set(sizes), sizes, hopper.make_backend()).plan.backend_plan.stream_k
     assert plan.num_workers == 264
     assert plan.workspace.numel() == plan.num_slots * 128 * 128
     assert plan.counters.tolist() == [0] * 352
@@ -679,7 +686,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config_name,seed", CONFIG_CASES)
 def test_random_group_sets_match_exact_reference(config_name, seed):
     data = _random_group_set(seed, general_scales=seed % 3 == 2)
-    out = hopper.run_grouped(data, config=CONFIGS[config_name])
+    out = submission.run_with_backend(data, hopper.make_backend(CONFIGS[config_name]))
     torch.cuda.synchronize()
     for i, c in enumerate(out):
         assert not torch.isnan(c).any(), f"group {i}: unwritten (NaN) outputs, sizes {data[3][i]}"
@@ -705,7 +712,7 @@ def test_benchmark_shapes_match_exact_reference(case, config_name):
     data = generate_input(tuple(m), tuple(n), tuple(k), len(m), seed=1111)
     for _, _, c in data[0]:
         c.fill_(float("nan"))
-    out = hopper.run_grouped(data, config=CONFIGS[config_name])
+    out = submission.run_with_backend(data, hopper.make_backend(CONFIGS[config_name]))
     torch.cuda.synchronize()
     ok, message = match_outputs(_exact_reference(data), out)
     assert ok, message
@@ -720,10 +727,8 @@ def test_stream_k_state_relaunches_exactly(case):
     sizes = BENCHMARK_SIZES[case]
     m, n, k = (tuple(column) for column in list(zip(*sizes))[:3])
     data = generate_input(m, n, k, len(m), seed=2222)
-    state = submission.build_state(
-        data, submission.validate_inputs(data), hopper.make_backend(hopper.STREAM_K_CONFIG)
-    )
-    plan = state.launch_state.stream_k
+    state = _bind(data, submission.validate_inputs(data), hopper.make_backend(hopper.STREAM_K_CONFIG))
+    plan = state.plan.backend_plan.stream_k
     assert plan.num_slots > 0  # tiles are shared by workers: the workspace path runs
     expected = _exact_reference(data)
     results = []

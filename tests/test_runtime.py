@@ -1,5 +1,6 @@
-"""Shared host runtime on CPU: tile table, group tables, staging-buffer ownership, LRU, keys,
-and the hit/miss behaviour of custom_kernel with a recording backend."""
+"""Shared host runtime on CPU: tile tables, plans and bindings, staging-buffer ownership,
+bounded caches, keys, validation tiers, and the hit/miss behaviour of custom_kernel with a
+recording backend."""
 
 import sys
 from pathlib import Path
@@ -54,37 +55,61 @@ def _pointers(g, base):
     return [tuple(base + 1000 * i + j for j in range(5)) for i in range(g)]
 
 
-def test_group_tables_contents_and_alignment():
+class TableBackend:
+    """The least a plan needs of a backend: tile shape and prepare."""
+
+    name = "tables"
+    plan_key = ("tables",)
+
+    def tile_shape(self, problem_sizes):
+        return TILE, TILE
+
+    def prepare(self, plan):
+        return None
+
+
+def test_plan_and_binding_tables_contents_and_alignment():
     sizes = [(0, 128, 256, 1), (40, 384, 512, 1), (129, 128, 768, 1)]
     pointers = _pointers(3, 1 << 40)
-    tables = submission.build_group_tables(sizes, pointers, submission.plan_tiles(sizes, TILE, TILE), "cpu")
-    assert tables.num_groups == 3
-    assert tables.ptrs.dtype == torch.int64 and tables.ptrs.tolist() == [list(p) for p in pointers]
-    assert tables.sizes.dtype == torch.int32 and tables.sizes.tolist() == [list(s) for s in sizes]
-    assert tables.tiles.dtype == torch.int32
-    assert [tuple(t) for t in tables.tiles.tolist()] == submission.plan_tiles(sizes, TILE, TILE)
-    assert tables.num_tiles == 3 + 2 == tables.tiles.shape[0]
+    plan = submission.Plan(TableBackend(), sizes, "cpu")
+    binding = submission.Binding(plan, pointers)
+    assert plan.num_groups == 3 and plan.problem_sizes == tuple(sizes)
+    assert binding.ptrs.dtype == torch.int64 and binding.ptrs.tolist() == [list(p) for p in pointers]
+    assert plan.sizes.dtype == torch.int32 and plan.sizes.tolist() == [list(s) for s in sizes]
+    assert plan.tiles.dtype == torch.int32
+    assert [tuple(t) for t in plan.tiles.tolist()] == submission.plan_tiles(sizes, TILE, TILE)
+    assert plan.num_tiles == 3 + 2 == plan.tiles.shape[0]
     # The kernels address the tables through pointers assumed 16-byte aligned
-    for table in (tables.ptrs, tables.sizes, tables.tiles):
+    for table in (binding.ptrs, plan.sizes, plan.tiles):
         assert table.data_ptr() % 16 == 0
         assert table.is_contiguous()
+    assert plan.nbytes == plan._device_buf.numel() > 0
+
+
+def test_upload_int_tables_rows_of_any_width():
+    buffer, host, (wide, narrow, empty) = submission.upload_int_tables(
+        "cpu", [("q", [(1, 2, 3, 4, 5)]), ("i", [(7, 8, 9, 10), (11, 12, 13, 14)]), ("i", [])]
+    )
+    assert wide.tolist() == [[1, 2, 3, 4, 5]] and narrow.tolist() == [[7, 8, 9, 10], [11, 12, 13, 14]]
+    assert empty.shape == (0, 1)
+    assert narrow.data_ptr() - buffer.data_ptr() == 128  # each table on a 128-byte boundary
+    assert host.data_ptr() != buffer.data_ptr()
 
 
 def test_staging_buffer_is_owned_per_input_set():
-    # 15 back-to-back input sets with different pointers (as the leaderboard makes): each
-    # gets its own staging buffer, so no pending copy can ever read another set's pointers.
+    # 15 back-to-back input sets with different pointers (as the leaderboard makes) on one
+    # plan: each gets its own staging buffer, so no pending copy can ever read another set's
+    # pointers, and all share the plan's tables.
     sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
-    built = [
-        submission.build_group_tables(sizes, _pointers(2, (i + 1) << 36), submission.plan_tiles(sizes, TILE, TILE), "cpu")
-        for i in range(15)
-    ]
-    staging_ptrs = {t.host_staging.data_ptr() for t in built}
-    assert len(staging_ptrs) == 15
-    for i, tables in enumerate(built):
-        assert tables.ptrs.tolist() == [list(p) for p in _pointers(2, (i + 1) << 36)]
-        staged = tables.host_staging[: 2 * 5 * 8].view(torch.int64).view(2, 5)
-        assert staged.tolist() == tables.ptrs.tolist()
-        assert tables.ptrs.data_ptr() != tables.host_staging.data_ptr()
+    plan = submission.Plan(TableBackend(), sizes, "cpu")
+    built = [submission.Binding(plan, _pointers(2, (i + 1) << 36)) for i in range(15)]
+    assert len({b._host_staging.data_ptr() for b in built}) == 15
+    for i, binding in enumerate(built):
+        assert binding.ptrs.tolist() == [list(p) for p in _pointers(2, (i + 1) << 36)]
+        staged = binding._host_staging[: 2 * 5 * 8].view(torch.int64).view(2, 5)
+        assert staged.tolist() == binding.ptrs.tolist()
+        assert binding.ptrs.data_ptr() != binding._host_staging.data_ptr()
+        assert binding.plan is plan
 
 
 def test_lru_bounds_and_order():
@@ -99,7 +124,24 @@ def test_lru_bounds_and_order():
     for i in range(5, 20):
         cache.put(("k", i), i)
     assert len(cache) == 4 and ("k", 19) in cache and ("k", 15) not in cache
-    assert submission._RUNTIME_CACHE.max_entries == 64
+    assert submission._BINDINGS.max_entries == 64
+    assert submission._PLANS.max_entries == 32 and submission._PLANS.max_bytes == 1 << 30
+
+
+def test_lru_bounded_in_bytes():
+    class Entry:
+        def __init__(self, nbytes):
+            self.nbytes = nbytes
+
+    cache = submission.RuntimeCache(max_entries=10, max_bytes=100)
+    assert cache.put("a", Entry(40)) == [] and cache.put("b", Entry(40)) == []
+    evicted = cache.put("c", Entry(40))  # 120 > 100: the least recent goes
+    assert [e.nbytes for e in evicted] == [40] and "a" not in cache and cache.nbytes == 80
+    cache.put("b", Entry(10))  # replacing an entry updates the byte count
+    assert cache.nbytes == 50
+    # One entry larger than the bound still stays (the newest is never evicted)
+    cache.put("huge", Entry(500))
+    assert list(cache.entries) == ["huge"] and cache.nbytes == 500
 
 
 def test_input_key_contents():
@@ -125,7 +167,7 @@ def test_input_key_contents():
 
 def test_same_buffers_with_other_sizes_miss(recording_runtime):
     """Problem sizes are compared on every hit: the same pointers with other sizes are
-    validated and get their own tables."""
+    checked and bound to the plan of those sizes."""
     backend, validations = recording_runtime
     data = make_inputs([(64, 384, 512, 1), (129, 128, 768, 1)])
     submission.custom_kernel(data)
@@ -144,8 +186,10 @@ def test_same_buffers_with_other_sizes_miss(recording_runtime):
     submission.custom_kernel(views)
     assert len(validations) == 3 and len(backend.prepared) == 2
     assert backend.launches[-1][0].problem_sizes[0] == (40, 384, 512, 1)
+    # Back to the first sizes: their signature and plan are known (no full rules, no new
+    # plan); the pointers are bound to that plan again
     submission.custom_kernel(data)
-    assert len(validations) == 4 and len(backend.prepared) == 3
+    assert len(validations) == 3 and len(backend.prepared) == 2
     assert backend.launches[-1][0].problem_sizes[0] == (64, 384, 512, 1)
 
 
@@ -153,11 +197,12 @@ class RecordingBackend:
     """Backend protocol stand-in that records what the runtime asks of it."""
 
     name = "recording"
+    plan_key = ("recording",)
     tile_m = 128
     tile_n = 128
 
     def __init__(self):
-        self.checked, self.prepared, self.bound, self.launches = [], [], [], []
+        self.checked, self.prepared, self.bound, self.args, self.launches = [], [], [], [], []
 
     def can_implement(self, problem_sizes):
         self.checked.append(problem_sizes)
@@ -165,19 +210,23 @@ class RecordingBackend:
     def tile_shape(self, problem_sizes):
         return self.tile_m, self.tile_n
 
-    def prepare(self, tables):
-        self.prepared.append(tables)
-        return {"tables": tables}
+    def prepare(self, plan):
+        self.prepared.append(plan)
+        return {"plan": plan}
 
-    def launcher(self, state, stream):
-        self.bound.append(stream)
-        return lambda: self.launches.append((state["tables"], stream))
+    def bind(self, plan, binding):
+        self.bound.append(binding)
+        return {"descriptors of": binding.pointers}
+
+    def launch_args(self, plan, binding, stream):
+        self.args.append(stream)
+        return (lambda *args: self.launches.append((plan, binding, stream))), (plan, binding, stream)
 
 
 @pytest.fixture
 def recording_runtime(monkeypatch):
     """custom_kernel on CPU tensors with a recording backend; validation counted, and its
-    CUDA-device rule the only one waived."""
+    CUDA-device rule the only one waived (in the full rules and the pointer checks)."""
     backend = RecordingBackend()
     calls = []
     real_validate = submission.validate_inputs
@@ -192,8 +241,12 @@ def recording_runtime(monkeypatch):
             return tuple(tuple(int(v) for v in p) for p in data[3])
 
     monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
-    monkeypatch.setattr(submission, "_RUNTIME_CACHE", submission.RuntimeCache(max_entries=64))
+    monkeypatch.setattr(submission, "_same_device_and_aligned", lambda data: True)
+    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
+    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
+    monkeypatch.setattr(submission, "_SIGNATURES", submission.RuntimeCache(max_entries=256))
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
+    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
     # the stream comes from _stream_for_current (custom_kernel's raw-handle fast path off)
     monkeypatch.setattr(submission, "_current_raw_stream", None)
     monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-0")
@@ -205,15 +258,17 @@ def test_hit_is_one_launch_and_no_validation(recording_runtime):
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
     outputs = [submission.custom_kernel(data) for _ in range(5)]
     assert validations == [1]
-    assert len(backend.checked) == 1 and len(backend.prepared) == 1
-    assert backend.bound == ["stream-0"]  # launch arguments prepared once, for the one stream
-    assert len(backend.launches) == 5 and all(s == "stream-0" for _, s in backend.launches)
-    assert all(t is backend.prepared[0] for t, _ in backend.launches)
+    assert len(backend.checked) == 1 and len(backend.prepared) == 1 and len(backend.bound) == 1
+    # Launch arguments: the first call's, then once more when the second call would record
+    # the graph (none on the CPU: launched directly from then on)
+    assert backend.args == ["stream-0", "stream-0"]
+    assert len(backend.launches) == 5 and all(s == "stream-0" for _, _, s in backend.launches)
+    assert all(p is backend.prepared[0] for p, _, _ in backend.launches)
     for out in outputs:
         assert len(out) == 2 and out[0] is data[0][0][2] and out[1] is data[0][1][2]
 
 
-def test_changed_pointer_misses_and_builds_its_own_tables(recording_runtime):
+def test_new_pointers_of_known_sizes_share_the_plan_and_skip_the_full_rules(recording_runtime):
     backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
     submission.custom_kernel(data)
@@ -221,27 +276,90 @@ def test_changed_pointer_misses_and_builds_its_own_tables(recording_runtime):
     changed = ([data[0][0], (data[0][1][0], data[0][1][1], new_c)], data[1], data[2], data[3])
     result = submission.custom_kernel(changed)
     assert result[1] is new_c
-    assert validations == [1, 1] and len(backend.prepared) == 2
-    first, second = backend.prepared
+    # Same signature: no second run of the full rules, no second plan, a second binding
+    assert validations == [1] and len(backend.prepared) == 1 and len(backend.checked) == 1
+    first, second = backend.bound
+    assert first.plan is second.plan
     assert first.ptrs[1, submission.PTR_C].item() == data[0][1][2].data_ptr()
     assert second.ptrs[1, submission.PTR_C].item() == new_c.data_ptr()
-    assert first.host_staging.data_ptr() != second.host_staging.data_ptr()
-    # Back to the first input set: a hit on the first state, no new validation
+    assert first._host_staging.data_ptr() != second._host_staging.data_ptr()
+    # Back to the first input set: a hit on the first binding
     submission.custom_kernel(data)
-    assert validations == [1, 1] and backend.launches[-1][0] is first
+    assert backend.launches[-1][1] is first and len(backend.bound) == 2
+
+
+def test_a_new_dtype_or_layout_runs_the_full_rules(recording_runtime):
+    _backend, validations = recording_runtime
+    data = make_inputs([(40, 384, 512, 1)])
+    submission.custom_kernel(data)
+    (a, b, c), = data[0]
+    wrong_dtype = ([(a, b, c.to(torch.float32))], data[1], data[2], data[3])
+    with pytest.raises(TypeError, match=r"group 0: c.dtype = torch.float32"):
+        submission.custom_kernel(wrong_dtype)
+    transposed = torch.empty_strided(c.shape, (1, c.shape[0], c.numel()), dtype=c.dtype)
+    with pytest.raises(ValueError, match=r"group 0: c.stride\(\)"):
+        submission.custom_kernel(([(a, b, transposed)], data[1], data[2], data[3]))
+    assert len(validations) == 3
+
+
+def test_failed_pointer_checks_run_the_full_rules(recording_runtime, monkeypatch):
+    """A known signature whose pointers fail the cheap checks gets validate_inputs' error."""
+    _backend, validations = recording_runtime
+    data = make_inputs([(40, 384, 512, 1)])
+    submission.custom_kernel(data)
+    monkeypatch.setattr(submission, "_same_device_and_aligned", lambda data: False)
+    moved = make_inputs([(40, 384, 512, 1)])
+    submission.custom_kernel(moved)  # the full rules pass (device waived): bound
+    assert len(validations) == 2
+
+
+def test_binding_records_its_graph_on_the_second_call(recording_runtime, monkeypatch):
+    backend, _ = recording_runtime
+    captured = []
+
+    class FakeGraph:
+        def __init__(self, record, device):
+            captured.append(record)
+
+        def launcher(self, stream):
+            return lambda: backend.launches.append(("graph", None, stream))
+
+    monkeypatch.setattr(submission, "GraphLaunch", FakeGraph)
+    monkeypatch.setattr(submission, "_can_record", lambda plan: True)  # CPU tensors here
+    data = make_inputs([(40, 384, 512, 1)])
+    submission.custom_kernel(data)
+    binding = submission._BINDINGS.get(submission.input_key(data))
+    assert captured == [] and binding.graph is None and binding.direct_launches == 1
+    for _ in range(3):
+        submission.custom_kernel(data)
+    assert len(captured) == 1 and binding.graph
+    assert [entry[0] == "graph" for entry in backend.launches] == [False, True, True, True]
+
+
+def test_plan_eviction_drops_its_bindings(recording_runtime, monkeypatch):
+    backend, _ = recording_runtime
+    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=2))
+    sets = [make_inputs([(40 + 8 * i, 128, 256, 1)]) for i in range(3)]
+    for data in sets:
+        submission.custom_kernel(data)
+    # The first size set's plan went, and the binding that held it with it
+    assert len(submission._PLANS) == 2 and len(submission._BINDINGS) == 2
+    assert submission.input_key(sets[0]) not in submission._BINDINGS
+    submission.custom_kernel(sets[0])  # planned and bound again
+    assert len(backend.prepared) == 4
 
 
 def test_lru_evicts_the_oldest_input_set(recording_runtime, monkeypatch):
     backend, validations = recording_runtime
-    monkeypatch.setattr(submission, "_RUNTIME_CACHE", submission.RuntimeCache(max_entries=3))
+    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=3))
     sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
     for data in sets:
         submission.custom_kernel(data)
-    assert len(submission._RUNTIME_CACHE) == 3 and len(validations) == 4
+    assert len(submission._BINDINGS) == 3 and len(validations) == 1 and len(backend.prepared) == 1
     submission.custom_kernel(sets[3])  # still cached
-    assert len(validations) == 4
-    submission.custom_kernel(sets[0])  # evicted: validated and prepared again
-    assert len(validations) == 5 and len(backend.prepared) == 5
+    assert len(backend.bound) == 4
+    submission.custom_kernel(sets[0])  # evicted: bound again on the same plan
+    assert len(backend.bound) == 5 and len(backend.prepared) == 1
 
 
 def test_malformed_input_on_the_fast_path_reaches_validation(recording_runtime):
@@ -288,10 +406,8 @@ def sm100_backend_on_cpu(request, monkeypatch):
     return submission.Sm100Backend(request.param), init_calls, gemm_calls
 
 
-def _tables_with(pointers, sizes=((40, 384, 512, 1), (129, 128, 768, 1)), backend=None):
-    sizes = list(sizes)
-    tiles = backend.plan_tiles(sizes) if backend else submission.plan_tiles(sizes, TILE, TILE)
-    return submission.build_group_tables(sizes, pointers, tiles, "cpu")
+def _bind_with(backend, pointers, sizes=((40, 384, 512, 1), (129, 128, 768, 1))):
+    return submission.Binding(submission.Plan(backend, list(sizes), "cpu"), pointers)
 
 
 def test_descriptors_rebuilt_only_when_a_pointer_they_hold_changes(sm100_backend_on_cpu):
@@ -299,86 +415,70 @@ def test_descriptors_rebuilt_only_when_a_pointer_they_hold_changes(sm100_backend
     persistent = backend.kernel == "persistent"
     num_slots = 5 if persistent else 4
     base = _pointers(2, 1 << 40)
-    first = backend.prepare(_tables_with(base, backend=backend))
-    assert init_calls == [2] and tuple(first.tensormaps.shape) == (2, num_slots, 16)
-    assert (first.config is not None) == persistent
+    first = _bind_with(backend, base)
+    assert init_calls == [2] and tuple(first.bound.shape) == (2, num_slots, 16)
+    assert (first.plan.backend_plan.config is not None) == persistent
 
     # Only C of group 1 differs: the per-tile kernel's descriptors do not hold C (no init
     # kernel); the persistent kernel stores C by TMA, so its descriptors are rebuilt
     only_c = [base[0], base[1][:2] + (base[1][2] + 4096,) + base[1][3:]]
-    second = backend.prepare(_tables_with(only_c, backend=backend))
-    assert (second.tensormaps is first.tensormaps) != persistent
+    second = _bind_with(backend, only_c)
+    assert (second.bound is first.bound) != persistent
     assert len(init_calls) == (2 if persistent else 1)
     calls = len(init_calls)
 
     # Any A/B/SFA/SFB pointer differs: new descriptors
     for column in (submission.PTR_A, submission.PTR_B, submission.PTR_SFA, submission.PTR_SFB):
         changed = [base[0], tuple(v + 4096 if j == column else v for j, v in enumerate(base[1]))]
-        state = backend.prepare(_tables_with(changed, backend=backend))
-        assert state.tensormaps is not first.tensormaps, column
+        assert _bind_with(backend, changed).bound is not first.bound, column
     assert len(init_calls) == calls + 4
 
     # The same pointers again: the cached descriptors
-    assert backend.prepare(_tables_with(base, backend=backend)).tensormaps is first.tensormaps
+    assert _bind_with(backend, base).bound is first.bound
     # Same pointers, other sizes: new descriptors
-    backend.prepare(_tables_with(base, sizes=((40, 384, 512, 1), (128, 128, 768, 1)), backend=backend))
+    _bind_with(backend, base, sizes=((40, 384, 512, 1), (128, 128, 768, 1)))
     assert len(init_calls) == calls + 5
 
 
 def test_no_launch_when_every_group_is_empty(sm100_backend_on_cpu):
     backend, _, gemm_calls = sm100_backend_on_cpu
-    sizes = ((0, 128, 256, 1), (0, 256, 256, 1))
-    state = backend.prepare(_tables_with(_pointers(2, 1 << 40), sizes=sizes, backend=backend))
-    assert state.tables.num_tiles == 0
-    backend.launcher(state, "stream")()
+    binding = _bind_with(backend, _pointers(2, 1 << 40), sizes=((0, 128, 256, 1), (0, 256, 256, 1)))
+    assert binding.plan.num_tiles == 0
+    binding.run("stream")
     assert gemm_calls == []
 
 
 def test_persistent_launch_arguments(monkeypatch):
-    """The persistent GEMM gets the sizes, the tile table, the descriptors, G, the tile count
-    and min(tiles, SMs / 2) clusters; the per-tile GEMM one CTA per 128x128 tile."""
-    launched = []
+    """The persistent GEMM gets the tile table, the descriptors, G, the tile count and
+    min(tiles, SMs / 2) clusters."""
     monkeypatch.setattr(submission, "compile_persistent_init", lambda config: lambda *a: None)
     monkeypatch.setattr(submission, "compile_persistent_gemm", lambda config: ("gemm", config))
     monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream")
-    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: launched.append((fn, args)))
     sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
     for num_sms, clusters in ((148, 4), (4, 2)):
         backend = submission.Sm100Backend("persistent", num_sms=num_sms)
-        state = backend.prepare(_tables_with(_pointers(2, 1 << 40), sizes=sizes, backend=backend))
-        backend.launcher(state, "stream")
-        (fn, config), args = launched[-1]
+        binding = _bind_with(backend, _pointers(2, 1 << 40), sizes=sizes)
+        (fn, config), args = backend.launch_args(binding.plan, binding, "stream")
         assert fn == "gemm" and config.tokens_per_tile == 128
         # tiles: group 1 (M = 129) first: 1 N tile x 2 token tiles (3 k-tiles), then group 0:
         # 2 N tiles x 1 token tile (2 k-tiles)
-        assert state.tables.tiles.tolist() == [[1, 0, 0, 3], [1, 0, 1, 3], [0, 0, 0, 2], [0, 1, 0, 2]]
+        assert binding.plan.tiles.tolist() == [[1, 0, 0, 3], [1, 0, 1, 3], [0, 0, 0, 2], [0, 1, 0, 2]]
         assert [int(a) for a in args[2:5]] == [2, 4, clusters] and args[5] == "stream"
 
 
-def test_kernel_switch_and_fallback_for_n_not_a_multiple_of_8():
-    sizes = [(64, 4096, 512, 1), (128, 4096, 256, 1)]
-    assert submission.Sm100Backend("persistent").persistent_config(sizes).tokens_per_tile == 128
-    assert submission.Sm100Backend("per_tile").persistent_config(sizes) is None
-    odd = sizes + [(16, 100, 256, 1)]
-    assert "N % 8 == 0" in submission.persistent_can_implement(odd)
-    assert submission.Sm100Backend("persistent").persistent_config(odd) is None
-    # An empty group's N does not matter: it has no tiles and no stores
-    assert submission.persistent_can_implement(sizes + [(0, 100, 256, 1)]) is None
-    with pytest.raises(ValueError, match="SM100_KERNEL"):
-        submission.Sm100Backend("fast")
-
-
-def test_list_problem_sizes_validate_every_call_but_share_one_state(recording_runtime):
-    """problem_sizes as lists of lists cannot be hashed: every call takes the validating
-    path, which still finds the one cached state (no rebuild, one launch per call)."""
+def test_list_problem_sizes_share_one_binding(recording_runtime):
+    """problem_sizes as lists of lists never equal the plan's tuples: every call takes the
+    checking path, which finds the known signature (the full rules ran once) and the one
+    cached binding (no rebuild, one launch per call)."""
     backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
     as_lists = (data[0], data[1], data[2], [list(p) for p in data[3]])
     for _ in range(3):
         submission.custom_kernel(as_lists)
-    assert len(validations) == 3 and len(backend.prepared) == 1 and len(backend.launches) == 3
-    submission.custom_kernel(data)  # the official tuple form hits the same state
-    assert len(validations) == 3 and len(backend.prepared) == 1 and len(backend.launches) == 4
+    assert len(validations) == 1 and len(backend.prepared) == 1 and len(backend.bound) == 1
+    assert len(backend.launches) == 3
+    submission.custom_kernel(data)  # the official tuple form hits the same binding
+    assert len(validations) == 1 and len(backend.bound) == 1 and len(backend.launches) == 4
 
 
 def test_stream_change_prepares_the_launch_again(recording_runtime, monkeypatch):
@@ -388,8 +488,8 @@ def test_stream_change_prepares_the_launch_again(recording_runtime, monkeypatch)
     monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-1")
     submission.custom_kernel(data)
     submission.custom_kernel(data)
-    assert backend.bound == ["stream-0", "stream-1"]
-    assert [s for _, s in backend.launches] == ["stream-0", "stream-1", "stream-1"]
+    assert backend.args == ["stream-0", "stream-1"]
+    assert [s for _, _, s in backend.launches] == ["stream-0", "stream-1", "stream-1"]
 
 
 def test_backend_constraint_rejects_before_any_launch(recording_runtime):
@@ -414,17 +514,15 @@ def test_backend_constraint_rejects_before_any_launch(recording_runtime):
 def test_hit_path_keys_and_touches_the_lru_like_the_cache_api(recording_runtime, monkeypatch):
     """custom_kernel inlines input_key and RuntimeCache.get: same key, and a hit makes its
     entry the most recent (the next eviction takes another one)."""
-    _backend, validations = recording_runtime
-    monkeypatch.setattr(submission, "_RUNTIME_CACHE", submission.RuntimeCache(max_entries=3))
+    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=3))
     sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
     for data in sets[:3]:
         submission.custom_kernel(data)
-    assert [submission.input_key(d) in submission._RUNTIME_CACHE for d in sets[:3]] == [True] * 3
+    assert [submission.input_key(d) in submission._BINDINGS for d in sets[:3]] == [True] * 3
     submission.custom_kernel(sets[0])  # hit: sets[0] becomes the most recent
     submission.custom_kernel(sets[3])  # evicts the least recent: sets[1]
-    assert submission.input_key(sets[0]) in submission._RUNTIME_CACHE
-    assert submission.input_key(sets[1]) not in submission._RUNTIME_CACHE
-    assert len(validations) == 4
+    assert submission.input_key(sets[0]) in submission._BINDINGS
+    assert submission.input_key(sets[1]) not in submission._BINDINGS
 
 
 BENCHMARK_SETS = [
