@@ -4,7 +4,7 @@ Protocol (as the leaderboard's eval_better_bench_grouped_gemm.py):
   python eval.py MODE FILE        MODE in test | benchmark | leaderboard | profile
   - results are `key: value` lines written to the file descriptor in POPCORN_FD;
   - FILE holds one case per line: `m: [..]; n: [..]; k: [..]; g: 8; seed: 1111`
-    (an invalid line exits with 113);
+    (an invalid case file exits with 113);
   - POPCORN_SEED, when set, is combined into every case's seed;
   - the submission runs in one spawned worker process;
   - benchmark: 15 inputs (seed + 42 each), one correctness pass over all of them, then per
@@ -13,15 +13,26 @@ Protocol (as the leaderboard's eval_better_bench_grouped_gemm.py):
 Additions:
   - without POPCORN_FD the lines go to stdout; without FILE the shipped cases are used
     (tests/cases/tests.txt for test, tests/cases/benchmarks.txt otherwise);
+  - case files are checked completely before anything runs: the keys m, n, k, g, seed each
+    once, integers, m/n/k lists of g sizes, 1 <= g <= 64, M >= 1, N >= 1, K a positive
+    multiple of 256, seed >= 0; blank lines and `#` comments are allowed; an empty file is
+    invalid; the first problem is reported as one line (file, line, rule), exit 113;
   - after benchmark/leaderboard a table per case: mean and best µs, host µs per call,
     TFLOP/s, GB/s, % of the competition's speed of light, and the geometric mean;
-  - --submission PATH runs another file than submission.py; --json PATH writes the report;
+  - --submission PATH runs another file than submission.py; --json PATH writes the results
+    of any mode; --plot PATH (benchmark/leaderboard, needs matplotlib) draws them;
+  - `test` without --submission on a machine with no GPU that submission.py supports (and
+    without POPCORN_FD) says so in one line and runs examples/torch_submission.py instead;
   - --hardened (benchmark/leaderboard): every repeat runs on fresh clones of the 15 inputs in
     shuffled order, and every output of every repeat is checked;
   - leaderboard mode checks every output of every repeat (the competition's loop checks the
     last one only) and exits 112 on failure;
   - test mode runs on the CPU too; the timing modes need CUDA and say so;
+  - progress of the timing modes goes to stderr, one line per case;
   - python eval.py compile [ARGS...] runs build_report.main(ARGS) (no GPU needed).
+Exit codes: 0 every case passed; 112 a case failed; 113 invalid case file; 2 the command
+cannot run as asked (bad option, missing file, no CUDA GPU for a timing mode, matplotlib
+missing for --plot), always as one line on stderr; compile mode returns build_report's code.
 """
 
 import argparse
@@ -49,6 +60,7 @@ from utils import set_seed
 
 REPO_ROOT = Path(__file__).resolve().parent
 DEFAULT_SUBMISSION = REPO_ROOT / "submission.py"
+TORCH_EXAMPLE = REPO_ROOT / "examples" / "torch_submission.py"
 DEFAULT_TEST_FILE = REPO_ROOT / "tests" / "cases" / "tests.txt"
 DEFAULT_BENCHMARK_FILE = REPO_ROOT / "tests" / "cases" / "benchmarks.txt"
 
@@ -117,43 +129,102 @@ def _combine(a: int, b: int) -> int:
     return int(a + (a + b) * (a + b + 1) // 2)
 
 
-def get_test_cases(file_name: str, seed: int | None) -> list[TestCase]:
-    try:
-        content = Path(file_name).read_text()
-    except Exception as E:  # noqa: BLE001 - the competition reports any read error as 113
-        print(f"Could not open test file`{file_name}`: {E}", file=sys.stderr)
-        sys.exit(113)
+CASE_KEYS = ("m", "n", "k", "g", "seed")
+MAX_GROUPS = 64
+K_MULTIPLE = 256
+CASE_FORMAT = "m: [M, ...]; n: [N, ...]; k: [K, ...]; g: G; seed: S"
+# key: value where value is a list [1, 2], a tuple (1, 2), an integer or a word (the
+# competition's syntax; words and non-integer lists are then rejected by the rules below).
+_PART = re.compile(r"\s*([a-zA-Z_]+)\s*:\s*(\[[^\]]*\]|\([^)]*\)|[a-zA-Z_]+|[+-]?[0-9]+)\s*")
+_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
 
+
+class CaseError(ValueError):
+    """One problem in one case line; the message names the rule."""
+
+
+def _parse_sizes(key: str, text: str, g: int) -> tuple[int, ...]:
+    inner = text[1:-1] if text[:1] in "[(" and text[-1:] in "])" else None
+    items = inner.split(",") if inner is not None and inner.strip() else []
+    if inner is None or not all(_INTEGER.fullmatch(item) for item in items):
+        raise CaseError(f"{key} = {text!r}; rule: {key} is a list [..] of g integers")
+    values = tuple(int(item) for item in items)
+    if len(values) != g:
+        raise CaseError(f"{key} has {len(values)} value{'s' * (len(values) != 1)} but g = {g};"
+                        f" rule: m, n and k each list exactly g sizes")
+    rule = {
+        "m": "M >= 1 (as in every official case; the kernels accept M = 0, case files do not)",
+        "n": "N >= 1",
+        "k": f"K is a positive multiple of {K_MULTIPLE}",
+    }[key]
+    for index, value in enumerate(values):
+        if value < 1 or (key == "k" and value % K_MULTIPLE):
+            raise CaseError(f"{key}[{index}] = {value}; rule: {rule}")
+    return values
+
+
+def parse_case(text: str) -> dict:
+    """One case line (comment removed) -> {m, n, k, g, seed}; raises CaseError."""
+    parts = {}
+    for part in text.split(";"):
+        matched = _PART.fullmatch(part)
+        if not matched:
+            raise CaseError(f"{part.strip()!r} is not `key: value`; rule: a case is "
+                            f"`{CASE_FORMAT}`")
+        key, value = matched[1], matched[2]
+        if key not in CASE_KEYS:
+            raise CaseError(f"unknown key {key!r}; rule: the keys are m, n, k, g, seed")
+        if key in parts:
+            raise CaseError(f"{key!r} given twice; rule: each key once")
+        parts[key] = value
+    missing = [key for key in CASE_KEYS if key not in parts]
+    if missing:
+        raise CaseError(f"missing {', '.join(map(repr, missing))}; rule: a case is "
+                        f"`{CASE_FORMAT}`")
+    if not _INTEGER.fullmatch(parts["g"]) or not 1 <= int(parts["g"]) <= MAX_GROUPS:
+        raise CaseError(f"g = {parts['g']!r}; rule: g is an integer, 1 <= g <= {MAX_GROUPS}")
+    g = int(parts["g"])
+    if not _INTEGER.fullmatch(parts["seed"]) or int(parts["seed"]) < 0:
+        raise CaseError(f"seed = {parts['seed']!r}; rule: seed is an integer >= 0")
+    case = {key: _parse_sizes(key, parts[key], g) for key in ("m", "n", "k")}
+    case.update(g=g, seed=int(parts["seed"]))
+    return case
+
+
+def read_test_cases(file_name: str) -> list[TestCase]:
+    """Every case of a case file, checked completely; raises CaseError naming the line."""
+    content = Path(file_name).read_text()
     tests = []
-    # key: value where value is a list [1, 2], a tuple (1, 2), an integer or a word.
-    match = r"\s*([a-zA-Z_]+)\s*:\s*(\[[^\]]*\]|\([^)]*\)|[a-zA-Z_]+|[+-]?[0-9]+)\s*"
-    for line in content.splitlines():
-        case = {}
-        for part in line.split(";"):
-            matched = re.fullmatch(match, part)
-            if not matched:
-                print(f"invalid test case: '{line}': '{part}'", file=sys.stderr)
-                sys.exit(113)
-            key = matched[1]
-            val = matched[2]
-            try:
-                val = int(val)
-            except ValueError:
-                if (val.startswith("(") and val.endswith(")")) or (
-                    val.startswith("[") and val.endswith("]")
-                ):
-                    try:
-                        inner = val[1:-1].strip()
-                        val = tuple(int(x.strip()) for x in inner.split(",")) if inner else ()
-                    except ValueError:
-                        pass
-            case[key] = val
-        tests.append(TestCase(spec=line, args=case))
+    for line_number, line in enumerate(content.splitlines(), start=1):
+        spec = line.split("#", 1)[0].strip()
+        if not spec:
+            continue  # blank line or comment
+        try:
+            tests.append(TestCase(spec=spec, args=parse_case(spec)))
+        except CaseError as error:
+            raise CaseError(f"{file_name}:{line_number}: {error}") from None
+    if not tests:
+        raise CaseError(f"{file_name}: no test case (only blank lines or comments); "
+                        "rule: at least one case line")
+    return tests
+
+
+def get_test_cases(file_name: str, seed: int | None) -> list[TestCase]:
+    """The competition's entry point: the cases of `file_name`, seeds combined with `seed`.
+
+    An unreadable or invalid file prints one line to stderr and exits with 113."""
+    try:
+        tests = read_test_cases(file_name)
+    except CaseError as error:
+        print(f"invalid test case file {error}", file=sys.stderr)
+        sys.exit(113)
+    except Exception as E:  # noqa: BLE001 - the competition reports any read error as 113
+        print(f"Could not open test file `{file_name}`: {E}", file=sys.stderr)
+        sys.exit(113)
 
     if seed is not None:
         for test in tests:
-            if "seed" in test.args:
-                test.args["seed"] = _combine(test.args["seed"], seed)
+            test.args["seed"] = _combine(test.args["seed"], seed)
     return tests
 
 
@@ -249,8 +320,11 @@ def _run_single_test(test: TestCase):
         custom_kernel = _load_custom_kernel()
     except Exception as E:  # noqa: BLE001 - reported as a failed test, not a harness crash
         return False, f"could not import the submission: {_describe_error(E)}"
-    data = generate_input(**test.args)
-    _synchronize()
+    try:
+        data = generate_input(**test.args)
+        _synchronize()
+    except Exception as E:  # noqa: BLE001 - reported as a failed test, not a harness crash
+        return False, f"could not generate the input: {_describe_error(E)}"
     try:
         submission_output = custom_kernel(_clone_data(data))
         _synchronize()
@@ -408,25 +482,44 @@ def _dsl_version() -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def run_testing(logger, pool, tests: list[TestCase]) -> int:
+def _progress(message: str) -> None:
+    """One progress line on stderr (the protocol's lines go elsewhere)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def describe_case(args: dict) -> str:
+    """`G=8 M=64..248 N=4096 K=7168`: a case's sizes in one short label."""
+
+    def span(values) -> str:
+        values = tuple(values or ())
+        if not values:
+            return "-"
+        low, high = min(values), max(values)
+        return str(low) if low == high else f"{low}..{high}"
+
+    return (f"G={args.get('g')} M={span(args.get('m'))} N={span(args.get('n'))}"
+            f" K={span(args.get('k'))}")
+
+
+def run_testing(logger, pool, tests: list[TestCase]):
+    """Returns (exit status, [(passed, message)] per case)."""
     passed = True
-    passed_count = 0
+    results = []
     logger.log("test-count", len(tests))
     for idx, test in enumerate(tests):
         logger.log(f"test.{idx}.spec", test.spec)
         good, message = pool.apply(_run_single_test, (test,))
+        results.append((good, message))
         if not good:
             logger.log(f"test.{idx}.status", "fail")
             logger.log(f"test.{idx}.error", message)
             passed = False
         else:
-            passed_count += 1
             logger.log(f"test.{idx}.status", "pass")
             if message:
                 logger.log(f"test.{idx}.message", message)
     logger.log("check", "pass" if passed else "fail")
-    print(f"{passed_count} of {len(tests)} test cases passed", file=sys.stderr)
-    return 0 if passed else 112
+    return (0 if passed else 112), results
 
 
 def run_single_benchmark(pool, test, recheck, max_repeats, max_time_ns, hardened=False):
@@ -443,7 +536,16 @@ def _log_benchmark(logger, idx: int, result) -> bool:
     return False
 
 
+def _report_progress(mode: str, idx: int, count: int, test: TestCase, result) -> None:
+    if isinstance(result, BenchResult):
+        outcome = f"{result.stats.mean / 1e3:.2f} µs ({result.stats.runs} repeats)"
+    else:
+        outcome = "FAILED"
+    _progress(f"{mode}: case {idx + 1} of {count} ({describe_case(test.args)}): {outcome}")
+
+
 def run_benchmarking(logger, pool, tests: list[TestCase], hardened: bool):
+    _progress(f"benchmark: warm-up on case 1 ({describe_case(tests[0].args)})")
     run_single_benchmark(pool, tests[0], False, 100, 10e7, hardened)  # warm-up
     passed = True
     results = []
@@ -453,12 +555,14 @@ def run_benchmarking(logger, pool, tests: list[TestCase], hardened: bool):
         result = run_single_benchmark(pool, test, False, 100, 10e9, hardened)
         passed = _log_benchmark(logger, idx, result) and passed
         results.append(result)
+        _report_progress("benchmark", idx, len(tests), test, result)
     logger.log("check", "pass" if passed else "fail")
     return (0 if passed else 112), results
 
 
 def run_leaderboard(logger, pool, tests: list[TestCase], hardened: bool):
-    for test in tests:  # warm up every shape
+    for idx, test in enumerate(tests):  # warm up every shape
+        _progress(f"leaderboard: warm-up {idx + 1} of {len(tests)} ({describe_case(test.args)})")
         run_single_benchmark(pool, test, False, 50, 5e8, hardened)
     logger.log("benchmark-count", len(tests))
     passed = True
@@ -467,6 +571,7 @@ def run_leaderboard(logger, pool, tests: list[TestCase], hardened: bool):
         result = run_single_benchmark(pool, test, True, 100, 30e9, hardened)
         logger.log(f"benchmark.{idx}.spec", test.spec)
         results.append(result)
+        _report_progress("leaderboard", idx, len(tests), test, result)
         if not _log_benchmark(logger, idx, result):
             passed = False
             break
@@ -474,19 +579,23 @@ def run_leaderboard(logger, pool, tests: list[TestCase], hardened: bool):
     return (0 if passed else 112), results
 
 
-def run_profiling(logger, pool, tests: list[TestCase]) -> int:
+def run_profiling(logger, pool, tests: list[TestCase]):
+    """Returns (0, [profiler table per case])."""
     use_ncu = os.getenv("POPCORN_NCU", "0") not in ("", "0")
     logger.log("benchmark-count", len(tests))
+    reports = []
     for idx, test in enumerate(tests):
         logger.log(f"benchmark.{idx}.spec", test.spec)
         worker = _run_single_profile_ncu if use_ncu else _run_single_profile_torch
         report = pool.apply(worker, (test,))
+        reports.append(report)
         logger.log(
             f"benchmark.{idx}.report",
             base64.b64encode(report.encode("utf-8"), b"+*").decode("utf-8"),
         )
+        _progress(f"profile: case {idx + 1} of {len(tests)} ({describe_case(test.args)}) done")
     logger.log("check", "pass")
-    return 0
+    return 0, reports
 
 
 # ---------------------------------------------------------------------------------------
@@ -587,9 +696,130 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _case_fields(test: TestCase) -> dict:
+    return {"spec": test.spec, **{key: test.args.get(key) for key in ("m", "n", "k", "g")}}
+
+
+def build_test_report(submission: str, machine: dict, tests, results) -> dict:
+    """The data of a test run: each case's status (and error), the count passed."""
+    cases = []
+    for test, (good, message) in zip(tests, results):
+        case = {**_case_fields(test), "status": "pass" if good else "fail"}
+        if message:
+            case["error" if not good else "message"] = message
+        cases.append(case)
+    passed = sum(1 for case in cases if case["status"] == "pass")
+    return {"mode": "test", "submission": submission, "machine": machine, "cases": cases,
+            "passed": passed, "check": "pass" if passed == len(cases) else "fail"}
+
+
+def build_profile_report(submission: str, machine: dict, tests, reports) -> dict:
+    """The data of a profile run: each case's profiler table (empty under POPCORN_NCU)."""
+    cases = [{**_case_fields(test), "report": report} for test, report in zip(tests, reports)]
+    return {"mode": "profile", "submission": submission, "machine": machine, "cases": cases}
+
+
+def _short_us(value: float) -> str:
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+PLOT_COLORS = ("#1f77b4", "#ff7f0e", "#7f7f7f", "#2ca02c")
+
+
+def write_plot(path, title: str, shapes: list[tuple[str, dict]]) -> None:
+    """A PNG with one panel per shape: a bar per named figure (µs), its value written on it.
+
+    `shapes`: (label, {series name: µs or None, or the key "error": text}) per shape; a
+    series that is None for a shape is left out of that panel. Needs matplotlib.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = []
+    for _, values in shapes:
+        series += [name for name in values if name != "error" and name not in series]
+    colors = {name: PLOT_COLORS[i % len(PLOT_COLORS)] for i, name in enumerate(series)}
+    fig, axes = plt.subplots(1, len(shapes), figsize=(max(4.0, 2.6 * len(shapes)), 4.2),
+                             squeeze=False)
+    for ax, (label, values) in zip(axes[0], shapes):
+        ax.set_title(label, fontsize=8)
+        if values.get("error"):
+            ax.text(0.5, 0.5, "failed", ha="center", va="center", color="red",
+                    transform=ax.transAxes)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            continue
+        names = [name for name in series if values.get(name) is not None]
+        bars = ax.bar(range(len(names)), [values[name] for name in names],
+                      color=[colors[name] for name in names])
+        ax.bar_label(bars, labels=[_short_us(values[name]) for name in names], fontsize=7)
+        ax.set_xticks([])
+        ax.set_ylabel("µs per call (lower is better)", fontsize=7)
+        ax.tick_params(labelsize=7)
+        ax.margins(y=0.15)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[name]) for name in series]
+    fig.legend(handles, series, loc="lower center", ncol=len(series), fontsize=8,
+               frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_report(report: dict, path) -> None:
+    """eval.py's picture of a benchmark/leaderboard report: per case, our mean µs beside
+    the competition's B200 speed of light (the four official shapes)."""
+    machine = report["machine"]
+    shapes = []
+    for idx, case in enumerate(report["cases"]):
+        label = f"case {idx}\n{describe_case(case)}".replace(" N=", "\nN=")
+        if "error" in case:
+            shapes.append((label, {"error": case["error"]}))
+            continue
+        if case.get("sol_pct"):
+            label += f"\n{case['sol_pct']:.1f} % of the speed of light"
+        shapes.append((label, {"ours (mean)": case["mean_us"],
+                               "B200 speed of light": case["sol_us"]}))
+    title = (f"{Path(report['submission']).name}, {report['mode']} on {machine.get('device')}")
+    if report.get("geomean_us") is not None:
+        title += f": geometric mean {report['geomean_us']:.2f} µs"
+        if report.get("geomean_sol_pct") is not None:
+            title += f", {report['geomean_sol_pct']:.1f} % of the B200 speed of light"
+    write_plot(path, title, shapes)
+
+
 # ---------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse with the harness's failure style: one line on stderr, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+class UsageError(Exception):
+    """The command cannot run as asked: reported as one line, exit 2."""
+
+
+def _check_compile_args(argv: list[str]) -> None:
+    """The one value build_report converts itself: --groups, comma-separated counts."""
+    for index, arg in enumerate(argv):
+        if arg == "--groups" and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith("--groups="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        items = [item.strip() for item in value.split(",") if item.strip()]
+        if not items or not all(item.isdigit() and 1 <= int(item) <= MAX_GROUPS
+                                for item in items):
+            raise UsageError(f"compile: --groups {value!r}: expected comma-separated group "
+                             f"counts between 1 and {MAX_GROUPS}, e.g. 1,2,8")
 
 
 def run_compile(argv: list[str]) -> int:
@@ -598,6 +828,11 @@ def run_compile(argv: list[str]) -> int:
     if not path.exists():
         print(f"compile mode needs {path} (it compiles the kernels for sm_100a and reports "
               "their resources); it does not exist yet.", file=sys.stderr)
+        return 2
+    try:
+        _check_compile_args(argv)
+    except UsageError as error:
+        print(error, file=sys.stderr)
         return 2
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -609,16 +844,23 @@ def run_compile(argv: list[str]) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="eval.py",
         description="Test and time a submission with the competition's protocol.",
-        epilog="python eval.py compile [ARGS...] runs build_report.main(ARGS) instead.",
+        epilog="python eval.py compile [ARGS...] runs build_report.main(ARGS) instead. "
+               "Exit codes: 0 pass, 112 a case failed, 113 invalid case file, 2 cannot run "
+               "as asked (one line on stderr).",
     )
     parser.add_argument("mode", choices=["test", "benchmark", "leaderboard", "profile"])
     parser.add_argument("file", nargs="?", help="test-case file (default: the shipped cases)")
-    parser.add_argument("--submission", default=str(DEFAULT_SUBMISSION),
-                        help="submission file defining custom_kernel (default: submission.py)")
-    parser.add_argument("--json", dest="json_path", help="write the benchmark report here")
+    parser.add_argument("--submission", default=None,
+                        help="submission file defining custom_kernel (default: submission.py; "
+                             "for test on a machine without a supported GPU, the PyTorch "
+                             "example)")
+    parser.add_argument("--json", dest="json_path", help="write the results here (any mode)")
+    parser.add_argument("--plot", dest="plot_path",
+                        help="benchmark/leaderboard: draw the results into this PNG "
+                             "(needs matplotlib: pip install -e '.[plot]')")
     parser.add_argument("--hardened", action="store_true",
                         help="benchmark/leaderboard: fresh shuffled input clones per repeat, "
                              "every output checked")
@@ -626,26 +868,102 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+def supported_gpu() -> tuple[bool, str]:
+    """Whether this machine has a GPU submission.py has a backend for (its select_backend:
+    compute capability 10.x or 9.0), and the GPU in words."""
+    if not torch.cuda.is_available():
+        return False, f"torch {torch.__version__} sees no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    name = f"the GPU is {torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+    return major == 10 or (major, minor) == (9, 0), name
+
+
+def _display_path(path: Path) -> str:
+    try:
+        return str(path.relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _check_output_path(option: str, value: str | None) -> None:
+    if value is not None and not Path(value).resolve().parent.is_dir():
+        raise UsageError(f"{option} {value}: the folder {Path(value).resolve().parent} "
+                         "does not exist")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Everything about the command line that can be checked before any work; raises
+    UsageError."""
+    timed = args.mode in ("benchmark", "leaderboard")
+    if args.hardened and not timed:
+        raise UsageError(f"--hardened applies to benchmark and leaderboard, not {args.mode}")
+    if args.plot_path is not None:
+        if not timed:
+            raise UsageError(f"--plot applies to benchmark and leaderboard, not {args.mode}")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib, which is not installed: "
+                             "pip install -e '.[plot]' (or pip install matplotlib)") from None
+    _check_output_path("--json", args.json_path)
+    _check_output_path("--plot", args.plot_path)
+    if args.submission is not None and not Path(args.submission).is_file():
+        raise UsageError(f"submission file not found: {Path(args.submission).resolve()}")
+
+
+def choose_submission(args: argparse.Namespace) -> Path:
+    """The file to run: --submission, else submission.py; for `test` on a machine with no
+    GPU that submission.py supports (and outside the runner's protocol), the PyTorch
+    example, announced in one line."""
+    if args.submission is not None:
+        return Path(args.submission).resolve()
+    if not DEFAULT_SUBMISSION.is_file():
+        raise UsageError(f"submission file not found: {DEFAULT_SUBMISSION}")
+    if os.getenv("POPCORN_FD"):
+        return DEFAULT_SUBMISSION  # the runner's protocol: always submission.py
+    supported, gpu = supported_gpu()
+    if supported:
+        return DEFAULT_SUBMISSION
+    if args.mode == "test":
+        _progress(f"submission.py needs an NVIDIA B200 (sm_100) or H100/H200 (sm_90); here "
+                  f"{gpu}, so {_display_path(TORCH_EXAMPLE)} runs instead, to show the "
+                  "harness end to end (--submission submission.py runs submission.py anyway).")
+        return TORCH_EXAMPLE
+    if torch.cuda.is_available():
+        raise UsageError(f"submission.py needs an NVIDIA B200 (sm_100) or H100/H200 (sm_90); "
+                         f"here {gpu}. Time another file with --submission, e.g. "
+                         f"--submission {_display_path(TORCH_EXAMPLE)}")
+    return DEFAULT_SUBMISSION
+
+
+def _popcorn_seed() -> int | None:
+    seed = os.environ.pop("POPCORN_SEED", None)
+    if not seed:
+        return None
+    try:
+        return int(seed)
+    except ValueError:
+        raise UsageError(f"POPCORN_SEED = {seed!r}: expected an integer") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "compile":
         return run_compile(argv[1:])
     args = parse_args(argv)
-
-    if args.mode in TIMING_MODES and not torch.cuda.is_available():
-        print(f"{args.mode} mode needs a CUDA GPU, and torch {torch.__version__} sees none. "
-              "`python eval.py test` runs on the CPU.", file=sys.stderr)
+    try:
+        check_options(args)
+        seed = _popcorn_seed()
+        default_file = DEFAULT_TEST_FILE if args.mode == "test" else DEFAULT_BENCHMARK_FILE
+        tests = get_test_cases(args.file or str(default_file), seed)  # invalid: exit 113
+        if args.mode in TIMING_MODES and not torch.cuda.is_available():
+            raise UsageError(f"{args.mode} mode needs a CUDA GPU, and torch {torch.__version__} "
+                             "sees none. `python eval.py test` runs on the CPU.")
+        submission = choose_submission(args)
+    except UsageError as error:
+        print(error, file=sys.stderr)
         return 2
-    submission = Path(args.submission).resolve()
-    if not submission.is_file():
-        print(f"submission file not found: {submission}", file=sys.stderr)
-        return 2
-
-    seed = os.environ.pop("POPCORN_SEED", None)
-    seed = int(seed) if seed else None
     set_seed(seed or 42)
-    default_file = DEFAULT_TEST_FILE if args.mode == "test" else DEFAULT_BENCHMARK_FILE
-    tests = get_test_cases(args.file or str(default_file), seed)
 
     fd = os.getenv("POPCORN_FD")
     logger = PopcornOutput(int(fd)) if fd else StdoutOutput()
@@ -653,18 +971,30 @@ def main(argv: list[str] | None = None) -> int:
     with logger, mp_context.Pool(1, initializer=_init_worker,
                                  initargs=(str(submission),)) as pool:
         if args.mode == "test":
-            return run_testing(logger, pool, tests)
-        if args.mode == "profile":
-            return run_profiling(logger, pool, tests)
-        runner = run_benchmarking if args.mode == "benchmark" else run_leaderboard
-        status, results = runner(logger, pool, tests, args.hardened)
+            status, results = run_testing(logger, pool, tests)
+        elif args.mode == "profile":
+            status, results = run_profiling(logger, pool, tests)
+        else:
+            runner = run_benchmarking if args.mode == "benchmark" else run_leaderboard
+            status, results = runner(logger, pool, tests, args.hardened)
         machine = pool.apply(_describe_machine)
 
-    report = build_report(args.mode, str(submission), machine, tests[: len(results)], results,
-                          args.hardened)
-    print(format_report(report))
+    shown = _display_path(submission)
+    if args.mode == "test":
+        report = build_test_report(str(submission), machine, tests, results)
+        print(f"{report['passed']} of {len(tests)} test cases passed ({shown})", file=sys.stderr)
+    elif args.mode == "profile":
+        report = build_profile_report(str(submission), machine, tests, results)
+    else:
+        report = build_report(args.mode, str(submission), machine, tests[: len(results)],
+                              results, args.hardened)
+        print(format_report(report))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        _progress(f"results written to {args.json_path}")
+    if args.plot_path:
+        plot_report(report, args.plot_path)
+        _progress(f"plot written to {args.plot_path}")
     return status
 
 

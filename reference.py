@@ -8,8 +8,13 @@ scale per 16 consecutive K elements, and C_i is float16.
   bit-identical tensors for the same arguments; it also runs on the CPU.
 - `ref_kernel` uses the competition's `torch._scaled_mm` path on sm_100+ and an exact decode
   path everywhere else (Hopper, CPU), where `_scaled_mm` has no float4 support.
+- `ref_kernel` validates its input first (`validate_reference_inputs`, the submission's
+  message format: `group {g}: {field} = {value!r}; rule: {rule}`) and writes no output
+  before every group has passed.
 - `check_implementation` keeps the competition's semantics (rtol = atol = 1e-3).
 """
+
+import operator
 
 import torch
 
@@ -220,13 +225,133 @@ def _scaled_mm_group(a_ref, b_ref, sfa_ref, sfb_ref):
     )
 
 
+# ---------------------------------------------------------------------------------------
+# Input validation (the submission's rules and message format, where they apply to an
+# oracle that also runs on the CPU and ignores strides)
+# ---------------------------------------------------------------------------------------
+
+MAX_GROUPS = 64
+K_MULTIPLE = 256
+
+_DTYPE_RULES = {
+    "a": (torch.float4_e2m1fn_x2, "packed fp4 e2m1, two values per byte"),
+    "b": (torch.float4_e2m1fn_x2, "packed fp4 e2m1, two values per byte"),
+    "c": (torch.float16, "fp16 output"),
+    "sfa": (torch.float8_e4m3fn, "one fp8 e4m3 scale per 16 K elements"),
+    "sfb": (torch.float8_e4m3fn, "one fp8 e4m3 scale per 16 K elements"),
+}
+
+
+def _fail(group, field, value, rule, error=ValueError):
+    prefix = "input" if group is None else f"group {group}"
+    raise error(f"{prefix}: {field} = {value!r}; rule: {rule}")
+
+
+def _check_problem_size(g, problem_size):
+    if not isinstance(problem_size, (tuple, list)) or len(problem_size) != 4:
+        _fail(g, "problem_sizes[g]", problem_size, "expected a 4-tuple (M, N, K, L)", TypeError)
+    for name, value in zip("MNKL", problem_size):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            _fail(g, f"problem_sizes[g].{name}", value, "expected an integer", TypeError)
+    m, n, k, l = (operator.index(v) for v in problem_size)
+    if l != 1:
+        _fail(g, "L", l, "L must be 1 (one batch per group)")
+    if k <= 0 or k % K_MULTIPLE != 0:
+        _fail(g, "K", k, f"K must be a positive multiple of {K_MULTIPLE} (the task's contract)")
+    if n <= 0:
+        _fail(g, "N", n, "N must be >= 1")
+    if m < 0:
+        _fail(g, "M", m, "M must be >= 0")
+    return (m, n, k, l)
+
+
+def validate_reference_inputs(data) -> list[tuple[int, int, int, int]]:
+    """Check what `ref_kernel` reads; return the problem sizes as int 4-tuples.
+
+    The submission's rules where they apply here: the 4-tuple, G lists of the same length
+    (1 <= G <= 64), integer sizes with L = 1, K a positive multiple of 256, N >= 1, M >= 0,
+    the dtypes, and shapes that match the sizes (a [M, K/2, 1], b [N, K/2, 1], c [M, N, 1],
+    sfa [M, K/16, 1], sfb [N, K/16, 1]). Unlike the submission it accepts any strides and
+    the CPU; a, b and c of every group must share one device (the plain scales, which the
+    generator leaves on the CPU, may be anywhere). Raises ValueError / TypeError naming the
+    group, the field, the value and the rule.
+    """
+    if not isinstance(data, (tuple, list)) or len(data) != 4:
+        _fail(
+            None,
+            "len(data)" if isinstance(data, (tuple, list)) else "type(data)",
+            len(data) if isinstance(data, (tuple, list)) else type(data).__name__,
+            "expected the 4-tuple (abc, sfasfb, sfasfb_reordered, problem_sizes)",
+            TypeError,
+        )
+    abc, sfasfb, sfasfb_reordered, problem_sizes = data
+    for name, value in (
+        ("abc", abc),
+        ("sfasfb", sfasfb),
+        ("sfasfb_reordered", sfasfb_reordered),
+        ("problem_sizes", problem_sizes),
+    ):
+        if not isinstance(value, (tuple, list)):
+            _fail(None, f"type({name})", type(value).__name__, "expected a list", TypeError)
+    num_groups = len(problem_sizes)
+    if not 1 <= num_groups <= MAX_GROUPS:
+        _fail(None, "len(problem_sizes)", num_groups, f"expected 1 <= G <= {MAX_GROUPS}")
+    for name, value in (("abc", abc), ("sfasfb", sfasfb), ("sfasfb_reordered", sfasfb_reordered)):
+        if len(value) != num_groups:
+            _fail(None, f"len({name})", len(value),
+                  f"expected G = len(problem_sizes) = {num_groups}")
+
+    sizes = [_check_problem_size(g, problem_sizes[g]) for g in range(num_groups)]
+    device = None
+    for g, (m, n, k, l) in enumerate(sizes):
+        if not isinstance(abc[g], (tuple, list)) or len(abc[g]) != 3:
+            _fail(g, "abc[g]", type(abc[g]).__name__, "expected a 3-tuple (a, b, c)", TypeError)
+        if not isinstance(sfasfb[g], (tuple, list)) or len(sfasfb[g]) != 2:
+            _fail(g, "sfasfb[g]", type(sfasfb[g]).__name__, "expected a 2-tuple (sfa, sfb)",
+                  TypeError)
+        tensors = {"a": abc[g][0], "b": abc[g][1], "c": abc[g][2],
+                   "sfa": sfasfb[g][0], "sfb": sfasfb[g][1]}
+        shapes = {
+            "a": ((m, k // 2, l), "[M, K/2, L]"),
+            "b": ((n, k // 2, l), "[N, K/2, L]"),
+            "c": ((m, n, l), "[M, N, L]"),
+            "sfa": ((m, k // sf_vec_size, l), "[M, K/16, L]"),
+            "sfb": ((n, k // sf_vec_size, l), "[N, K/16, L]"),
+        }
+        for field, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                _fail(g, f"type({field})", type(tensor).__name__, "expected a torch.Tensor",
+                      TypeError)
+            want_dtype, why = _DTYPE_RULES[field]
+            if tensor.dtype != want_dtype:
+                _fail(g, f"{field}.dtype", tensor.dtype, f"expected {want_dtype} ({why})",
+                      TypeError)
+            shape, named = shapes[field]
+            if tuple(tensor.shape) != shape:
+                _fail(g, f"{field}.shape", tuple(tensor.shape),
+                      f"expected {shape} ({field} is {named})")
+        for field in ("a", "b", "c"):
+            tensor = tensors[field]
+            if device is None:
+                device = tensor.device
+            elif tensor.device != device:
+                _fail(g, f"{field}.device", str(tensor.device),
+                      f"expected {device} like group 0's a")
+    return sizes
+
+
 def ref_kernel(data: input_t) -> output_t:
-    """Reference grouped GEMM: writes each C and returns the list of C tensors."""
-    abc_tensors, sfasfb_tensors, _, problem_sizes = data
+    """Reference grouped GEMM: writes each C and returns the list of C tensors.
+
+    The input is validated first (`validate_reference_inputs`): on a bad input nothing is
+    written and a ValueError / TypeError names the group, the field, the value and the rule.
+    """
+    problem_sizes = validate_reference_inputs(data)
+    abc_tensors, sfasfb_tensors, _, _ = data
     result_tensors = []
     with torch.no_grad():
         for (a_ref, b_ref, c_ref), (sfa_ref, sfb_ref), (_m, _n, _k, l) in zip(
-            abc_tensors, sfasfb_tensors, problem_sizes
+            abc_tensors, sfasfb_tensors, problem_sizes, strict=True
         ):
             use_scaled_mm = _uses_scaled_mm(a_ref.device)
             for l_idx in range(l):

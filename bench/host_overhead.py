@@ -10,11 +10,13 @@ the synchronize), the CPU µs of a bare torch launch (``x.add_(1)``) measured th
 the same run, and their ratio. Needs a CUDA GPU the submission supports.
 
     python bench/host_overhead.py [--submission PATH] [--cases FILE] [--repeats N]
+
+Exit codes: 0 done; 2 cannot run as asked (no CUDA GPU, a missing file, a bad option), as
+one line on stderr; 113 an invalid case file (eval.py's rules).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import sys
@@ -26,8 +28,31 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from eval import DEFAULT_BENCHMARK_FILE, NUM_ITERATIONS_PER_BENCHMARK, get_test_cases
+from eval import (
+    DEFAULT_BENCHMARK_FILE,
+    NUM_ITERATIONS_PER_BENCHMARK,
+    OneLineArgumentParser,
+    get_test_cases,
+)
 from reference import generate_input
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "positive integer"  # argparse names the type in its message
+non_negative_int.__name__ = "non-negative integer"
 
 
 def load_custom_kernel(path: Path):
@@ -92,16 +117,23 @@ def breakdown(module, groups: int, iterations: int = 2000) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog="host_overhead.py",
+                                   description=__doc__.split("\n\n")[0])
     parser.add_argument("--submission", type=Path, default=REPO_ROOT / "submission.py")
     parser.add_argument("--cases", type=Path, default=DEFAULT_BENCHMARK_FILE)
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=3, help="passes over the 15 inputs first")
+    parser.add_argument("--repeats", type=positive_int, default=50)
+    parser.add_argument("--warmup", type=non_negative_int, default=3,
+                        help="passes over the 15 inputs first")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each step of a hit (submission.py's runtime only)")
     options = parser.parse_args(argv)
+    if not options.submission.is_file():
+        print(f"submission file not found: {options.submission.resolve()}", file=sys.stderr)
+        return 2
+    cases = get_test_cases(str(options.cases), None)  # invalid or missing: one line, exit 113
     if not torch.cuda.is_available():
-        print("host_overhead needs a CUDA GPU (none found)", file=sys.stderr)
+        print(f"host_overhead.py needs a CUDA GPU, and torch {torch.__version__} sees none",
+              file=sys.stderr)
         return 2
 
     custom_kernel = load_custom_kernel(options.submission)
@@ -124,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'case':<5}{'G':>3}{'call µs':>10}{'bare µs':>10}{'ratio':>8}{'call best':>11}{'bare best':>11}"
     print(header)
     ratios = []
-    for index, case in enumerate(get_test_cases(str(options.cases), None)):
+    for index, case in enumerate(cases):
         inputs = input_sets(case.args)
         for _ in range(options.warmup):
             cpu_us_per_call(custom_kernel, inputs, 1)

@@ -16,11 +16,17 @@ CUDA event pair around 15 back-to-back calls over the 15 inputs; time = elapsed 
 mean and best µs of each, their ratio, TFLOP/s on the real (unpadded) work, and the fraction
 of the bf16 dense roofline (790 TFLOP/s, measured on the H200).
 
-    python bench/peers.py [--repeats 30]
+    python bench/peers.py [--repeats 30] [--json PATH] [--plot PATH]
     python bench/peers.py --configs ["reg A 1buf,tile_n 64"]   # sm_90 configs, device time
+
+--json writes the rows, --plot a PNG (needs matplotlib: pip install -e '.[plot]'): per shape,
+ours beside cuBLAS and the bf16 roofline time. Progress goes to stderr, one line per shape.
+Exit codes: 0 done; 2 cannot run as asked (no CUDA GPU the submission supports, --configs
+off sm_90, matplotlib missing for --plot, a bad option), as one line on stderr.
 """
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -93,7 +99,8 @@ def compare_configs(repeats, names=None):
     if names:
         unknown = set(names) - set(configs)
         if unknown:
-            raise SystemExit(f"unknown config(s) {sorted(unknown)}; known: {list(configs)}")
+            print(f"unknown config(s) {sorted(unknown)}; known: {list(configs)}", file=sys.stderr)
+            raise SystemExit(2)
         configs = {name: configs[name] for name in names}
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     print(f"{'shape':<34} " + " ".join(f"{name:>13}" for name in configs))
@@ -108,10 +115,7 @@ def compare_configs(repeats, names=None):
         cells = []
         for config in configs.values():
             backend = hopper.make_backend(config)  # None: the default backend
-            states = [
-                submission.build_state(data, submission.validate_inputs(data), backend)
-                for data in inputs
-            ]
+            states = [submission.bind_input_set(data, backend) for data in inputs]
             for _, _, c in inputs[0][0]:
                 c.fill_(float("nan"))
             states[0].run(stream)
@@ -147,23 +151,91 @@ def cublas_bf16(groups):
     return [c for _, _, c in groups]
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse failing as eval.py does: one line on stderr, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+positive_int.__name__ = "positive integer"  # argparse names the type in its message
+
+
+def check_machine(configs: bool) -> str | None:
+    """None when this machine can run the comparison, else why not (one line)."""
+    if not torch.cuda.is_available():
+        return f"peers.py needs a CUDA GPU, and torch {torch.__version__} sees none"
+    major, minor = torch.cuda.get_device_capability()
+    gpu = f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+    if configs and (major, minor) != (9, 0):
+        return f"--configs compares sm_90 kernel configurations; this GPU is {gpu}"
+    if not (major == 10 or (major, minor) == (9, 0)):
+        return f"peers.py times submission.py, which needs a B200 or an H100/H200; this GPU is {gpu}"
+    return None
+
+
+def check_output(option: str, value: str | None) -> str | None:
+    if value is not None and not Path(value).resolve().parent.is_dir():
+        return f"{option} {value}: the folder {Path(value).resolve().parent} does not exist"
+    return None
+
+
+def plot_rows(rows, path, device: str) -> None:
+    """Per shape: ours and cuBLAS (mean µs per call) beside the bf16 roofline time."""
+    from eval import write_plot
+
+    shapes = []
+    for row in rows:
+        label = f"{row['shape']}".replace(" N=", "\nN=")
+        label += f"\nours / cuBLAS {row['ours_us'] / row['cublas_us']:.2f}"
+        shapes.append((label, {
+            "ours (submission.py)": row["ours_us"],
+            "cuBLAS bf16, pre-dequantized": row["cublas_us"],
+            f"bf16 roofline ({BF16_ROOFLINE_TFLOPS:.0f} TFLOP/s)": row["roofline_us"],
+        }))
+    write_plot(path, f"peers on {device}: µs per call, the leaderboard's timing", shapes)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=30)
+    parser = OneLineArgumentParser(prog="peers.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--configs", nargs="?", const="", default=None, metavar="NAMES",
                         help="compare sm_90 kernel configurations (device time only); "
                         "optional comma-separated subset, e.g. 'reg A 1buf,tile_n 64'")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--plot", dest="plot_path",
+                        help="draw the rows into this PNG (needs matplotlib)")
     args = parser.parse_args(argv)
+    problem = check_output("--json", args.json_path) or check_output("--plot", args.plot_path)
+    if problem is None and args.configs is not None and (args.json_path or args.plot_path):
+        problem = "--json and --plot apply to the comparison with cuBLAS, not to --configs"
+    if problem is None and args.plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            problem = ("--plot needs matplotlib, which is not installed: "
+                       "pip install -e '.[plot]' (or pip install matplotlib)")
+    problem = problem or check_machine(args.configs is not None)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if args.configs is not None:
         compare_configs(args.repeats, [x.strip() for x in args.configs.split(",") if x.strip()])
-        return
+        return 0
 
     from submission import custom_kernel
 
     name = torch.cuda.get_device_name()
     print(f"device: {name}  torch {torch.__version__}")
     rows = []
-    for m, n, k in BENCHMARKS:
+    for index, (m, n, k) in enumerate(BENCHMARKS):
         g = len(m)
         inputs = []
         seed = 1111
@@ -179,8 +251,16 @@ def main(argv=None):
         cublas_device, _ = time_calls(cublas_bf16, dequant, args.repeats, device_only=True)
         del dequant
         flops = sum(2 * mi * ni * ki for mi, ni, ki in zip(m, n, k))
-        rows.append((g, m, n[0], k[0], ours_mean, ours_best, cublas_mean, cublas_best, flops,
-                     ours_device, cublas_device))
+        shape = f"G={g} M={min(m)}..{max(m)} N={n[0]} K={k[0]}"
+        rows.append({
+            "shape": shape, "m": m, "n": n, "k": k, "g": g, "flops": flops,
+            "ours_us": ours_mean, "ours_best_us": ours_best, "ours_device_us": ours_device,
+            "cublas_us": cublas_mean, "cublas_best_us": cublas_best,
+            "cublas_device_us": cublas_device,
+            "roofline_us": flops / (BF16_ROOFLINE_TFLOPS * 1e12) * 1e6,
+        })
+        print(f"peers: shape {index + 1} of {len(BENCHMARKS)} ({shape}): ours {ours_mean:.1f} µs, "
+              f"cuBLAS {cublas_mean:.1f} µs", file=sys.stderr, flush=True)
 
     header = (
         f"{'shape':<34} {'ours µs':>9} {'best':>8} {'cuBLAS µs':>10} {'best':>8} "
@@ -188,17 +268,28 @@ def main(argv=None):
     )
     print(header)
     ratios = []
-    for g, m, n, k, om, ob, cm, cb, flops, od, cd in rows:
-        tflops = flops / (om * 1e-6) / 1e12
+    for row in rows:
+        om, cm = row["ours_us"], row["cublas_us"]
+        tflops = row["flops"] / (om * 1e-6) / 1e12
         ratios.append(om / cm)
-        shape = f"G={g} M={min(m)}..{max(m)} N={n} K={k}"
         print(
-            f"{shape:<34} {om:9.1f} {ob:8.1f} {cm:10.1f} {cb:8.1f} {om / cm:11.2f} "
-            f"{tflops:8.1f} {100 * tflops / BF16_ROOFLINE_TFLOPS:9.1f}% {od:9.1f} {cd:7.1f}"
+            f"{row['shape']:<34} {om:9.1f} {row['ours_best_us']:8.1f} {cm:10.1f} "
+            f"{row['cublas_best_us']:8.1f} {om / cm:11.2f} {tflops:8.1f} "
+            f"{100 * tflops / BF16_ROOFLINE_TFLOPS:9.1f}% {row['ours_device_us']:9.1f} "
+            f"{row['cublas_device_us']:7.1f}"
         )
     geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
     print(f"geomean ours/cuBLAS: {geomean:.2f}  (< 1: ours faster)")
+    if args.json_path:
+        report = {"device": name, "torch": torch.__version__, "repeats": args.repeats,
+                  "rows": rows, "geomean_ours_over_cublas": geomean}
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results written to {args.json_path}", file=sys.stderr)
+    if args.plot_path:
+        plot_rows(rows, args.plot_path, name)
+        print(f"plot written to {args.plot_path}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

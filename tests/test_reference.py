@@ -206,3 +206,106 @@ def test_check_implementation_accepts_exact_and_reports_mismatches():
 
     ok, message = match_outputs(good, good[:1])
     assert not ok and "output length mismatch: got 1, expected 2" in message
+
+
+# ---------------------------------------------------------------------------------------
+# Input validation: the submission's rules and messages, checked before anything is written
+# ---------------------------------------------------------------------------------------
+
+
+def _small_input():
+    return generate_input((40, 72), (64, 128), (256, 512), 2, seed=31, device="cpu")
+
+
+def _replace(data, group, field, tensor):
+    abc, sfasfb, sfasfb_reordered, sizes = ([list(x) for x in data[0]], [list(x) for x in data[1]],
+                                           list(data[2]), list(data[3]))
+    if field in ("a", "b", "c"):
+        abc[group]["abc".index(field)] = tensor
+    else:
+        sfasfb[group][("sfa", "sfb").index(field)] = tensor
+    return ([tuple(x) for x in abc], [tuple(x) for x in sfasfb], sfasfb_reordered, sizes)
+
+
+def _with_sizes(data, group, size):
+    sizes = list(data[3])
+    sizes[group] = size
+    return (data[0], data[1], data[2], sizes)
+
+
+INVALID_INPUTS = {
+    "L = 2": (lambda d: _with_sizes(d, 1, (72, 128, 512, 2)), ValueError,
+              "group 1: L = 2; rule: L must be 1 (one batch per group)"),
+    "lists disagree": (lambda d: (d[0][:1], d[1], d[2], d[3]), ValueError,
+                       "input: len(abc) = 1; rule: expected G = len(problem_sizes) = 2"),
+    "more problem sizes": (lambda d: (d[0], d[1], d[2], d[3] + [(8, 64, 256, 1)]), ValueError,
+                           "input: len(abc) = 2; rule: expected G = len(problem_sizes) = 3"),
+    "no group": (lambda d: ([], [], [], []), ValueError,
+                 "input: len(problem_sizes) = 0; rule: expected 1 <= G <= 64"),
+    "3-tuple": (lambda d: (d[0], d[1], d[3]), TypeError,
+                ("input: len(data) = 3; rule: expected the 4-tuple (abc, sfasfb, "
+                "sfasfb_reordered, problem_sizes)")),
+    "K not a multiple of 256": (lambda d: _with_sizes(d, 1, (72, 128, 384, 1)), ValueError,
+                                ("group 1: K = 384; rule: K must be a positive multiple of 256 "
+                                "(the task's contract)")),
+    "N = 0": (lambda d: _with_sizes(d, 1, (72, 0, 512, 1)), ValueError,
+              "group 1: N = 0; rule: N must be >= 1"),
+    "M < 0": (lambda d: _with_sizes(d, 1, (-1, 128, 512, 1)), ValueError,
+              "group 1: M = -1; rule: M must be >= 0"),
+    "M as a float": (lambda d: _with_sizes(d, 1, (72.0, 128, 512, 1)), TypeError,
+                     "group 1: problem_sizes[g].M = 72.0; rule: expected an integer"),
+    "sizes disagree with a": (lambda d: _with_sizes(d, 1, (73, 128, 512, 1)), ValueError,
+                              ("group 1: a.shape = (72, 256, 1); rule: expected (73, 256, 1) "
+                              "(a is [M, K/2, L])")),
+    "sfb shape": (lambda d: _replace(d, 1, "sfb", d[1][1][1][:64]), ValueError,
+                  ("group 1: sfb.shape = (64, 32, 1); rule: expected (128, 32, 1) "
+                  "(sfb is [N, K/16, L])")),
+    "c dtype": (lambda d: _replace(d, 1, "c", d[0][1][2].float()), TypeError,
+                "group 1: c.dtype = torch.float32; rule: expected torch.float16 (fp16 output)"),
+    "a not a tensor": (lambda d: _replace(d, 1, "a", [1, 2]), TypeError,
+                       "group 1: type(a) = 'list'; rule: expected a torch.Tensor"),
+    "b on another device": (lambda d: _replace(d, 1, "b", d[0][1][1].to("meta")), ValueError,
+                            "group 1: b.device = 'meta'; rule: expected cpu like group 0's a"),
+}
+
+
+@pytest.mark.parametrize("name", list(INVALID_INPUTS))
+def test_ref_kernel_rejects_invalid_input_before_writing(name):
+    mutate, error, message = INVALID_INPUTS[name]
+    data = _small_input()
+    before = [c.clone() for _, _, c in data[0]]
+    bad = mutate(data)
+    with pytest.raises(error) as info:
+        ref_kernel(bad)
+    assert str(info.value) == message
+    for old, (_, _, new) in zip(before, data[0]):
+        assert torch.equal(old, new), "an output was written before the error"
+
+
+def test_ref_kernel_accepts_any_strides_and_an_empty_group():
+    data = generate_input((0, 40), (64, 128), (256, 256), 2, seed=32, device="cpu")
+    expected = [c.clone() for c in ref_kernel(generate_input((0, 40), (64, 128), (256, 256), 2,
+                                                             seed=32, device="cpu"))]
+    # A column-major copy of group 1's c (same values, other strides) is written in place.
+    a, b, c = data[0][1]
+    c_col = c.transpose(0, 1).contiguous().transpose(0, 1)
+    data[0][1] = (a, b, c_col)
+    outputs = ref_kernel(data)
+    assert outputs[0].shape == (0, 64, 1) and outputs[1] is c_col
+    assert torch.equal(outputs[1], expected[1])
+
+
+SHARED_RULES = ["L = 2", "lists disagree", "more problem sizes", "no group", "3-tuple", "N = 0",
+                "M < 0", "M as a float", "c dtype", "a not a tensor"]
+
+
+@pytest.mark.parametrize("name", SHARED_RULES)
+def test_reference_and_submission_say_the_same(name):
+    submission = pytest.importorskip("submission", reason="needs the CuTe DSL")
+    mutate, error, _ = INVALID_INPUTS[name]
+    bad = mutate(_small_input())
+    with pytest.raises(error) as from_reference:
+        ref_kernel(bad)
+    with pytest.raises(error) as from_submission:
+        submission.validate_inputs(bad)
+    assert str(from_reference.value) == str(from_submission.value)

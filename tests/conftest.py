@@ -1,0 +1,40 @@
+"""Shared pytest set-up: one summary line that says how many tests were skipped for lack of a
+GPU (the CPU suite skips every test that needs a Hopper or Blackwell GPU, with a reason)."""
+
+import re
+
+# A skip reason that names one of these is a missing-GPU skip.
+GPU_REASON = re.compile(r"\b(GPU|CUDA|sm_\d+)", re.IGNORECASE)
+
+
+def skip_reason(report) -> str:
+    """The reason text of a skipped test's report ("Skipped: " removed)."""
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def gpu_skip_summary(reasons: list[str]) -> str | None:
+    """One line for the skipped tests' reasons: how many lack a GPU, by reason, and the
+    others; None when nothing was skipped."""
+    if not reasons:
+        return None
+    counts: dict[str, int] = {}
+    for reason in reasons:
+        counts[reason] = counts.get(reason, 0) + 1
+    gpu = {reason: n for reason, n in counts.items() if GPU_REASON.search(reason)}
+    other = {reason: n for reason, n in counts.items() if reason not in gpu}
+    by_count = sorted(gpu.items(), key=lambda item: (-item[1], item[0]))
+    line = f"{sum(gpu.values())} tests skipped for lack of a GPU"
+    if by_count:
+        line += " (" + ", ".join(f"{n}: {reason}" for reason, n in by_count) + ")"
+    if other:
+        line += "; " + ", ".join(f"{n} skipped otherwise: {reason}" for reason, n in
+                                 sorted(other.items(), key=lambda item: (-item[1], item[0])))
+    return line
+
+
+def pytest_terminal_summary(terminalreporter):
+    line = gpu_skip_summary([skip_reason(r) for r in terminalreporter.stats.get("skipped", [])])
+    if line:
+        terminalreporter.write_line(line)
