@@ -158,6 +158,8 @@ def test_hit_replays_the_recorded_graph_on_any_stream():
 
 def test_direct_launch_when_graphs_are_off(monkeypatch):
     monkeypatch.setattr(submission, "_GRAPH_LAUNCH", False)
+    # Freed tensors' addresses come back: a binding of an earlier test must not be hit
+    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
     data = generate_input(**SIZES, seed=78)
     expected = ref_kernel(_clone(data))
     submission.custom_kernel(data)
@@ -192,6 +194,8 @@ def test_failed_capture_leaves_capture_mode_and_falls_back(monkeypatch):
             raise RuntimeError("no graphs here")
 
     monkeypatch.setattr(submission, "GraphLaunch", RefusingGraphLaunch)
+    # Freed tensors' addresses come back: a binding of an earlier test must not be hit
+    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
     data = generate_input(**SIZES, seed=79)
     expected = ref_kernel(_clone(data))
     submission.custom_kernel(data)  # launched directly
