@@ -338,10 +338,31 @@ def tensormap_desc_ptr(tensormap_manager, tensormaps: cute.Tensor, group_idx, sl
 
 
 @dsl_user_op
+def fence_proxy_async_shared_cta(*, loc=None, ip=None) -> None:
+    """``fence.proxy.async.shared::cta``: this thread's generic-proxy shared-memory writes
+    become visible to the async proxy (the TMA store that reads them).
+
+    DSL compatibility: 4.3.5 (the runner's) takes the nvvm enums ``cute.arch.ProxyKind`` /
+    ``cute.arch.SharedSpace``; 4.8.1 no longer exports them and takes string literals."""
+    if hasattr(cute.arch, "ProxyKind"):  # DSL 4.3.5
+        cute.arch.fence_proxy(
+            cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta, loc=loc, ip=ip
+        )
+    else:  # DSL 4.8.1
+        cute.arch.fence_proxy("async.shared", space="cta", loc=loc, ip=ip)
+
+
+@dsl_user_op
 def prefetch_tensormap(desc_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
     """``prefetch.tensormap``: bring a TMA descriptor (generic address) into the descriptor
-    cache before its first copy, instead of on that copy's path."""
-    nvvm.prefetch_tensormap(desc_ptr.llvm_ptr, loc=loc, ip=ip)
+    cache before its first copy, instead of on that copy's path.
+
+    DSL compatibility: 4.3.5 (the runner's) has ``nvvm.prefetch_tensormap``; 4.8.1 has no
+    such op and takes ``nvvm.prefetch(..., tensormap=True)``."""
+    if hasattr(nvvm, "prefetch_tensormap"):  # DSL 4.3.5
+        nvvm.prefetch_tensormap(desc_ptr.llvm_ptr, loc=loc, ip=ip)
+    else:  # DSL 4.8.1: the generic prefetch with the tensormap flag
+        nvvm.prefetch(desc_ptr.llvm_ptr, tensormap=True, loc=loc, ip=ip)
 
 
 def group_tensormap_gmem_ptrs(tensormap_manager, tensormaps: cute.Tensor, group_idx):
@@ -1871,7 +1892,7 @@ class PersistentGemmSm100:
                     c_buffer = (num_subtiles_done + subtile_idx) % self.num_c_stage
                     cute.copy(tiled_copy_r2s, tRS_rC, tRS_sC[(None, None, None, c_buffer)])
                     # Shared-memory writes visible to the TMA unit before the store is issued
-                    cute.arch.fence_proxy(cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta)
+                    fence_proxy_async_shared_cta()
                     self.epilog_sync_barrier.arrive_and_wait()
                     if warp_idx == self.epilog_warp_id[0]:
                         cute.copy(tma_atom_c, bSG_sC[(None, c_buffer)], bSG_gC[(None, subtile_idx)],
