@@ -9,7 +9,10 @@ Per shape it prints the CPU µs per call (``time.perf_counter`` around the 15 ca
 the synchronize), the CPU µs of a bare torch launch (``x.add_(1)``) measured the same way in
 the same run, and their ratio. Needs a CUDA GPU the submission supports.
 
-    python bench/host_overhead.py [--submission PATH] [--cases FILE] [--repeats N]
+    python bench/host_overhead.py [--submission PATH] [--cases FILE] [--repeats N] [--fresh N]
+
+With ``--fresh N`` it also times N calls per shape on pointers the runtime has never seen
+(clones of the shape's first input set: known sizes, new tensors), each alone.
 
 Exit codes: 0 done; 2 cannot run as asked (no CUDA GPU, a missing file, a bad option), as
 one line on stderr; 113 an invalid case file (eval.py's rules).
@@ -87,6 +90,33 @@ def input_sets(args: dict) -> list:
     return sets
 
 
+def clone_input_set(data):
+    """The same values in freshly allocated tensors: new pointers, the same sizes."""
+    abc, sfasfb, sfasfb_reordered, problem_sizes = data
+    return (
+        [tuple(t.clone() for t in group) for group in abc],
+        [tuple(t.clone() for t in group) for group in sfasfb],
+        [tuple(t.clone() for t in group) for group in sfasfb_reordered],
+        problem_sizes,
+    )
+
+
+def fresh_pointer_us(custom_kernel, data, count: int) -> list[float]:
+    """CPU µs of `count` calls each on pointers never seen before (clones of `data`, whose
+    sizes the runtime knows): the eager pattern of a model layer that gets new activation
+    and output tensors at every step. A synchronize before each call, so each is timed
+    alone."""
+    clones = [clone_input_set(data) for _ in range(count)]
+    figures = []
+    for fresh in clones:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        custom_kernel(fresh)
+        figures.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return figures
+
+
 def breakdown(module, groups: int, iterations: int = 2000) -> None:
     """CPU µs of each step of a hit, on a G-group input set with tiny kernels (so the GPU
     never backs the launch queue up): key, cache lookup, stream lookup, launch, whole call."""
@@ -128,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                              "set's graph is recorded before the timing)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time each step of a hit (submission.py's runtime only)")
+    parser.add_argument("--fresh", type=non_negative_int, default=0, metavar="N",
+                        help="also time N calls per shape on pointers never seen before "
+                             "(same sizes, one call each, synchronized): the eager pattern")
     options = parser.parse_args(argv)
     if not options.submission.is_file():
         print(f"submission file not found: {options.submission.resolve()}", file=sys.stderr)
@@ -157,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{options.repeats} repeats x 15 calls")
     header = f"{'case':<5}{'G':>3}{'call µs':>10}{'bare µs':>10}{'ratio':>8}{'call best':>11}{'bare best':>11}"
     print(header)
-    ratios = []
+    ratios, fresh = [], []
     for index, case in enumerate(cases):
         inputs = input_sets(case.args)
         for _ in range(options.warmup):
@@ -183,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(call_us / bare_us)
         print(f"{index:<5}{case.args['g']:>3}{call_us:>10.2f}{bare_us:>10.2f}{call_us / bare_us:>8.2f}"
               f"{min(call_figures):>11.2f}{min(bare_figures):>11.2f}")
+        if options.fresh:
+            fresh.append((index, case.args["g"], fresh_pointer_us(custom_kernel, inputs[0], options.fresh)))
     print(f"worst ratio {max(ratios):.2f} (goal <= 1.5); medians over repeats")
+    if fresh:
+        print(f"calls on new pointers of known sizes, {options.fresh} per shape, each alone:")
+        print(f"{'case':<5}{'G':>3}{'median µs':>11}{'best µs':>10}")
+        for index, groups, figures in fresh:
+            print(f"{index:<5}{groups:>3}{statistics.median(figures):>11.1f}{min(figures):>10.1f}")
     return 0
 
 
