@@ -1254,6 +1254,20 @@ class PersistentGemmSm100:
         self.num_tmem_alloc_cols = 512
         self.c_layout = utils.LayoutEnum.COL_MAJOR  # C^T: the MMA's M (problem N) is contiguous
 
+    @staticmethod
+    def can_implement(problem_sizes) -> str | None:
+        """None if this kernel runs the input set, else the rule it breaks.
+
+        C is stored by TMA through its (N, M) view, whose row stride (N fp16) must be a
+        multiple of 16 bytes; a group with M = 0 has no tiles and no stores. validate_inputs
+        has checked everything else (K % 256, L, G, alignment), and any tile shape of
+        PERSISTENT_CONFIGS covers any M and N.
+        """
+        for g, (m, n, _k, _l) in enumerate(problem_sizes):
+            if m > 0 and n % 8 != 0:
+                return f"group {g}: N = {n}; the persistent kernel's TMA store of C needs N % 8 == 0"
+        return None
+
     # ------------------------------------------------------------------ Python time
     def _setup_attributes(self):
         """MMA, tile shapes, stage counts and shared-memory layouts (trace time)."""
@@ -2249,16 +2263,7 @@ def choose_tokens_per_tile(problem_sizes, num_sms: int = B200_NUM_SMS) -> int:
     return best[1]
 
 
-def persistent_can_implement(problem_sizes) -> str | None:
-    """None if the persistent kernel runs this input set, else the rule it breaks.
-
-    C is stored by TMA through its (N, M) view, whose row stride (N fp16) must be a multiple
-    of 16 bytes. validate_inputs has checked everything else (K % 256, L, G, alignment).
-    """
-    for g, (m, n, _k, _l) in enumerate(problem_sizes):
-        if m > 0 and n % 8 != 0:
-            return f"group {g}: N = {n}; the persistent kernel's TMA store of C needs N % 8 == 0"
-    return None
+persistent_can_implement = PersistentGemmSm100.can_implement
 
 
 _compiled_persistent_cache: dict = {}
