@@ -17,8 +17,8 @@ Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x1
 Input sets with more tiles than CTA slots and long K run stream-K instead (stream_k_pays: one
 CTA per slot, equal shares of all k-tiles, partial tiles summed through a global workspace);
 input sets whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
-(split_k_pays); 128x64 and 128x256 tiles and a warp-specialized kernel are options, measured
-slower (NARROW_CONFIG, tile_n, warp_specialized).
+(split_k_pays); 128x64 and 128x256 tiles are options, measured slower (NARROW_CONFIG,
+tile_n).
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
@@ -62,7 +62,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
-from cutlass import cute, pipeline, utils
+from cutlass import cute, utils
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cute.runtime import make_ptr
@@ -108,19 +108,8 @@ class HopperGemmConfig:
     # default picks it, 3 stages of 2: 219.7/138.2/49.5/24.6, 2 stages of 2:
     # 211.4/134.8/47.6/24.0, vs 199.1/117.6/47.1/23.3 (4 k-tiles per stage: 152 registers).
     raw_stages: int = 4
-    # True: warp specialization. Two more warpgroups per CTA (512 threads, 90 registers, 134
-    # KB of shared memory: one CTA per SM): warpgroups 2-3 copy and decode A and B into
-    # shared memory stages, warpgroups 0-1 only wait for a full stage, run wgmma on it and
-    # release it (an mbarrier pipeline of mma_stages), so the decode of later k-tiles
-    # overlaps the wgmma of earlier ones. Needs shared-memory A, tile_m = 128, tile_n 128 or
-    # 256 and split_k = 1. Exact on the H200, but slower: device µs, shapes 0-3,
-    # 239.3/151.4/52.6/25.2 vs 199.0/118.0/46.4/23.4 for the default backend: an SM then has
-    # 8 decoding warps where the default has 16 (two CTAs of 8). More decoding warps do not
-    # fix that: 3 producer warpgroups (640 threads, 90 registers; commit 571da5b) were exact
-    # and no faster, 241.8/152.7/52.2/25.6 vs 239.1/150.6/52.7/25.4 µs. 4 would leave 80
-    # registers per thread, fewer than ptxas needs for an m64n128 wgmma (90), and ptxas still
-    # compiles the consumers at the launch limit after setmaxnreg.inc.
-    warp_specialized: bool = False
+    # Warp specialization (warpgroups that decode into mbarrier-handed stages, others that
+    # only run wgmma): slower, removed; docs/EXPERIMENTS.md.
     # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
     # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
     # the H200) and scale the fp32 accumulators by 2^28 once; False: two multiplies, v * s.
@@ -175,9 +164,8 @@ class HopperGemmConfig:
 
     @property
     def mma_stages(self) -> int:
-        """Decoded fp16 stages: 2 (decode k+1 while wgmma reads k); 3 with warp_specialized
-        (the decode runs up to two k-tiles ahead of the wgmma)."""
-        return 3 if self.warp_specialized else 2
+        """Decoded fp16 stages: 2 (decode k+1 while wgmma reads k)."""
+        return 2
 
     @property
     def num_warpgroups(self) -> int:
@@ -186,12 +174,8 @@ class HopperGemmConfig:
 
     @property
     def num_threads(self) -> int:
-        """Threads that copy and decode (the whole CTA, or its producer warpgroups)."""
+        """Threads per CTA: every warpgroup copies, decodes and runs wgmma."""
         return 128 * self.num_warpgroups
-
-    @property
-    def block_threads(self) -> int:
-        return 2 * self.num_threads if self.warp_specialized else self.num_threads
 
     @property
     def sfa_atoms(self) -> int:
@@ -225,13 +209,6 @@ class HopperGemmConfig:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
         if self.raw_stages < 2:
             raise ValueError(f"raw_stages={self.raw_stages}: must be >= 2")
-        if self.warp_specialized and (
-            self.a_in_registers or self.tile_m != 128 or self.tile_n not in (128, 256) or self.split_k != 1
-        ):
-            raise ValueError(
-                "warp_specialized needs a_in_registers=False, tile_m = 128, tile_n 128 or 256 "
-                "and split_k = 1"
-            )
         if self.a_register_buffers not in (1, 2):
             raise ValueError(f"a_register_buffers={self.a_register_buffers}: must be 1 or 2")
         if self.split_k not in (1, 2):
@@ -239,8 +216,8 @@ class HopperGemmConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.split_k_reduce not in ("halves", "rank0"):
             raise ValueError(f"split_k_reduce={self.split_k_reduce!r}: must be 'halves' or 'rank0'")
-        if self.stream_k and (not self.a_in_registers or self.split_k != 1 or self.warp_specialized):
-            raise ValueError("stream_k needs a_in_registers=True, split_k = 1 and warp_specialized=False")
+        if self.stream_k and (not self.a_in_registers or self.split_k != 1):
+            raise ValueError("stream_k needs a_in_registers=True and split_k = 1")
 
     @property
     def reduction_bytes(self) -> int:
@@ -862,21 +839,7 @@ class Sm90Nvfp4GroupedGemm:
                 cute.struct.MemRange[cutlass.Uint8, self.raw_stage_bytes * self.raw_stages], 128
             ]
 
-        @cute.struct
-        class WarpSpecializedStorage:
-            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, sa_elems], 1024]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Float16, cute.cosize(b_smem_layout_staged)], 1024
-            ]
-            raw: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Uint8, self.raw_stage_bytes * self.raw_stages], 128
-            ]
-            # full and empty mbarrier of every decoded stage
-            stage_barriers: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * self.mma_stages], 8]
-
-        self.shared_storage = (
-            WarpSpecializedStorage if self.config.warp_specialized else SharedStorage
-        )
+        self.shared_storage = SharedStorage
 
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
@@ -897,18 +860,13 @@ class Sm90Nvfp4GroupedGemm:
             # in as many passes as it takes (128x256 tiles: 128 KB of sums, 2 passes)
             region = SharedStorage.size_in_bytes()
             self.reduction_passes = -(-self.config.reduction_bytes // region)
-        if cutlass.const_expr(self.config.warp_specialized):
-            kernel = self.kernel_warp_specialized(
-                tiled_mma, mPtrs, mSizes, mTiles, a_smem_layout_staged, b_smem_layout_staged
-            )
-        else:
-            kernel = self.kernel(
-                tiled_mma, mPtrs, mSizes, mTiles, mWork, mSegments, workspace, counters,
-                a_smem_layout_staged, b_smem_layout_staged,
-            )
+        kernel = self.kernel(
+            tiled_mma, mPtrs, mSizes, mTiles, mWork, mSegments, workspace, counters,
+            a_smem_layout_staged, b_smem_layout_staged,
+        )
         kernel.launch(
             grid=(num_workers if cutlass.const_expr(self.config.stream_k) else num_tiles * split, 1, 1),
-            block=(self.config.block_threads, 1, 1),
+            block=(self.num_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
             # stream-K's segment loop costs registers: unbounded, ptxas takes 169 (one CTA per
             # SM); asking for 2 CTAs per SM holds it at 128 (CPU build)
@@ -1420,116 +1378,6 @@ class Sm90Nvfp4GroupedGemm:
             self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
             if tidx == 0:
                 store_u32_global(counter_addr, 0)
-
-    @cute.kernel
-    def kernel_warp_specialized(
-        self,
-        tiled_mma: cute.TiledMma,
-        mPtrs: cute.Tensor,
-        mSizes: cute.Tensor,
-        mTiles: cute.Tensor,
-        a_smem_layout_staged: cute.ComposedLayout,
-        b_smem_layout_staged: cute.ComposedLayout,
-    ):
-        """warp_specialized: warpgroups 0-1 run wgmma on decoded stages, warpgroups 2-3 copy
-        and decode into them (PipelineAsync: full and empty mbarrier per stage)."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-
-        (tile_row, tile_col, m, n, k, a_addr, b_addr, c_addr, sfa_addr, sfb_addr) = self.tile_of(
-            bidx, mPtrs, mSizes, mTiles
-        )
-        m0 = tile_row * self.tile_m
-        n0 = tile_col * self.tile_n
-        row_bytes = k // 2
-        rest_k = k // (SF_VEC_SIZE * 4)
-        k_tile_cnt = k // self.tile_k
-
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
-        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
-        sA_base = storage.sA.data_ptr().toint()
-        sB_base = storage.sB.data_ptr().toint()
-        raw_base = storage.raw.data_ptr().toint()
-        # initialized by one thread, then a CTA barrier (every thread runs create)
-        stage_pipeline = pipeline.PipelineAsync.create(
-            num_stages=self.mma_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_threads),
-            barrier_storage=storage.stage_barriers.data_ptr(),
-        )
-
-        if warp_group_idx >= self.config.num_warpgroups:
-            #
-            # Producers: cp.async of raw k-tiles, decode into the fp16 stages
-            #
-            ptid = tidx - self.num_threads
-            for s in cutlass.range_constexpr(self.raw_stages - 1):
-                if s < k_tile_cnt:
-                    self.load_raw_stage(
-                        ptid, raw_base, s, s, a_addr, b_addr, sfa_addr, sfb_addr,
-                        m, n, m0, n0, row_bytes, rest_k,
-                    )
-                cute.arch.cp_async_commit_group()
-            producer_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Producer, self.mma_stages
-            )
-            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-                # raw k_tile landed (raw_stages - 1 groups committed before it, one per
-                # k-tile since), and visible to every producer thread; every producer is
-                # past its decode of k_tile - 1, so its raw stage may be refilled
-                cute.arch.cp_async_wait_group(self.raw_stages - 2)
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.num_threads)
-                self.prefetch(ptid, raw_base, k_tile + self.raw_stages - 1, k_tile_cnt, a_addr,
-                              b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
-                stage_pipeline.producer_acquire(producer_state)
-                self.decode_stage(
-                    ptid, raw_base, k_tile % self.raw_stages, sA_base, sB_base,
-                    producer_state.index, 0,
-                )
-                # generic-proxy stores -> async-proxy (wgmma) reads, then the full barrier
-                fence_proxy_async_shared_cta()
-                stage_pipeline.producer_commit(producer_state)
-                producer_state.advance()
-            cute.arch.cp_async_wait_group(0)
-        else:
-            #
-            # Consumers: wgmma on each full stage, release it once that wgmma retired
-            #
-            warp_group_thread_layout = cute.make_layout(self.config.num_warpgroups, stride=128)
-            thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
-            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
-            num_k_blocks = cute.size(tCrA, mode=[2])
-            gC_shape_probe = cute.make_identity_tensor((self.tile_m, self.tile_n))
-            accumulators = cute.make_rmem_tensor(thr_mma.partition_C(gC_shape_probe).shape, cutlass.Float32)
-            accumulators.fill(0.0)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            warp_group_has_rows = (m0 + warp_group_idx * 64) < m
-
-            consumer_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.mma_stages
-            )
-            release_state = pipeline.make_pipeline_state(
-                pipeline.PipelineUserType.Consumer, self.mma_stages
-            )
-            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-                stage_pipeline.consumer_wait(consumer_state)
-                if warp_group_has_rows:
-                    stage = consumer_state.index
-                    self.mma_k_tile(tiled_mma, accumulators, tCrA, stage, tCrB, stage, num_k_blocks)
-                    # wgmma k_tile - 1 retired: its stage is free
-                    cute.nvgpu.warpgroup.wait_group(1)
-                if k_tile > 0:
-                    stage_pipeline.consumer_release(release_state)
-                    release_state.advance()
-                consumer_state.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            self.store_tile(
-                tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, warp_group_has_rows
-            )
 
 
 # =============================================================================

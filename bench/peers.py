@@ -91,7 +91,6 @@ def compare_configs(repeats, names=None):
         "n256": hopper.HopperGemmConfig(tile_n=256),
         "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),
         "split 2 rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
-        "warp specialized": hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
         "stream k": hopper.STREAM_K_CONFIG,
         # what custom_kernel runs: stream-K or split-K per input set where they pay
         "auto": None,

@@ -302,7 +302,6 @@ def test_narrow_config_stage_layout():
     hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
     hopper.SPLIT_K_CONFIG,
     hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
-    hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
     compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a", config=config)
@@ -348,27 +347,6 @@ def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups)
     assert report.dynamic_smem_bytes == 1024 + b_stages + config.raw_stages * config.raw_stage_bytes
     assert report.smem_bytes <= SM90_SMEM_LIMIT
     assert build_report.problems(report) == []
-
-
-def test_warp_specialized_kernel_fits_one_512_thread_cta(tmp_path):
-    """512 threads share the 65,536-register file: at most 128 registers each, no spills;
-    the stages are handed over through mbarriers, the producers sync on a named barrier."""
-    config = hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True)
-    assert config.block_threads == 512 and config.mma_stages == 3
-    (report,) = build_report.build_kernel(
-        "sm90_nvfp4_gemm_ws", "sm_90a", lambda g, o: hopper.compile_gemm(g, o, config=config), 2, tmp_path
-    )
-    assert 0 < report.registers <= 128
-    assert report.frame_bytes == 0 and report.spill_bytes_max == 0
-    raw_bytes = config.raw_stages * config.raw_stage_bytes
-    decoded_bytes = 3 * (128 + 128) * 64 * 2
-    assert report.dynamic_smem_bytes >= decoded_bytes + raw_bytes
-    assert report.smem_bytes <= SM90_SMEM_LIMIT
-    ptx = Path(report.ptx_path).read_text()
-    assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive" in ptx
-    assert "bar.sync 1, 256;" in ptx and ".reqntid 512, 1, 1" in ptx
-    with pytest.raises(ValueError, match="warp_specialized needs"):
-        hopper.HopperGemmConfig(warp_specialized=True).check()  # register A
 
 
 @pytest.mark.parametrize("num_groups", [1, 8])
@@ -662,7 +640,6 @@ CONFIG_CASES = (
     + [("split_k_2_smem_a", seed) for seed in range(800, 808)]
     + [("split_k_2_rank0", seed) for seed in range(900, 916)]
     + [("auto", seed) for seed in range(1000, 1016)]
-    + [("warp_specialized", seed) for seed in range(1100, 1116)]
     + [("stream_k", seed) for seed in range(1200, 1240)]
 )
 CONFIGS = {
@@ -677,7 +654,6 @@ CONFIGS = {
     "split_k_2_smem_a": hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
     "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
-    "warp_specialized": hopper.HopperGemmConfig(a_in_registers=False, warp_specialized=True),
     "stream_k": hopper.STREAM_K_CONFIG,
 }
 
@@ -697,7 +673,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @requires_sm90
 @pytest.mark.parametrize(
     "config_name",
-    ["default", "tile_n_64", "split_k_2", "split_k_2_rank0", "warp_specialized", "stream_k"],
+    ["default", "tile_n_64", "split_k_2", "split_k_2_rank0", "stream_k"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
