@@ -110,11 +110,6 @@ class HopperGemmConfig:
     raw_stages: int = 4
     # Warp specialization (warpgroups that decode into mbarrier-handed stages, others that
     # only run wgmma): slower, removed; docs/EXPERIMENTS.md.
-    # True: decode to v * s * 2^-14 with one multiply (values below 2^-14 reach wgmma as fp16
-    # subnormals, which wgmma handles exactly: the random tests with subnormal scales pass on
-    # the H200) and scale the fp32 accumulators by 2^28 once; False: two multiplies, v * s.
-    # One multiply was 3-5% faster on the H200 on the four benchmark shapes.
-    single_multiply: bool = True
     # True: each warpgroup decodes its own 64 A rows straight into the wgmma A fragment
     # (register-A wgmma): decoded A never goes through shared memory, which halves the
     # smem bytes of A (no fp16 stores, no wgmma operand reads) and takes A off the barrier
@@ -479,7 +474,10 @@ def load_u32_shared(smem: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
 # the left shifts on the multiply pipe) where placing each pair with prmt + shift + lop3 took
 # 15: the decode's integer work bounds the kernel (on the H200, skipping the B decode made
 # it 23% faster). Multiplying a register by its block's scale s (fp16x2) gives v * s * 2^-14,
-# exact (>= 2^-24, the smallest fp16 subnormal); the epilogue scales by 2^28 (both operands).
+# exact (>= 2^-24, the smallest fp16 subnormal; wgmma takes fp16 subnormals exactly: the
+# random tests with subnormal scales pass on the H200); the epilogue scales by 2^28 (both
+# operands). Two multiplies (by 2^14, then by s: v * s, no rescale) were slower, removed;
+# docs/EXPERIMENTS.md.
 #
 # K permutation. A dot product is invariant under one permutation of K applied to both
 # operands. Within each 16-element scale block (one k16 wgmma step, so that every product of
@@ -539,7 +537,7 @@ def _place_word_ptx(word: str, destinations: dict) -> list[str]:
     ]
 
 
-def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunks") -> str:
+def _decode_blocks_asm(num_units: int, mode: str = "chunks") -> str:
     """PTX decoding `num_units` units. All loads are issued first and all stores last, so
     the units' integer work interleaves instead of waiting on each load.
 
@@ -556,10 +554,9 @@ def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunk
     per_unit = 5 if registers else 4
     lines = [
         "{",
-        ".reg .b32 x, o, a, b, lanes, k14, sc;",
+        ".reg .b32 x, o, a, b, lanes, sc;",
         ".reg .b16 slo, shi;",
         "mov.b32 lanes, 0x8E008E00;",
-        "mov.b32 k14, 0x74007400;",
     ]
     for u in range(num_units):
         if registers:
@@ -598,8 +595,6 @@ def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunk
                 lines += _place_word_ptx(f"w{u}", destinations)
                 for name, reg in destinations.items():
                     row = 0 if name in ("e02", "o02") else 1  # word bytes 0, 2: row g; 1, 3: g+8
-                    if not single_multiply:
-                        lines.append(f"mul.rn.f16x2 {reg}, {reg}, k14;")
                     lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u}_{4 * row + s};")
         else:
             for word in range(2):
@@ -610,8 +605,6 @@ def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunk
                 }
                 lines += _place_word_ptx(f"w{u}_{word}", destinations)
                 for reg in destinations.values():
-                    if not single_multiply:
-                        lines.append(f"mul.rn.f16x2 {reg}, {reg}, k14;")
                     lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u};")
     for u in range(num_units):  # stores / outputs
         if registers:
@@ -625,7 +618,7 @@ def _decode_blocks_asm(num_units: int, single_multiply: bool, mode: str = "chunk
 
 
 @dsl_user_op
-def decode_scale_blocks(addresses, single_multiply: bool = False, *, loc=None, ip=None):
+def decode_scale_blocks(addresses, *, loc=None, ip=None):
     """Decode scale blocks into shared memory; `addresses` lists (packed, scale, dst_lo,
     dst_hi) smem addresses per block: 16 packed e2m1 values times their e4m3 scale -> two
     16-byte fp16 chunks in the K permutation (CHUNK_REGISTERS)."""
@@ -633,7 +626,7 @@ def decode_scale_blocks(addresses, single_multiply: bool = False, *, loc=None, i
     _inline_asm(
         None,
         operands,
-        _decode_blocks_asm(len(addresses), single_multiply, "chunks"),
+        _decode_blocks_asm(len(addresses), "chunks"),
         ",".join(["r"] * len(operands)) + ",~{memory}",
         loc=loc,
         ip=ip,
@@ -641,7 +634,7 @@ def decode_scale_blocks(addresses, single_multiply: bool = False, *, loc=None, i
 
 
 @dsl_user_op
-def decode_scale_blocks_to_registers(units, single_multiply: bool = False, *, loc=None, ip=None):
+def decode_scale_blocks_to_registers(units, *, loc=None, ip=None):
     """Decode a lane's share of row pairs (g, g+8) of a k-tile into registers; `units` lists
     (row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), a_word_selector(t), row g's
     scales, row g+8's) per row pair. Returns, per unit and k16 step, the 4 Int32 fragment
@@ -651,7 +644,7 @@ def decode_scale_blocks_to_registers(units, single_multiply: bool = False, *, lo
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
-        _decode_blocks_asm(len(units), single_multiply, "registers"),
+        _decode_blocks_asm(len(units), "registers"),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
         loc=loc,
         ip=ip,
@@ -690,7 +683,7 @@ def emulate_decode_word(word: int, scale_byte: int):
     in element order through REGISTER_ELEMENTS.
 
     Returns (placed, scaled): the fp16 values after the bit placement (v * 2^-14) and after
-    the two-multiply decode (v * s), in element order.
+    the multiply by the block's scale (v * s * 2^-14), in element order.
     """
     import numpy as np
 
@@ -700,8 +693,7 @@ def emulate_decode_word(word: int, scale_byte: int):
         for lane, element in enumerate(REGISTER_ELEMENTS[name]):
             placed[element] = lanes[lane]
     scale = np.float16(_e4m3_value(scale_byte))
-    scaled = (placed * np.float16(2.0**14)).astype(np.float16) * scale
-    return placed, scaled.astype(np.float16)
+    return placed, (placed * scale).astype(np.float16)
 
 
 def _e4m3_value(byte: int) -> float:
@@ -992,7 +984,7 @@ class Sm90Nvfp4GroupedGemm:
             dst_lo = row_base + ((2 * blk) ^ swz) * 16
             dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
             blocks.append((src, scale, dst_lo, dst_hi))
-        decode_scale_blocks(blocks, self.config.single_multiply)
+        decode_scale_blocks(blocks)
 
     @cute.jit
     def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag):
@@ -1012,7 +1004,7 @@ class Sm90Nvfp4GroupedGemm:
             selector,
             *(stage_scale_offset(0, self.tile_m, r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
         )
-        steps = decode_scale_blocks_to_registers([unit], self.config.single_multiply)[0]
+        steps = decode_scale_blocks_to_registers([unit])[0]
         # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
         for step in cutlass.range_constexpr(self.tile_k // 16):
             step_frag = a_frag[(None, 0, step)]
@@ -1063,8 +1055,8 @@ class Sm90Nvfp4GroupedGemm:
             cute.make_identity_tensor((m, n)), (self.tile_m, self.tile_n), (tile_row, tile_col)
         )
         tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
-        # both operands carry 2^-14 when the decode used a single multiply (exact rescale)
-        acc_scale = cutlass.Float32(2.0**28 if self.config.single_multiply else 1.0)
+        # both operands carry 2^-14 (the decode's one multiply): exact rescale
+        acc_scale = cutlass.Float32(2.0**28)
         if stores_rows:
             for i in cutlass.range_constexpr(cute.size(accumulators) // 2):
                 coord = tCcC[2 * i]
