@@ -23,7 +23,7 @@ tile_n).
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
                                      A: each warpgroup's own rows, straight into the register
-                                        A fragment (``a_in_registers``; K permuted per scale
+                                        A fragment (K permuted per scale
                                         block identically for A and B, see _decode_blocks_asm)
            --wgmma (one warpgroup per 64 rows)--> fp32 accumulators --> predicated fp16 stores
 
@@ -110,17 +110,10 @@ class HopperGemmConfig:
     raw_stages: int = 4
     # Warp specialization (warpgroups that decode into mbarrier-handed stages, others that
     # only run wgmma): slower, removed; docs/EXPERIMENTS.md.
-    # True: each warpgroup decodes its own 64 A rows straight into the wgmma A fragment
-    # (register-A wgmma): decoded A never goes through shared memory, which halves the
-    # smem bytes of A (no fp16 stores, no wgmma operand reads) and takes A off the barrier
-    # path. Needs the K permutation described at _decode_blocks_asm for B. H200 device time
-    # on the 4 benchmark shapes, smem A vs register A: 237.5/145.8/60.8/31.4 vs
-    # 231.2/143.1/59.1/30.6 µs (2-3%: smem bandwidth is not the main limit). Sharing the A
-    # decode between two CTAs of an N-pair needs shared-memory A; its ceiling (shared-memory
-    # A decoding half of A's rows, wrong sums, timing only) with split-K: 196.3/128.8/46.6/23.3
-    # vs 224.7/143.7/52.2/25.4 for shared-memory A and 200.3/116.2/46.8/23.9 for the default.
-    a_in_registers: bool = True
-    # register-A only: 2 = decode A of k-tile k+1 while wgmma k reads the other fragment;
+    # A is decoded straight into the wgmma A fragment (register A; see decode_a_registers).
+    # A decoded into shared memory like B (wgmma reading both from there): slower, removed;
+    # docs/EXPERIMENTS.md.
+    # 2 = decode A of k-tile k+1 while wgmma k reads the other fragment;
     # 1 = one fragment (fewer registers), A decode waits for the previous wgmma.
     # 1 buffer: 127 registers, 2 CTAs/SM; 2 buffers: 144 registers, 1 CTA/SM. H200 device
     # µs, shapes 0-3, 1 vs 2 buffers: 206.6/129.1/54.4/28.7 vs 244.2/162.3/56.4/29.3: the
@@ -211,8 +204,8 @@ class HopperGemmConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.split_k_reduce not in ("halves", "rank0"):
             raise ValueError(f"split_k_reduce={self.split_k_reduce!r}: must be 'halves' or 'rank0'")
-        if self.stream_k and (not self.a_in_registers or self.split_k != 1):
-            raise ValueError("stream_k needs a_in_registers=True and split_k = 1")
+        if self.stream_k and self.split_k != 1:
+            raise ValueError("stream_k needs split_k = 1")
 
     @property
     def reduction_bytes(self) -> int:
@@ -489,8 +482,7 @@ def load_u32_shared(smem: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
 #     (row g, cols 2t, 2t+1), (g+8, 2t, 2t+1), (g, 2t+8, 2t+9), (g+8, 2t+8, 2t+9). The lane
 #     builds one word per block from bytes p and p+2 (p = t % 2) of the 4-byte half t // 2 of
 #     rows g and g+8, [g.p, g8.p, g.p+2, g8.p+2] (one prmt, a_word_selector): its e02 / o02
-#     registers are row g's, e13 / o13 row g+8's, in the columns LOGICAL_COLUMN gives;
-#   * A in shared memory (a_in_registers=False) is stored like B.
+#     registers are row g's, e13 / o13 row g+8's, in the columns LOGICAL_COLUMN gives.
 REGISTER_ELEMENTS = {"e02": (0, 4), "e13": (2, 6), "o02": (1, 5), "o13": (3, 7)}  # per lane
 CHUNK_REGISTERS = (("e02", "e13"), ("o02", "o13"))  # chunk 2s, 2s+1: word 0's, then word 1's
 FRAGMENT_REGISTERS = ("e02", "e13", "o02", "o13")  # register-A fragment order of a k16 step
@@ -753,7 +745,7 @@ def swizzled_chunk_offset(row: int, chunk: int) -> int:
 # =============================================================================
 def make_tiled_mma(config: HopperGemmConfig):
     """The kernel's fp16 wgmma (fp32 accumulators): one warpgroup per 64 rows, A from
-    registers (a_in_registers) or shared memory, B from shared memory, both K-major."""
+    registers, B from shared memory, both K-major."""
     return sm90_utils.make_trivial_tiled_mma(
         cutlass.Float16,
         cutlass.Float16,
@@ -762,16 +754,13 @@ def make_tiled_mma(config: HopperGemmConfig):
         cutlass.Float32,
         (config.tile_m // 64, 1, 1),
         tiler_mn=(64, config.tile_n),
-        a_source=(
-            cute.nvgpu.warpgroup.OperandSource.RMEM
-            if config.a_in_registers
-            else cute.nvgpu.warpgroup.OperandSource.SMEM
-        ),
+        a_source=cute.nvgpu.warpgroup.OperandSource.RMEM,
     )
 
 
 class Sm90Nvfp4GroupedGemm:
-    """Grouped NVFP4 GEMM on sm_90a: cp.async -> in-smem decode to fp16 -> wgmma."""
+    """Grouped NVFP4 GEMM on sm_90a: cp.async -> decode to fp16 (B into shared memory, A into
+    registers) -> wgmma."""
 
     def __init__(self, config: HopperGemmConfig, num_groups: int):
         config.check()
@@ -810,20 +799,15 @@ class Sm90Nvfp4GroupedGemm:
         (any value) unless config.stream_k."""
         mma_tiler_mnk = (self.tile_m, self.tile_n, self.tile_k)
         tiled_mma = make_tiled_mma(self.config)
-        a_smem_layout_staged = sm90_utils.make_smem_layout_a(
-            utils.LayoutEnum.ROW_MAJOR, mma_tiler_mnk, cutlass.Float16, self.mma_stages
-        )
         b_smem_layout_staged = sm90_utils.make_smem_layout_b(
             utils.LayoutEnum.ROW_MAJOR, mma_tiler_mnk, cutlass.Float16, self.mma_stages
         )
 
-        # register-A mode keeps no decoded A in shared memory (one 1 KB atom is kept so the
-        # layout code stays shared; nothing reads or writes it)
-        sa_elems = 512 if self.config.a_in_registers else cute.cosize(a_smem_layout_staged)
-
         @cute.struct
         class SharedStorage:
-            sA: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, sa_elems], 1024]
+            # 1 KB ahead of the B stages (decoded A lives in registers): the stream-K arrival
+            # word, and the start of the split-K receive region
+            head: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 512], 1024]
             sB: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float16, cute.cosize(b_smem_layout_staged)], 1024
             ]
@@ -847,14 +831,15 @@ class Sm90Nvfp4GroupedGemm:
 
         split = self.config.split_k
         if cutlass.const_expr(split > 1):
-            # rank 0 receives the partial sums into its sA .. raw region (sA is the struct's
-            # first member, the members are laid out in order), free after its main loop;
+            # rank 0 receives the partial sums into its head .. raw region (head is the
+            # struct's first member, the members are laid out in order), free after its main
+            # loop;
             # in as many passes as it takes (128x256 tiles: 128 KB of sums, 2 passes)
             region = SharedStorage.size_in_bytes()
             self.reduction_passes = -(-self.config.reduction_bytes // region)
         kernel = self.kernel(
             tiled_mma, mPtrs, mSizes, mTiles, mWork, mSegments, workspace, counters,
-            a_smem_layout_staged, b_smem_layout_staged,
+            b_smem_layout_staged,
         )
         kernel.launch(
             grid=(num_workers if cutlass.const_expr(self.config.stream_k) else num_tiles * split, 1, 1),
@@ -951,35 +936,26 @@ class Sm90Nvfp4GroupedGemm:
     # Decode: raw stage -> fp16 stage (swizzled K-major, 128-byte rows)
     # -------------------------------------------------------------------------
     @cute.jit
-    def decode_stage(
-        self, tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=False
-    ):
-        """Decode A and B (or only B, in register-A mode) of one raw stage into the fp16 stages.
+    def decode_stage(self, tidx, raw_base, raw_stage, sB_base, mma_stage, sfb_row_offset):
+        """Decode B of one raw stage into fp16 stage `mma_stage` (A goes into registers:
+        decode_a_registers).
 
         sfb_row_offset: row of the B tile's first row inside its scale atom (n0 % 128: 0 or
         64 with tile_n = 64; unused, and always 0, otherwise)."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
-        a_items = 0 if b_only else self.tile_m * self.blocks_per_row
-        b_items = self.tile_n * self.blocks_per_row
         blocks = []
-        for i in cutlass.range_constexpr((a_items + b_items) // self.num_threads):
+        for i in cutlass.range_constexpr(self.tile_n * self.blocks_per_row // self.num_threads):
             item = tidx + i * self.num_threads
-            is_b = cutlass.const_expr(b_only or i * self.num_threads >= a_items)
-            local = item - a_items if is_b else item
-            row = local // self.blocks_per_row
-            blk = local % self.blocks_per_row
-            packed_off = self.raw_b_offset if is_b else 0
-            sf_off = self.raw_sfb_offset if is_b else self.raw_sfa_offset
-            dst_base = sB_base if is_b else sA_base
-            rows_per_stage = self.tile_n if is_b else self.tile_m
-            src = raw_stage_base + packed_off + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
+            row = item // self.blocks_per_row
+            blk = item % self.blocks_per_row
+            src = raw_stage_base + self.raw_b_offset + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
             # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes,
             # rows of a 64-row B tile shifted by its first row inside the atom
             scale = stage_scale_offset(
-                sfb_row_offset if is_b else 0, rows_per_stage, row, blk, base=raw_stage_base + sf_off
+                sfb_row_offset, self.tile_n, row, blk, base=raw_stage_base + self.raw_sfb_offset
             )
             # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
-            row_base = dst_base + (mma_stage * rows_per_stage + row) * self.dec_row_bytes
+            row_base = sB_base + (mma_stage * self.tile_n + row) * self.dec_row_bytes
             swz = row % 8
             dst_lo = row_base + ((2 * blk) ^ swz) * 16
             dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
@@ -1018,16 +994,12 @@ class Sm90Nvfp4GroupedGemm:
             return 0
         return warp_group_idx % self.config.split_k
 
-    def mma_k_tile(self, tiled_mma, accumulators, tCrA, a_stage, tCrB, b_stage, num_k_blocks):
+    def mma_k_tile(self, tiled_mma, accumulators, a_frag, tCrB, b_stage, num_k_blocks):
         """The wgmma of one k-tile as one commit group (plain Python: traced inline): A from
-        the register fragment (a_stage None) or shared-memory stage a_stage, B from
-        shared-memory stage b_stage."""
+        the register fragment `a_frag`, B from shared-memory stage b_stage."""
         cute.nvgpu.warpgroup.fence()
         for k_block in range(num_k_blocks):
-            if a_stage is None:
-                a_operand = tCrA[(None, None, k_block)]
-            else:
-                a_operand = tCrA[(None, None, k_block, a_stage)]
+            a_operand = a_frag[(None, None, k_block)]
             cute.gemm(tiled_mma, accumulators, a_operand, tCrB[(None, None, k_block, b_stage)], accumulators)
         cute.nvgpu.warpgroup.commit_group()
 
@@ -1120,7 +1092,6 @@ class Sm90Nvfp4GroupedGemm:
         mSegments: cute.Tensor,
         workspace: cute.Pointer,
         counters: cute.Pointer,
-        a_smem_layout_staged: cute.ComposedLayout,
         b_smem_layout_staged: cute.ComposedLayout,
     ):
         tidx, _, _ = cute.arch.thread_idx()
@@ -1132,11 +1103,8 @@ class Sm90Nvfp4GroupedGemm:
         #
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        sA = None
-        if cutlass.const_expr(not self.config.a_in_registers):
-            sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
-        sA_base = storage.sA.data_ptr().toint()
+        head_base = storage.head.data_ptr().toint()
         sB_base = storage.sB.data_ptr().toint()
         raw_base = storage.raw.data_ptr().toint()
 
@@ -1147,33 +1115,27 @@ class Sm90Nvfp4GroupedGemm:
         thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
         tCsB = thr_mma.partition_B(sB)
         tCrB = tiled_mma.make_fragment_B(tCsB)
-        tCrA = None
-        a_frags = None
-        if cutlass.const_expr(self.config.a_in_registers):
-            a_frag_shape = tiled_mma.partition_shape_A((self.tile_m, self.tile_k))
-            a_frags = [
-                cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
-                for _ in range(self.config.a_register_buffers)
-            ]
-        else:
-            tCsA = thr_mma.partition_A(sA)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
+        a_frag_shape = tiled_mma.partition_shape_A((self.tile_m, self.tile_k))
+        a_frags = [
+            cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
+            for _ in range(self.config.a_register_buffers)
+        ]
         gC_shape_probe = cute.make_identity_tensor((self.tile_m, self.tile_n))
         acc_shape = thr_mma.partition_C(gC_shape_probe).shape
         accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        smem_bases = (sA_base, sB_base, raw_base)
+        smem_bases = (sB_base, raw_base)
 
         if cutlass.const_expr(self.config.stream_k):
-            # register-A mode leaves sA's 1 KB unused: its first word carries the arrival count
-            arrival_smem = sA_base
+            # the head's first word carries the arrival count
+            arrival_smem = head_base
             workspace_addr = workspace.toint()
             counters_addr = counters.toint()
             for segment in cutlass.range(mWork[bidx], mWork[bidx + 1], unroll=1):
                 seg_tile = mSegments[segment, 0]
                 self.mma_segment(
                     tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
-                    tCrA, a_frags, tCrB, accumulators,
+                    a_frags, tCrB, accumulators,
                     seg_tile, mSegments[segment, 1], mSegments[segment, 2],
                 )
                 (tile_row, tile_col, m, n, _k, _a, _b, c_addr, _sfa, _sfb) = self.tile_of(
@@ -1201,11 +1163,11 @@ class Sm90Nvfp4GroupedGemm:
             k_tile_cnt = k // (self.tile_k * split)
             self.mma_segment(
                 tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
-                tCrA, a_frags, tCrB, accumulators,
+                a_frags, tCrB, accumulators,
                 tile_idx, (bidx % split) * k_tile_cnt, k_tile_cnt,
             )
             if cutlass.const_expr(split > 1):
-                self.reduce_split_k(tidx, warp_group_idx, sA_base, accumulators)
+                self.reduce_split_k(tidx, warp_group_idx, head_base, accumulators)
 
             # (split_k > 1: only the summing rank of this warpgroup's rows holds their sum)
             stores_rows = (tile_row * self.tile_m + warp_group_idx * 64) < m
@@ -1218,12 +1180,12 @@ class Sm90Nvfp4GroupedGemm:
     @cute.jit
     def mma_segment(
         self, tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
-        tCrA, a_frags, tCrB, accumulators, tile_idx, k_tile_begin, k_tile_cnt,
+        a_frags, tCrB, accumulators, tile_idx, k_tile_begin, k_tile_cnt,
     ):
         """accumulators = the sums of tile `tile_idx` over its k-tiles [k_tile_begin,
         k_tile_begin + k_tile_cnt) (an even count): copy, decode and wgmma of each k-tile,
         pipelined; every copy and wgmma of the segment has completed on return."""
-        sA_base, sB_base, raw_base = smem_bases
+        sB_base, raw_base = smem_bases
         (tile_row, tile_col, m, n, k, a_addr, b_addr, _c, sfa_addr, sfb_addr) = self.tile_of(
             tile_idx, mPtrs, mSizes, mTiles
         )
@@ -1256,73 +1218,49 @@ class Sm90Nvfp4GroupedGemm:
         #
         # Main loop
         #
-        if cutlass.const_expr(self.config.a_in_registers):
-            num_k_blocks = cute.size(a_frags[0], mode=[2])
-            # unrolled by the 2 fp16 stages so that stage and A fragment are static
-            # (k_tile_cnt is even: K % 256 == 0, stream-K cuts at even k-tiles)
-            for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
-                for mma_stage in cutlass.range_constexpr(2):
-                    k_tile = 2 * k_pair + mma_stage
-                    next_tile = k_tile + self.raw_stages - 1
-                    self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
-                                  sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
-                    cute.arch.cp_async_wait_group(self.raw_stages - 1)
-                    # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2.
-                    # Tried and removed: each warp copying exactly what its lanes decode (4-byte
-                    # cp.async for the scales), a warp sync here instead and 3 fp16 B stages.
-                    # Exact, but slower: H200 device µs, shapes 0-3, 215.9/121.9/55.8/26.3 vs
-                    # 208.1/118.0/52.7/25.2 (split-K: 209.2/137.2/48.9/24.8 vs
-                    # 199.3/131.1/46.8/23.8).
-                    # Also tried and removed (commit ea7d79a), exact on the H200 but no faster:
-                    # one barrier per k-tile (wgmma k issued right after it, then the decode
-                    # of k + 1; the wait for wgmma k before the A decode frees the B stage):
-                    # 205.9/117.7/52.6/25.5 unsplit, 202.4/132.6/47.6/23.9 split-K, vs
-                    # 207.2/117.9/53.0/24.8 and 199.7/131.4/46.7/23.9; on top, one wgmma
-                    # commit group per k16 step with the A decode of step s waiting only for
-                    # step s: 210.6/122.5/53.6/25.2 unsplit. Nsight Compute (shape 2 split-K)
-                    # finds no saturated unit: issue slots 43%, ALU 34%, L1/shared 60%, 3.4
-                    # warps per scheduler of which 1.0 eligible; warp stalls spread over
-                    # fixed-latency dependencies 19%, barrier 11%, math pipe 10%, shared and
-                    # global scoreboards 9% each.
-                    cute.arch.sync_threads()
-                    raw_stage = k_tile % self.raw_stages
-                    self.decode_stage(
-                        tidx, raw_base, raw_stage, sA_base, sB_base, mma_stage, sfb_row_offset, b_only=True
-                    )
-                    # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
-                    # stall samples in Nsight Compute); issuing the prefetch after it instead of
-                    # first measured slower on the H200: 217.8/131.2/59.3/29.4 vs
-                    # 207.5/129.2/54.6/28.1 µs device time, shapes 0-3.
-                    fence_proxy_async_shared_cta()
-                    a_frag = a_frags[mma_stage % self.config.a_register_buffers]
-                    if cutlass.const_expr(self.config.a_register_buffers == 1):
-                        # the one A fragment is still read by wgmma k_tile - 1
-                        cute.nvgpu.warpgroup.wait_group(0)
-                    self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
-                    cute.arch.sync_threads()
-                    if warp_group_has_rows:
-                        self.mma_k_tile(tiled_mma, accumulators, a_frag, None, tCrB, mma_stage, num_k_blocks)
-                        cute.nvgpu.warpgroup.wait_group(1)
-        else:
-            num_k_blocks = cute.size(tCrA, mode=[2])
-            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+        num_k_blocks = cute.size(a_frags[0], mode=[2])
+        # unrolled by the 2 fp16 stages so that stage and A fragment are static
+        # (k_tile_cnt is even: K % 256 == 0, stream-K cuts at even k-tiles)
+        for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
+            for mma_stage in cutlass.range_constexpr(2):
+                k_tile = 2 * k_pair + mma_stage
                 next_tile = k_tile + self.raw_stages - 1
                 self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
                               sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
                 cute.arch.cp_async_wait_group(self.raw_stages - 1)
-                # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2
+                # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2.
+                # Tried and removed: each warp copying exactly what its lanes decode (4-byte
+                # cp.async for the scales), a warp sync here instead and 3 fp16 B stages.
+                # Exact, but slower: H200 device µs, shapes 0-3, 215.9/121.9/55.8/26.3 vs
+                # 208.1/118.0/52.7/25.2 (split-K: 209.2/137.2/48.9/24.8 vs
+                # 199.3/131.1/46.8/23.8).
+                # Also tried and removed (commit ea7d79a), exact on the H200 but no faster:
+                # one barrier per k-tile (wgmma k issued right after it, then the decode
+                # of k + 1; the wait for wgmma k before the A decode frees the B stage):
+                # 205.9/117.7/52.6/25.5 unsplit, 202.4/132.6/47.6/23.9 split-K, vs
+                # 207.2/117.9/53.0/24.8 and 199.7/131.4/46.7/23.9; on top, one wgmma
+                # commit group per k16 step with the A decode of step s waiting only for
+                # step s: 210.6/122.5/53.6/25.2 unsplit. Nsight Compute (shape 2 split-K)
+                # finds no saturated unit: issue slots 43%, ALU 34%, L1/shared 60%, 3.4
+                # warps per scheduler of which 1.0 eligible; warp stalls spread over
+                # fixed-latency dependencies 19%, barrier 11%, math pipe 10%, shared and
+                # global scoreboards 9% each.
                 cute.arch.sync_threads()
-
-                mma_stage = k_tile % self.mma_stages
-                self.decode_stage(
-                    tidx, raw_base, k_tile % self.raw_stages, sA_base, sB_base, mma_stage, sfb_row_offset
-                )
-                # generic-proxy stores -> async-proxy (wgmma) reads
+                raw_stage = k_tile % self.raw_stages
+                self.decode_stage(tidx, raw_base, raw_stage, sB_base, mma_stage, sfb_row_offset)
+                # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
+                # stall samples in Nsight Compute); issuing the prefetch after it instead of
+                # first measured slower on the H200: 217.8/131.2/59.3/29.4 vs
+                # 207.5/129.2/54.6/28.1 µs device time, shapes 0-3.
                 fence_proxy_async_shared_cta()
+                a_frag = a_frags[mma_stage % self.config.a_register_buffers]
+                if cutlass.const_expr(self.config.a_register_buffers == 1):
+                    # the one A fragment is still read by wgmma k_tile - 1
+                    cute.nvgpu.warpgroup.wait_group(0)
+                self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
                 cute.arch.sync_threads()
-
                 if warp_group_has_rows:
-                    self.mma_k_tile(tiled_mma, accumulators, tCrA, mma_stage, tCrB, mma_stage, num_k_blocks)
+                    self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, mma_stage, num_k_blocks)
                     cute.nvgpu.warpgroup.wait_group(1)
 
         cute.nvgpu.warpgroup.wait_group(0)
@@ -1702,7 +1640,7 @@ class Sm90Backend:
         if not self.auto_schedule:
             return self.config
         num_sms = _num_sms(plan.device)
-        if self.config.a_in_registers and stream_k_pays(tile_k_tiles_of(plan, self.config), num_sms):
+        if stream_k_pays(tile_k_tiles_of(plan, self.config), num_sms):
             return dataclasses.replace(self.config, stream_k=True)
         if split_k_pays(plan.num_tiles, num_sms):
             return dataclasses.replace(self.config, split_k=2)

@@ -83,9 +83,8 @@ def compare_configs(repeats, names=None):
     from reference import match_outputs, ref_kernel
 
     configs = {
-        "smem A": hopper.HopperGemmConfig(a_in_registers=False),
-        "reg A 1buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=1),
-        "reg A 2buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
+        "reg A 1buf": hopper.HopperGemmConfig(a_register_buffers=1),
+        "reg A 2buf": hopper.HopperGemmConfig(a_register_buffers=2),
         "tile_n 64": hopper.NARROW_CONFIG,
         "split 2": hopper.SPLIT_K_CONFIG,
         "n256": hopper.HopperGemmConfig(tile_n=256),

@@ -254,7 +254,7 @@ def _accumulator_layouts(config):
 
 
 @pytest.mark.parametrize("config", [
-    hopper.SM90_CONFIG, hopper.NARROW_CONFIG, hopper.HopperGemmConfig(tile_n=256, a_in_registers=False),
+    hopper.SM90_CONFIG, hopper.NARROW_CONFIG, hopper.HopperGemmConfig(tile_n=256),
 ])
 def test_accumulator_pairs_are_adjacent_columns(config):
     """The epilogue stores accumulators 2i and 2i+1 as one fp16x2 word at (row, col) and
@@ -297,12 +297,9 @@ def test_narrow_config_stage_layout():
 
 @pytest.mark.parametrize("config", [
     hopper.SM90_CONFIG,
-    hopper.HopperGemmConfig(a_in_registers=False),
-    hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
+    hopper.HopperGemmConfig(a_register_buffers=2),
     hopper.NARROW_CONFIG,
-    hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
     hopper.SPLIT_K_CONFIG,
-    hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
     compiled = hopper.compile_gemm(3, options="--gpu-arch sm_90a", config=config)
@@ -409,7 +406,7 @@ def test_every_backend_runs_one_tile_shape():
     for sizes in BENCHMARK_SIZES.values():
         assert hopper.make_backend().tile_shape(sizes) == (128, 128)
         assert hopper.make_backend(hopper.NARROW_CONFIG).tile_shape(sizes) == (128, 64)
-    wide = hopper.make_backend(hopper.HopperGemmConfig(tile_n=256, a_in_registers=False))
+    wide = hopper.make_backend(hopper.HopperGemmConfig(tile_n=256))
     assert wide.tile_shape(BENCHMARK_SIZES[3]) == (128, 256)
 
 
@@ -570,13 +567,9 @@ def test_stream_k_pays_on_long_k_input_sets_with_more_tiles_than_slots():
     assert hopper.stream_k_pays([112] * 300, 132)  # 2 waves, the second nearly empty
 
 
-def test_stream_k_config_needs_register_a_and_no_split():
-    for bad in (
-        dataclasses.replace(hopper.STREAM_K_CONFIG, split_k=2),
-        dataclasses.replace(hopper.STREAM_K_CONFIG, a_in_registers=False),
-    ):
-        with pytest.raises(ValueError, match="stream_k needs"):
-            bad.check()
+def test_stream_k_config_needs_no_split():
+    with pytest.raises(ValueError, match="stream_k needs split_k = 1"):
+        dataclasses.replace(hopper.STREAM_K_CONFIG, split_k=2).check()
 
 
 def _is_sm90():
@@ -631,26 +624,20 @@ def _exact_reference(data):
 
 CONFIG_CASES = (
     [("default", seed) for seed in range(60)]
-    + [("smem_a", seed) for seed in range(300, 324)]
     + [("registers_a_2buf", seed) for seed in range(400, 424)]
     + [("tile_n_256", seed) for seed in range(200, 208)]
     + [("tile_n_64", seed) for seed in range(500, 532)]
-    + [("tile_n_64_smem_a", seed) for seed in range(600, 608)]
     + [("split_k_2", seed) for seed in range(700, 740)]
-    + [("split_k_2_smem_a", seed) for seed in range(800, 808)]
     + [("split_k_2_rank0", seed) for seed in range(900, 916)]
     + [("auto", seed) for seed in range(1000, 1016)]
     + [("stream_k", seed) for seed in range(1200, 1240)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
-    "smem_a": hopper.HopperGemmConfig(a_in_registers=False),
-    "registers_a_2buf": hopper.HopperGemmConfig(a_in_registers=True, a_register_buffers=2),
-    "tile_n_256": hopper.HopperGemmConfig(tile_n=256, a_in_registers=False),
+    "registers_a_2buf": hopper.HopperGemmConfig(a_register_buffers=2),
+    "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
     "tile_n_64": hopper.NARROW_CONFIG,
-    "tile_n_64_smem_a": hopper.HopperGemmConfig(tile_n=64, a_in_registers=False),
     "split_k_2": hopper.SPLIT_K_CONFIG,
-    "split_k_2_smem_a": hopper.HopperGemmConfig(split_k=2, a_in_registers=False),
     "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
     "stream_k": hopper.STREAM_K_CONFIG,
