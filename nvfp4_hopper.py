@@ -17,8 +17,7 @@ Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x1
 Input sets with more tiles than CTA slots and long K run stream-K instead (stream_k_pays: one
 CTA per slot, equal shares of all k-tiles, partial tiles summed through a global workspace);
 input sets whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
-(split_k_pays); 128x64 and 128x256 tiles are options, measured slower (NARROW_CONFIG,
-tile_n).
+(split_k_pays); 128x256 tiles are an option, measured slower (tile_n).
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
@@ -90,8 +89,8 @@ class HopperGemmConfig:
     # kernel decoding only half of B (wrong sums, timing only, no DSMEM stores or cluster
     # syncs) took 179.6/106.5/43.0/22.5 vs 200.3/116.1/46.6/23.7 µs (H200, device time).
     tile_m: int = 128
-    # 64 (m64n64k16 wgmma; the B tile is half of a 128-row scale atom, see load_raw_stage),
-    # 128 or 256. 128 is the fastest measured on all four benchmark shapes (see NARROW_CONFIG).
+    # 128 or 256 (whole 128-row scale atoms). 128x64 tiles (half an atom per B tile, two CTAs
+    # per SM for the G = 2 shapes): slower, removed; docs/EXPERIMENTS.md.
     # H200 device µs, shapes 0-3, 128 vs 256 (register A, 239 registers, 1 CTA/SM):
     # 206.7/129.2/54.4/28.7 vs 239.7/133.3/85.0/38.4; 256 with split_k = 2:
     # 206.1/164.4/55.8/31.1.
@@ -172,9 +171,7 @@ class HopperGemmConfig:
 
     @property
     def sfb_atoms(self) -> int:
-        """512-byte scale atoms per raw stage for B: tile_n = 64 still loads the whole atom
-        holding its 64 rows (the rows of one half are interleaved with the other half's in
-        every 16-byte line, so half an atom is not one contiguous range)."""
+        """512-byte scale atoms per raw stage for B (one per 128 rows)."""
         return -(-self.tile_n // SF_ATOM_ROWS)
 
     @property
@@ -188,11 +185,8 @@ class HopperGemmConfig:
             raise ValueError(f"tile_m={self.tile_m}: must be 128 or 256")
         if self.tile_m % SF_ATOM_ROWS != 0:
             raise ValueError(f"tile_m={self.tile_m}: must be a multiple of 128 (scale atom rows)")
-        if self.tile_n not in (64, 128, 256):
-            raise ValueError(f"tile_n={self.tile_n}: must be 64, 128 or 256")
-        if self.tile_n == 64 and self.tile_m != 128:
-            # the decode loops split (tile_m + tile_n) x 4 blocks evenly over the threads
-            raise ValueError(f"tile_n=64 with tile_m={self.tile_m}: tile_n=64 needs tile_m=128")
+        if self.tile_n not in (128, 256):
+            raise ValueError(f"tile_n={self.tile_n}: must be 128 or 256")
         if self.tile_k != 64:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
         if self.raw_stages < 2:
@@ -218,13 +212,6 @@ class HopperGemmConfig:
 
 
 SM90_CONFIG = HopperGemmConfig()
-# Tombstone: 128x64 tiles for input sets with fewer 128x128 tiles than SMs (the two G=2
-# benchmark shapes launch 120 and 128 CTAs on 132 SMs, one per SM), to let two CTAs share an
-# SM and hide each other's latency. Exact on the H200 (40 random sets + the 4 benchmark
-# shapes), but slower on every shape: H200 device µs, 128x128 vs 128x64, shapes 0-3:
-# 230.8/143.9/58.8/30.4 vs 310.8/193.5/71.9/33.3 (bench/peers.py --configs). The extra A
-# decode per FLOP costs more than the latency it hides. Kept as an option for other GPUs.
-NARROW_CONFIG = dataclasses.replace(SM90_CONFIG, tile_n=64)
 # Split-K over a 2-CTA cluster: twice the CTAs, each with half the k-tiles (what the default
 # backend runs where split_k_pays).
 SPLIT_K_CONFIG = dataclasses.replace(SM90_CONFIG, split_k=2)
@@ -705,32 +692,26 @@ def scale_byte_offset(row: int, block: int, k_tile: int, rest_k: int) -> int:
     return atom * SF_ATOM_BYTES + (row % 32) * 16 + ((row % SF_ATOM_ROWS) // 32) * 4 + block
 
 
-def stage_scale_offset(tile_start, tile_rows: int, row, block, base=0):
-    """base + offset, from the operand's first atom in a raw stage, of the scale decode_stage
-    reads (decode_stage calls this with device integers, tests with Python ints) for row
-    `row` of a tile of `tile_rows` rows starting at row `tile_start`: the in-atom offset of
-    row row % 128 of atom slot row // 128, shifted for tile_rows = 64 by the tile's first
-    row inside its atom (tile_start % 128: 0 or 64)."""
-    offset = (
+def stage_scale_offset(row, block, base=0):
+    """base + offset, from the operand's first atom in a raw stage, of the scale the decode
+    reads (the kernel calls this with device integers, tests with Python ints) for row `row`
+    of the tile (tiles start on a 128-row atom): the in-atom offset of row row % 128 of atom
+    slot row // 128."""
+    return (
         base
         + (row // SF_ATOM_ROWS) * SF_ATOM_BYTES
         + (row % 32) * 16
         + ((row % SF_ATOM_ROWS) // 32) * 4
         + block
     )
-    if tile_rows < SF_ATOM_ROWS:
-        # row < 64 and tile_start % 128 in {0, 64}: same 16-byte line (row % 32), 4-byte
-        # group (row % 128) // 32 moved by (tile_start % 128) // 32
-        offset = offset + ((tile_start % SF_ATOM_ROWS) // 32) * 4
-    return offset
 
 
-def tile_scale_byte_offset(tile_start: int, tile_rows: int, row: int, block: int, k_tile: int, rest_k: int) -> int:
-    """Byte offset in a reordered scale tensor of the scale the kernel reads for row `row`
-    (0 <= row < tile_rows) of the tile starting at row `tile_start`, 16-element block `block`
-    of k-tile `k_tile`: load_raw_stage copies atom (tile_start // 128 + slot, k_tile) into
-    atom slot `slot` of the stage, decode_stage reads stage_scale_offset."""
-    in_stage = stage_scale_offset(tile_start, tile_rows, row, block)
+def tile_scale_byte_offset(tile_start: int, row: int, block: int, k_tile: int, rest_k: int) -> int:
+    """Byte offset in a reordered scale tensor of the scale the kernel reads for row `row` of
+    the tile starting at row `tile_start` (a multiple of 128), 16-element block `block` of
+    k-tile `k_tile`: load_raw_stage copies atom (tile_start // 128 + slot, k_tile) into atom
+    slot `slot` of the stage, decode_stage reads stage_scale_offset."""
+    in_stage = stage_scale_offset(row, block)
     slot, in_atom = divmod(in_stage, SF_ATOM_BYTES)
     return ((tile_start // SF_ATOM_ROWS + slot) * rest_k + k_tile) * SF_ATOM_BYTES + in_atom
 
@@ -872,17 +853,11 @@ class Sm90Nvfp4GroupedGemm:
             src_row = (m0 + row) if valid else 0
             src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
             cp_async_16B(stage_base + row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
-        # B rows (zero-filled past N); tile_n = 64 has fewer chunks than threads
-        b_chunks = self.tile_n * chunks_per_row
-        for i in cutlass.range_constexpr(-(-b_chunks // self.num_threads)):
+        # B rows (zero-filled past N)
+        for i in cutlass.range_constexpr(self.tile_n * chunks_per_row // self.num_threads):
             chunk = tidx + i * self.num_threads
-            if cutlass.const_expr(b_chunks % self.num_threads == 0):
-                self.load_b_chunk(chunk, stage_base, k_byte, b_addr, n, n0, row_bytes)
-            else:
-                if chunk < b_chunks:
-                    self.load_b_chunk(chunk, stage_base, k_byte, b_addr, n, n0, row_bytes)
-        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile (tile_n = 64: the whole
-        # atom of rows n0 - n0 % 128 .. + 127; decode_stage picks the tile's half)
+            self.load_b_chunk(chunk, stage_base, k_byte, b_addr, n, n0, row_bytes)
+        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile
         sf_chunks_a = self.config.sfa_atoms * (SF_ATOM_BYTES // 16)
         sf_chunks_b = self.config.sfb_atoms * (SF_ATOM_BYTES // 16)
         if tidx < sf_chunks_a:
@@ -936,12 +911,9 @@ class Sm90Nvfp4GroupedGemm:
     # Decode: raw stage -> fp16 stage (swizzled K-major, 128-byte rows)
     # -------------------------------------------------------------------------
     @cute.jit
-    def decode_stage(self, tidx, raw_base, raw_stage, sB_base, mma_stage, sfb_row_offset):
+    def decode_stage(self, tidx, raw_base, raw_stage, sB_base, mma_stage):
         """Decode B of one raw stage into fp16 stage `mma_stage` (A goes into registers:
-        decode_a_registers).
-
-        sfb_row_offset: row of the B tile's first row inside its scale atom (n0 % 128: 0 or
-        64 with tile_n = 64; unused, and always 0, otherwise)."""
+        decode_a_registers)."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
         blocks = []
         for i in cutlass.range_constexpr(self.tile_n * self.blocks_per_row // self.num_threads):
@@ -949,11 +921,8 @@ class Sm90Nvfp4GroupedGemm:
             row = item // self.blocks_per_row
             blk = item % self.blocks_per_row
             src = raw_stage_base + self.raw_b_offset + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
-            # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes,
-            # rows of a 64-row B tile shifted by its first row inside the atom
-            scale = stage_scale_offset(
-                sfb_row_offset, self.tile_n, row, blk, base=raw_stage_base + self.raw_sfb_offset
-            )
+            # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes
+            scale = stage_scale_offset(row, blk, base=raw_stage_base + self.raw_sfb_offset)
             # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
             row_base = sB_base + (mma_stage * self.tile_n + row) * self.dec_row_bytes
             swz = row % 8
@@ -978,7 +947,7 @@ class Sm90Nvfp4GroupedGemm:
         unit = (
             *(raw_stage_base + r * self.raw_row_bytes + half_offset for r in rows),
             selector,
-            *(stage_scale_offset(0, self.tile_m, r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
+            *(stage_scale_offset(r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
         )
         steps = decode_scale_blocks_to_registers([unit])[0]
         # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
@@ -1191,8 +1160,6 @@ class Sm90Nvfp4GroupedGemm:
         )
         m0 = tile_row * self.tile_m
         n0 = tile_col * self.tile_n
-        # tile_n = 64: the B tile is the first or second half of its 128-row scale atom
-        sfb_row_offset = n0 % SF_ATOM_ROWS
         row_bytes = k // 2
         rest_k = k // (SF_VEC_SIZE * 4)
         # the segment's first k-tile moves into the base addresses: the loop runs from 0
@@ -1247,7 +1214,7 @@ class Sm90Nvfp4GroupedGemm:
                 # global scoreboards 9% each.
                 cute.arch.sync_threads()
                 raw_stage = k_tile % self.raw_stages
-                self.decode_stage(tidx, raw_base, raw_stage, sB_base, mma_stage, sfb_row_offset)
+                self.decode_stage(tidx, raw_base, raw_stage, sB_base, mma_stage)
                 # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
                 # stall samples in Nsight Compute); issuing the prefetch after it instead of
                 # first measured slower on the H200: 217.8/131.2/59.3/29.4 vs
@@ -1370,10 +1337,6 @@ def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemm
     return _compiled_cache[key]
 
 
-def _compile_narrow(num_groups: int, options: str | None = None):
-    return compile_gemm(num_groups, options, config=NARROW_CONFIG)
-
-
 def _compile_split_k(num_groups: int, options: str | None = None):
     return compile_gemm(num_groups, options, config=SPLIT_K_CONFIG)
 
@@ -1384,11 +1347,9 @@ def _compile_stream_k(num_groups: int, options: str | None = None):
 
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
     """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)):
-    the default config and the measured options (tile_n = 64, split-K over 2 CTAs,
-    stream-K)."""
+    the default config, split-K over 2 CTAs and stream-K."""
     return [
         ("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm),
-        ("sm90_nvfp4_gemm_n64", NARROW_CONFIG.arch, _compile_narrow),
         ("sm90_nvfp4_gemm_splitk2", SPLIT_K_CONFIG.arch, _compile_split_k),
         ("sm90_nvfp4_gemm_streamk", STREAM_K_CONFIG.arch, _compile_stream_k),
     ]

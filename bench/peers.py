@@ -17,7 +17,7 @@ mean and best µs of each, their ratio, TFLOP/s on the real (unpadded) work, and
 of the bf16 dense roofline (790 TFLOP/s, measured on the H200).
 
     python bench/peers.py [--repeats 30] [--json PATH] [--plot PATH]
-    python bench/peers.py --configs ["reg A 1buf,tile_n 64"]   # sm_90 configs, device time
+    python bench/peers.py --configs ["reg A 1buf,split 2"]   # sm_90 configs, device time
 
 --json writes the rows, --plot a PNG (needs matplotlib: pip install -e '.[plot]'): per shape,
 ours beside cuBLAS and the bf16 roofline time. Progress goes to stderr, one line per shape.
@@ -85,7 +85,6 @@ def compare_configs(repeats, names=None):
     configs = {
         "reg A 1buf": hopper.HopperGemmConfig(a_register_buffers=1),
         "reg A 2buf": hopper.HopperGemmConfig(a_register_buffers=2),
-        "tile_n 64": hopper.NARROW_CONFIG,
         "split 2": hopper.SPLIT_K_CONFIG,
         "n256": hopper.HopperGemmConfig(tile_n=256),
         "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),
@@ -206,7 +205,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--configs", nargs="?", const="", default=None, metavar="NAMES",
                         help="compare sm_90 kernel configurations (device time only); "
-                        "optional comma-separated subset, e.g. 'reg A 1buf,tile_n 64'")
+                        "optional comma-separated subset, e.g. 'reg A 1buf,split 2'")
     parser.add_argument("--json", dest="json_path", help="write the rows here")
     parser.add_argument("--plot", dest="plot_path",
                         help="draw the rows into this PNG (needs matplotlib)")

@@ -84,12 +84,10 @@ def test_scale_offsets_match_the_reordered_layout(mn, k):
             assert storage[offset].item() == sf_bytes[row, j, 0].item(), (row, j)
 
 
-@pytest.mark.parametrize("tile_rows", [64, 128, 256])
+@pytest.mark.parametrize("tile_rows", [128, 256])
 @pytest.mark.parametrize("mn,k", [(64, 256), (192, 512), (320, 768), (384, 256)])
 def test_tile_scale_offsets_match_the_reordered_layout(tile_rows, mn, k):
-    """The scale each tile row reads (load_raw_stage's atoms + decode_stage's in-atom offset),
-    tile_n = 64 included: its second tile of an atom (rows 64..127) lies in the (r % 128) // 32
-    in {2, 3} slots of every 16-byte line."""
+    """The scale each tile row reads (load_raw_stage's atoms + decode_stage's in-atom offset)."""
     gen = torch.Generator().manual_seed(mn * 11 + k + tile_rows)
     sf_bytes = torch.randint(0, 0x7F, (mn, k // 16, 1), dtype=torch.uint8, generator=gen)
     reordered = create_reordered_scale_factor_tensor(1, mn, k, sf_bytes.view(torch.float8_e4m3fn), device="cpu")
@@ -99,23 +97,22 @@ def test_tile_scale_offsets_match_the_reordered_layout(tile_rows, mn, k):
     for tile_start in range(0, mn, tile_rows):
         for row in range(min(tile_rows, mn - tile_start)):
             for j in range(k // 16):
-                offset = hopper.tile_scale_byte_offset(tile_start, tile_rows, row, j % 4, j // 4, rest_k)
+                offset = hopper.tile_scale_byte_offset(tile_start, row, j % 4, j // 4, rest_k)
                 # inside the atoms load_raw_stage copied for this tile and k-tile
                 first_atom = (tile_start // 128) * rest_k + j // 4
-                slot = (row + tile_start % 128 if tile_rows < 128 else row) // 128
+                slot = row // 128
                 assert (first_atom + slot * rest_k) * 512 <= offset < (first_atom + slot * rest_k + 1) * 512
                 assert storage[offset].item() == sf_bytes[tile_start + row, j, 0].item(), (tile_start, row, j)
                 checked += 1
     assert checked == mn * (k // 16)
 
 
-@pytest.mark.parametrize("config", [hopper.NARROW_CONFIG, hopper.SM90_CONFIG, hopper.HopperGemmConfig(tile_n=256)])
+@pytest.mark.parametrize("config", [hopper.SM90_CONFIG, hopper.HopperGemmConfig(tile_n=256)])
 def test_emulated_b_stage_decodes_to_the_reference(config):
     """One raw stage of B as load_raw_stage fills it (packed rows at the kernel's raw_b_offset,
     whole scale atoms at its raw_sfb_offset), decoded block by block with decode_stage's scale
     offsets and the decode's bit arithmetic: every B tile of every k-tile equals the
-    reference dequantization (N = 384: tile_n = 64 gets both halves of an atom and an odd
-    atom, tile_n = 256 a partial tile)."""
+    reference dequantization (N = 384: tile_n = 256 gets a partial tile)."""
     n, k = 384, 512
     rest_k = k // 64
     gen = torch.Generator().manual_seed(config.tile_n)
@@ -143,21 +140,13 @@ def test_emulated_b_stage_decodes_to_the_reference(config):
                 for blk in range(4):
                     src = kernel.raw_b_offset + row * row_bytes + blk * 8
                     words = stage[src : src + 8].view("<u4")
-                    scale = stage[kernel.raw_sfb_offset + hopper.stage_scale_offset(n0, config.tile_n, row, blk)]
+                    scale = stage[kernel.raw_sfb_offset + hopper.stage_scale_offset(row, blk)]
                     chunks = _emulated_chunks([int(w) for w in words], int(scale))
                     decoded[row, 16 * blk : 16 * blk + 16] = chunks
             # back to element order: logical column LOGICAL_COLUMN[e] holds element e
             decoded = decoded.reshape(rows, 4, 16)[:, :, list(hopper.LOGICAL_COLUMN)].reshape(rows, 64)
             reference_tile = expected[n0 : n0 + config.tile_n, k_tile * 64 : (k_tile + 1) * 64].double().numpy()
             assert np.array_equal(decoded, reference_tile), (n0, k_tile)
-
-
-def test_half_atom_rows_are_not_a_contiguous_half():
-    # why tile_n = 64 loads the whole 512-byte atom: rows 64..127 of k-block 0 are spread
-    # over all 32 lines of the atom
-    offsets = sorted(hopper.tile_scale_byte_offset(64, 64, row, 0, 0, 1) for row in range(64))
-    assert offsets[0] == 8 and offsets[-1] == 31 * 16 + 12
-    assert {offset // 16 for offset in offsets} == set(range(32))
 
 
 def test_swizzle_is_a_permutation_of_16_byte_chunks_per_8_rows():
@@ -254,7 +243,7 @@ def _accumulator_layouts(config):
 
 
 @pytest.mark.parametrize("config", [
-    hopper.SM90_CONFIG, hopper.NARROW_CONFIG, hopper.HopperGemmConfig(tile_n=256),
+    hopper.SM90_CONFIG, hopper.HopperGemmConfig(tile_n=256),
 ])
 def test_accumulator_pairs_are_adjacent_columns(config):
     """The epilogue stores accumulators 2i and 2i+1 as one fp16x2 word at (row, col) and
@@ -277,20 +266,15 @@ def test_can_implement_names_group_field_and_rule():
 
 
 def test_config_check_rejects_unsupported_tiles():
-    hopper.HopperGemmConfig(tile_n=64).check()
-    with pytest.raises(ValueError, match="tile_n=96"):
-        hopper.HopperGemmConfig(tile_n=96).check()
-    with pytest.raises(ValueError, match="tile_n=64 needs tile_m=128"):
-        hopper.HopperGemmConfig(tile_m=256, tile_n=64).check()
+    hopper.HopperGemmConfig(tile_n=256).check()
+    for tile_n in (64, 96):
+        with pytest.raises(ValueError, match=f"tile_n={tile_n}: must be 128 or 256"):
+            hopper.HopperGemmConfig(tile_n=tile_n).check()
 
 
-def test_narrow_config_stage_layout():
-    config = hopper.NARROW_CONFIG
-    assert (config.tile_m, config.tile_n) == (128, 64)
-    assert dataclasses.replace(config, tile_n=128) == hopper.SM90_CONFIG
-    # 192 packed rows of 32 bytes + one whole scale atom each for A and B
-    assert (config.sfa_atoms, config.sfb_atoms) == (1, 1)
-    assert config.raw_stage_bytes == 192 * 32 + 2 * 512
+def test_raw_stage_layout():
+    # packed rows of 32 bytes + one whole scale atom per 128 rows of A and of B
+    assert (hopper.SM90_CONFIG.sfa_atoms, hopper.SM90_CONFIG.sfb_atoms) == (1, 1)
     assert hopper.SM90_CONFIG.raw_stage_bytes == 256 * 32 + 2 * 512
     assert hopper.HopperGemmConfig(tile_n=256).raw_stage_bytes == 384 * 32 + 3 * 512
 
@@ -298,7 +282,6 @@ def test_narrow_config_stage_layout():
 @pytest.mark.parametrize("config", [
     hopper.SM90_CONFIG,
     hopper.HopperGemmConfig(a_register_buffers=2),
-    hopper.NARROW_CONFIG,
     hopper.SPLIT_K_CONFIG,
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
@@ -306,11 +289,10 @@ def test_compiles_for_sm90a_on_any_machine(config):
     assert compiled is not None
 
 
-def test_compile_targets_include_the_narrow_kernel():
+def test_compile_targets_list_what_the_backend_runs():
     targets = {name: arch for name, arch, _ in hopper.compile_targets()}
     assert targets == {
         "sm90_nvfp4_gemm": "sm_90a",
-        "sm90_nvfp4_gemm_n64": "sm_90a",
         "sm90_nvfp4_gemm_splitk2": "sm_90a",
         "sm90_nvfp4_gemm_streamk": "sm_90a",
     }
@@ -329,7 +311,6 @@ def sm90_builds(tmp_path_factory):
 @pytest.mark.parametrize("num_groups", [1, 2, 8])
 @pytest.mark.parametrize("target,config,mma", [
     ("sm90_nvfp4_gemm", hopper.SM90_CONFIG, "m64n128k16"),
-    ("sm90_nvfp4_gemm_n64", hopper.NARROW_CONFIG, "m64n64k16"),
     ("sm90_nvfp4_gemm_splitk2", hopper.SPLIT_K_CONFIG, "m64n128k16"),
     ("sm90_nvfp4_gemm_streamk", hopper.STREAM_K_CONFIG, "m64n128k16"),
 ])
@@ -405,7 +386,6 @@ def test_split_k_reduction_buffer_sizes():
 def test_every_backend_runs_one_tile_shape():
     for sizes in BENCHMARK_SIZES.values():
         assert hopper.make_backend().tile_shape(sizes) == (128, 128)
-        assert hopper.make_backend(hopper.NARROW_CONFIG).tile_shape(sizes) == (128, 64)
     wide = hopper.make_backend(hopper.HopperGemmConfig(tile_n=256))
     assert wide.tile_shape(BENCHMARK_SIZES[3]) == (128, 256)
 
@@ -452,7 +432,7 @@ def sm90_backend_on_cpu(monkeypatch):
 @pytest.mark.parametrize("shape,config,num_tiles", [
     (0, hopper.SM90_CONFIG, 352), (1, hopper.SM90_CONFIG, 728),
     (2, hopper.SM90_CONFIG, 120), (3, hopper.SM90_CONFIG, 128),
-    (2, hopper.NARROW_CONFIG, 240), (3, hopper.NARROW_CONFIG, 256),
+    (2, hopper.HopperGemmConfig(tile_n=256), 60), (3, hopper.HopperGemmConfig(tile_n=256), 64),
 ])
 def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape, config, num_tiles):
     compiled, launched = sm90_backend_on_cpu
@@ -626,7 +606,6 @@ CONFIG_CASES = (
     [("default", seed) for seed in range(60)]
     + [("registers_a_2buf", seed) for seed in range(400, 424)]
     + [("tile_n_256", seed) for seed in range(200, 208)]
-    + [("tile_n_64", seed) for seed in range(500, 532)]
     + [("split_k_2", seed) for seed in range(700, 740)]
     + [("split_k_2_rank0", seed) for seed in range(900, 916)]
     + [("auto", seed) for seed in range(1000, 1016)]
@@ -636,7 +615,6 @@ CONFIGS = {
     "default": hopper.SM90_CONFIG,
     "registers_a_2buf": hopper.HopperGemmConfig(a_register_buffers=2),
     "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
-    "tile_n_64": hopper.NARROW_CONFIG,
     "split_k_2": hopper.SPLIT_K_CONFIG,
     "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
@@ -659,11 +637,11 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @requires_sm90
 @pytest.mark.parametrize(
     "config_name",
-    ["default", "tile_n_64", "split_k_2", "split_k_2_rank0", "stream_k"],
+    ["default", "split_k_2", "split_k_2_rank0", "stream_k"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
-    """The four official benchmark shapes in every config custom_kernel may pick, and 128x64."""
+    """The four official benchmark shapes in every config custom_kernel may pick."""
     shapes = {
         "bench0": ([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8),
         "bench1": ([40, 76, 168, 72, 164, 148, 196, 160], [7168] * 8, [2048] * 8),
