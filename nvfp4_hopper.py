@@ -75,20 +75,15 @@ SF_ATOM_BYTES = 512
 # Stream-K segment row: (tile, first k-tile, k-tile count, part, parts of the tile, first
 # workspace slot of the tile)
 SEGMENT_FIELDS = 6
+# Rows per tile: two warpgroups of 64 (one m64 wgmma each). 256-row tiles (four warpgroups,
+# one CTA per SM, B's decode shared by twice the rows): slower, removed; docs/EXPERIMENTS.md.
+TILE_M = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class HopperGemmConfig:
     """Everything baked into the compiled sm_90a kernel."""
 
-    # one warpgroup per 64 rows. 256 (512 threads, 123 registers: one CTA per SM, the B
-    # decode shared by twice the rows) is exact on the benchmark shapes but slower: H200
-    # device µs, shapes 0-3, 246.3/141.4/82.8/36.2 (split-K 259.2/156.4/69.4/35.8) vs
-    # 199.9/117.7/46.6/23.7 for the default backend. Ceiling of sharing the B decode between
-    # two CTAs of an M-pair instead (each decoding half of B for both through DSMEM): the
-    # kernel decoding only half of B (wrong sums, timing only, no DSMEM stores or cluster
-    # syncs) took 179.6/106.5/43.0/22.5 vs 200.3/116.1/46.6/23.7 µs (H200, device time).
-    tile_m: int = 128
     # 128 or 256 (whole 128-row scale atoms). 128x64 tiles (half an atom per B tile, two CTAs
     # per SM for the G = 2 shapes): slower, removed; docs/EXPERIMENTS.md.
     # H200 device µs, shapes 0-3, 128 vs 256 (register A, 239 registers, 1 CTA/SM):
@@ -150,6 +145,11 @@ class HopperGemmConfig:
     arch: str = "sm_90a"
 
     @property
+    def tile_m(self) -> int:
+        """Rows per tile: TILE_M."""
+        return TILE_M
+
+    @property
     def mma_stages(self) -> int:
         """Decoded fp16 stages: 2 (decode k+1 while wgmma reads k)."""
         return 2
@@ -181,10 +181,6 @@ class HopperGemmConfig:
         return rows * (self.tile_k // 2) + (self.sfa_atoms + self.sfb_atoms) * SF_ATOM_BYTES
 
     def check(self) -> None:
-        if self.tile_m not in (64, 128, 256) or self.tile_m % SF_ATOM_ROWS not in (0, 64):
-            raise ValueError(f"tile_m={self.tile_m}: must be 128 or 256")
-        if self.tile_m % SF_ATOM_ROWS != 0:
-            raise ValueError(f"tile_m={self.tile_m}: must be a multiple of 128 (scale atom rows)")
         if self.tile_n not in (128, 256):
             raise ValueError(f"tile_n={self.tile_n}: must be 128 or 256")
         if self.tile_k != 64:
