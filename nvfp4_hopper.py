@@ -118,15 +118,10 @@ class HopperGemmConfig:
     a_register_buffers: int = 1
     # CTAs sharing one output tile along K (a cluster of split_k CTAs along grid x): 1, or 2
     # (each CTA runs half the k-tiles; the fp32 partial sums meet through DSMEM, see
-    # split_k_reduce). The default backend picks 2 per input set (split_k_pays). On shape 2
+    # reduce_split_k). The default backend picks 2 per input set (split_k_pays). On shape 2
     # (120 tiles, one CTA per SM unsplit) Nsight Compute at 1.8 GHz: 53.1 vs 48.7 µs, 1.99 vs
     # 3.48 warps per scheduler, issue slots 46% vs 50% busy.
     split_k: int = 1
-    # split_k = 2: who sums and stores. "halves": the rows of warpgroup w are summed and
-    # stored by rank w % 2 (each rank sends half its sums and receives half, and the two
-    # epilogues run in parallel); "rank0": rank 1 sends all its sums to rank 0, which
-    # stores the whole tile.
-    split_k_reduce: str = "halves"
     # True: stream-K. The grid is CTAS_PER_SM CTAs per SM ("workers", all resident at once);
     # the host cuts the input set's k-tiles, all tiles in table order, into one contiguous
     # share of equal weighted cost per worker (plan_stream_k): a worker runs the tail of one
@@ -192,19 +187,16 @@ class HopperGemmConfig:
         if self.split_k not in (1, 2):
             # K % 256 == 0 gives a multiple of 4 k-tiles: 2 halves of an even count each
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
-        if self.split_k_reduce not in ("halves", "rank0"):
-            raise ValueError(f"split_k_reduce={self.split_k_reduce!r}: must be 'halves' or 'rank0'")
         if self.stream_k and self.split_k != 1:
             raise ValueError("stream_k needs split_k = 1")
 
     @property
     def reduction_bytes(self) -> int:
         """Shared memory one summing rank of a split-K cluster receives: the other rank's fp32
-        accumulators of the rows it stores (all rows with "rank0", its half with "halves")."""
+        accumulators of the rows it stores (its share of the tile's rows)."""
         if self.split_k == 1:
             return 0
-        rows = self.tile_m if self.split_k_reduce == "rank0" else self.tile_m // self.split_k
-        return rows * self.tile_n * 4
+        return self.tile_m // self.split_k * self.tile_n * 4
 
 
 SM90_CONFIG = HopperGemmConfig()
@@ -808,12 +800,10 @@ class Sm90Nvfp4GroupedGemm:
 
         split = self.config.split_k
         if cutlass.const_expr(split > 1):
-            # rank 0 receives the partial sums into its head .. raw region (head is the
-            # struct's first member, the members are laid out in order), free after its main
-            # loop;
-            # in as many passes as it takes (128x256 tiles: 128 KB of sums, 2 passes)
-            region = SharedStorage.size_in_bytes()
-            self.reduction_passes = -(-self.config.reduction_bytes // region)
+            # a summing rank receives the other rank's sums from the start of its head .. raw
+            # region (head is the struct's first member, the members are laid out in order),
+            # free after its main loop: 64 x tile_n fp32, the size of the two fp16 B stages
+            assert self.config.reduction_bytes <= SharedStorage.size_in_bytes()
         kernel = self.kernel(
             tiled_mma, mPtrs, mSizes, mTiles, mWork, mSegments, workspace, counters,
             b_smem_layout_staged,
@@ -954,9 +944,9 @@ class Sm90Nvfp4GroupedGemm:
 
     def summing_rank(self, warp_group_idx):
         """Split-K: the cluster rank that sums and stores the rows of warpgroup
-        `warp_group_idx` (a trace-time choice: plain Python, no device branch)."""
-        if self.config.split_k_reduce == "rank0":
-            return 0
+        `warp_group_idx` (plain Python: traced inline), so that the two epilogues run in
+        parallel. Rank 0 summing and storing the whole tile: slower, removed;
+        docs/EXPERIMENTS.md."""
         return warp_group_idx % self.config.split_k
 
     def mma_k_tile(self, tiled_mma, accumulators, a_frag, tCrB, b_stage, num_k_blocks):
@@ -1009,42 +999,31 @@ class Sm90Nvfp4GroupedGemm:
         """Split-K: the other rank's accumulators of a warpgroup's rows are added into those
         of the summing rank (summing_rank). Each thread's fragment goes to the summing rank's
         shared memory in fragment order (its thread tidx has the same fragment layout), 16
-        bytes per store, consecutive threads on consecutive 16 bytes; in reduction_passes
-        passes when the sums exceed its shared memory."""
+        bytes per store, consecutive threads on consecutive 16 bytes."""
         num_vectors = cute.size(accumulators) // 4
-        per_pass = num_vectors // self.reduction_passes
         k_rank = cute.arch.block_idx_in_cluster()
         summing_rank = self.summing_rank(warp_group_idx)
-        # "halves": one rank receives from the warpgroups it sums: warpgroup w uses slot
-        # w // split_k of the buffer, its 128 threads side by side
-        if cutlass.const_expr(self.config.split_k_reduce == "rank0"):
-            slot_thread = tidx
-            threads_per_slot = self.num_threads
-        else:
-            slot_thread = (warp_group_idx // self.config.split_k) * 128 * per_pass + tidx % 128
-            threads_per_slot = 128
-        for p in cutlass.range_constexpr(self.reduction_passes):
-            # every thread of the cluster is past its main loop (pass 0) or its reads of the
-            # previous pass: the receiving buffers are free
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            if k_rank != summing_rank:
-                for j in cutlass.range_constexpr(per_pass):
-                    vector_idx = p * per_pass + j
-                    store_f32x4_to_rank(
-                        reduction_base + (j * threads_per_slot + slot_thread) * 16,
-                        [accumulators[4 * vector_idx + e] for e in range(4)],
-                        summing_rank,
-                    )
-            # release (the senders' stores) / acquire (the summing rank's loads)
-            cute.arch.cluster_arrive()
-            cute.arch.cluster_wait()
-            if k_rank == summing_rank:
-                for j in cutlass.range_constexpr(per_pass):
-                    vector_idx = p * per_pass + j
-                    partial = load_f32x4(reduction_base + (j * threads_per_slot + slot_thread) * 16)
-                    for e in cutlass.range_constexpr(4):
-                        accumulators[4 * vector_idx + e] = accumulators[4 * vector_idx + e] + partial[e]
+        # one rank receives from the warpgroups it sums: warpgroup w uses slot w // split_k
+        # of the buffer, its 128 threads side by side
+        slot_thread = (warp_group_idx // self.config.split_k) * 128 * num_vectors + tidx % 128
+        # every thread of the cluster is past its main loop: the receiving buffers are free
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if k_rank != summing_rank:
+            for j in cutlass.range_constexpr(num_vectors):
+                store_f32x4_to_rank(
+                    reduction_base + (j * 128 + slot_thread) * 16,
+                    [accumulators[4 * j + e] for e in range(4)],
+                    summing_rank,
+                )
+        # release (the senders' stores) / acquire (the summing rank's loads)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if k_rank == summing_rank:
+            for j in cutlass.range_constexpr(num_vectors):
+                partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
+                for e in cutlass.range_constexpr(4):
+                    accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
 
     @cute.kernel
     def kernel(

@@ -88,7 +88,6 @@ def compare_configs(repeats, names=None):
         "split 2": hopper.SPLIT_K_CONFIG,
         "n256": hopper.HopperGemmConfig(tile_n=256),
         "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),
-        "split 2 rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
         "stream k": hopper.STREAM_K_CONFIG,
         # what custom_kernel runs: stream-K or split-K per input set where they pay
         "auto": None,

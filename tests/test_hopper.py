@@ -374,13 +374,12 @@ def test_split_k_pays_where_half_tiles_fill_the_slots_better():
 
 
 def test_split_k_reduction_buffer_sizes():
-    # "halves": each rank receives the other's sums of the 64 rows it stores
-    assert hopper.SPLIT_K_CONFIG.reduction_bytes == 64 * 128 * 4
-    rank0 = hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0")
-    assert rank0.reduction_bytes == 128 * 128 * 4
+    # each rank receives the other's sums of the 64 rows it stores: as many bytes as the two
+    # fp16 B stages it receives them into (after the 1 KB head)
+    for tile_n in (128, 256):
+        config = hopper.HopperGemmConfig(tile_n=tile_n, split_k=2)
+        assert config.reduction_bytes == 64 * tile_n * 4 == config.mma_stages * tile_n * config.tile_k * 2
     assert hopper.SM90_CONFIG.reduction_bytes == 0
-    with pytest.raises(ValueError, match="split_k_reduce"):
-        hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank1").check()
 
 
 def test_every_backend_runs_one_tile_shape():
@@ -607,7 +606,6 @@ CONFIG_CASES = (
     + [("registers_a_2buf", seed) for seed in range(400, 424)]
     + [("tile_n_256", seed) for seed in range(200, 208)]
     + [("split_k_2", seed) for seed in range(700, 740)]
-    + [("split_k_2_rank0", seed) for seed in range(900, 916)]
     + [("auto", seed) for seed in range(1000, 1016)]
     + [("stream_k", seed) for seed in range(1200, 1240)]
 )
@@ -616,7 +614,6 @@ CONFIGS = {
     "registers_a_2buf": hopper.HopperGemmConfig(a_register_buffers=2),
     "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
     "split_k_2": hopper.SPLIT_K_CONFIG,
-    "split_k_2_rank0": hopper.HopperGemmConfig(split_k=2, split_k_reduce="rank0"),
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
     "stream_k": hopper.STREAM_K_CONFIG,
 }
@@ -637,7 +634,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @requires_sm90
 @pytest.mark.parametrize(
     "config_name",
-    ["default", "split_k_2", "split_k_2_rank0", "stream_k"],
+    ["default", "split_k_2", "stream_k"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
