@@ -107,15 +107,6 @@ class HopperGemmConfig:
     # A is decoded straight into the wgmma A fragment (register A; see decode_a_registers).
     # A decoded into shared memory like B (wgmma reading both from there): slower, removed;
     # docs/EXPERIMENTS.md.
-    # 2 = decode A of k-tile k+1 while wgmma k reads the other fragment;
-    # 1 = one fragment (fewer registers), A decode waits for the previous wgmma.
-    # 1 buffer: 127 registers, 2 CTAs/SM; 2 buffers: 144 registers, 1 CTA/SM. H200 device
-    # µs, shapes 0-3, 1 vs 2 buffers: 206.6/129.1/54.4/28.7 vs 244.2/162.3/56.4/29.3: the
-    # wait for the previous wgmma is not what bounds the kernel. 2 buffers at 2 CTAs per SM
-    # (ptxas held to 128 registers by .minnctapersm 2, 16-24 bytes spilled; tried, not kept)
-    # were slower still: 223.7/129.5/56.6/26.1, split-K 212.6/139.3/49.8/24.2, vs
-    # 206.4/117.9/52.7/24.6 and 200.1/132.2/46.8/24.0 for 1 buffer.
-    a_register_buffers: int = 1
     # CTAs sharing one output tile along K (a cluster of split_k CTAs along grid x): 1, or 2
     # (each CTA runs half the k-tiles; the fp32 partial sums meet through DSMEM, see
     # reduce_split_k). The default backend picks 2 per input set (split_k_pays). On shape 2
@@ -182,8 +173,6 @@ class HopperGemmConfig:
             raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
         if self.raw_stages < 2:
             raise ValueError(f"raw_stages={self.raw_stages}: must be >= 2")
-        if self.a_register_buffers not in (1, 2):
-            raise ValueError(f"a_register_buffers={self.a_register_buffers}: must be 1 or 2")
         if self.split_k not in (1, 2):
             # K % 256 == 0 gives a multiple of 4 k-tiles: 2 halves of an even count each
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
@@ -1060,10 +1049,7 @@ class Sm90Nvfp4GroupedGemm:
         tCsB = thr_mma.partition_B(sB)
         tCrB = tiled_mma.make_fragment_B(tCsB)
         a_frag_shape = tiled_mma.partition_shape_A((self.tile_m, self.tile_k))
-        a_frags = [
-            cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
-            for _ in range(self.config.a_register_buffers)
-        ]
+        a_frag = cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
         gC_shape_probe = cute.make_identity_tensor((self.tile_m, self.tile_n))
         acc_shape = thr_mma.partition_C(gC_shape_probe).shape
         accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
@@ -1079,7 +1065,7 @@ class Sm90Nvfp4GroupedGemm:
                 seg_tile = mSegments[segment, 0]
                 self.mma_segment(
                     tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
-                    a_frags, tCrB, accumulators,
+                    a_frag, tCrB, accumulators,
                     seg_tile, mSegments[segment, 1], mSegments[segment, 2],
                 )
                 (tile_row, tile_col, m, n, _k, _a, _b, c_addr, _sfa, _sfb) = self.tile_of(
@@ -1107,7 +1093,7 @@ class Sm90Nvfp4GroupedGemm:
             k_tile_cnt = k // (self.tile_k * split)
             self.mma_segment(
                 tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
-                a_frags, tCrB, accumulators,
+                a_frag, tCrB, accumulators,
                 tile_idx, (bidx % split) * k_tile_cnt, k_tile_cnt,
             )
             if cutlass.const_expr(split > 1):
@@ -1124,7 +1110,7 @@ class Sm90Nvfp4GroupedGemm:
     @cute.jit
     def mma_segment(
         self, tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
-        a_frags, tCrB, accumulators, tile_idx, k_tile_begin, k_tile_cnt,
+        a_frag, tCrB, accumulators, tile_idx, k_tile_begin, k_tile_cnt,
     ):
         """accumulators = the sums of tile `tile_idx` over its k-tiles [k_tile_begin,
         k_tile_begin + k_tile_cnt) (an even count): copy, decode and wgmma of each k-tile,
@@ -1160,8 +1146,8 @@ class Sm90Nvfp4GroupedGemm:
         #
         # Main loop
         #
-        num_k_blocks = cute.size(a_frags[0], mode=[2])
-        # unrolled by the 2 fp16 stages so that stage and A fragment are static
+        num_k_blocks = cute.size(a_frag, mode=[2])
+        # unrolled by the 2 fp16 stages so that the stage is static
         # (k_tile_cnt is even: K % 256 == 0, stream-K cuts at even k-tiles)
         for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
             for mma_stage in cutlass.range_constexpr(2):
@@ -1195,10 +1181,9 @@ class Sm90Nvfp4GroupedGemm:
                 # first measured slower on the H200: 217.8/131.2/59.3/29.4 vs
                 # 207.5/129.2/54.6/28.1 µs device time, shapes 0-3.
                 fence_proxy_async_shared_cta()
-                a_frag = a_frags[mma_stage % self.config.a_register_buffers]
-                if cutlass.const_expr(self.config.a_register_buffers == 1):
-                    # the one A fragment is still read by wgmma k_tile - 1
-                    cute.nvgpu.warpgroup.wait_group(0)
+                # the one A fragment is still read by wgmma k_tile - 1. Two A fragments (decode
+                # k + 1 while wgmma k reads the other): slower, removed; docs/EXPERIMENTS.md.
+                cute.nvgpu.warpgroup.wait_group(0)
                 self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
                 cute.arch.sync_threads()
                 if warp_group_has_rows:

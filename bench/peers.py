@@ -83,8 +83,7 @@ def compare_configs(repeats, names=None):
     from reference import match_outputs, ref_kernel
 
     configs = {
-        "reg A 1buf": hopper.HopperGemmConfig(a_register_buffers=1),
-        "reg A 2buf": hopper.HopperGemmConfig(a_register_buffers=2),
+        "reg A 1buf": hopper.SM90_CONFIG,
         "split 2": hopper.SPLIT_K_CONFIG,
         "n256": hopper.HopperGemmConfig(tile_n=256),
         "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),

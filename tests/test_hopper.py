@@ -281,7 +281,6 @@ def test_raw_stage_layout():
 
 @pytest.mark.parametrize("config", [
     hopper.SM90_CONFIG,
-    hopper.HopperGemmConfig(a_register_buffers=2),
     hopper.SPLIT_K_CONFIG,
 ])
 def test_compiles_for_sm90a_on_any_machine(config):
@@ -603,7 +602,6 @@ def _exact_reference(data):
 
 CONFIG_CASES = (
     [("default", seed) for seed in range(60)]
-    + [("registers_a_2buf", seed) for seed in range(400, 424)]
     + [("tile_n_256", seed) for seed in range(200, 208)]
     + [("split_k_2", seed) for seed in range(700, 740)]
     + [("auto", seed) for seed in range(1000, 1016)]
@@ -611,7 +609,6 @@ CONFIG_CASES = (
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
-    "registers_a_2buf": hopper.HopperGemmConfig(a_register_buffers=2),
     "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
     "split_k_2": hopper.SPLIT_K_CONFIG,
     "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
