@@ -1,7 +1,8 @@
-"""Tests of the sm_90a backend (nvfp4_hopper.py).
+"""Tests of the sm_90a backend (the nvfp4_hopper package).
 
-CPU: the decode bit arithmetic, the scale and swizzle addressing, shape checks, and an
-sm_90a build. CUDA on an sm_90 GPU: the kernel against the exact decode reference.
+CPU: the decode bit arithmetic and the scale and swizzle addressing (through the host mirrors
+in hopper_emulation.py), shape checks, the schedules and the automatic choice, and sm_90a
+builds. CUDA on an sm_90 GPU: the kernel against the exact decode reference.
 """
 
 import contextlib
@@ -15,6 +16,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hopper_emulation import (
+    e4m3_value,
+    emulate_decode_word,
+    emulate_word_registers,
+    scale_byte_offset,
+    swizzled_chunk_offset,
+    tile_scale_byte_offset,
+)
 
 import build_report
 import nvfp4_hopper as hopper
@@ -40,14 +51,14 @@ def _e4m3_reference(byte: int) -> float:
 # ---------------------------------------------------------------------------------------
 def test_e4m3_host_decode_matches_torch():
     for byte in FINITE_E4M3:
-        assert hopper._e4m3_value(byte) == _e4m3_reference(byte), hex(byte)
+        assert e4m3_value(byte) == _e4m3_reference(byte), hex(byte)
 
 
 def test_placed_bits_are_value_times_2_pow_minus_14():
     # every nibble in every position: words with 8 equal nibbles, plus mixed words
     words = [int(f"{c:x}" * 8, 16) for c in range(16)] + [0x76543210, 0xFEDCBA98, 0x1F2E3D4C]
     for word in words:
-        placed, _ = hopper.emulate_decode_word(word, 0x38)
+        placed, _ = emulate_decode_word(word, 0x38)
         expected = [E2M1_VALUES[(word >> (4 * i)) & 0xF] * 2.0**-14 for i in range(8)]
         assert placed.astype(np.float64).tolist() == expected, hex(word)
         signs = [(word >> (4 * i + 3)) & 1 for i in range(8)]
@@ -59,7 +70,7 @@ def test_decode_is_exact_for_every_code_and_finite_scale(scale_byte):
     scale = _e4m3_reference(scale_byte)
     word = 0x76543210  # codes 0..7 (+0 .. +6)
     for sign_word in (word, word | 0x88888888):
-        _, scaled = hopper.emulate_decode_word(sign_word, scale_byte)
+        _, scaled = emulate_decode_word(sign_word, scale_byte)
         # v * s * 2^-14 (the epilogue's 2^28 restores both operands' 2^-14)
         expected = [E2M1_VALUES[(sign_word >> (4 * i)) & 0xF] * scale * 2.0**-14 for i in range(8)]
         assert scaled.astype(np.float64).tolist() == expected
@@ -80,7 +91,7 @@ def test_scale_offsets_match_the_reordered_layout(mn, k):
     rest_k = k // 64
     for row in range(mn):
         for j in range(k // 16):
-            offset = hopper.scale_byte_offset(row, j % 4, j // 4, rest_k)
+            offset = scale_byte_offset(row, j % 4, j // 4, rest_k)
             assert storage[offset].item() == sf_bytes[row, j, 0].item(), (row, j)
 
 
@@ -97,7 +108,7 @@ def test_tile_scale_offsets_match_the_reordered_layout(tile_rows, mn, k):
     for tile_start in range(0, mn, tile_rows):
         for row in range(min(tile_rows, mn - tile_start)):
             for j in range(k // 16):
-                offset = hopper.tile_scale_byte_offset(tile_start, row, j % 4, j // 4, rest_k)
+                offset = tile_scale_byte_offset(tile_start, row, j % 4, j // 4, rest_k)
                 # inside the atoms load_raw_stage copied for this tile and k-tile
                 first_atom = (tile_start // 128) * rest_k + j // 4
                 slot = row // 128
@@ -150,10 +161,10 @@ def test_emulated_b_stage_decodes_to_the_reference(config):
 
 
 def test_swizzle_is_a_permutation_of_16_byte_chunks_per_8_rows():
-    offsets = {hopper.swizzled_chunk_offset(r, c) for r in range(8) for c in range(8)}
+    offsets = {swizzled_chunk_offset(r, c) for r in range(8) for c in range(8)}
     assert offsets == {16 * i for i in range(64)}
     # row r, chunk c lands in the chunk slot c ^ (r % 8) of its 128-byte row
-    assert hopper.swizzled_chunk_offset(9, 2) == 9 * 128 + (2 ^ 1) * 16
+    assert swizzled_chunk_offset(9, 2) == 9 * 128 + (2 ^ 1) * 16
 
 
 def _fp16_lanes(bits: int) -> list[float]:
@@ -163,8 +174,8 @@ def _fp16_lanes(bits: int) -> list[float]:
 def _emulated_chunks(words, scale_byte):
     """The 16 fp16 values (as float) of one block's two chunks, in store order, from the
     emulated registers of its two words (CHUNK_REGISTERS), times the scale."""
-    scale = hopper._e4m3_value(scale_byte) * 2.0**14
-    registers = [hopper.emulate_word_registers(w) for w in words]
+    scale = e4m3_value(scale_byte) * 2.0**14
+    registers = [emulate_word_registers(w) for w in words]
     values = []
     for names in hopper.CHUNK_REGISTERS:
         for word in range(2):
@@ -193,7 +204,7 @@ def test_a_fragments_and_b_chunks_agree_on_every_logical_column(seed):
     for name, row in (("g", row_g), ("g8", row_g8)):
         placed = []
         for w in range(2):
-            placed += hopper.emulate_decode_word(int(row[4 * w : 4 * w + 4].view("<u4")[0]), 0x38)[0].tolist()
+            placed += emulate_decode_word(int(row[4 * w : 4 * w + 4].view("<u4")[0]), 0x38)[0].tolist()
         elements[name] = placed  # element order
         # B: the chunk stores hold element e at logical column LOGICAL_COLUMN[e]
         stored = _emulated_chunks([int(row[0:4].view("<u4")[0]), int(row[4:8].view("<u4")[0])], 0x38)
@@ -207,7 +218,7 @@ def test_a_fragments_and_b_chunks_agree_on_every_logical_column(seed):
             int(row_g8[4 * half : 4 * half + 4].view("<u4")[0]),
             hopper.a_word_selector(t),
         )
-        registers = hopper.emulate_word_registers(word)
+        registers = emulate_word_registers(word)
         for index, name in enumerate(hopper.FRAGMENT_REGISTERS):
             row = "g" if index in (0, 2) else "g8"  # fragment: (g, ..), (g+8, ..), (g, ..), (g+8, ..)
             columns = (2 * t, 2 * t + 1) if index < 2 else (2 * t + 8, 2 * t + 9)
@@ -422,7 +433,7 @@ def sm90_backend_on_cpu(monkeypatch):
         launched.append((kernel, int(num_tiles), int(num_workers)))
         return lambda: None
 
-    monkeypatch.setattr(hopper, "compile_gemm", fake_compile)
+    monkeypatch.setattr(hopper.backend, "compile_gemm", fake_compile)
     monkeypatch.setattr(submission, "make_launcher", fake_make_launcher)
     return compiled, launched
 

@@ -1,0 +1,129 @@
+"""NVFP4 block-scaled grouped GEMM for Hopper (sm_90a), a backend of submission.py.
+
+Computes, for every group i with M_i > 0,
+
+    C_i[M_i, N_i] (fp16) = (A_i * SFA_i) @ (B_i * SFB_i)^T
+
+with A_i, B_i packed float4 e2m1 (low nibble first) and one float8 e4m3 scale per 16
+elements along K, read from the "reordered" (cuBLAS 32x4x4 blocked) scale tensors.
+
+Hopper has no FP4 tensor cores. Every e2m1 value (2 significant bits) times an e4m3 scale
+(at most 4 significant bits, 2^-9 .. 448) is exactly representable in fp16 (11 bits, normal
+from 2^-14 to 65504): |v * s| lies in [2^-10, 2688]. The kernel therefore decodes each
+operand into fp16 (B into shared memory, A into registers) and runs 16-bit wgmma with fp32
+accumulation; the sums are the exact block-scaled products, accumulated in fp32.
+
+Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x128 tiles.
+Input sets with more tiles than CTA slots and long K run stream-K instead (stream_k_pays: one
+CTA per slot, equal shares of all k-tiles, partial tiles summed through a global workspace);
+input sets whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
+(split_k_pays).
+
+    global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
+           --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
+                                     A: each warpgroup's own rows, straight into the register
+                                        A fragment (K permuted per scale block identically
+                                        for A and B, see ptx._decode_blocks_asm)
+           --wgmma (one warpgroup per 64 rows)--> fp32 accumulators --> predicated fp16 stores
+
+The decode of k-tile k+1 runs on the CUDA cores while the wgmma of k-tile k runs on the
+tensor cores (wgmma is asynchronous; ``wait_group(1)`` keeps one in flight). The decode's
+instructions are most of the kernel's (Nsight Compute, benchmark shape 0 on the H200: integer
+and multiply pipes 44% busy each, tensor pipe 41%, issue slots 55%), so the decode places two
+codes per register with 7 integer instructions per 8 codes (see ptx._place_word_ptx). No unit
+is saturated, though: the warps mostly wait on instruction latencies (the figures and the
+options tried are at the main loop's barrier in kernel.py).
+
+Why cp.async and not TMA: the per-group base pointers arrive at run time in the pointer
+table, so TMA would need one descriptor per group written on the device (an init kernel
+plus tensormap fences, as the sm_100 backend does). The packed operands are a quarter of
+the decoded bytes, so plain 16-byte cp.async from the table's pointers costs few issue
+slots, needs no descriptors, and zero-fills rows past M without reading them.
+
+Constraints (checked by submission.validate_inputs and by ``can_implement`` here):
+  * 1 <= G <= 64, L == 1
+  * M >= 0 (groups with M == 0 get no tiles), N a multiple of 128, K a multiple of 256
+  * a/b/c row-major with unit stride along K (a, b) or N (c); reordered scale tensors in the
+    official permuted layout (a contiguous (rest_mn, rest_k, 32, 4, 4) buffer)
+
+Modules: config (HopperGemmConfig, the configs, can_implement), ptx (inline-PTX helpers and
+the decode), kernel (Sm90Nvfp4GroupedGemm, compile_gemm, compile_targets), schedules (split-K,
+stream-K), backend (Sm90Backend, make_backend). Options measured and removed are listed in
+docs/EXPERIMENTS.md, each with a one-line note at its decision point here.
+
+Standalone use of one config on an H200: ``submission.run_with_backend(data, make_backend(config))``.
+"""
+
+from .backend import Sm90Backend, Sm90Plan, make_backend
+from .config import (
+    CTAS_PER_SM,
+    MAX_GROUPS,
+    SEGMENT_FIELDS,
+    SF_ATOM_BYTES,
+    SF_ATOM_ROWS,
+    SF_VEC_SIZE,
+    SM90_CONFIG,
+    SPLIT_K_CONFIG,
+    STREAM_K_CONFIG,
+    TILE_M,
+    HopperGemmConfig,
+    can_implement,
+)
+from .kernel import (
+    Sm90Nvfp4GroupedGemm,
+    compile_gemm,
+    compile_targets,
+    make_tiled_mma,
+    stage_scale_offset,
+)
+from .ptx import (
+    CHUNK_REGISTERS,
+    FRAGMENT_REGISTERS,
+    LOGICAL_COLUMN,
+    REGISTER_ELEMENTS,
+    a_word_selector,
+)
+from .schedules import (
+    STREAM_K_MIN_SEGMENT,
+    STREAM_K_SEGMENT_COST,
+    StreamKPlan,
+    plan_stream_k,
+    split_k_pays,
+    stream_k_pays,
+    tile_k_tiles_of,
+)
+
+__all__ = [
+    "CHUNK_REGISTERS",
+    "CTAS_PER_SM",
+    "FRAGMENT_REGISTERS",
+    "LOGICAL_COLUMN",
+    "MAX_GROUPS",
+    "REGISTER_ELEMENTS",
+    "SEGMENT_FIELDS",
+    "SF_ATOM_BYTES",
+    "SF_ATOM_ROWS",
+    "SF_VEC_SIZE",
+    "SM90_CONFIG",
+    "SPLIT_K_CONFIG",
+    "STREAM_K_CONFIG",
+    "STREAM_K_MIN_SEGMENT",
+    "STREAM_K_SEGMENT_COST",
+    "TILE_M",
+    "HopperGemmConfig",
+    "Sm90Backend",
+    "Sm90Nvfp4GroupedGemm",
+    "Sm90Plan",
+    "StreamKPlan",
+    "a_word_selector",
+    "can_implement",
+    "compile_gemm",
+    "compile_targets",
+    "make_backend",
+    "make_tiled_mma",
+    "plan_stream_k",
+    "split_k_pays",
+    "stage_scale_offset",
+    "stream_k_pays",
+    "tile_k_tiles_of",
+]

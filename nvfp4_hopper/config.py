@@ -1,0 +1,153 @@
+"""What a compiled sm_90a kernel bakes in (HopperGemmConfig), the configs the backend runs,
+and the problems it accepts (can_implement). Plain Python: no DSL import."""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_GROUPS = 64
+SF_VEC_SIZE = 16
+# Reordered scale tensors: one 512-byte atom holds 128 rows x 4 scale blocks (64 elements of K)
+SF_ATOM_ROWS = 128
+SF_ATOM_BYTES = 512
+# Stream-K segment row: (tile, first k-tile, k-tile count, part, parts of the tile, first
+# workspace slot of the tile)
+SEGMENT_FIELDS = 6
+# Rows per tile: two warpgroups of 64 (one m64 wgmma each). 256-row tiles (four warpgroups,
+# one CTA per SM, B's decode shared by twice the rows): slower, removed; docs/EXPERIMENTS.md.
+TILE_M = 128
+# CTAs of the default config one SM holds: 127 registers x 256 threads and 70.7 KB of
+# shared memory each (tests/test_hopper.py asserts <= 128 registers)
+CTAS_PER_SM = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperGemmConfig:
+    """Everything baked into the compiled sm_90a kernel."""
+
+    # 128 or 256 (whole 128-row scale atoms). 128x64 tiles (half an atom per B tile, two CTAs
+    # per SM for the G = 2 shapes): slower, removed; docs/EXPERIMENTS.md.
+    # H200 device µs, shapes 0-3, 128 vs 256 (register A, 239 registers, 1 CTA/SM):
+    # 206.7/129.2/54.4/28.7 vs 239.7/133.3/85.0/38.4; 256 with split_k = 2:
+    # 206.1/164.4/55.8/31.1.
+    tile_n: int = 128
+    tile_k: int = 64  # one 128-byte swizzle atom of fp16 per row; 4 scale blocks
+    # cp.async prefetch depth of packed data (9 KB per stage). H200 device µs, shapes 0-3:
+    # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
+    # 215.0/132.9/57.5/29.5.
+    # A row's packed bytes of one k-tile are 32 (one sector), so a warp's 16-byte cp.async
+    # spans 16 rows and costs 16 shared-memory wavefronts where 4 would carry its 512 bytes
+    # (Nsight Compute, shape 2 split-K: 3.9x the ideal, most of the kernel's excess
+    # wavefronts). Tried and removed (commit ef8e037): 2 k-tiles per raw stage (64 contiguous
+    # bytes per row). Exact, but slower: H200 device µs, shapes 0-3, split-K where the
+    # default picks it, 3 stages of 2: 219.7/138.2/49.5/24.6, 2 stages of 2:
+    # 211.4/134.8/47.6/24.0, vs 199.1/117.6/47.1/23.3 (4 k-tiles per stage: 152 registers).
+    raw_stages: int = 4
+    # Warp specialization (warpgroups that decode into mbarrier-handed stages, others that
+    # only run wgmma): slower, removed; docs/EXPERIMENTS.md.
+    # A is decoded straight into the wgmma A fragment (register A; see decode_a_registers).
+    # A decoded into shared memory like B (wgmma reading both from there): slower, removed;
+    # docs/EXPERIMENTS.md.
+    # CTAs sharing one output tile along K (a cluster of split_k CTAs along grid x): 1, or 2
+    # (each CTA runs half the k-tiles; the fp32 partial sums meet through DSMEM, see
+    # reduce_split_k). The default backend picks 2 per input set (split_k_pays). On shape 2
+    # (120 tiles, one CTA per SM unsplit) Nsight Compute at 1.8 GHz: 53.1 vs 48.7 µs, 1.99 vs
+    # 3.48 warps per scheduler, issue slots 46% vs 50% busy.
+    split_k: int = 1
+    # True: stream-K. The grid is CTAS_PER_SM CTAs per SM ("workers", all resident at once);
+    # the host cuts the input set's k-tiles, all tiles in table order, into one contiguous
+    # share of equal weighted cost per worker (plan_stream_k): a worker runs the tail of one
+    # tile, whole tiles, the head of the next. The parts of a tile shared by workers meet in
+    # a global fp32 workspace: each part stores its sums there, and the last part to arrive
+    # (a per-tile counter) adds all parts in k order and stores the tile. Fixes what tile
+    # counts that are not a multiple of the CTA slots leave idle (shape 2: 144 full and 96
+    # half split-K CTAs on 264 slots). Needs split_k = 1. On shape 2 it is
+    # slower than split-K (53.6 vs 47.1 µs): the split-K partition run through this kernel
+    # took 47.6 µs with each part storing its own sums (no workspace, wrong sums) and 49.6
+    # with the workspace; balanced shares without the workspace, 48.8. Nsight Compute, SM
+    # active cycles min/avg/max: split-K 49.1K/69.5K/79.9K, balanced shares 67.4K/74.0K/84.8K:
+    # SMs run equal shares at speeds up to 25% apart, so the longest SM barely moves, while
+    # segment changes add 6% cycles.
+    stream_k: bool = False
+    arch: str = "sm_90a"
+
+    @property
+    def tile_m(self) -> int:
+        """Rows per tile: TILE_M."""
+        return TILE_M
+
+    @property
+    def mma_stages(self) -> int:
+        """Decoded fp16 stages: 2 (decode k+1 while wgmma reads k)."""
+        return 2
+
+    @property
+    def num_warpgroups(self) -> int:
+        """MMA warpgroups: one per 64 rows of the tile."""
+        return self.tile_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        """Threads per CTA: every warpgroup copies, decodes and runs wgmma."""
+        return 128 * self.num_warpgroups
+
+    @property
+    def sfa_atoms(self) -> int:
+        """512-byte scale atoms per raw stage for A (one per 128 rows)."""
+        return -(-self.tile_m // SF_ATOM_ROWS)
+
+    @property
+    def sfb_atoms(self) -> int:
+        """512-byte scale atoms per raw stage for B (one per 128 rows)."""
+        return -(-self.tile_n // SF_ATOM_ROWS)
+
+    @property
+    def raw_stage_bytes(self) -> int:
+        # packed rows (tile_k / 2 bytes each) + the A and B scale atoms
+        rows = self.tile_m + self.tile_n
+        return rows * (self.tile_k // 2) + (self.sfa_atoms + self.sfb_atoms) * SF_ATOM_BYTES
+
+    def check(self) -> None:
+        if self.tile_n not in (128, 256):
+            raise ValueError(f"tile_n={self.tile_n}: must be 128 or 256")
+        if self.tile_k != 64:
+            raise ValueError(f"tile_k={self.tile_k}: only 64 (one scale atom along K) is implemented")
+        if self.raw_stages < 2:
+            raise ValueError(f"raw_stages={self.raw_stages}: must be >= 2")
+        if self.split_k not in (1, 2):
+            # K % 256 == 0 gives a multiple of 4 k-tiles: 2 halves of an even count each
+            raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
+        if self.stream_k and self.split_k != 1:
+            raise ValueError("stream_k needs split_k = 1")
+
+    @property
+    def reduction_bytes(self) -> int:
+        """Shared memory one summing rank of a split-K cluster receives: the other rank's fp32
+        accumulators of the rows it stores (its share of the tile's rows)."""
+        if self.split_k == 1:
+            return 0
+        return self.tile_m // self.split_k * self.tile_n * 4
+
+
+SM90_CONFIG = HopperGemmConfig()
+# Split-K over a 2-CTA cluster: twice the CTAs, each with half the k-tiles (what the default
+# backend runs where split_k_pays).
+SPLIT_K_CONFIG = dataclasses.replace(SM90_CONFIG, split_k=2)
+# Stream-K: one share of equal weighted cost per CTA slot (see stream_k, plan_stream_k).
+STREAM_K_CONFIG = dataclasses.replace(SM90_CONFIG, stream_k=True)
+
+
+def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None:
+    """Raise ValueError naming group, field, value and rule if a problem is unsupported."""
+    if not 1 <= len(problem_sizes) <= MAX_GROUPS:
+        raise ValueError(f"G = {len(problem_sizes)}: the sm_90 kernel supports 1 <= G <= {MAX_GROUPS}")
+    for g, (m, n, k, l) in enumerate(problem_sizes):
+        if l != 1:
+            raise ValueError(f"group {g}: L = {l}; the sm_90 kernel supports L == 1 only")
+        if m < 0:
+            raise ValueError(f"group {g}: M = {m}; M must be >= 0")
+        if n <= 0 or n % SF_ATOM_ROWS != 0:
+            raise ValueError(f"group {g}: N = {n}; N must be a positive multiple of 128")
+        if k <= 0 or k % 256 != 0:
+            raise ValueError(f"group {g}: K = {k}; K must be a positive multiple of 256")
+

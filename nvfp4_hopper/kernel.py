@@ -1,0 +1,680 @@
+"""The sm_90a kernel (Sm90Nvfp4GroupedGemm) and its compilation (compile_gemm, and
+compile_targets for build_report)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import cute, utils
+from cutlass.cute.runtime import make_ptr
+
+from .config import (
+    CTAS_PER_SM,
+    SEGMENT_FIELDS,
+    SF_ATOM_BYTES,
+    SF_ATOM_ROWS,
+    SF_VEC_SIZE,
+    SM90_CONFIG,
+    SPLIT_K_CONFIG,
+    STREAM_K_CONFIG,
+    HopperGemmConfig,
+)
+from .ptx import (
+    a_word_selector,
+    atomic_add_u32,
+    cp_async_16B,
+    decode_scale_blocks,
+    decode_scale_blocks_to_registers,
+    fence_acq_rel_gpu,
+    fence_proxy_async_shared_cta,
+    load_f32x4,
+    load_f32x4_global_l2,
+    load_u32_shared,
+    opaque_i64,
+    pack_f16x8,
+    store_f16x2,
+    store_f32x4_global,
+    store_f32x4_to_rank,
+    store_u32_global,
+    store_u32_shared,
+)
+
+
+def stage_scale_offset(row, block, base=0):
+    """base + offset, from the operand's first atom in a raw stage, of the scale the decode
+    reads (the kernel calls this with device integers, tests with Python ints) for row `row`
+    of the tile (tiles start on a 128-row atom): the in-atom offset of row row % 128 of atom
+    slot row // 128."""
+    return (
+        base
+        + (row // SF_ATOM_ROWS) * SF_ATOM_BYTES
+        + (row % 32) * 16
+        + ((row % SF_ATOM_ROWS) // 32) * 4
+        + block
+    )
+
+
+def make_tiled_mma(config: HopperGemmConfig):
+    """The kernel's fp16 wgmma (fp32 accumulators): one warpgroup per 64 rows, A from
+    registers, B from shared memory, both K-major."""
+    return sm90_utils.make_trivial_tiled_mma(
+        cutlass.Float16,
+        cutlass.Float16,
+        cute.nvgpu.warpgroup.OperandMajorMode.K,
+        cute.nvgpu.warpgroup.OperandMajorMode.K,
+        cutlass.Float32,
+        (config.tile_m // 64, 1, 1),
+        tiler_mn=(64, config.tile_n),
+        a_source=cute.nvgpu.warpgroup.OperandSource.RMEM,
+    )
+
+
+class Sm90Nvfp4GroupedGemm:
+    """Grouped NVFP4 GEMM on sm_90a: cp.async -> decode to fp16 (B into shared memory, A into
+    registers) -> wgmma."""
+
+    # The DSL names the compiled kernel and host function after str(self), which begins with
+    # the class's module and name: the package's public name keeps every symbol (and so every
+    # cubin) as it was when the kernel lived in one module, nvfp4_hopper.py.
+    __module__ = "nvfp4_hopper"
+
+    def __init__(self, config: HopperGemmConfig, num_groups: int):
+        config.check()
+        self.config = config
+        self.num_groups = num_groups
+        self.tile_m = config.tile_m
+        self.tile_n = config.tile_n
+        self.tile_k = config.tile_k
+        self.num_threads = config.num_threads
+        self.raw_stages = config.raw_stages
+        self.mma_stages = config.mma_stages
+        self.raw_stage_bytes = config.raw_stage_bytes
+        # byte offsets inside one raw stage
+        self.raw_row_bytes = config.tile_k // 2
+        self.raw_b_offset = config.tile_m * self.raw_row_bytes
+        self.raw_sfa_offset = (config.tile_m + config.tile_n) * self.raw_row_bytes
+        self.raw_sfb_offset = self.raw_sfa_offset + config.sfa_atoms * SF_ATOM_BYTES
+        # decoded fp16 row: tile_k * 2 bytes = one 128-byte swizzle row
+        self.dec_row_bytes = config.tile_k * 2
+        self.blocks_per_row = config.tile_k // SF_VEC_SIZE
+
+    @cute.jit
+    def __call__(
+        self,
+        ptrs: cute.Pointer,
+        sizes: cute.Pointer,
+        tiles: cute.Pointer,
+        num_tiles: cutlass.Int32,
+        work: cute.Pointer,
+        num_workers: cutlass.Int32,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        stream: cuda.CUstream,
+    ):
+        """work, num_workers, workspace, counters: the stream-K plan (StreamKPlan); unused
+        (any value) unless config.stream_k."""
+        mma_tiler_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        tiled_mma = make_tiled_mma(self.config)
+        b_smem_layout_staged = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.ROW_MAJOR, mma_tiler_mnk, cutlass.Float16, self.mma_stages
+        )
+
+        @cute.struct
+        class SharedStorage:
+            # 1 KB ahead of the B stages (decoded A lives in registers): the stream-K arrival
+            # word, and the start of the split-K receive region
+            head: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, 512], 1024]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float16, cute.cosize(b_smem_layout_staged)], 1024
+            ]
+            raw: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, self.raw_stage_bytes * self.raw_stages], 128
+            ]
+
+        self.shared_storage = SharedStorage
+
+        mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
+        mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
+        mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, 3), stride=(3, 1)))
+        # stream-K: worker w runs segments [mWork[w], mWork[w + 1]) of the segment rows that
+        # follow the num_workers + 1 offsets (at most num_workers + num_tiles - 1 rows: every
+        # cut between two workers splits at most one tile)
+        mWork = cute.make_tensor(work, cute.make_layout(num_workers + 1))
+        mSegments = cute.make_tensor(
+            work + (num_workers + 1),
+            cute.make_layout((num_workers + num_tiles, SEGMENT_FIELDS), stride=(SEGMENT_FIELDS, 1)),
+        )
+
+        split = self.config.split_k
+        if cutlass.const_expr(split > 1):
+            # a summing rank receives the other rank's sums from the start of its head .. raw
+            # region (head is the struct's first member, the members are laid out in order),
+            # free after its main loop: 64 x tile_n fp32, the size of the two fp16 B stages
+            assert self.config.reduction_bytes <= SharedStorage.size_in_bytes()
+        kernel = self.kernel(
+            tiled_mma, mPtrs, mSizes, mTiles, mWork, mSegments, workspace, counters,
+            b_smem_layout_staged,
+        )
+        kernel.launch(
+            grid=(num_workers if cutlass.const_expr(self.config.stream_k) else num_tiles * split, 1, 1),
+            block=(self.num_threads, 1, 1),
+            cluster=(split, 1, 1) if split > 1 else None,
+            # stream-K's segment loop costs registers: unbounded, ptxas takes 169 (one CTA per
+            # SM); asking for 2 CTAs per SM holds it at 128 (CPU build)
+            min_blocks_per_mp=CTAS_PER_SM if cutlass.const_expr(self.config.stream_k) else 0,
+            smem=self.shared_storage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # -------------------------------------------------------------------------
+    # Producer: one k-tile of packed data and scales into raw stage `stage`
+    # -------------------------------------------------------------------------
+    @cute.jit
+    def load_raw_stage(
+        self, tidx, raw_base, stage, k_tile, a_addr, b_addr, sfa_addr, sfb_addr,
+        m, n, m0, n0, row_bytes, rest_k,
+    ):
+        stage_base = raw_base + stage * self.raw_stage_bytes
+        k_byte = k_tile * self.raw_row_bytes
+        chunks_per_row = self.raw_row_bytes // 16
+        # A rows (zero-filled past M)
+        for i in cutlass.range_constexpr(self.tile_m * chunks_per_row // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            row = chunk // chunks_per_row
+            part = chunk % chunks_per_row
+            valid = (m0 + row) < m
+            src_row = (m0 + row) if valid else 0
+            src = a_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
+            cp_async_16B(stage_base + row * self.raw_row_bytes + part * 16, src, 16 if valid else 0)
+        # B rows (zero-filled past N)
+        for i in cutlass.range_constexpr(self.tile_n * chunks_per_row // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            self.load_b_chunk(chunk, stage_base, k_byte, b_addr, n, n0, row_bytes)
+        # Scale atoms: 512 contiguous bytes per 128 rows and k-tile
+        sf_chunks_a = self.config.sfa_atoms * (SF_ATOM_BYTES // 16)
+        sf_chunks_b = self.config.sfb_atoms * (SF_ATOM_BYTES // 16)
+        if tidx < sf_chunks_a:
+            atom = tidx // (SF_ATOM_BYTES // 16)
+            part = tidx % (SF_ATOM_BYTES // 16)
+            atom_row = m0 // SF_ATOM_ROWS + atom
+            valid = atom_row * SF_ATOM_ROWS < m
+            src = sfa_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
+            cp_async_16B(
+                stage_base + self.raw_sfa_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
+            )
+        if tidx >= sf_chunks_a and tidx < sf_chunks_a + sf_chunks_b:
+            local = tidx - sf_chunks_a
+            atom = local // (SF_ATOM_BYTES // 16)
+            part = local % (SF_ATOM_BYTES // 16)
+            atom_row = n0 // SF_ATOM_ROWS + atom
+            valid = atom_row * SF_ATOM_ROWS < n
+            src = sfb_addr + (cutlass.Int64(atom_row if valid else 0) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
+            cp_async_16B(
+                stage_base + self.raw_sfb_offset + atom * SF_ATOM_BYTES + part * 16, src, 16 if valid else 0
+            )
+
+    @cute.jit
+    def prefetch(self, tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr, sfa_addr, sfb_addr,
+                 m, n, m0, n0, row_bytes, rest_k):
+        """cp.async of k-tile next_tile into its raw stage (when it exists), as one commit
+        group: every k-tile commits exactly one group, empty past the last k-tile."""
+        if next_tile < k_tile_cnt:
+            self.load_raw_stage(
+                tidx, raw_base, next_tile % self.raw_stages, next_tile,
+                a_addr, b_addr, sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k,
+            )
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def load_b_chunk(self, chunk, stage_base, k_byte, b_addr, n, n0, row_bytes):
+        """16 bytes of packed B row n0 + chunk // chunks_per_row (zero-filled past N)."""
+        chunks_per_row = self.raw_row_bytes // 16
+        row = chunk // chunks_per_row
+        part = chunk % chunks_per_row
+        valid = (n0 + row) < n
+        src_row = (n0 + row) if valid else 0
+        src = b_addr + cutlass.Int64(src_row) * row_bytes + k_byte + part * 16
+        cp_async_16B(
+            stage_base + self.raw_b_offset + row * self.raw_row_bytes + part * 16,
+            src,
+            16 if valid else 0,
+        )
+
+    # -------------------------------------------------------------------------
+    # Decode: raw stage -> fp16 stage (swizzled K-major, 128-byte rows)
+    # -------------------------------------------------------------------------
+    @cute.jit
+    def decode_stage(self, tidx, raw_base, raw_stage, sB_base, mma_stage):
+        """Decode B of one raw stage into fp16 stage `mma_stage` (A goes into registers:
+        decode_a_registers)."""
+        raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
+        blocks = []
+        for i in cutlass.range_constexpr(self.tile_n * self.blocks_per_row // self.num_threads):
+            item = tidx + i * self.num_threads
+            row = item // self.blocks_per_row
+            blk = item % self.blocks_per_row
+            src = raw_stage_base + self.raw_b_offset + row * self.raw_row_bytes + blk * (SF_VEC_SIZE // 2)
+            # reordered scale atom: ((row % 32) * 16 + ((row % 128) // 32) * 4 + block) bytes
+            scale = stage_scale_offset(row, blk, base=raw_stage_base + self.raw_sfb_offset)
+            # 128-byte swizzle: 16-byte chunk index XOR (row % 8) inside each 1024-byte atom
+            row_base = sB_base + (mma_stage * self.tile_n + row) * self.dec_row_bytes
+            swz = row % 8
+            dst_lo = row_base + ((2 * blk) ^ swz) * 16
+            dst_hi = row_base + ((2 * blk + 1) ^ swz) * 16
+            blocks.append((src, scale, dst_lo, dst_hi))
+        decode_scale_blocks(blocks)
+
+    @cute.jit
+    def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag):
+        """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
+        64 v + 16 w + g and + 8 (4-byte half t // 2 of every scale block, the bytes
+        a_word_selector(t) picks) into the wgmma A fragment (K permutation above)."""
+        raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
+        lane = tidx % 32
+        row = (tidx // 32) * 16 + lane // 4
+        t = lane % 4
+        half_offset = (t // 2) * 4
+        # a_word_selector(t) depends on t % 2 only, by one step per byte selector
+        selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
+        rows = (row, row + 8)
+        unit = (
+            *(raw_stage_base + r * self.raw_row_bytes + half_offset for r in rows),
+            selector,
+            *(stage_scale_offset(r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
+        )
+        steps = decode_scale_blocks_to_registers([unit])[0]
+        # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
+        for step in cutlass.range_constexpr(self.tile_k // 16):
+            step_frag = a_frag[(None, 0, step)]
+            values = pack_f16x8(steps[step])
+            step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
+
+    def summing_rank(self, warp_group_idx):
+        """Split-K: the cluster rank that sums and stores the rows of warpgroup
+        `warp_group_idx` (plain Python: traced inline), so that the two epilogues run in
+        parallel. Rank 0 summing and storing the whole tile: slower, removed;
+        docs/EXPERIMENTS.md."""
+        return warp_group_idx % self.config.split_k
+
+    def mma_k_tile(self, tiled_mma, accumulators, a_frag, tCrB, b_stage, num_k_blocks):
+        """The wgmma of one k-tile as one commit group (plain Python: traced inline): A from
+        the register fragment `a_frag`, B from shared-memory stage b_stage."""
+        cute.nvgpu.warpgroup.fence()
+        for k_block in range(num_k_blocks):
+            a_operand = a_frag[(None, None, k_block)]
+            cute.gemm(tiled_mma, accumulators, a_operand, tCrB[(None, None, k_block, b_stage)], accumulators)
+        cute.nvgpu.warpgroup.commit_group()
+
+    def tile_of(self, tile_idx, mPtrs, mSizes, mTiles):
+        """(tile_row, tile_col, m, n, k, a, b, c, sfa, sfb addresses) of tile `tile_idx` of
+        the tile table (plain Python: loads only, no device branch)."""
+        group = mTiles[tile_idx, 0]
+        return (
+            mTiles[tile_idx, 1], mTiles[tile_idx, 2],
+            mSizes[group, 0], mSizes[group, 1], mSizes[group, 2],
+            mPtrs[group, 0], mPtrs[group, 1], mPtrs[group, 2], mPtrs[group, 3], mPtrs[group, 4],
+        )
+
+    @cute.jit
+    def store_tile(self, tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows):
+        """Epilogue: fp32 -> fp16, stores predicated on the M and N residues (when
+        `stores_rows`: this thread's warpgroup has rows in the group and holds their sums).
+
+        wgmma's fp32 fragment holds, per row and 8-column block, columns 2t and 2t + 1 as
+        consecutive values (value mode (2, 2, N/8): column pair, row + 8, block): one 32-bit
+        store per pair; N is even, so a pair is all in or all out of the matrix. Paired stores
+        halve the epilogue's conversions, predicates and stores (the epilogue was 12% of shape
+        2's warp stall samples with one 16-bit store per value)."""
+        cC = cute.local_tile(
+            cute.make_identity_tensor((m, n)), (self.tile_m, self.tile_n), (tile_row, tile_col)
+        )
+        tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
+        # both operands carry 2^-14 (the decode's one multiply): exact rescale
+        acc_scale = cutlass.Float32(2.0**28)
+        if stores_rows:
+            for i in cutlass.range_constexpr(cute.size(accumulators) // 2):
+                coord = tCcC[2 * i]
+                if coord[0] < m and coord[1] < n:
+                    store_f16x2(
+                        c_addr + (cutlass.Int64(coord[0]) * n + coord[1]) * 2,
+                        accumulators[2 * i] * acc_scale,
+                        accumulators[2 * i + 1] * acc_scale,
+                    )
+
+    @cute.jit
+    def reduce_split_k(self, tidx, warp_group_idx, reduction_base, accumulators):
+        """Split-K: the other rank's accumulators of a warpgroup's rows are added into those
+        of the summing rank (summing_rank). Each thread's fragment goes to the summing rank's
+        shared memory in fragment order (its thread tidx has the same fragment layout), 16
+        bytes per store, consecutive threads on consecutive 16 bytes."""
+        num_vectors = cute.size(accumulators) // 4
+        k_rank = cute.arch.block_idx_in_cluster()
+        summing_rank = self.summing_rank(warp_group_idx)
+        # one rank receives from the warpgroups it sums: warpgroup w uses slot w // split_k
+        # of the buffer, its 128 threads side by side
+        slot_thread = (warp_group_idx // self.config.split_k) * 128 * num_vectors + tidx % 128
+        # every thread of the cluster is past its main loop: the receiving buffers are free
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if k_rank != summing_rank:
+            for j in cutlass.range_constexpr(num_vectors):
+                store_f32x4_to_rank(
+                    reduction_base + (j * 128 + slot_thread) * 16,
+                    [accumulators[4 * j + e] for e in range(4)],
+                    summing_rank,
+                )
+        # release (the senders' stores) / acquire (the summing rank's loads)
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if k_rank == summing_rank:
+            for j in cutlass.range_constexpr(num_vectors):
+                partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
+                for e in cutlass.range_constexpr(4):
+                    accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        mPtrs: cute.Tensor,
+        mSizes: cute.Tensor,
+        mTiles: cute.Tensor,
+        mWork: cute.Tensor,
+        mSegments: cute.Tensor,
+        workspace: cute.Pointer,
+        counters: cute.Pointer,
+        b_smem_layout_staged: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        #
+        # Shared memory
+        #
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)
+        head_base = storage.head.data_ptr().toint()
+        sB_base = storage.sB.data_ptr().toint()
+        raw_base = storage.raw.data_ptr().toint()
+
+        #
+        # MMA fragments: warpgroup w owns rows [64 w, 64 w + 64) of the tile
+        #
+        warp_group_thread_layout = cute.make_layout(self.tile_m // 64, stride=128)
+        thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
+        tCsB = thr_mma.partition_B(sB)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        a_frag_shape = tiled_mma.partition_shape_A((self.tile_m, self.tile_k))
+        a_frag = cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
+        gC_shape_probe = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        acc_shape = thr_mma.partition_C(gC_shape_probe).shape
+        accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        smem_bases = (sB_base, raw_base)
+
+        if cutlass.const_expr(self.config.stream_k):
+            # the head's first word carries the arrival count
+            arrival_smem = head_base
+            workspace_addr = workspace.toint()
+            counters_addr = counters.toint()
+            for segment in cutlass.range(mWork[bidx], mWork[bidx + 1], unroll=1):
+                seg_tile = mSegments[segment, 0]
+                self.mma_segment(
+                    tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
+                    a_frag, tCrB, accumulators,
+                    seg_tile, mSegments[segment, 1], mSegments[segment, 2],
+                )
+                (tile_row, tile_col, m, n, _k, _a, _b, c_addr, _sfa, _sfb) = self.tile_of(
+                    seg_tile, mPtrs, mSizes, mTiles
+                )
+                stores_rows = (tile_row * self.tile_m + warp_group_idx * 64) < m
+                num_parts = mSegments[segment, 4]
+                if num_parts == 1:
+                    self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
+                else:
+                    self.stream_k_fixup(
+                        tiled_mma, tidx, accumulators, arrival_smem,
+                        workspace_addr, counters_addr + cutlass.Int64(seg_tile) * 4,
+                        mSegments[segment, 5], mSegments[segment, 3], num_parts,
+                        c_addr, m, n, tile_row, tile_col, stores_rows,
+                    )
+        else:
+            # split_k > 1: the split_k consecutive CTAs of a cluster (grid x) share one tile;
+            # rank r (cluster shape (split_k, 1, 1)) runs its k-tiles r * cnt .. (r + 1) * cnt
+            split = self.config.split_k
+            tile_idx = bidx // split
+            (tile_row, tile_col, m, n, k, _a, _b, c_addr, _sfa, _sfb) = self.tile_of(
+                tile_idx, mPtrs, mSizes, mTiles
+            )
+            k_tile_cnt = k // (self.tile_k * split)
+            self.mma_segment(
+                tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
+                a_frag, tCrB, accumulators,
+                tile_idx, (bidx % split) * k_tile_cnt, k_tile_cnt,
+            )
+            if cutlass.const_expr(split > 1):
+                self.reduce_split_k(tidx, warp_group_idx, head_base, accumulators)
+
+            # (split_k > 1: only the summing rank of this warpgroup's rows holds their sum)
+            stores_rows = (tile_row * self.tile_m + warp_group_idx * 64) < m
+            if cutlass.const_expr(split > 1):
+                stores_rows = stores_rows and (
+                    cute.arch.block_idx_in_cluster() == self.summing_rank(warp_group_idx)
+                )
+            self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
+
+    @cute.jit
+    def mma_segment(
+        self, tiled_mma, tidx, warp_group_idx, mPtrs, mSizes, mTiles, smem_bases,
+        a_frag, tCrB, accumulators, tile_idx, k_tile_begin, k_tile_cnt,
+    ):
+        """accumulators = the sums of tile `tile_idx` over its k-tiles [k_tile_begin,
+        k_tile_begin + k_tile_cnt) (an even count): copy, decode and wgmma of each k-tile,
+        pipelined; every copy and wgmma of the segment has completed on return."""
+        sB_base, raw_base = smem_bases
+        (tile_row, tile_col, m, n, k, a_addr, b_addr, _c, sfa_addr, sfb_addr) = self.tile_of(
+            tile_idx, mPtrs, mSizes, mTiles
+        )
+        m0 = tile_row * self.tile_m
+        n0 = tile_col * self.tile_n
+        row_bytes = k // 2
+        rest_k = k // (SF_VEC_SIZE * 4)
+        # the segment's first k-tile moves into the base addresses: the loop runs from 0
+        a_addr = a_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
+        b_addr = b_addr + cutlass.Int64(k_tile_begin) * self.raw_row_bytes
+        sfa_addr = sfa_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
+        sfb_addr = sfb_addr + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
+        accumulators.fill(0.0)
+        # Rows of this warpgroup that exist in the group: skip its wgmma when there are none
+        warp_group_has_rows = (m0 + warp_group_idx * 64) < m
+
+        #
+        # Prologue: prefetch raw_stages - 1 k-tiles
+        #
+        for s in cutlass.range_constexpr(self.raw_stages - 1):
+            if s < k_tile_cnt:
+                self.load_raw_stage(
+                    tidx, raw_base, s, s, a_addr, b_addr, sfa_addr, sfb_addr,
+                    m, n, m0, n0, row_bytes, rest_k,
+                )
+            cute.arch.cp_async_commit_group()
+
+        #
+        # Main loop
+        #
+        num_k_blocks = cute.size(a_frag, mode=[2])
+        # unrolled by the 2 fp16 stages so that the stage is static
+        # (k_tile_cnt is even: K % 256 == 0, stream-K cuts at even k-tiles)
+        for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
+            for mma_stage in cutlass.range_constexpr(2):
+                k_tile = 2 * k_pair + mma_stage
+                next_tile = k_tile + self.raw_stages - 1
+                self.prefetch(tidx, raw_base, next_tile, k_tile_cnt, a_addr, b_addr,
+                              sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
+                cute.arch.cp_async_wait_group(self.raw_stages - 1)
+                # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2.
+                # Tried and removed: each warp copying exactly what its lanes decode (4-byte
+                # cp.async for the scales), a warp sync here instead and 3 fp16 B stages.
+                # Exact, but slower: H200 device µs, shapes 0-3, 215.9/121.9/55.8/26.3 vs
+                # 208.1/118.0/52.7/25.2 (split-K: 209.2/137.2/48.9/24.8 vs
+                # 199.3/131.1/46.8/23.8).
+                # Also tried and removed (commit ea7d79a), exact on the H200 but no faster:
+                # one barrier per k-tile (wgmma k issued right after it, then the decode
+                # of k + 1; the wait for wgmma k before the A decode frees the B stage):
+                # 205.9/117.7/52.6/25.5 unsplit, 202.4/132.6/47.6/23.9 split-K, vs
+                # 207.2/117.9/53.0/24.8 and 199.7/131.4/46.7/23.9; on top, one wgmma
+                # commit group per k16 step with the A decode of step s waiting only for
+                # step s: 210.6/122.5/53.6/25.2 unsplit. Nsight Compute (shape 2 split-K)
+                # finds no saturated unit: issue slots 43%, ALU 34%, L1/shared 60%, 3.4
+                # warps per scheduler of which 1.0 eligible; warp stalls spread over
+                # fixed-latency dependencies 19%, barrier 11%, math pipe 10%, shared and
+                # global scoreboards 9% each.
+                cute.arch.sync_threads()
+                raw_stage = k_tile % self.raw_stages
+                self.decode_stage(tidx, raw_base, raw_stage, sB_base, mma_stage)
+                # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
+                # stall samples in Nsight Compute); issuing the prefetch after it instead of
+                # first measured slower on the H200: 217.8/131.2/59.3/29.4 vs
+                # 207.5/129.2/54.6/28.1 µs device time, shapes 0-3.
+                fence_proxy_async_shared_cta()
+                # the one A fragment is still read by wgmma k_tile - 1. Two A fragments (decode
+                # k + 1 while wgmma k reads the other): slower, removed; docs/EXPERIMENTS.md.
+                cute.nvgpu.warpgroup.wait_group(0)
+                self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
+                cute.arch.sync_threads()
+                if warp_group_has_rows:
+                    self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, mma_stage, num_k_blocks)
+                    cute.nvgpu.warpgroup.wait_group(1)
+
+        cute.nvgpu.warpgroup.wait_group(0)
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def stream_k_fixup(
+        self, tiled_mma, tidx, accumulators, arrival_smem, workspace_addr, counter_addr,
+        slot_base, part, num_parts, c_addr, m, n, tile_row, tile_col, stores_rows,
+    ):
+        """Stream-K, a tile shared by num_parts workers: store this part's sums into workspace
+        slot slot_base + part; the last part to arrive adds slots slot_base .. + num_parts - 1
+        in that order (the same sum whichever worker is last), stores the tile and resets the
+        tile's counter to 0 for the next launch.
+
+        Slot layout: vector j (4 fp32) of thread t at ((j * num_threads) + t) * 16 bytes, so a
+        warp's stores and loads are 512 contiguous bytes."""
+        tile_bytes = self.tile_m * self.tile_n * 4
+        num_vectors = cute.size(accumulators) // 4
+        # computed here, not hoisted out of the segment loop (a hoisted per-thread address
+        # spilled 16 bytes)
+        workspace_addr = opaque_i64(workspace_addr)
+        own_slot = workspace_addr + cutlass.Int64(slot_base + part) * tile_bytes + tidx * 16
+        for j in cutlass.range_constexpr(num_vectors):
+            store_f32x4_global(
+                own_slot + j * self.num_threads * 16, [accumulators[4 * j + e] for e in range(4)]
+            )
+        # release: every thread's stores are ordered before thread 0's arrival
+        fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        if tidx == 0:
+            store_u32_shared(arrival_smem, atomic_add_u32(counter_addr, 1))
+        cute.arch.sync_threads()
+        arrived_before = load_u32_shared(arrival_smem)
+        if arrived_before == num_parts - 1:
+            # acquire: the other parts' stores (released before their arrivals) are visible
+            fence_acq_rel_gpu()
+            accumulators.fill(0.0)
+            for slot in cutlass.range(slot_base, slot_base + num_parts, unroll=1):
+                src = workspace_addr + cutlass.Int64(slot) * tile_bytes + tidx * 16
+                for j in cutlass.range_constexpr(num_vectors):
+                    partial = load_f32x4_global_l2(src + j * self.num_threads * 16)
+                    for e in cutlass.range_constexpr(4):
+                        accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
+            self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, tile_row, tile_col, stores_rows)
+            if tidx == 0:
+                store_u32_global(counter_addr, 0)
+
+
+# =============================================================================
+# Compilation
+# =============================================================================
+def _fake_ptr(dtype):
+    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+
+_compiled_cache: dict = {}
+# Shared memory per SM of sm_90 GPUs (228 KB), for the compile below on a machine without one
+SM90_SMEM_PER_SM = 233472
+
+
+@contextlib.contextmanager
+def _smem_per_sm_known_without_gpu():
+    """A launch with min_blocks_per_mp > 1 makes DSL 4.3.5 read the device's shared memory per
+    SM while tracing (for a shared-memory carveout hint), which fails where there is no GPU.
+    There, answer with the sm_90 value; with a GPU, the real query runs."""
+    from cutlass.cutlass_dsl import cutlass as dsl_cutlass
+
+    helpers = dsl_cutlass.cuda_helpers
+    query = helpers.get_device_attribute
+    smem_attribute = cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+
+    def get_device_attribute(attribute, device_id=0):
+        try:
+            return query(attribute, device_id)
+        except Exception:
+            if attribute == smem_attribute:
+                return SM90_SMEM_PER_SM
+            raise
+
+    helpers.get_device_attribute = get_device_attribute
+    try:
+        yield
+    finally:
+        helpers.get_device_attribute = query
+
+
+def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemmConfig = SM90_CONFIG):
+    """Compile (cached) the sm_90a kernel; the key is everything baked in."""
+    key = (num_groups, config, options)
+    if key not in _compiled_cache:
+        kernel = Sm90Nvfp4GroupedGemm(config, num_groups)
+        with _smem_per_sm_known_without_gpu():
+            _compiled_cache[key] = cute.compile(
+                kernel,
+                _fake_ptr(cutlass.Int64),
+                _fake_ptr(cutlass.Int32),
+                _fake_ptr(cutlass.Int32),
+                cutlass.Int32(1),
+                _fake_ptr(cutlass.Int32),
+                cutlass.Int32(1),
+                _fake_ptr(cutlass.Float32),
+                _fake_ptr(cutlass.Int32),
+                cuda.CUstream(0),
+                **({"options": options} if options else {}),
+            )
+    return _compiled_cache[key]
+
+
+def _compile_split_k(num_groups: int, options: str | None = None):
+    return compile_gemm(num_groups, options, config=SPLIT_K_CONFIG)
+
+
+def _compile_stream_k(num_groups: int, options: str | None = None):
+    return compile_gemm(num_groups, options, config=STREAM_K_CONFIG)
+
+
+def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
+    """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)):
+    the default config, split-K over 2 CTAs and stream-K."""
+    return [
+        ("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm),
+        ("sm90_nvfp4_gemm_splitk2", SPLIT_K_CONFIG.arch, _compile_split_k),
+        ("sm90_nvfp4_gemm_streamk", STREAM_K_CONFIG.arch, _compile_stream_k),
+    ]
+
+

@@ -1,0 +1,416 @@
+"""Device helpers of the sm_90a kernel as inline PTX (cp.async, DSMEM and global stores and
+loads, fences, atomics) and the exact e2m1 x e4m3 decode to fp16, with the K permutation it
+applies to both operands."""
+
+from __future__ import annotations
+
+import cutlass
+from cutlass import cute
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, vector
+from cutlass.cutlass_dsl import dsl_user_op
+
+
+def _inline_asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip=None):
+    """llvm.inline_asm as every helper here uses it: side effects kept, AT&T dialect."""
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        asm,
+        constraints,
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cutlass.Int32, *, loc=None, ip=None):
+    """16-byte cp.async (L2 only); src_bytes == 0 zero-fills without reading global memory."""
+    _inline_asm(
+        None,
+        [
+            cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
+            cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(src_bytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_f32x4_to_rank(local_smem: cutlass.Int32, values, rank: cutlass.Int32, *, loc=None, ip=None):
+    """Store 4 fp32 at shared address `local_smem` of CTA `rank` of this cluster (DSMEM):
+    mapa translates this CTA's shared address into that CTA's window."""
+    _inline_asm(
+        None,
+        [cutlass.Int32(local_smem).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+        + [cutlass.Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 remote;\n\tmapa.shared::cluster.u32 remote, $0, $5;\n\t"
+        "st.shared::cluster.v4.f32 [remote], {$1, $2, $3, $4};\n\t}",
+        "r,f,f,f,f,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_f16x2(address: cutlass.Int64, low: cutlass.Float32, high: cutlass.Float32, *, loc=None, ip=None):
+    """Round two fp32 to fp16 and store them as one 32-bit word at global `address`
+    (low at the lower address)."""
+    _inline_asm(
+        None,
+        [
+            cutlass.Int64(address).ir_value(loc=loc, ip=ip),
+            cutlass.Float32(low).ir_value(loc=loc, ip=ip),
+            cutlass.Float32(high).ir_value(loc=loc, ip=ip),
+        ],
+        "{\n\t.reg .b32 packed;\n\tcvt.rn.f16x2.f32 packed, $2, $1;\n\tst.global.b32 [$0], packed;\n\t}",
+        "l,f,f,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _load_f32x4(instruction: str, address, address_constraint: str, loc, ip):
+    """4 fp32 from one 16-byte load `instruction` (ld.shared / ld.global form) at `address`."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 4),
+        [address.ir_value(loc=loc, ip=ip)],
+        f"{instruction} {{$0, $1, $2, $3}}, [$4];",
+        f"=f,=f,=f,=f,{address_constraint},~{{memory}}",
+        loc=loc,
+        ip=ip,
+    )
+    return [
+        cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
+        for i in range(4)
+    ]
+
+
+@dsl_user_op
+def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
+    """4 fp32 from shared address `smem` (one 16-byte load)."""
+    return _load_f32x4("ld.shared.v4.f32", cutlass.Int32(smem), "r", loc, ip)
+
+
+@dsl_user_op
+def store_f32x4_global(address: cutlass.Int64, values, *, loc=None, ip=None):
+    """Store 4 fp32 at global `address` (one 16-byte store)."""
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def load_f32x4_global_l2(address: cutlass.Int64, *, loc=None, ip=None):
+    """4 fp32 from global `address`, read at L2 (.cg: never a stale line of this SM's L1)."""
+    return _load_f32x4("ld.global.cg.v4.f32", cutlass.Int64(address), "l", loc, ip)
+
+
+@dsl_user_op
+def opaque_i64(value: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
+    """`value`, through an asm statement the compiler cannot move: keeps an address computed
+    from it where it is used (hoisted out of a loop, it would hold registers throughout)."""
+    result = _inline_asm(
+        cutlass.Int64.mlir_type,
+        [cutlass.Int64(value).ir_value(loc=loc, ip=ip)],
+        "mov.b64 $0, $1;",
+        "=l,l",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int64(result)
+
+
+@dsl_user_op
+def fence_proxy_async_shared_cta(*, loc=None, ip=None):
+    """fence.proxy.async.shared::cta: this thread's generic-proxy shared-memory writes become
+    visible to the async proxy (wgmma operand reads).
+
+    DSL compatibility: 4.3.5 (the runner's) takes the nvvm enums ``cute.arch.ProxyKind`` /
+    ``cute.arch.SharedSpace``; 4.8.1 no longer exports them and takes string literals."""
+    if hasattr(cute.arch, "ProxyKind"):  # DSL 4.3.5
+        cute.arch.fence_proxy(
+            cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta, loc=loc, ip=ip
+        )
+    else:  # DSL 4.8.1
+        cute.arch.fence_proxy("async.shared", space="cta", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def fence_acq_rel_gpu(*, loc=None, ip=None):
+    """fence.acq_rel.gpu: orders this thread's global accesses before / after it, GPU-wide."""
+    _inline_asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def atomic_add_u32(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    """atom.global.add.u32 (relaxed, GPU scope): adds `value`, returns the previous value."""
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "atom.global.add.u32 $0, [$1], $2;",
+        "=r,l,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
+
+
+@dsl_user_op
+def store_u32_global(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.u32 [$0], $1;",
+        "l,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_u32_shared(smem: cutlass.Int32, value: cutlass.Int32, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.shared.u32 [$0], $1;",
+        "r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def load_u32_shared(smem: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip)],
+        "ld.shared.u32 $0, [$1];",
+        "=r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
+
+
+# Decode of packed e2m1 into fp16 (v * 2^-14, exact), two elements per 32-bit register.
+#
+# A packed 32-bit word holds 8 codes: byte p has element 2p in its low nibble ("even") and
+# element 2p+1 in its high nibble ("odd"). The fp16 bit pattern of v * 2^-14 is the code's
+# sign at bit 15 and its 3 magnitude bits (e1 e0 m) at bits 11..9, every other bit zero
+# (code 0.5 lands on the subnormal 2^-15, handled exactly by fp16 multiplies and by wgmma).
+# With x = w & 0x0F0F0F0F (even codes) and o = w & 0xF0F0F0F0 (odd codes), each register
+# takes two codes two bytes apart, shifted so that the sign lands on bit 15 and the
+# magnitude on bits 11..9 of its 16-bit lane, and keeps only those bits:
+#
+#     register  lanes (elements)   = (a | b) & 0x8E008E00 with
+#     e02       (0, 4)               a = x << 12, b = x << 9
+#     e13       (2, 6)               a = x << 4,  b = x << 1
+#     o02       (1, 5)               a = o << 8,  b = o << 5
+#     o13       (3, 7)               a = o,       b = o >> 3
+#
+# (a and b never both have a bit at a kept position, and no other code reaches one). That
+# is 7 integer-pipe instructions per 8 codes (2 masks, 1 right shift, 4 lop3; ptxas may put
+# the left shifts on the multiply pipe) where placing each pair with prmt + shift + lop3 took
+# 15: the decode's integer work bounds the kernel (on the H200, skipping the B decode made
+# it 23% faster). Multiplying a register by its block's scale s (fp16x2) gives v * s * 2^-14,
+# exact (>= 2^-24, the smallest fp16 subnormal; wgmma takes fp16 subnormals exactly: the
+# random tests with subnormal scales pass on the H200); the epilogue scales by 2^28 (both
+# operands). Two multiplies (by 2^14, then by s: v * s, no rescale) were slower, removed;
+# docs/EXPERIMENTS.md.
+#
+# K permutation. A dot product is invariant under one permutation of K applied to both
+# operands. Within each 16-element scale block (one k16 wgmma step, so that every product of
+# a step keeps one scale pair: wgmma's fp32 accumulation of a step that mixes scale blocks
+# loses low bits of small terms) element e takes logical column LOGICAL_COLUMN[e]:
+#   * B in shared memory (swizzled K-major fp16 rows): block s fills chunk 2s with the e02,
+#     e13 registers of its two words and chunk 2s+1 with their o02, o13 (CHUNK_REGISTERS);
+#   * A in registers: wgmma's fragment gives lane (g, t) of a warp, per k16 step, registers
+#     (row g, cols 2t, 2t+1), (g+8, 2t, 2t+1), (g, 2t+8, 2t+9), (g+8, 2t+8, 2t+9). The lane
+#     builds one word per block from bytes p and p+2 (p = t % 2) of the 4-byte half t // 2 of
+#     rows g and g+8, [g.p, g8.p, g.p+2, g8.p+2] (one prmt, a_word_selector): its e02 / o02
+#     registers are row g's, e13 / o13 row g+8's, in the columns LOGICAL_COLUMN gives.
+REGISTER_ELEMENTS = {"e02": (0, 4), "e13": (2, 6), "o02": (1, 5), "o13": (3, 7)}  # per lane
+CHUNK_REGISTERS = (("e02", "e13"), ("o02", "o13"))  # chunk 2s, 2s+1: word 0's, then word 1's
+FRAGMENT_REGISTERS = ("e02", "e13", "o02", "o13")  # register-A fragment order of a k16 step
+
+
+def _chunk_logical_columns() -> tuple[int, ...]:
+    """LOGICAL_COLUMN[e] for the 16 elements of a scale block, from the chunk layout."""
+    column = {}
+    for chunk, registers in enumerate(CHUNK_REGISTERS):
+        for word in range(2):
+            for slot, register in enumerate(registers):
+                for lane, element in enumerate(REGISTER_ELEMENTS[register]):
+                    column[8 * word + element] = 8 * chunk + 4 * word + 2 * slot + lane
+    return tuple(column[e] for e in range(16))
+
+
+LOGICAL_COLUMN = _chunk_logical_columns()
+
+
+def a_word_selector(t: int) -> int:
+    """prmt selector building lane t's word [g.p, g8.p, g.p+2, g8.p+2] (p = t % 2) from the
+    4-byte halves of rows g (bytes 0-3) and g+8 (bytes 4-7)."""
+    p = t % 2
+    return ((6 + p) << 12) | ((2 + p) << 8) | ((4 + p) << 4) | p
+
+
+def _place_word_ptx(word: str, destinations: dict) -> list[str]:
+    """PTX placing the 8 codes of `word` into destinations["e02"] .. ["o13"] (v * 2^-14, see
+    above); scratch registers x, o, a, b; the kept-bit mask in `lanes`."""
+    return [
+        f"and.b32 x, {word}, 0x0F0F0F0F;",
+        f"and.b32 o, {word}, 0xF0F0F0F0;",
+        "mul.lo.u32 a, x, 4096;",
+        "mul.lo.u32 b, x, 512;",
+        f"lop3.b32 {destinations['e02']}, a, b, lanes, 0xA8;",
+        "mul.lo.u32 a, x, 16;",
+        "mul.lo.u32 b, x, 2;",
+        f"lop3.b32 {destinations['e13']}, a, b, lanes, 0xA8;",
+        "mul.lo.u32 a, o, 256;",
+        "mul.lo.u32 b, o, 32;",
+        f"lop3.b32 {destinations['o02']}, a, b, lanes, 0xA8;",
+        "shr.b32 b, o, 3;",
+        f"lop3.b32 {destinations['o13']}, o, b, lanes, 0xA8;",
+    ]
+
+
+def _decode_blocks_asm(num_units: int, mode: str = "chunks") -> str:
+    """PTX decoding `num_units` units. All loads are issued first and all stores last, so
+    the units' integer work interleaves instead of waiting on each load.
+
+    mode "chunks" (unit = one scale block of one row, into shared memory): operands per
+    unit u: $(4u) packed source (8 bytes), $(4u+1) scale byte, $(4u+2) / $(4u+3) the
+    16-byte destination chunks (CHUNK_REGISTERS).
+    mode "registers" (unit = rows g and g+8 of a 64-wide k-tile, register-A mode): outputs
+    $(16u + 4s + i) = FRAGMENT_REGISTERS[i] of k16 step s; inputs after the 16 * num_units
+    outputs, per unit: row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), the
+    a_word_selector, row g's 4 scale bytes, row g+8's (aligned).
+    """
+    registers = mode == "registers"
+    first_input = 16 * num_units if registers else 0
+    per_unit = 5 if registers else 4
+    lines = [
+        "{",
+        ".reg .b32 x, o, a, b, lanes, sc;",
+        ".reg .b16 slo, shi;",
+        "mov.b32 lanes, 0x8E008E00;",
+    ]
+    for u in range(num_units):
+        if registers:
+            lines.append(f".reg .b32 g{u}_<4>, h{u}_<4>, w{u}, sg{u}, sh{u}, S{u}_<8>;")
+            lines += [f".reg .b32 r{u}_{s}_<4>;" for s in range(4)]
+        else:
+            lines.append(f".reg .b32 w{u}_<2>, s{u}, S{u}, r{u}_0_<4>, r{u}_1_<4>;")
+    for u in range(num_units):  # loads
+        src = first_input + per_unit * u
+        if registers:
+            for s in range(4):
+                lines.append(f"ld.shared.u32 g{u}_{s}, [${src} + {8 * s}];")
+                lines.append(f"ld.shared.u32 h{u}_{s}, [${src + 1} + {8 * s}];")
+            lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
+            lines.append(f"ld.shared.u32 sh{u}, [${src + 4}];")
+        else:
+            lines.append(f"ld.shared.v2.b32 {{w{u}_0, w{u}_1}}, [${src}];")
+            lines.append(f"ld.shared.u8 s{u}, [${src + 1}];")
+    for u in range(num_units):  # scales: fp16x2 (s, s) per row and block
+        if registers:
+            for row, scales in enumerate((f"sg{u}", f"sh{u}")):
+                for half, selector in ((0, "0x1100"), (1, "0x3322")):
+                    lines += [
+                        f"prmt.b32 sc, {scales}, 0, {selector};",
+                        "mov.b32 {slo, shi}, sc;",
+                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half}, slo;",
+                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half + 1}, shi;",
+                    ]
+        else:
+            lines += [f"mul.lo.u32 sc, s{u}, 257;", "mov.b32 {slo, shi}, sc;", f"cvt.rn.f16x2.e4m3x2 S{u}, slo;"]
+    for u in range(num_units):  # bit placement and scaling
+        if registers:
+            for s in range(4):
+                lines.append(f"prmt.b32 w{u}, g{u}_{s}, h{u}_{s}, ${first_input + per_unit * u + 2};")
+                destinations = {name: f"r{u}_{s}_{i}" for i, name in enumerate(FRAGMENT_REGISTERS)}
+                lines += _place_word_ptx(f"w{u}", destinations)
+                for name, reg in destinations.items():
+                    row = 0 if name in ("e02", "o02") else 1  # word bytes 0, 2: row g; 1, 3: g+8
+                    lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u}_{4 * row + s};")
+        else:
+            for word in range(2):
+                destinations = {
+                    name: f"r{u}_{chunk}_{2 * word + slot}"
+                    for chunk, names in enumerate(CHUNK_REGISTERS)
+                    for slot, name in enumerate(names)
+                }
+                lines += _place_word_ptx(f"w{u}_{word}", destinations)
+                for reg in destinations.values():
+                    lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u};")
+    for u in range(num_units):  # stores / outputs
+        if registers:
+            lines += [f"mov.b32 ${16 * u + 4 * s + i}, r{u}_{s}_{i};" for s in range(4) for i in range(4)]
+        else:
+            for chunk in range(2):
+                regs = ", ".join(f"r{u}_{chunk}_{i}" for i in range(4))
+                lines.append(f"st.shared.v4.b32 [${4 * u + 2 + chunk}], {{{regs}}};")
+    lines.append("}")
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def decode_scale_blocks(addresses, *, loc=None, ip=None):
+    """Decode scale blocks into shared memory; `addresses` lists (packed, scale, dst_lo,
+    dst_hi) smem addresses per block: 16 packed e2m1 values times their e4m3 scale -> two
+    16-byte fp16 chunks in the K permutation (CHUNK_REGISTERS)."""
+    operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for block in addresses for x in block]
+    _inline_asm(
+        None,
+        operands,
+        _decode_blocks_asm(len(addresses), "chunks"),
+        ",".join(["r"] * len(operands)) + ",~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def decode_scale_blocks_to_registers(units, *, loc=None, ip=None):
+    """Decode a lane's share of row pairs (g, g+8) of a k-tile into registers; `units` lists
+    (row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), a_word_selector(t), row g's
+    scales, row g+8's) per row pair. Returns, per unit and k16 step, the 4 Int32 fragment
+    registers (FRAGMENT_REGISTERS order)."""
+    operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
+    num_outputs = 16 * len(units)
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
+        operands,
+        _decode_blocks_asm(len(units), "registers"),
+        ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    registers = [llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip) for i in range(num_outputs)]
+    return [[registers[16 * u + 4 * s : 16 * u + 4 * s + 4] for s in range(4)] for u in range(len(units))]
+
+
+@dsl_user_op
+def pack_f16x8(registers, *, loc=None, ip=None):
+    """Four Int32 registers (fp16x2 each) -> vector<8 x f16> in register order."""
+    vec_i32 = vector.from_elements(
+        ir.VectorType.get([4], cutlass.Int32.mlir_type, loc=loc), list(registers), loc=loc, ip=ip
+    )
+    return llvm.bitcast(ir.VectorType.get([8], cutlass.Float16.mlir_type, loc=loc), vec_i32, loc=loc, ip=ip)
+

@@ -1,0 +1,181 @@
+"""Host-side schedules of the sm_90a kernel: when split-K pays, stream-K's plan of equal
+shares (plan_stream_k) and when it pays, and a stream-K launch's device buffers."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .config import CTAS_PER_SM, HopperGemmConfig
+
+
+# Tile order within the tile table (plan_tiles) does not move split-K: H200 device µs, shape 2
+# / 3, full tiles first 46.3 / 23.4, half tiles first 46.3 / 23.5, alternating 46.2 / 23.4,
+# vs 46.8 / 23.3 in plan_tiles' order.
+def split_k_pays(num_tiles: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) -> bool:
+    """Whether split-K over 2 CTAs shortens an input set's schedule, in a wave model: whole
+    tiles take ceil(T / slots) waves, half tiles ceil(2T / slots) waves half as long.
+
+    Split when that is at most 0.8 of the unsplit time. On the benchmark shapes (352, 728,
+    120, 128 tiles on 132 SMs) it picks split-K for shapes 0, 2 and 3 (1.5 vs 2, 0.5 vs 1,
+    0.5 vs 1 waves) and not for shape 1 (3 vs 3). H200 device µs, shapes 0-3, split-K vs
+    not: 201.7/136.3/48.8/24.2 vs 207.2/117.8/53.0/24.9 (bench/peers.py --configs)."""
+    slots = num_sms * ctas_per_sm
+    whole_waves = -(-num_tiles // slots)
+    half_waves = -(-2 * num_tiles // slots) / 2
+    return half_waves <= 0.8 * whole_waves
+
+
+# Shortest segment (k-tiles): a cut closer than this to a tile's first or last k-tile moves
+# there, so that no worker pays a segment's fixed cost (below) for a sliver of work.
+STREAM_K_MIN_SEGMENT = 4
+# What a segment costs beyond its k-tiles, in k-tiles of one CTA: its pipeline fill, the
+# tile lookup and the workspace round trip. Fitted on the H200 to the two benchmark shapes
+# with more tiles than CTA slots: stream-K vs the default, device µs, 184.7 vs 199.4 (shape
+# 0: shares of 150 k-tiles, 2.0 segments per worker, against 3 waves of 56) and 128.9 vs
+# 115.5 (shape 1: 92 k-tiles, 3.5 segments, against 3 waves of 32).
+STREAM_K_SEGMENT_COST = 3
+
+
+def plan_stream_k(tile_k_tiles, max_workers: int, min_segment: int = STREAM_K_MIN_SEGMENT):
+    """Cut the k-tiles of all tiles, in table order, into one contiguous share per worker, the
+    shares as equal as cuts on even k-tiles allow (every k-tile costs the same: the planned
+    shares measured fastest that way, whatever rows a tile has).
+
+    Cuts fall on even k-tiles (the main loop runs k-tile pairs) and at least min_segment
+    k-tiles from a tile's edges. Workers: max_workers, fewer when a share would be shorter
+    than two minimal segments. Returns (work, segments, num_slots): worker w runs segments
+    work[w] .. work[w + 1] - 1; a segment is (tile, first k-tile, k-tile count, part, parts,
+    slot base), the parts of a tile numbered in k order; tiles of more than one part own
+    workspace slots slot base .. + parts - 1 (num_slots in all)."""
+    num_tiles = len(tile_k_tiles)
+    total = sum(tile_k_tiles)
+    num_workers = max(1, min(max_workers, total // (2 * min_segment)))
+    cuts = [(0, 0)]
+    tile, k_before = 0, 0  # k-tiles of the tiles before `tile`
+    for w in range(1, num_workers):
+        target = total * w / num_workers
+        while tile < num_tiles and k_before + tile_k_tiles[tile] <= target:
+            k_before += tile_k_tiles[tile]
+            tile += 1
+        if tile == num_tiles:
+            cut = (num_tiles, 0)
+        else:
+            k_tiles = tile_k_tiles[tile]
+            k = 2 * round((target - k_before) / 2)
+            if k < min_segment:
+                k = 0
+            elif k_tiles - k < min_segment:
+                k = k_tiles
+            cut = (tile + 1, 0) if k >= k_tiles else (tile, k)
+        cuts.append(max(cut, cuts[-1]))
+    cuts.append((num_tiles, 0))
+
+    worker_segments = []
+    for w in range(num_workers):
+        (t, k), end = cuts[w], cuts[w + 1]
+        segments = []
+        while (t, k) < end:
+            stop = end[1] if t == end[0] else tile_k_tiles[t]
+            segments.append((t, k, stop - k))
+            t, k = t + 1, 0
+        worker_segments.append(segments)
+
+    parts = [0] * num_tiles
+    for segments in worker_segments:
+        for t, _, _ in segments:
+            parts[t] += 1
+    slot_base, num_slots = [0] * num_tiles, 0
+    for t in range(num_tiles):
+        if parts[t] > 1:
+            slot_base[t] = num_slots
+            num_slots += parts[t]
+    work, rows, next_part = [0], [], [0] * num_tiles
+    for segments in worker_segments:
+        for t, k0, count in segments:
+            rows.append((t, k0, count, next_part[t], parts[t], slot_base[t]))
+            next_part[t] += 1
+        work.append(len(rows))
+    return work, rows, num_slots
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(tile_k_tiles: tuple, max_workers: int, min_segment: int):
+    """plan_stream_k, once per tile set (stream_k_pays and StreamKPlan plan the same one)."""
+    return plan_stream_k(tile_k_tiles, max_workers, min_segment)
+
+
+def stream_k_pays(tile_k_tiles, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) -> bool:
+    """Whether stream-K beats the default's schedule (split-K where split_k_pays, else whole
+    tiles) in a k-tile model: the default takes ceil(CTAs / slots) waves of its CTAs' k-tiles;
+    stream-K, the longest share plus STREAM_K_SEGMENT_COST per segment of an average worker.
+    Pick it at 0.95 of the default or less. Only input sets with more tiles than CTA slots
+    qualify (fewer: split-K fills one wave, and stream-K measured slower on both such
+    benchmark shapes)."""
+    slots = num_sms * ctas_per_sm
+    num_tiles = len(tile_k_tiles)
+    if num_tiles <= slots:
+        return False
+    longest = max(tile_k_tiles)
+    if split_k_pays(num_tiles, num_sms, ctas_per_sm):
+        default_cost = -(-2 * num_tiles // slots) * longest / 2
+    else:
+        default_cost = -(-num_tiles // slots) * longest
+    work, segments, _ = _cached_plan(tuple(tile_k_tiles), slots, STREAM_K_MIN_SEGMENT)
+    num_workers = len(work) - 1
+    longest_share = max(
+        sum(segments[i][2] for i in range(work[w], work[w + 1])) for w in range(num_workers)
+    )
+    stream_k_cost = longest_share + STREAM_K_SEGMENT_COST * len(segments) / num_workers
+    return stream_k_cost <= 0.95 * default_cost
+
+
+def tile_k_tiles_of(plan, config: HopperGemmConfig) -> list[int]:
+    """k-tiles of every tile of the plan's tile rows (group first in each row)."""
+    return [plan.problem_sizes[row[0]][2] // config.tile_k for row in plan.tile_rows]
+
+
+class StreamKPlan:
+    """A stream-K launch's device buffers for one plan (size set): `work` (int32: the
+    num_workers + 1 offsets, then the segment rows), the fp32 workspace (one tile_m x tile_n
+    slot per part of a shared tile) and one arrival counter per tile (zero between launches:
+    the last part resets it). Every input set of the plan shares them; the runtime orders
+    launches of the plan on different streams (Sm90Plan.shared_scratch)."""
+
+    __slots__ = (
+        "_host_staging", "counters", "num_slots", "num_workers", "segments", "work", "work_offsets",
+        "workspace",
+    )
+
+    def __init__(self, plan, config: HopperGemmConfig, max_workers: int):
+        tile_k_tiles = tile_k_tiles_of(plan, config)
+        work_offsets, self.segments, self.num_slots = _cached_plan(
+            tuple(tile_k_tiles), max_workers, STREAM_K_MIN_SEGMENT
+        )
+        self.work_offsets = list(work_offsets)
+        self.num_workers = len(self.work_offsets) - 1
+        flat = self.work_offsets + [v for row in self.segments for v in row]
+        device = plan.device
+        # a pinned staging copy owned by the plan and one non_blocking copy, as for the tables
+        # (a pageable copy would wait for the stream's earlier work: a miss would stall it)
+        host = torch.tensor(flat, dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        self._host_staging = host
+        self.work = torch.empty_like(host, device=device)
+        self.work.copy_(host, non_blocking=True)
+        self.workspace = torch.empty(
+            max(self.num_slots, 1) * config.tile_m * config.tile_n, dtype=torch.float32, device=device
+        )
+        self.counters = torch.zeros(max(len(tile_k_tiles), 1), dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (self.work, self.workspace, self.counters))
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        for buffer in (self.work, self.workspace, self.counters):
+            buffer.record_stream(stream)
+
+
