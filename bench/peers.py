@@ -17,7 +17,7 @@ mean and best µs of each, their ratio, TFLOP/s on the real (unpadded) work, and
 of the bf16 dense roofline (790 TFLOP/s, measured on the H200).
 
     python bench/peers.py [--repeats 30] [--json PATH] [--plot PATH]
-    python bench/peers.py --configs ["reg A 1buf,split 2"]   # sm_90 configs, device time
+    python bench/peers.py --configs ["whole tiles,split 2"]   # sm_90 configs, device time
 
 --json writes the rows, --plot a PNG (needs matplotlib: pip install -e '.[plot]'): per shape,
 ours beside cuBLAS and the bf16 roofline time. Progress goes to stderr, one line per shape.
@@ -74,8 +74,9 @@ def time_calls(fn, inputs, repeats, device_only=False):
 
 
 def compare_configs(repeats, names=None):
-    """Device time of sm_90 kernel configurations on the benchmark shapes (checked first);
-    `names`: a subset of the columns."""
+    """Device time of the sm_90 kernel configurations the default backend chooses from, and
+    of its choice ("auto"), on the benchmark shapes (each checked first); `names`: a subset
+    of the columns. Options measured and removed: docs/EXPERIMENTS.md."""
     import cuda.bindings.driver as cuda
 
     import nvfp4_hopper as hopper
@@ -83,12 +84,11 @@ def compare_configs(repeats, names=None):
     from reference import match_outputs, ref_kernel
 
     configs = {
-        "reg A 1buf": hopper.SM90_CONFIG,
+        "whole tiles": hopper.SM90_CONFIG,
         "split 2": hopper.SPLIT_K_CONFIG,
-        "n256": hopper.HopperGemmConfig(tile_n=256),
-        "n256 split 2": hopper.HopperGemmConfig(tile_n=256, split_k=2),
+        "n256 split 2": hopper.WIDE_SPLIT_K_CONFIG,
         "stream k": hopper.STREAM_K_CONFIG,
-        # what custom_kernel runs: stream-K or split-K per input set where they pay
+        # what custom_kernel runs: the config hopper.choose_config picks per size set
         "auto": None,
     }
     if names:
@@ -203,7 +203,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--configs", nargs="?", const="", default=None, metavar="NAMES",
                         help="compare sm_90 kernel configurations (device time only); "
-                        "optional comma-separated subset, e.g. 'reg A 1buf,split 2'")
+                        "optional comma-separated subset, e.g. 'whole tiles,split 2'")
     parser.add_argument("--json", dest="json_path", help="write the rows here")
     parser.add_argument("--plot", dest="plot_path",
                         help="draw the rows into this PNG (needs matplotlib)")

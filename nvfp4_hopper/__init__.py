@@ -13,11 +13,13 @@ from 2^-14 to 65504): |v * s| lies in [2^-10, 2688]. The kernel therefore decode
 operand into fp16 (B into shared memory, A into registers) and runs 16-bit wgmma with fp32
 accumulation; the sums are the exact block-scaled products, accumulated in fp32.
 
-Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table; 128x128 tiles.
-Input sets with more tiles than CTA slots and long K run stream-K instead (stream_k_pays: one
-CTA per slot, equal shares of all k-tiles, partial tiles summed through a global workspace);
-input sets whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
-(split_k_pays).
+Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table, 128x128 or
+128x256. The config is chosen per size set from the sizes (schedules.choose_config): input sets
+with more tiles than CTA slots and long K run stream-K (stream_k_pays: one CTA per slot,
+equal shares of all k-tiles, partial tiles summed through a global workspace); input sets
+whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
+(split_k_pays), with 128x256 tiles where N % 256 == 0 and those CTAs fit one wave
+(wide_split_k_fits), else with 128x128 tiles; the rest run whole 128x128 tiles.
 
     global --cp.async--> raw stages (packed fp4 + scale bytes, ``raw_stages`` deep)
            --decode (all threads)--> B: fp16 stages in the swizzled K-major wgmma layout (2 deep)
@@ -54,7 +56,7 @@ docs/EXPERIMENTS.md, each with a one-line note at its decision point here.
 Standalone use of one config on an H200: ``submission.run_with_backend(data, make_backend(config))``.
 """
 
-from .backend import Sm90Backend, Sm90Plan, make_backend
+from .backend import Sm90Backend, Sm90Plan, current_num_sms, make_backend
 from .config import (
     CTAS_PER_SM,
     MAX_GROUPS,
@@ -66,6 +68,7 @@ from .config import (
     SPLIT_K_CONFIG,
     STREAM_K_CONFIG,
     TILE_M,
+    WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
     can_implement,
 )
@@ -87,10 +90,13 @@ from .schedules import (
     STREAM_K_MIN_SEGMENT,
     STREAM_K_SEGMENT_COST,
     StreamKPlan,
+    choose_config,
     plan_stream_k,
     split_k_pays,
     stream_k_pays,
+    tile_k_tiles,
     tile_k_tiles_of,
+    wide_split_k_fits,
 )
 
 __all__ = [
@@ -110,6 +116,7 @@ __all__ = [
     "STREAM_K_MIN_SEGMENT",
     "STREAM_K_SEGMENT_COST",
     "TILE_M",
+    "WIDE_SPLIT_K_CONFIG",
     "HopperGemmConfig",
     "Sm90Backend",
     "Sm90Nvfp4GroupedGemm",
@@ -117,13 +124,17 @@ __all__ = [
     "StreamKPlan",
     "a_word_selector",
     "can_implement",
+    "choose_config",
     "compile_gemm",
     "compile_targets",
+    "current_num_sms",
     "make_backend",
     "make_tiled_mma",
     "plan_stream_k",
     "split_k_pays",
     "stage_scale_offset",
     "stream_k_pays",
+    "tile_k_tiles",
     "tile_k_tiles_of",
+    "wide_split_k_fits",
 ]

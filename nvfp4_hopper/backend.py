@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import cuda.bindings.driver as cuda
 import cutlass
 import torch
 from cutlass import cute
 from cutlass.cute.runtime import make_ptr
 
-from .config import CTAS_PER_SM, SM90_CONFIG, HopperGemmConfig, can_implement
+from .config import CTAS_PER_SM, HopperGemmConfig, can_implement
 from .kernel import compile_gemm
-from .schedules import StreamKPlan, split_k_pays, stream_k_pays, tile_k_tiles_of
+from .schedules import StreamKPlan, choose_config
 
 
 def _gmem_ptr(dtype, tensor: torch.Tensor):
@@ -22,13 +20,17 @@ def _gmem_ptr(dtype, tensor: torch.Tensor):
 _NUM_SMS: dict = {}
 
 
-def _num_sms(device: torch.device) -> int:
-    """SM count of `device`; 132 (H100/H200 SXM) for a CPU device (tables built in tests)."""
-    if device.type != "cuda":
+def current_num_sms() -> int:
+    """SM count of torch's current CUDA device when it is an sm_90 GPU (the runtime plans a
+    size set inside its device's context); 132 (H100/H200 SXM) otherwise: no CUDA device, or
+    one this backend does not run on (tables planned in the CPU tests, on any machine)."""
+    if not torch.cuda.is_available():
         return 132
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = torch.cuda.current_device()
     if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        properties = torch.cuda.get_device_properties(index)
+        hopper = (properties.major, properties.minor) == (9, 0)
+        _NUM_SMS[index] = properties.multi_processor_count if hopper else 132
     return _NUM_SMS[index]
 
 
@@ -60,52 +62,47 @@ class Sm90Backend:
     runtime: no descriptors (the kernel reads the pointer table), so a plan is the config its
     size set runs and, for stream-K, its schedule and scratch.
 
-    auto_schedule: per size set, stream-K where stream_k_pays, else split-K over a 2-CTA
-    cluster where split_k_pays, else whole tiles; otherwise `config` runs every input set as
-    given."""
+    config None (custom_kernel's backend): per size set the config schedules.choose_config
+    picks from the sizes (stream-K, split-K with 128x128 or 128x256 tiles, or whole tiles);
+    tile_shape and prepare ask the same question, so the tile table is planned with the
+    tile shape of the kernel that runs it. Otherwise `config` runs every input set."""
 
     name = "sm90"
 
-    def __init__(self, config: HopperGemmConfig = SM90_CONFIG, auto_schedule: bool = False):
-        config.check()
+    def __init__(self, config: HopperGemmConfig | None = None):
+        if config is not None:
+            config.check()
         self.config = config
-        self.auto_schedule = auto_schedule and config.split_k == 1 and not config.stream_k
-        self.tile_m = config.tile_m
-        self.tile_n = config.tile_n
 
     @property
     def plan_key(self):
         """What, besides the device and the sizes, a plan of this backend depends on."""
-        return (self.name, self.config, self.auto_schedule)
+        return (self.name, self.config)
 
-    def config_for(self, plan) -> HopperGemmConfig:
-        """The config this size set runs (same tile shape: one tile table serves all)."""
-        if not self.auto_schedule:
+    def config_for(self, problem_sizes) -> HopperGemmConfig:
+        """The config a size set runs."""
+        if self.config is not None:
             return self.config
-        num_sms = _num_sms(plan.device)
-        if stream_k_pays(tile_k_tiles_of(plan, self.config), num_sms):
-            return dataclasses.replace(self.config, stream_k=True)
-        if split_k_pays(plan.num_tiles, num_sms):
-            return dataclasses.replace(self.config, split_k=2)
-        return self.config
+        return choose_config(problem_sizes, current_num_sms())
 
-    def compile(self, num_groups: int, config: HopperGemmConfig | None = None):
-        return compile_gemm(num_groups, config=config or self.config)
+    def compile(self, num_groups: int, config: HopperGemmConfig):
+        return compile_gemm(num_groups, config=config)
 
     def can_implement(self, problem_sizes) -> None:
-        can_implement(problem_sizes, self.config)
+        can_implement(problem_sizes)
 
     def tile_shape(self, problem_sizes) -> tuple[int, int]:
-        return self.tile_m, self.tile_n
+        config = self.config_for(problem_sizes)
+        return config.tile_m, config.tile_n
 
     def prepare(self, plan) -> Sm90Plan:
         """Pick the size set's config, compile its kernel (cached) for its group count and,
         for stream-K, plan the workers' shares and allocate their buffers."""
-        config = self.config_for(plan)
+        config = self.config_for(plan.problem_sizes)
         self.compile(plan.num_groups, config)
         stream_k = None
         if config.stream_k and plan.num_tiles > 0:
-            stream_k = StreamKPlan(plan, config, _num_sms(plan.device) * CTAS_PER_SM)
+            stream_k = StreamKPlan(plan, config, current_num_sms() * CTAS_PER_SM)
         return Sm90Plan(config, stream_k)
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):
@@ -133,8 +130,6 @@ class Sm90Backend:
 
 
 def make_backend(config: HopperGemmConfig | None = None) -> Sm90Backend:
-    """The backend custom_kernel uses (config None: SM90_CONFIG, split-K where split_k_pays),
-    or one running `config` as given for every input set."""
-    if config is None:
-        return Sm90Backend(SM90_CONFIG, auto_schedule=True)
+    """The backend custom_kernel uses (config None: the automatic choice per size set), or one
+    running `config` as given for every input set."""
     return Sm90Backend(config)

@@ -16,8 +16,8 @@ SEGMENT_FIELDS = 6
 # Rows per tile: two warpgroups of 64 (one m64 wgmma each). 256-row tiles (four warpgroups,
 # one CTA per SM, B's decode shared by twice the rows): slower, removed; docs/EXPERIMENTS.md.
 TILE_M = 128
-# CTAs of the default config one SM holds: 127 registers x 256 threads and 70.7 KB of
-# shared memory each (tests/test_hopper.py asserts <= 128 registers)
+# CTAs of a 128x128-tile config one SM holds: at most 128 registers x 256 threads and 70.7 KB
+# of shared memory each (tests/test_hopper.py checks the builds' registers)
 CTAS_PER_SM = 2
 
 
@@ -25,11 +25,10 @@ CTAS_PER_SM = 2
 class HopperGemmConfig:
     """Everything baked into the compiled sm_90a kernel."""
 
-    # 128 or 256 (whole 128-row scale atoms). 128x64 tiles (half an atom per B tile, two CTAs
-    # per SM for the G = 2 shapes): slower, removed; docs/EXPERIMENTS.md.
-    # H200 device µs, shapes 0-3, 128 vs 256 (register A, 239 registers, 1 CTA/SM):
-    # 206.7/129.2/54.4/28.7 vs 239.7/133.3/85.0/38.4; 256 with split_k = 2:
-    # 206.1/164.4/55.8/31.1.
+    # 128 or 256 (whole 128-row scale atoms). 256 takes 239 registers: one CTA per SM
+    # (ctas_per_sm); the automatic choice runs it with split-K only (schedules.choose_config).
+    # 128x64 tiles (half an atom per B tile, two CTAs per SM for the G = 2 shapes): slower,
+    # removed; docs/EXPERIMENTS.md.
     tile_n: int = 128
     tile_k: int = 64  # one 128-byte swizzle atom of fp16 per row; 4 scale blocks
     # cp.async prefetch depth of packed data (9 KB per stage). H200 device µs, shapes 0-3:
@@ -75,6 +74,12 @@ class HopperGemmConfig:
     def tile_m(self) -> int:
         """Rows per tile: TILE_M."""
         return TILE_M
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs of this config one SM holds (registers bound it): CTAS_PER_SM with 128-column
+        tiles, 1 with 256 (239 registers x 256 threads)."""
+        return CTAS_PER_SM if self.tile_n == 128 else 1
 
     @property
     def mma_stages(self) -> int:
@@ -135,10 +140,14 @@ SM90_CONFIG = HopperGemmConfig()
 SPLIT_K_CONFIG = dataclasses.replace(SM90_CONFIG, split_k=2)
 # Stream-K: one share of equal weighted cost per CTA slot (see stream_k, plan_stream_k).
 STREAM_K_CONFIG = dataclasses.replace(SM90_CONFIG, stream_k=True)
+# Split-K with 128x256 tiles (one CTA per SM): what the default backend runs where split-K
+# pays and these CTAs fit one wave (schedules.wide_split_k_fits).
+WIDE_SPLIT_K_CONFIG = dataclasses.replace(SM90_CONFIG, tile_n=256, split_k=2)
 
 
-def can_implement(problem_sizes, config: HopperGemmConfig = SM90_CONFIG) -> None:
-    """Raise ValueError naming group, field, value and rule if a problem is unsupported."""
+def can_implement(problem_sizes) -> None:
+    """Raise ValueError naming group, field, value and rule if a problem is unsupported: what
+    no config runs (every config takes N % 128 == 0, partial 128x256 tiles included)."""
     if not 1 <= len(problem_sizes) <= MAX_GROUPS:
         raise ValueError(f"G = {len(problem_sizes)}: the sm_90 kernel supports 1 <= G <= {MAX_GROUPS}")
     for g, (m, n, k, l) in enumerate(problem_sizes):

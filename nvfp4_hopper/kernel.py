@@ -22,6 +22,7 @@ from .config import (
     SM90_CONFIG,
     SPLIT_K_CONFIG,
     STREAM_K_CONFIG,
+    WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
 )
 from .ptx import (
@@ -668,13 +669,19 @@ def _compile_stream_k(num_groups: int, options: str | None = None):
     return compile_gemm(num_groups, options, config=STREAM_K_CONFIG)
 
 
+def _compile_wide_split_k(num_groups: int, options: str | None = None):
+    return compile_gemm(num_groups, options, config=WIDE_SPLIT_K_CONFIG)
+
+
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
     """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)):
-    the default config, split-K over 2 CTAs and stream-K."""
+    every config the default backend picks: whole 128x128 tiles, split-K over 2 CTAs with
+    128x128 and with 128x256 tiles, stream-K."""
     return [
         ("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm),
         ("sm90_nvfp4_gemm_splitk2", SPLIT_K_CONFIG.arch, _compile_split_k),
         ("sm90_nvfp4_gemm_streamk", STREAM_K_CONFIG.arch, _compile_stream_k),
+        ("sm90_nvfp4_gemm_n256_splitk2", WIDE_SPLIT_K_CONFIG.arch, _compile_wide_split_k),
     ]
 
 

@@ -1,5 +1,7 @@
-"""Host-side schedules of the sm_90a kernel: when split-K pays, stream-K's plan of equal
-shares (plan_stream_k) and when it pays, and a stream-K launch's device buffers."""
+"""Host-side schedules of the sm_90a kernel: the automatic choice of a config per size set
+(choose_config: stream-K, split-K with 128x128 or 128x256 tiles, or whole tiles), when
+split-K pays, stream-K's plan of equal shares (plan_stream_k) and when it pays, and a
+stream-K launch's device buffers."""
 
 from __future__ import annotations
 
@@ -7,7 +9,58 @@ import functools
 
 import torch
 
-from .config import CTAS_PER_SM, HopperGemmConfig
+from .config import (
+    CTAS_PER_SM,
+    SM90_CONFIG,
+    SPLIT_K_CONFIG,
+    STREAM_K_CONFIG,
+    TILE_M,
+    WIDE_SPLIT_K_CONFIG,
+    HopperGemmConfig,
+)
+
+
+def tile_k_tiles(problem_sizes, tile_n: int) -> list[int]:
+    """k-tiles of every TILE_M x tile_n output tile of a size set, in the tile table's order
+    (group-major, as submission.plan_tiles lays it out; groups with M = 0 have none)."""
+    return [
+        k // SM90_CONFIG.tile_k
+        for m, n, k, _l in problem_sizes
+        for _ in range(-(-m // TILE_M) * -(-n // tile_n))
+    ]
+
+
+def choose_config(problem_sizes, num_sms: int) -> HopperGemmConfig:
+    """The config the default backend runs for a size set, from the sizes alone (the tile table
+    is planned with the tile shape of the config chosen here), in this order:
+
+      1. stream-K (128x128 tiles) where stream_k_pays;
+      2. split-K where split_k_pays (128x128 tiles), with 128x256 tiles where
+         wide_split_k_fits, else with 128x128 tiles;
+      3. whole 128x128 tiles.
+
+    On the four benchmark shapes on 132 SMs: stream-K, whole tiles, split-K with 128x256 tiles
+    (shapes 2 and 3)."""
+    k_tiles = tile_k_tiles(problem_sizes, SM90_CONFIG.tile_n)
+    if stream_k_pays(k_tiles, num_sms):
+        return STREAM_K_CONFIG
+    if split_k_pays(len(k_tiles), num_sms):
+        return WIDE_SPLIT_K_CONFIG if wide_split_k_fits(problem_sizes, num_sms) else SPLIT_K_CONFIG
+    return SM90_CONFIG
+
+
+# H200 device µs, shapes 0-3 (bench/peers.py --configs, one run): split-K with 128x256 tiles
+# 189.3/133.7/43.9/23.5, with 128x128 tiles 199.6/131.5/47.0/23.5; the choice before it
+# (stream-K, whole tiles, 128x128 split-K, 128x128 split-K) 184.7/115.7/47.1/23.6.
+def wide_split_k_fits(problem_sizes, num_sms: int) -> bool:
+    """Whether split-K runs with 128x256 tiles: every N is a multiple of 256 (no partial
+    tiles) and the split 128x256 CTAs (2 per tile) fit one wave of their CTA slots (one per
+    SM). Where they do, the 128x128 split CTAs fit one wave too (twice the CTAs on twice the
+    slots), and the wide tiles decode each A row once per 256 columns instead of per 128."""
+    if any(n % 256 for _m, n, _k, _l in problem_sizes):
+        return False
+    num_tiles = len(tile_k_tiles(problem_sizes, WIDE_SPLIT_K_CONFIG.tile_n))
+    return WIDE_SPLIT_K_CONFIG.split_k * num_tiles <= num_sms * WIDE_SPLIT_K_CONFIG.ctas_per_sm
 
 
 # Tile order within the tile table (plan_tiles) does not move split-K: H200 device µs, shape 2

@@ -305,6 +305,7 @@ def test_compile_targets_list_what_the_backend_runs():
         "sm90_nvfp4_gemm": "sm_90a",
         "sm90_nvfp4_gemm_splitk2": "sm_90a",
         "sm90_nvfp4_gemm_streamk": "sm_90a",
+        "sm90_nvfp4_gemm_n256_splitk2": "sm_90a",
     }
 
 
@@ -323,15 +324,18 @@ def sm90_builds(tmp_path_factory):
     ("sm90_nvfp4_gemm", hopper.SM90_CONFIG, "m64n128k16"),
     ("sm90_nvfp4_gemm_splitk2", hopper.SPLIT_K_CONFIG, "m64n128k16"),
     ("sm90_nvfp4_gemm_streamk", hopper.STREAM_K_CONFIG, "m64n128k16"),
+    ("sm90_nvfp4_gemm_n256_splitk2", hopper.WIDE_SPLIT_K_CONFIG, "m64n256k16"),
 ])
 def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups):
     report = sm90_builds[(target, num_groups)]
     assert report.arch == "sm_90a" and report.ptx_target == "sm_90a" and report.sm_version == 90
-    # two 256-thread CTAs per SM share the 65,536-register file: at most 128 registers
-    assert 0 < report.registers <= 128
+    # ctas_per_sm 256-thread CTAs share the 65,536-register file (128x128 tiles: two, at most
+    # 128 registers; 128x256 tiles: one, and more than 128, so not two)
+    assert 0 < report.registers * config.num_threads * config.ctas_per_sm <= 65536
+    assert (report.registers > 128) == (config.ctas_per_sm == 1)
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0, "local memory: spills possible"
     assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
-    # shared memory = 1 KB placeholder A atom + 2 fp16 B stages + the raw stages
+    # shared memory = 1 KB head + 2 fp16 B stages + the raw stages
     b_stages = 2 * config.tile_n * config.tile_k * 2
     assert report.dynamic_smem_bytes == 1024 + b_stages + config.raw_stages * config.raw_stage_bytes
     assert report.smem_bytes <= SM90_SMEM_LIMIT
@@ -392,11 +396,65 @@ def test_split_k_reduction_buffer_sizes():
     assert hopper.SM90_CONFIG.reduction_bytes == 0
 
 
-def test_every_backend_runs_one_tile_shape():
-    for sizes in BENCHMARK_SIZES.values():
-        assert hopper.make_backend().tile_shape(sizes) == (128, 128)
-    wide = hopper.make_backend(hopper.HopperGemmConfig(tile_n=256))
-    assert wide.tile_shape(BENCHMARK_SIZES[3]) == (128, 256)
+# what the default backend runs on the four benchmark shapes (132 SMs), and their tile counts
+AUTO_CHOICE = {
+    0: (hopper.STREAM_K_CONFIG, 352),
+    1: (hopper.SM90_CONFIG, 728),
+    2: (hopper.WIDE_SPLIT_K_CONFIG, 60),
+    3: (hopper.WIDE_SPLIT_K_CONFIG, 64),
+}
+
+
+@pytest.mark.parametrize("shape", [0, 1, 2, 3])
+def test_automatic_choice_on_the_benchmark_shapes(shape):
+    """Stream-K on shape 0, whole tiles on 1, split-K with 128x256 tiles on 2 and 3 (N % 256
+    == 0, 60 and 64 wide tiles: 120 and 128 split CTAs on 132 SMs, one wave)."""
+    sizes = BENCHMARK_SIZES[shape]
+    config, num_tiles = AUTO_CHOICE[shape]
+    assert hopper.choose_config(sizes, 132) == config
+    assert len(hopper.tile_k_tiles(sizes, config.tile_n)) == num_tiles
+    assert hopper.make_backend().tile_shape(sizes) == (128, config.tile_n)
+    assert hopper.wide_split_k_fits(sizes, 132) == (shape in (2, 3))
+
+
+def test_wide_split_k_needs_n_multiple_of_256_and_one_wave():
+    two_groups = [(192, 3072, 4096, 1), (320, 3072, 4096, 1)]  # shape 2: 60 wide tiles
+    assert hopper.choose_config(two_groups, 132) == hopper.WIDE_SPLIT_K_CONFIG
+    # one N an odd multiple of 128: split-K with 128x128 tiles
+    odd_n = [(192, 3072, 4096, 1), (320, 3200, 4096, 1)]
+    assert not hopper.wide_split_k_fits(odd_n, 132)
+    assert hopper.choose_config(odd_n, 132) == hopper.SPLIT_K_CONFIG
+    # 67 wide tiles = 134 split CTAs > 132 SMs (the 128x128 split: 268 CTAs on 264 slots)
+    over = [(128, 256 * 67, 1024, 1)]
+    assert not hopper.wide_split_k_fits(over, 132)
+    assert hopper.wide_split_k_fits([(128, 256 * 66, 1024, 1)], 132)
+    # fewer SMs, fewer wide tiles fit
+    assert not hopper.wide_split_k_fits(two_groups, 114)  # 120 CTAs > 114
+
+
+def test_tile_shape_is_the_shape_of_the_config_prepare_picks(sm90_backend_on_cpu):
+    """The tile table is planned with tile_shape(sizes) before prepare(plan) picks the config:
+    both decide from the sizes, for every backend."""
+    rng = random.Random(7)
+    size_sets = list(BENCHMARK_SIZES.values()) + [
+        [(rng.randint(0, 600), 128 * rng.randint(1, 40), 256 * rng.randint(1, 30), 1)
+         for _ in range(rng.randint(1, 12))]
+        for _ in range(60)
+    ]
+    backends = [hopper.make_backend(), hopper.make_backend(hopper.WIDE_SPLIT_K_CONFIG),
+                hopper.make_backend(hopper.SPLIT_K_CONFIG)]
+    picked = set()
+    for sizes in size_sets:
+        sizes = tuple(sizes)
+        for backend in backends:
+            state = _bind(_cpu_input_set(sizes), sizes, backend)
+            config = state.plan.backend_plan.config
+            assert backend.tile_shape(sizes) == (config.tile_m, config.tile_n)
+            assert state.plan.num_tiles == len(hopper.tile_k_tiles(sizes, config.tile_n))
+            if backend.config is None:
+                picked.add(config)
+    assert picked == {hopper.SM90_CONFIG, hopper.SPLIT_K_CONFIG, hopper.WIDE_SPLIT_K_CONFIG,
+                      hopper.STREAM_K_CONFIG}
 
 
 def _bind(data, sizes, backend):
@@ -456,21 +514,20 @@ def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape,
     assert launched == [(("kernel", len(sizes), config), num_tiles, 0)]
 
 
-# ---------------------------------------------------------------------------------------
-# CUDA (sm_90): kernel vs the exact reference
-# ---------------------------------------------------------------------------------------
 def test_default_backend_picks_a_schedule_per_input_set(sm90_backend_on_cpu):
-    """make_backend() (custom_kernel's) runs stream-K where stream_k_pays, else split-K where
-    split_k_pays, on the same tile table; a backend made for an explicit config runs it for
-    every input set."""
+    """make_backend() (custom_kernel's) runs the config choose_config picks, on a tile table of
+    its tile shape; a backend made for an explicit config runs it for every input set."""
     compiled, launched = sm90_backend_on_cpu
-    stream_k = hopper.STREAM_K_CONFIG
-    split_k = hopper.SPLIT_K_CONFIG
-    for shape, picked in ((0, stream_k), (1, hopper.SM90_CONFIG), (2, split_k), (3, split_k)):
+    for shape, (picked, picked_tiles) in AUTO_CHOICE.items():
         sizes = tuple(BENCHMARK_SIZES[shape])
-        for backend, want in ((hopper.make_backend(), picked), (hopper.make_backend(hopper.SM90_CONFIG), hopper.SM90_CONFIG)):
+        whole_tiles = (352, 728, 120, 128)[shape]
+        for backend, want, num_tiles in (
+            (hopper.make_backend(), picked, picked_tiles),
+            (hopper.make_backend(hopper.SM90_CONFIG), hopper.SM90_CONFIG, whole_tiles),
+        ):
             state = _bind(_cpu_input_set(sizes), sizes, backend)
-            assert state.plan.num_tiles == (352, 728, 120, 128)[shape]
+            assert state.plan.num_tiles == num_tiles
+            assert state.plan.tiles[:, 2].max().item() == sizes[0][1] // want.tile_n - 1
             assert state.plan.backend_plan.config == want
             assert compiled[-1] == (len(sizes), want)
             plan = state.plan.backend_plan.stream_k
@@ -561,6 +618,9 @@ def test_stream_k_config_needs_no_split():
         dataclasses.replace(hopper.STREAM_K_CONFIG, split_k=2).check()
 
 
+# ---------------------------------------------------------------------------------------
+# CUDA (sm_90): kernel vs the exact reference
+# ---------------------------------------------------------------------------------------
 def _is_sm90():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -617,13 +677,15 @@ CONFIG_CASES = (
     + [("split_k_2", seed) for seed in range(700, 740)]
     + [("auto", seed) for seed in range(1000, 1016)]
     + [("stream_k", seed) for seed in range(1200, 1240)]
+    + [("tile_n_256_split_k_2", seed) for seed in range(1300, 1332)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
     "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
     "split_k_2": hopper.SPLIT_K_CONFIG,
-    "auto": None,  # what custom_kernel runs: make_backend(), split-K per input set
+    "auto": None,  # what custom_kernel runs: make_backend(), the config choose_config picks
     "stream_k": hopper.STREAM_K_CONFIG,
+    "tile_n_256_split_k_2": hopper.WIDE_SPLIT_K_CONFIG,
 }
 
 
@@ -642,7 +704,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @requires_sm90
 @pytest.mark.parametrize(
     "config_name",
-    ["default", "split_k_2", "stream_k"],
+    ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
