@@ -2,7 +2,7 @@
 
 Needs no GPU: ``python build_report.py`` (or ``python eval.py compile``) compiles each kernel
 with the CuTe DSL for its target (sm_100a for the kernels in ``submission.py``, sm_90a for
-those in ``nvfp4_hopper.py`` when that module exists), keeps the cubin and the PTX, and prints
+those in the ``nvfp4_hopper`` package when it exists), keeps the cubin and the PTX, and prints
 per kernel: registers, spill bytes, stack, shared memory, threads, compile time and the
 tensor-core MMA found in the generated code. Works with every DSL release the project checks
 (4.3.5, the leaderboard runner's, and 4.8.1): nothing here reads DSL internals.

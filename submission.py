@@ -50,7 +50,7 @@ Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
     and bytes); a ``Binding`` per input set (its data pointers) holds the pointer table, the
     sm_100 descriptors and the prepared launch (bounded LRU). A hit is one launch; a new
     pointer set of known sizes pays the pointer checks, its pointer table and descriptors.
-  * On Hopper (sm_90) the same host runtime drives the backend from ``nvfp4_hopper.py``.
+  * On Hopper (sm_90) the same host runtime drives the backend from the ``nvfp4_hopper`` package.
 
 Status: both sm_100a kernels are compiled for sm_100a and checked from their cubin, SASS and
 PTX, and the persistent kernel's pipeline protocol by a model (``tests/``); neither has run
@@ -2753,12 +2753,12 @@ def _make_sm90_backend():
         import nvfp4_hopper  # Hopper only: imported on first sm_90 use
     except Exception as exc:  # noqa: BLE001 - any import failure gets the same clear message
         raise RuntimeError(
-            "This GPU is sm_90 (Hopper); its backend lives in nvfp4_hopper.py, which could not "
-            f"be imported ({type(exc).__name__}: {exc}). Put nvfp4_hopper.py next to "
+            "This GPU is sm_90 (Hopper); its backend is the nvfp4_hopper package, which could not "
+            f"be imported ({type(exc).__name__}: {exc}). Put the nvfp4_hopper folder next to "
             "submission.py, or run on a B200 (sm_100)."
         ) from None
     if not hasattr(nvfp4_hopper, "make_backend"):
-        raise RuntimeError("nvfp4_hopper.py has no make_backend(); the sm_90 backend is missing")
+        raise RuntimeError("nvfp4_hopper has no make_backend(); the sm_90 backend is missing")
     return nvfp4_hopper.make_backend()
 
 
