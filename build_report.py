@@ -655,23 +655,38 @@ def format_table(reports: list[KernelReport]) -> str:
     return "\n".join(lines)
 
 
+class _OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse failing as eval.py does: one line on stderr, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
+
+
+def _group_counts(text: str) -> list[int]:
+    counts = [x.strip() for x in text.split(",") if x.strip()]
+    if not counts or not all(x.isdigit() and 1 <= int(x) <= 64 for x in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated group counts in 1..64")
+    return [int(x) for x in counts]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--build-process"]:
         _run_builds(json.loads(argv[1]))
         return 0
-    parser = argparse.ArgumentParser(
+    parser = _OneLineArgumentParser(
         prog="build_report",
         description="Compile every kernel for its target architecture (no GPU needed) and "
         "print registers, spills, stack, shared memory and compile time from the cubin.",
     )
-    parser.add_argument("--groups", default="1,2,8", help="group counts to build (default 1,2,8)")
+    parser.add_argument("--groups", type=_group_counts, default="1,2,8",
+                        help="group counts to build (default 1,2,8)")
     parser.add_argument("--modules", default=",".join(BACKEND_MODULES),
                         help=f"backend modules (default {','.join(BACKEND_MODULES)})")
     parser.add_argument("--dump-dir", default=None, help="keep cubins/PTX here (default: temp)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
-    num_groups_list = [int(x) for x in args.groups.split(",") if x.strip()]
+    num_groups_list = args.groups
     modules = tuple(m.strip() for m in args.modules.split(",") if m.strip())
 
     with contextlib.ExitStack() as stack:

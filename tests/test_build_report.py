@@ -357,3 +357,15 @@ def test_build_all_relative_dump_dir_is_the_callers(fake_backends, monkeypatch, 
     reports = build_report.build_all((1,), Path("dumps"), modules=("report_fake_backend",), paths=(fake_backends,))
     good = [r for r in reports if not r.failed]
     assert good and all(Path(r.cubin_path).is_relative_to(caller_dir / "dumps") for r in good)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--groups", "0,x"], "--groups: '0,x': expected comma-separated group counts in 1..64"),
+])
+def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as raised:
+        build_report.main(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
