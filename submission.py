@@ -2683,20 +2683,41 @@ def _can_record(plan: Plan) -> bool:
     return plan.device.type == "cuda" and plan.num_tiles > 0
 
 
-def _ordered_on_scratch(plan: Plan, stream: cuda.CUstream, launch: Callable[[], None]) -> Callable[[], None]:
-    """`launch` made to wait for the plan's previous launch when that ran on another stream:
-    the input sets of a plan share its scratch (the stream-K workspace and counters)."""
-    if plan.scratch_event is None:
-        result, event = cuda.cuEventCreate(cuda.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+class _CudaEvent:
+    """A timing-free CUDA event, destroyed with its owner."""
+
+    __slots__ = ("event",)
+
+    def __init__(self):
+        result, self.event = cuda.cuEventCreate(cuda.CUevent_flags.CU_EVENT_DISABLE_TIMING)
         _check_cuda(result, "cuEventCreate")
-        plan.scratch_event = event
-    event = plan.scratch_event
+
+    def __del__(self):
+        try:
+            cuda.cuEventDestroy(self.event)
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
+            pass
+
+
+def _ordered_on_scratch(plan: Plan, stream: cuda.CUstream, launch: Callable[[], None]) -> Callable[[], None]:
+    """`launch` ordered after the plan's previous launch when that went to another stream:
+    the input sets of a plan share its scratch (the stream-K workspace and counters).
+
+    Only a change of stream costs anything: an event recorded then on the previous stream
+    covers everything queued there, the plan's last launch included, and the new stream
+    waits for it. Launches on one stream are ordered by the stream itself."""
+    if plan.scratch_event is None:
+        plan.scratch_event = _CudaEvent()
+    event = plan.scratch_event.event
 
     def ordered():
-        if plan.scratch_stream is not None and plan.scratch_stream is not stream:
-            _check_cuda(cuda.cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
+        previous = plan.scratch_stream
+        if previous is not None and previous is not stream:
+            if cuda.cuEventRecord(event, previous)[0] == cuda.CUresult.CUDA_SUCCESS:
+                _check_cuda(cuda.cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
+            else:  # the previous stream is gone: wait for all work of the context
+                _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
         launch()
-        _check_cuda(cuda.cuEventRecord(event, stream)[0], "cuEventRecord")
         plan.scratch_stream = stream
 
     return ordered

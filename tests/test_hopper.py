@@ -751,3 +751,29 @@ def test_stream_k_state_relaunches_exactly(case):
         results.append(out)
     for first, later in zip(results[0], results[2]):
         assert torch.equal(first, later)
+
+
+@requires_sm90
+def test_stream_k_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch):
+    """Two input sets of benchmark shape 0 share one stream-K plan (workspace and counters);
+    launched alternately on two streams, each launch waits for the other stream's, so every
+    output is exact."""
+    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
+    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
+    sizes = BENCHMARK_SIZES[0]
+    m, n, k = (tuple(column) for column in list(zip(*sizes))[:3])
+    sets = [generate_input(m, n, k, len(m), seed=seed) for seed in (3333, 4444)]
+    expected = [_exact_reference(data) for data in sets]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for round_ in range(3):
+        for index, data in enumerate(sets):
+            for _, _, c in data[0]:
+                c.fill_(float("nan"))
+            with torch.cuda.stream(streams[(index + round_) % 2]):
+                submission.custom_kernel(data)
+        torch.cuda.synchronize()
+        for data, want in zip(sets, expected):
+            ok, message = match_outputs(want, [c for _, _, c in data[0]])
+            assert ok, f"round {round_}: {message}"
+    bindings = [submission._BINDINGS.get(submission.input_key(data)) for data in sets]
+    assert bindings[0].plan is bindings[1].plan and bindings[0].plan.backend_plan.stream_k is not None

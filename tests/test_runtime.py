@@ -562,3 +562,40 @@ def test_token_tile_rule_on_known_sets():
     assert submission.choose_tokens_per_tile([(2048, 4096, 4096, 1)] * 4) == 256
     # One tile either way: the shorter k-tile wins
     assert submission.choose_tokens_per_tile([(40, 256, 256, 1)]) == 128
+
+
+def test_launches_sharing_scratch_wait_only_when_the_stream_changes(monkeypatch):
+    """The ordering of a plan's launches across streams records an event on the previous
+    stream and makes the new one wait, only at a change of stream; a previous stream that is
+    gone (the record fails) makes it wait for the whole context."""
+    calls = []
+    fake = submission.cuda
+    monkeypatch.setattr(fake, "cuEventCreate", lambda flags: (fake.CUresult.CUDA_SUCCESS, "event"))
+    monkeypatch.setattr(fake, "cuEventDestroy", lambda event: calls.append(("destroy", event)))
+
+    def record(event, stream):
+        calls.append(("record", stream))
+        ok = stream != "gone"
+        return (fake.CUresult.CUDA_SUCCESS if ok else fake.CUresult.CUDA_ERROR_INVALID_HANDLE,)
+
+    monkeypatch.setattr(fake, "cuEventRecord", record)
+    monkeypatch.setattr(fake, "cuStreamWaitEvent", lambda s, e, f: (calls.append(("wait", s)) or (fake.CUresult.CUDA_SUCCESS,)))
+    monkeypatch.setattr(fake, "cuCtxSynchronize", lambda: (calls.append(("sync",)) or (fake.CUresult.CUDA_SUCCESS,)))
+
+    class FakePlan:
+        scratch_event = None
+        scratch_stream = None
+
+    plan = FakePlan()
+    launches = {s: submission._ordered_on_scratch(plan, s, lambda s=s: calls.append(("launch", s))) for s in ("s1", "s2")}
+    for stream in ("s1", "s1", "s2", "s2", "s1"):
+        launches[stream]()
+    assert calls == [
+        ("launch", "s1"), ("launch", "s1"),
+        ("record", "s1"), ("wait", "s2"), ("launch", "s2"), ("launch", "s2"),
+        ("record", "s2"), ("wait", "s1"), ("launch", "s1"),
+    ]
+    calls.clear()
+    plan.scratch_stream = "gone"
+    launches["s2"]()
+    assert calls == [("record", "gone"), ("sync",), ("launch", "s2")]
