@@ -2630,8 +2630,19 @@ class Binding:
     def _direct_launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
         if self.plan.num_tiles == 0:
             return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
-        compiled, args = self.plan.backend.launch_args(self.plan, self, stream)
-        return make_launcher(compiled, *args)
+        launches = self.plan.backend.launch_args(self.plan, self, stream)
+        if not isinstance(launches, list):  # one (compiled, args) pair
+            compiled, args = launches
+            return make_launcher(compiled, *args)
+        # several kernels in order (a pre-pass, then the GEMM)
+        launchers = [make_launcher(compiled, *args) for compiled, args in launches]
+
+        def launch_in_order():
+            for launcher in launchers:
+                launcher()
+
+        launch_in_order.keepalive = launchers
+        return launch_in_order
 
     def bind(self, stream: cuda.CUstream) -> None:
         """Prepare the launch for `stream` (torch's current stream).

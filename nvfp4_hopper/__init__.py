@@ -67,9 +67,11 @@ from .config import (
     SM90_CONFIG,
     SPLIT_K_CONFIG,
     STREAM_K_CONFIG,
+    SWAP_AB_CONFIG,
     TILE_M,
     WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
+    SwapAbConfig,
     can_implement,
 )
 from .kernel import (
@@ -98,6 +100,12 @@ from .schedules import (
     tile_k_tiles_of,
     wide_split_k_fits,
 )
+from .swap_ab import (
+    Sm90DecodeActivations,
+    Sm90SwapAbGemm,
+    compile_decode_activations,
+    compile_swap_ab_gemm,
+)
 
 __all__ = [
     "CHUNK_REGISTERS",
@@ -115,17 +123,23 @@ __all__ = [
     "STREAM_K_CONFIG",
     "STREAM_K_MIN_SEGMENT",
     "STREAM_K_SEGMENT_COST",
+    "SWAP_AB_CONFIG",
     "TILE_M",
     "WIDE_SPLIT_K_CONFIG",
     "HopperGemmConfig",
     "Sm90Backend",
+    "Sm90DecodeActivations",
     "Sm90Nvfp4GroupedGemm",
     "Sm90Plan",
+    "Sm90SwapAbGemm",
     "StreamKPlan",
+    "SwapAbConfig",
     "a_word_selector",
     "can_implement",
     "choose_config",
+    "compile_decode_activations",
     "compile_gemm",
+    "compile_swap_ab_gemm",
     "compile_targets",
     "current_num_sms",
     "make_backend",

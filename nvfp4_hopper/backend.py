@@ -8,9 +8,10 @@ import torch
 from cutlass import cute
 from cutlass.cute.runtime import make_ptr
 
-from .config import CTAS_PER_SM, HopperGemmConfig, can_implement
+from .config import CTAS_PER_SM, HopperGemmConfig, SwapAbConfig, can_implement
 from .kernel import compile_gemm
 from .schedules import StreamKPlan, choose_config
+from .swap_ab import DECODE_THREADS, activation_blocks, compile_decode_activations, compile_swap_ab_gemm
 
 
 def _gmem_ptr(dtype, tensor: torch.Tensor):
@@ -34,27 +35,64 @@ def current_num_sms() -> int:
     return _NUM_SMS[index]
 
 
-class Sm90Plan:
-    """The sm_90 backend's part of a plan: the kernel config its size set runs and, for
-    stream-K, the StreamKPlan (whose scratch every input set of the plan shares)."""
+class ActivationBuffer:
+    """The swap-AB pre-pass's output for one plan (size set): every group's decoded fp16
+    activations (M x K each, one buffer) and the device table of their addresses, which the
+    pre-pass and the GEMM read. Every input set of the plan shares it; the runtime orders
+    launches of the plan on different streams (Sm90Plan.shared_scratch)."""
 
-    __slots__ = ("config", "stream_k")
+    __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer")
 
-    def __init__(self, config: HopperGemmConfig, stream_k: StreamKPlan | None = None):
-        self.config = config
-        self.stream_k = stream_k
+    def __init__(self, problem_sizes, device):
+        sizes = [m * k * 2 for m, _n, k, _l in problem_sizes]  # K % 256 == 0: 512-byte rows
+        self.buffer = torch.empty(max(sum(sizes), 16), dtype=torch.uint8, device=device)
+        base, offsets = self.buffer.data_ptr(), []
+        for size in sizes:
+            offsets.append(base)
+            base += size
+        host = torch.tensor(offsets, dtype=torch.int64)
+        if self.buffer.device.type == "cuda":
+            host = host.pin_memory()
+        self._host_staging = host
+        self.addresses = torch.empty_like(host, device=device)
+        self.addresses.copy_(host, non_blocking=True)
+        self.blocks_x = max(1, -(-activation_blocks(problem_sizes) // DECODE_THREADS))
 
     @property
     def nbytes(self) -> int:
-        return self.stream_k.nbytes if self.stream_k is not None else 0
+        return self.buffer.numel() + self.addresses.numel() * 8
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        self.buffer.record_stream(stream)
+        self.addresses.record_stream(stream)
+
+
+class Sm90Plan:
+    """The sm_90 backend's part of a plan: the kernel config its size set runs and its scratch
+    (every input set of the plan shares it): the StreamKPlan for stream-K, the
+    ActivationBuffer for swap-AB."""
+
+    __slots__ = ("activations", "config", "stream_k")
+
+    def __init__(self, config, stream_k: StreamKPlan | None = None, activations: ActivationBuffer | None = None):
+        self.config = config
+        self.stream_k = stream_k
+        self.activations = activations
+
+    def _scratch(self):
+        return [s for s in (self.stream_k, self.activations) if s is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self._scratch())
 
     @property
     def shared_scratch(self) -> bool:
-        return self.stream_k is not None
+        return bool(self._scratch())
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
-        if self.stream_k is not None and self.stream_k.work.device.type == "cuda":
-            self.stream_k.record_stream(stream)
+        for scratch in self._scratch():
+            scratch.record_stream(stream)
 
 
 class Sm90Backend:
@@ -85,29 +123,66 @@ class Sm90Backend:
             return self.config
         return choose_config(problem_sizes, current_num_sms())
 
-    def compile(self, num_groups: int, config: HopperGemmConfig):
+    def compile(self, num_groups: int, config):
+        if isinstance(config, SwapAbConfig):
+            return compile_swap_ab_gemm(num_groups, config=config)
         return compile_gemm(num_groups, config=config)
 
     def can_implement(self, problem_sizes) -> None:
         can_implement(problem_sizes)
 
     def tile_shape(self, problem_sizes) -> tuple[int, int]:
+        """(rows along M, columns along N) of an output tile of the size set's config."""
         config = self.config_for(problem_sizes)
+        if isinstance(config, SwapAbConfig):
+            return config.tile_tokens, config.tile_weights
         return config.tile_m, config.tile_n
+
+    def plan_tiles(self, problem_sizes) -> list[tuple[int, int, int]]:
+        """(group, M tile, N tile) of every output tile; groups with M = 0 have none. Group
+        first; then, for swap-AB, the N (weight) tile, so that the token tiles of one weight
+        tile run side by side and share its reads in L2; otherwise the M tile, so that the
+        tiles of one A tile do."""
+        tile_m, tile_n = self.tile_shape(problem_sizes)
+        swap_ab = isinstance(self.config_for(problem_sizes), SwapAbConfig)
+        tiles = []
+        for g, (m, n, _k, _l) in enumerate(problem_sizes):
+            m_tiles, n_tiles = range(-(-m // tile_m)), range(-(-n // tile_n))
+            if swap_ab:
+                tiles += [(g, tm, tn) for tn in n_tiles for tm in m_tiles]
+            else:
+                tiles += [(g, tm, tn) for tm in m_tiles for tn in n_tiles]
+        return tiles
 
     def prepare(self, plan) -> Sm90Plan:
         """Pick the size set's config, compile its kernel (cached) for its group count and,
         for stream-K, plan the workers' shares and allocate their buffers."""
         config = self.config_for(plan.problem_sizes)
         self.compile(plan.num_groups, config)
+        if isinstance(config, SwapAbConfig):
+            compile_decode_activations(plan.num_groups)
+            return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device))
         stream_k = None
         if config.stream_k and plan.num_tiles > 0:
             stream_k = StreamKPlan(plan, config, current_num_sms() * CTAS_PER_SM)
         return Sm90Plan(config, stream_k)
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):
-        """(compiled GEMM, its arguments) for this input set on `stream`."""
+        """(compiled GEMM, its arguments) for this input set on `stream`; for swap-AB, the
+        list [(pre-pass, arguments), (GEMM, arguments)], launched in that order."""
         backend_plan = plan.backend_plan
+        activations = backend_plan.activations
+        if activations is not None:
+            ptrs = _gmem_ptr(cutlass.Int64, binding.ptrs)
+            sizes = _gmem_ptr(cutlass.Int32, plan.sizes)
+            addresses = _gmem_ptr(cutlass.Int64, activations.addresses)
+            return [
+                (compile_decode_activations(plan.num_groups),
+                 (ptrs, sizes, addresses, cutlass.Int32(activations.blocks_x), stream)),
+                (self.compile(plan.num_groups, backend_plan.config),
+                 (ptrs, sizes, _gmem_ptr(cutlass.Int32, plan.tiles), cutlass.Int32(plan.num_tiles), addresses,
+                  stream)),
+            ]
         stream_k = backend_plan.stream_k
         if stream_k is None:
             # not read by the kernel: any valid pointers

@@ -160,3 +160,68 @@ def can_implement(problem_sizes) -> None:
         if k <= 0 or k % 256 != 0:
             raise ValueError(f"group {g}: K = {k}; K must be a positive multiple of 256")
 
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapAbConfig:
+    """Everything baked into the compiled swap-AB sm_90a kernel (swap_ab.Sm90SwapAbGemm): the
+    weights (problem B, N rows) are wgmma's register A operand, decoded straight into
+    fragments, one warpgroup per 64 weight rows; the tokens (problem A, M rows) are wgmma's
+    N, read as fp16 rows that a pre-pass decoded once per call."""
+
+    # Tokens per tile (wgmma N): a multiple of 32 up to 256. Accumulators take
+    # tile_tokens / 2 registers per thread.
+    tile_tokens: int = 128
+    # cp.async stages of (packed weights + their scale atom + fp16 token rows) per k-tile;
+    # copies run stages - 2 k-tiles ahead (the stage of k-tile k - 1 may still be read by
+    # its wgmma when k-tile k + stages - 2 is issued)
+    stages: int = 4
+    # CTAs sharing one output tile along K (a cluster along grid x), as HopperGemmConfig
+    split_k: int = 1
+    # Register A fragments: 1 (the decode of k-tile k waits for wgmma k - 1) or 2 (the
+    # decode of k-tile k runs while wgmma k - 1 reads the other fragment)
+    a_buffers: int = 1
+    # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
+    ctas_per_sm: int = 2
+    arch: str = "sm_90a"
+
+    tile_weights = TILE_M  # two warpgroups of 64 weight rows
+    tile_k = 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.tile_weights // 64)
+
+    @property
+    def weight_stage_bytes(self) -> int:
+        """Packed weight rows of one k-tile (32 bytes each) and their 512-byte scale atom."""
+        return self.tile_weights * (self.tile_k // 2) + SF_ATOM_BYTES
+
+    @property
+    def token_stage_bytes(self) -> int:
+        """fp16 token rows of one k-tile (128 bytes each: one swizzle row)."""
+        return self.tile_tokens * self.tile_k * 2
+
+    def check(self) -> None:
+        if self.tile_tokens % 32 or not 32 <= self.tile_tokens <= 256:
+            raise ValueError(f"tile_tokens={self.tile_tokens}: must be a multiple of 32 in 32..256")
+        if self.stages < 3:
+            raise ValueError(f"stages={self.stages}: must be >= 3")
+        if self.split_k not in (1, 2):
+            raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
+        if self.a_buffers not in (1, 2):
+            raise ValueError(f"a_buffers={self.a_buffers}: must be 1 or 2")
+        if self.ctas_per_sm not in (1, 2, 3):
+            raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
+
+    @property
+    def reduction_bytes(self) -> int:
+        """Split-K: shared memory a summing rank receives (one warpgroup's fp32 sums)."""
+        return 0 if self.split_k == 1 else 64 * self.tile_tokens * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * (self.weight_stage_bytes + self.token_stage_bytes)
+
+
+SWAP_AB_CONFIG = SwapAbConfig()

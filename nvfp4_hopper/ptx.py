@@ -290,13 +290,13 @@ def _place_word_ptx(word: str, destinations: dict) -> list[str]:
     ]
 
 
-def _decode_blocks_asm(num_units: int, mode: str = "chunks") -> str:
+def _decode_blocks_asm(num_units: int, mode: str = "chunks", space: str = "shared") -> str:
     """PTX decoding `num_units` units. All loads are issued first and all stores last, so
     the units' integer work interleaves instead of waiting on each load.
 
-    mode "chunks" (unit = one scale block of one row, into shared memory): operands per
-    unit u: $(4u) packed source (8 bytes), $(4u+1) scale byte, $(4u+2) / $(4u+3) the
-    16-byte destination chunks (CHUNK_REGISTERS).
+    mode "chunks" (unit = one scale block of one row, into memory of `space`, "shared" or
+    "global"): operands per unit u: $(4u) packed source (8 bytes), $(4u+1) scale byte,
+    $(4u+2) / $(4u+3) the 16-byte destination chunks (CHUNK_REGISTERS).
     mode "registers" (unit = rows g and g+8 of a 64-wide k-tile, register-A mode): outputs
     $(16u + 4s + i) = FRAGMENT_REGISTERS[i] of k16 step s; inputs after the 16 * num_units
     outputs, per unit: row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), the
@@ -326,8 +326,9 @@ def _decode_blocks_asm(num_units: int, mode: str = "chunks") -> str:
             lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
             lines.append(f"ld.shared.u32 sh{u}, [${src + 4}];")
         else:
-            lines.append(f"ld.shared.v2.b32 {{w{u}_0, w{u}_1}}, [${src}];")
-            lines.append(f"ld.shared.u8 s{u}, [${src + 1}];")
+            load = "ld.global.nc" if space == "global" else "ld.shared"
+            lines.append(f"{load}.v2.b32 {{w{u}_0, w{u}_1}}, [${src}];")
+            lines.append(f"{load}.u8 s{u}, [${src + 1}];")
     for u in range(num_units):  # scales: fp16x2 (s, s) per row and block
         if registers:
             for row, scales in enumerate((f"sg{u}", f"sh{u}")):
@@ -365,7 +366,7 @@ def _decode_blocks_asm(num_units: int, mode: str = "chunks") -> str:
         else:
             for chunk in range(2):
                 regs = ", ".join(f"r{u}_{chunk}_{i}" for i in range(4))
-                lines.append(f"st.shared.v4.b32 [${4 * u + 2 + chunk}], {{{regs}}};")
+                lines.append(f"st.{space}.v4.b32 [${4 * u + 2 + chunk}], {{{regs}}};")
     lines.append("}")
     return "\n\t".join(lines)
 
@@ -381,6 +382,35 @@ def decode_scale_blocks(addresses, *, loc=None, ip=None):
         operands,
         _decode_blocks_asm(len(addresses), "chunks"),
         ",".join(["r"] * len(operands)) + ",~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def decode_scale_blocks_global(addresses, *, loc=None, ip=None):
+    """decode_scale_blocks from and to global memory; `addresses` lists (packed, scale,
+    dst_lo, dst_hi) global addresses per block (the packed bytes and scales read through
+    the non-coherent path: the kernel never writes them)."""
+    operands = [cutlass.Int64(x).ir_value(loc=loc, ip=ip) for block in addresses for x in block]
+    _inline_asm(
+        None,
+        operands,
+        _decode_blocks_asm(len(addresses), "chunks", space="global"),
+        ",".join(["l"] * len(operands)) + ",~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_f16(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
+    """Round one fp32 to fp16 and store it at global `address`."""
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 half;\n\tcvt.rn.f16.f32 half, $1;\n\tst.global.b16 [$0], half;\n\t}",
+        "l,f,~{memory}",
         loc=loc,
         ip=ip,
     )

@@ -678,6 +678,10 @@ CONFIG_CASES = (
     + [("auto", seed) for seed in range(1000, 1016)]
     + [("stream_k", seed) for seed in range(1200, 1240)]
     + [("tile_n_256_split_k_2", seed) for seed in range(1300, 1332)]
+    + [("swap_ab", seed) for seed in range(1400, 1440)]
+    + [("swap_ab_split_k_2", seed) for seed in range(1500, 1530)]
+    + [("swap_ab_t64", seed) for seed in range(1600, 1620)]
+    + [("swap_ab_2buf", seed) for seed in range(1700, 1720)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -686,6 +690,10 @@ CONFIGS = {
     "auto": None,  # what custom_kernel runs: make_backend(), the config choose_config picks
     "stream_k": hopper.STREAM_K_CONFIG,
     "tile_n_256_split_k_2": hopper.WIDE_SPLIT_K_CONFIG,
+    "swap_ab": hopper.SWAP_AB_CONFIG,
+    "swap_ab_split_k_2": hopper.SwapAbConfig(split_k=2),
+    "swap_ab_t64": hopper.SwapAbConfig(tile_tokens=64, ctas_per_sm=3),
+    "swap_ab_2buf": hopper.SwapAbConfig(a_buffers=2),
 }
 
 
@@ -704,7 +712,8 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @requires_sm90
 @pytest.mark.parametrize(
     "config_name",
-    ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto"],
+    ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto", "swap_ab", "swap_ab_split_k_2",
+     "swap_ab_t64"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):

@@ -1,0 +1,424 @@
+"""The swap-AB sm_90a kernels: a pre-pass that decodes every group's activations once per call
+(Sm90DecodeActivations), and the GEMM that reads them (Sm90SwapAbGemm), with their
+compilation.
+
+The GEMM computes C^T: the weights (problem B, N rows) are wgmma's A operand, decoded from
+their packed bytes straight into register fragments, one warpgroup per 64 weight rows; the
+tokens (problem A, M rows) are wgmma's N operand, so a tile holds any multiple of 32 tokens
+and M pads to that, not to 64-row wgmma blocks. The token rows arrive already decoded (fp16,
+the K permutation of ptx.CHUNK_REGISTERS) from the pre-pass, so each activation is decoded
+once per call instead of once per weight tile, and the GEMM copies them with cp.async into
+the swizzled K-major layout wgmma reads: no decode stores, no proxy fence per decoded stage.
+
+    pre-pass:  A (packed) x SFA --decode--> X (fp16, ΣM x K, L2-resident)
+    GEMM:      B packed + SFB, X rows --cp.async--> stages (``stages`` deep)
+               B --decode--> register A fragments; X stage --wgmma (B from smem)--> fp32
+               --> C[token, n] fp16 (transposed stores)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import cute, utils
+from cutlass.cute.runtime import make_ptr
+
+from .config import SF_ATOM_BYTES, SF_ATOM_ROWS, SF_VEC_SIZE, SwapAbConfig
+from .kernel import _smem_per_sm_known_without_gpu, stage_scale_offset
+from .ptx import (
+    a_word_selector,
+    cp_async_16B,
+    decode_scale_blocks_global,
+    decode_scale_blocks_to_registers,
+    fence_proxy_async_shared_cta,
+    load_f32x4,
+    pack_f16x8,
+    store_f16,
+    store_f32x4_to_rank,
+)
+
+# Pointer table columns (submission's Binding.ptrs): a, b, c, sfa_reordered, sfb_reordered
+_PTR_A, _PTR_B, _PTR_C, _PTR_SFA, _PTR_SFB = range(5)
+# Threads of a pre-pass CTA; each decodes one 16-element scale block of one row
+DECODE_THREADS = 256
+
+
+def activation_blocks(problem_sizes) -> int:
+    """Scale blocks (16 elements) of the largest group's activations: the pre-pass grid's x
+    extent is this over DECODE_THREADS (each group is one grid row)."""
+    return max((m * k // SF_VEC_SIZE for m, _n, k, _l in problem_sizes), default=0)
+
+
+class Sm90DecodeActivations:
+    """Pre-pass: X_g[row, :] = the fp16 decode (v * s * 2^-14, ptx's K permutation) of
+    activation row `row` of group g, for every row of every group; X_g at acts[g]."""
+
+    def __init__(self, num_groups: int):
+        self.num_groups = num_groups
+
+    @cute.jit
+    def __call__(
+        self, ptrs: cute.Pointer, sizes: cute.Pointer, acts: cute.Pointer, blocks_x: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
+        mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
+        mActs = cute.make_tensor(acts, cute.make_layout(self.num_groups))
+        self.kernel(mPtrs, mSizes, mActs).launch(
+            grid=(blocks_x, self.num_groups, 1), block=(DECODE_THREADS, 1, 1), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mActs: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, group, _ = cute.arch.block_idx()
+        m = mSizes[group, 0]
+        k = mSizes[group, 2]
+        blocks_per_row = k // SF_VEC_SIZE
+        item = bidx * DECODE_THREADS + tidx
+        if item < m * blocks_per_row:
+            row = item // blocks_per_row
+            block = item - row * blocks_per_row
+            rest_k = k // (SF_VEC_SIZE * 4)
+            src = mPtrs[group, _PTR_A] + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
+            # reordered scale atom (row // 128, block // 4): 512 bytes, in-atom offset as the
+            # GEMM's stage_scale_offset
+            scale = (
+                mPtrs[group, _PTR_SFA]
+                + (cutlass.Int64(row // SF_ATOM_ROWS) * rest_k + block // 4) * SF_ATOM_BYTES
+                + (row % 32) * 16 + ((row % SF_ATOM_ROWS) // 32) * 4 + block % 4
+            )
+            # a k-tile's 4 blocks fill its 128-byte row image in order, 32 bytes each
+            dst = mActs[group] + cutlass.Int64(row) * (k * 2) + block * (SF_VEC_SIZE * 2)
+            decode_scale_blocks_global([(src, scale, dst, dst + 16)])
+
+
+def make_swap_ab_tiled_mma(config: SwapAbConfig):
+    """fp16 wgmma (fp32 accumulators): one warpgroup per 64 weight rows, weights from
+    registers, tokens from shared memory, both K-major; N = tile_tokens."""
+    return sm90_utils.make_trivial_tiled_mma(
+        cutlass.Float16,
+        cutlass.Float16,
+        cute.nvgpu.warpgroup.OperandMajorMode.K,
+        cute.nvgpu.warpgroup.OperandMajorMode.K,
+        cutlass.Float32,
+        (config.tile_weights // 64, 1, 1),
+        tiler_mn=(64, config.tile_tokens),
+        a_source=cute.nvgpu.warpgroup.OperandSource.RMEM,
+    )
+
+
+class Sm90SwapAbGemm:
+    """Grouped NVFP4 GEMM on sm_90a, swap-AB: one CTA per (group, weight tile, token tile) of
+    the tile table (per split-K rank), cp.async stages -> weight decode into registers ->
+    wgmma with the token rows from shared memory -> transposed fp16 stores."""
+
+    def __init__(self, config: SwapAbConfig, num_groups: int):
+        config.check()
+        self.config = config
+        self.num_groups = num_groups
+        self.tile_w = config.tile_weights
+        self.tile_t = config.tile_tokens
+        self.tile_k = config.tile_k
+        self.num_threads = config.num_threads
+        self.stages = config.stages
+        self.w_row_bytes = config.tile_k // 2  # packed weight bytes of a row per k-tile
+        self.x_row_bytes = config.tile_k * 2  # fp16 token bytes of a row per k-tile
+        self.w_sf_offset = self.tile_w * self.w_row_bytes  # scale atom after the packed rows
+
+    @cute.jit
+    def __call__(
+        self,
+        ptrs: cute.Pointer,
+        sizes: cute.Pointer,
+        tiles: cute.Pointer,
+        num_tiles: cutlass.Int32,
+        acts: cute.Pointer,
+        stream: cuda.CUstream,
+    ):
+        tiled_mma = make_swap_ab_tiled_mma(self.config)
+        x_smem_layout_staged = sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.ROW_MAJOR, (self.tile_w, self.tile_t, self.tile_k), cutlass.Float16, self.stages
+        )
+
+        @cute.struct
+        class SharedStorage:
+            sX: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(x_smem_layout_staged)], 1024]
+            raw_w: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, self.config.weight_stage_bytes * self.stages], 128
+            ]
+
+        self.shared_storage = SharedStorage
+        if cutlass.const_expr(self.config.split_k > 1):
+            # a summing rank receives one warpgroup's sums at the start of sX, free after its
+            # main loop
+            assert self.config.reduction_bytes <= SharedStorage.size_in_bytes()
+
+        mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
+        mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
+        mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, 3), stride=(3, 1)))
+        mActs = cute.make_tensor(acts, cute.make_layout(self.num_groups))
+        split = self.config.split_k
+        self.kernel(tiled_mma, mPtrs, mSizes, mTiles, mActs, x_smem_layout_staged).launch(
+            grid=(num_tiles * split, 1, 1),
+            block=(self.num_threads, 1, 1),
+            cluster=(split, 1, 1) if split > 1 else None,
+            min_blocks_per_mp=self.config.ctas_per_sm,
+            smem=self.shared_storage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # -------------------------------------------------------------------------
+    # Copies: one k-tile of weights, their scales and fp16 token rows into stage `stage`
+    # -------------------------------------------------------------------------
+    @cute.jit
+    def load_stage(
+        self, tidx, w_base, x_base, stage, k_tile, b_addr, sfb_addr, x_addr, m, n0, token0,
+        b_row_bytes, x_row_bytes, rest_k,
+    ):
+        w_stage = w_base + stage * self.config.weight_stage_bytes
+        # packed weight rows: 32 bytes (two 16-byte chunks) per row
+        for i in cutlass.range_constexpr(self.tile_w * 2 // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            row = chunk // 2
+            part = chunk % 2
+            src = b_addr + cutlass.Int64(n0 + row) * b_row_bytes + k_tile * self.w_row_bytes + part * 16
+            cp_async_16B(w_stage + row * self.w_row_bytes + part * 16, src, 16)
+        # the weights' scale atom: 512 contiguous bytes per 128 rows and k-tile
+        if tidx < SF_ATOM_BYTES // 16:
+            src = sfb_addr + (cutlass.Int64(n0 // SF_ATOM_ROWS) * rest_k + k_tile) * SF_ATOM_BYTES + tidx * 16
+            cp_async_16B(w_stage + self.w_sf_offset + tidx * 16, src, 16)
+        # fp16 token rows (zero-filled past M) into the 128-byte swizzle: 16-byte chunk c of
+        # row r at chunk c ^ (r % 8) of its 128-byte row
+        x_stage = x_base + stage * self.config.token_stage_bytes
+        chunks_per_row = self.x_row_bytes // 16
+        for i in cutlass.range_constexpr(self.tile_t * chunks_per_row // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            row = chunk // chunks_per_row
+            part = chunk % chunks_per_row
+            valid = (token0 + row) < m
+            src_row = (token0 + row) if valid else 0
+            src = x_addr + cutlass.Int64(src_row) * x_row_bytes + k_tile * self.x_row_bytes + part * 16
+            cp_async_16B(x_stage + row * self.x_row_bytes + (part ^ (row % 8)) * 16, src, 16 if valid else 0)
+
+    @cute.jit
+    def decode_weights(self, tidx, w_base, stage, a_frag):
+        """Lane (g, t) of warp w in warpgroup v decodes weight rows 64 v + 16 w + g and + 8 of
+        the stage into its wgmma A fragment (ptx's register mode and K permutation)."""
+        w_stage = w_base + stage * self.config.weight_stage_bytes
+        lane = tidx % 32
+        row = (tidx // 32) * 16 + lane // 4
+        t = lane % 4
+        half_offset = (t // 2) * 4
+        # a_word_selector(t) depends on t % 2 only, by one step per byte selector
+        selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
+        rows = (row, row + 8)
+        unit = (
+            *(w_stage + r * self.w_row_bytes + half_offset for r in rows),
+            selector,
+            *(stage_scale_offset(r, 0, base=w_stage + self.w_sf_offset) for r in rows),
+        )
+        steps = decode_scale_blocks_to_registers([unit])[0]
+        for step in cutlass.range_constexpr(self.tile_k // 16):
+            step_frag = a_frag[(None, 0, step)]
+            step_frag.store(cute.TensorSSA(pack_f16x8(steps[step]), step_frag.shape, cutlass.Float16))
+
+    def mma_k_tile(self, tiled_mma, accumulators, a_frag, tCrB, stage):
+        """The wgmma of one k-tile as one commit group (plain Python: traced inline)."""
+        cute.nvgpu.warpgroup.fence()
+        for k_block in range(self.tile_k // 16):
+            cute.gemm(tiled_mma, accumulators, a_frag[(None, None, k_block)], tCrB[(None, None, k_block, stage)],
+                      accumulators)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        mPtrs: cute.Tensor,
+        mSizes: cute.Tensor,
+        mTiles: cute.Tensor,
+        mActs: cute.Tensor,
+        x_smem_layout_staged: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sX = storage.sX.get_tensor(x_smem_layout_staged.outer, swizzle=x_smem_layout_staged.inner)
+        x_base = storage.sX.data_ptr().toint()
+        w_base = storage.raw_w.data_ptr().toint()
+
+        warp_group_thread_layout = cute.make_layout(self.tile_w // 64, stride=128)
+        thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
+        a_frag_shape = tiled_mma.partition_shape_A((self.tile_w, self.tile_k))
+        a_frags = [cute.make_rmem_tensor(a_frag_shape, cutlass.Float16) for _ in range(self.config.a_buffers)]
+        acc_shape = thr_mma.partition_C(cute.make_identity_tensor((self.tile_w, self.tile_t))).shape
+        accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        accumulators.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+
+        # tile row: (group, token tile, weight tile); split-K rank r of a cluster runs k-tiles
+        # r * cnt .. (r + 1) * cnt
+        split = self.config.split_k
+        tile_idx = bidx // split
+        group = mTiles[tile_idx, 0]
+        token_tile = mTiles[tile_idx, 1]
+        weight_tile = mTiles[tile_idx, 2]
+        m = mSizes[group, 0]
+        n = mSizes[group, 1]
+        k = mSizes[group, 2]
+        token0 = token_tile * self.tile_t
+        n0 = weight_tile * self.tile_w
+        k_tile_cnt = k // (self.tile_k * split)
+        k_tile_begin = (bidx % split) * k_tile_cnt
+        b_row_bytes = k // 2
+        x_row_bytes = k * 2
+        rest_k = k // (SF_VEC_SIZE * 4)
+        # the rank's first k-tile moves into the base addresses: its loop runs from 0
+        b_addr = mPtrs[group, _PTR_B] + cutlass.Int64(k_tile_begin) * self.w_row_bytes
+        sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
+        x_addr = mActs[group] + cutlass.Int64(k_tile_begin) * self.x_row_bytes
+
+        # Prologue: k-tiles 0 .. stages - 3 (copies run stages - 2 ahead)
+        for s in cutlass.range_constexpr(self.stages - 2):
+            if s < k_tile_cnt:
+                self.load_stage(tidx, w_base, x_base, s, s, b_addr, sfb_addr, x_addr, m, n0, token0,
+                                b_row_bytes, x_row_bytes, rest_k)
+            cute.arch.cp_async_commit_group()
+
+        # Main loop, unrolled by 2 so that the A fragment of a k-tile is static (k_tile_cnt is
+        # even: K % 256 == 0, halved by split-K)
+        for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
+            for half in cutlass.range_constexpr(2):
+                k_tile = 2 * k_pair + half
+                stage = k_tile % self.stages
+                # k-tile k_tile landed (this thread's copies), visible to the async proxy
+                # (wgmma), then to every thread; every warpgroup has retired wgmma k_tile - 2
+                cute.arch.cp_async_wait_group(self.stages - 3)
+                fence_proxy_async_shared_cta()
+                cute.arch.sync_threads()
+                next_tile = k_tile + self.stages - 2
+                if next_tile < k_tile_cnt:
+                    self.load_stage(tidx, w_base, x_base, next_tile % self.stages, next_tile, b_addr, sfb_addr,
+                                    x_addr, m, n0, token0, b_row_bytes, x_row_bytes, rest_k)
+                cute.arch.cp_async_commit_group()
+                a_frag = a_frags[half % self.config.a_buffers]
+                if cutlass.const_expr(self.config.a_buffers == 1):
+                    cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
+                self.decode_weights(tidx, w_base, stage, a_frag)
+                self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, stage)
+                cute.nvgpu.warpgroup.wait_group(1)
+
+        cute.nvgpu.warpgroup.wait_group(0)
+        cute.arch.cp_async_wait_group(0)
+
+        stores = True
+        if cutlass.const_expr(split > 1):
+            self.reduce_split_k(tidx, warp_group_idx, x_base, accumulators)
+            stores = cute.arch.block_idx_in_cluster() == warp_group_idx % split
+        if stores:
+            self.store_tile(tiled_mma, tidx, accumulators, mPtrs[group, _PTR_C], m, n, token_tile, weight_tile)
+
+    @cute.jit
+    def reduce_split_k(self, tidx, warp_group_idx, reduction_base, accumulators):
+        """Split-K: rank r sums and stores the rows of warpgroup r; the other rank sends it
+        that warpgroup's fp32 sums through DSMEM (16 bytes per store, a warp's stores
+        contiguous)."""
+        num_vectors = cute.size(accumulators) // 4
+        k_rank = cute.arch.block_idx_in_cluster()
+        summing_rank = warp_group_idx % self.config.split_k
+        slot_thread = tidx % 128
+        # every thread of the cluster is past its main loop: the receiving buffers are free
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if k_rank != summing_rank:
+            for j in cutlass.range_constexpr(num_vectors):
+                store_f32x4_to_rank(
+                    reduction_base + (j * 128 + slot_thread) * 16,
+                    [accumulators[4 * j + e] for e in range(4)],
+                    summing_rank,
+                )
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if k_rank == summing_rank:
+            for j in cutlass.range_constexpr(num_vectors):
+                partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
+                for e in cutlass.range_constexpr(4):
+                    accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
+
+    @cute.jit
+    def store_tile(self, tiled_mma, tidx, accumulators, c_addr, m, n, token_tile, weight_tile):
+        """Epilogue: the fp32 sums of (weight row, token) -> fp16 C[token, weight row], stores
+        predicated on M (N is a multiple of the weight tile)."""
+        cC = cute.local_tile(
+            cute.make_identity_tensor((n, m)), (self.tile_w, self.tile_t), (weight_tile, token_tile)
+        )
+        tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
+        # both operands carry 2^-14 (the decode's one multiply): exact rescale
+        acc_scale = cutlass.Float32(2.0**28)
+        for i in cutlass.range_constexpr(cute.size(accumulators)):
+            coord = tCcC[i]
+            if coord[1] < m:
+                store_f16(c_addr + (cutlass.Int64(coord[1]) * n + coord[0]) * 2, accumulators[i] * acc_scale)
+
+
+# =============================================================================
+# Compilation
+# =============================================================================
+def _fake_ptr(dtype):
+    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+
+_compiled_cache: dict = {}
+
+
+def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig = SwapAbConfig()):
+    """Compile (cached) the swap-AB GEMM; the key is everything baked in."""
+    key = ("gemm", num_groups, config, options)
+    if key not in _compiled_cache:
+        kernel = Sm90SwapAbGemm(config, num_groups)
+        with _smem_per_sm_known_without_gpu():
+            _compiled_cache[key] = cute.compile(
+                kernel,
+                _fake_ptr(cutlass.Int64),
+                _fake_ptr(cutlass.Int32),
+                _fake_ptr(cutlass.Int32),
+                cutlass.Int32(1),
+                _fake_ptr(cutlass.Int64),
+                cuda.CUstream(0),
+                **({"options": options} if options else {}),
+            )
+    return _compiled_cache[key]
+
+
+def compile_decode_activations(num_groups: int, options: str | None = None):
+    """Compile (cached) the activation pre-pass for num_groups groups."""
+    key = ("decode", num_groups, options)
+    if key not in _compiled_cache:
+        _compiled_cache[key] = cute.compile(
+            Sm90DecodeActivations(num_groups),
+            _fake_ptr(cutlass.Int64),
+            _fake_ptr(cutlass.Int32),
+            _fake_ptr(cutlass.Int64),
+            cutlass.Int32(1),
+            cuda.CUstream(0),
+            **({"options": options} if options else {}),
+        )
+    return _compiled_cache[key]
+
+
+def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
+    """The swap-AB kernels for the build report: (kernel name, arch, compile(G, options))."""
+    config = SwapAbConfig()
+    return [
+        ("sm90_decode_activations", config.arch, compile_decode_activations),
+        ("sm90_swap_ab_gemm", config.arch, lambda g, options: compile_swap_ab_gemm(g, options, config)),
+    ]
