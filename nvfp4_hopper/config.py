@@ -183,9 +183,15 @@ class SwapAbConfig:
     a_buffers: int = 1
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
+    # Programmatic dependent launch after the pre-pass: the GEMM's CTAs start, and copy their
+    # first weight stages, while the pre-pass finishes; they wait for it before their first
+    # token rows (griddepcontrol.wait)
+    pdl: bool = True
+    # Weight rows per tile (wgmma M): one warpgroup per 64. 256 (512 threads, one CTA per SM)
+    # reads each token tile's fp16 rows once per 256 weight rows instead of per 128.
+    tile_weights: int = 128
     arch: str = "sm_90a"
 
-    tile_weights = TILE_M  # two warpgroups of 64 weight rows
     tile_k = 64
 
     @property
@@ -195,7 +201,12 @@ class SwapAbConfig:
     @property
     def weight_stage_bytes(self) -> int:
         """Packed weight rows of one k-tile (32 bytes each) and their 512-byte scale atom."""
-        return self.tile_weights * (self.tile_k // 2) + SF_ATOM_BYTES
+        return self.tile_weights * (self.tile_k // 2) + self.weight_sf_atoms * SF_ATOM_BYTES
+
+    @property
+    def weight_sf_atoms(self) -> int:
+        """512-byte scale atoms of the weights per k-tile (one per 128 rows)."""
+        return self.tile_weights // SF_ATOM_ROWS
 
     @property
     def token_stage_bytes(self) -> int:
@@ -211,13 +222,23 @@ class SwapAbConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.a_buffers not in (1, 2):
             raise ValueError(f"a_buffers={self.a_buffers}: must be 1 or 2")
+        if self.tile_weights not in (128, 256):
+            raise ValueError(f"tile_weights={self.tile_weights}: must be 128 or 256")
+        if self.tile_weights == 256 and self.ctas_per_sm != 1:
+            raise ValueError("tile_weights=256 (512 threads) runs one CTA per SM: ctas_per_sm must be 1")
+        if self.tile_tokens * 8 % self.num_threads:
+            raise ValueError(f"tile_tokens={self.tile_tokens}: its 16-byte chunks per k-tile "
+                             f"(8 per token) must split evenly over {self.num_threads} threads")
         if self.ctas_per_sm not in (1, 2, 3):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
 
     @property
     def reduction_bytes(self) -> int:
-        """Split-K: shared memory a summing rank receives (one warpgroup's fp32 sums)."""
-        return 0 if self.split_k == 1 else 64 * self.tile_tokens * 4
+        """Split-K: shared memory a summing rank receives (the fp32 sums of the warpgroups
+        it sums: every split_k-th one)."""
+        if self.split_k == 1:
+            return 0
+        return self.tile_weights // 64 // self.split_k * 64 * self.tile_tokens * 4
 
     @property
     def smem_bytes(self) -> int:

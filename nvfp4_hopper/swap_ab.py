@@ -74,6 +74,9 @@ class Sm90DecodeActivations:
 
     @cute.kernel
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mActs: cute.Tensor):
+        # the GEMM (launched as this grid's programmatic dependent) may start now: it waits
+        # for this grid's completion before it reads what this grid writes
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, group, _ = cute.arch.block_idx()
         m = mSizes[group, 0]
@@ -154,7 +157,7 @@ class Sm90SwapAbGemm:
 
         self.shared_storage = SharedStorage
         if cutlass.const_expr(self.config.split_k > 1):
-            # a summing rank receives one warpgroup's sums at the start of sX, free after its
+            # a summing rank receives its warpgroups' sums at the start of sX, free after its
             # main loop
             assert self.config.reduction_bytes <= SharedStorage.size_in_bytes()
 
@@ -168,6 +171,7 @@ class Sm90SwapAbGemm:
             block=(self.num_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
             min_blocks_per_mp=self.config.ctas_per_sm,
+            use_pdl=self.config.pdl,
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
         )
@@ -180,6 +184,11 @@ class Sm90SwapAbGemm:
         self, tidx, w_base, x_base, stage, k_tile, b_addr, sfb_addr, x_addr, m, n0, token0,
         b_row_bytes, x_row_bytes, rest_k,
     ):
+        self.load_weights(tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
+        self.load_tokens(tidx, x_base, stage, k_tile, x_addr, m, token0, x_row_bytes)
+
+    @cute.jit
+    def load_weights(self, tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k):
         w_stage = w_base + stage * self.config.weight_stage_bytes
         # packed weight rows: 32 bytes (two 16-byte chunks) per row
         for i in cutlass.range_constexpr(self.tile_w * 2 // self.num_threads):
@@ -188,10 +197,17 @@ class Sm90SwapAbGemm:
             part = chunk % 2
             src = b_addr + cutlass.Int64(n0 + row) * b_row_bytes + k_tile * self.w_row_bytes + part * 16
             cp_async_16B(w_stage + row * self.w_row_bytes + part * 16, src, 16)
-        # the weights' scale atom: 512 contiguous bytes per 128 rows and k-tile
-        if tidx < SF_ATOM_BYTES // 16:
-            src = sfb_addr + (cutlass.Int64(n0 // SF_ATOM_ROWS) * rest_k + k_tile) * SF_ATOM_BYTES + tidx * 16
+        # the weights' scale atoms: 512 contiguous bytes per 128 rows and k-tile
+        if tidx < self.config.weight_sf_atoms * (SF_ATOM_BYTES // 16):
+            atom = tidx // (SF_ATOM_BYTES // 16)
+            part = tidx % (SF_ATOM_BYTES // 16)
+            src = (
+                sfb_addr + (cutlass.Int64(n0 // SF_ATOM_ROWS + atom) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
+            )
             cp_async_16B(w_stage + self.w_sf_offset + tidx * 16, src, 16)
+
+    @cute.jit
+    def load_tokens(self, tidx, x_base, stage, k_tile, x_addr, m, token0, x_row_bytes):
         # fp16 token rows (zero-filled past M) into the 128-byte swizzle: 16-byte chunk c of
         # row r at chunk c ^ (r % 8) of its 128-byte row
         x_stage = x_base + stage * self.config.token_stage_bytes
@@ -287,11 +303,19 @@ class Sm90SwapAbGemm:
         sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
         x_addr = mActs[group] + cutlass.Int64(k_tile_begin) * self.x_row_bytes
 
-        # Prologue: k-tiles 0 .. stages - 3 (copies run stages - 2 ahead)
+        # Prologue: k-tiles 0 .. stages - 3 (copies run stages - 2 ahead; k_tile_cnt >= 2).
+        # The weights first, as one commit group: they do not depend on the pre-pass, whose
+        # completion the token rows wait for. Then one group per k-tile of token rows, so
+        # that the main loop's wait count holds (its k-tiles commit one group each).
         for s in cutlass.range_constexpr(self.stages - 2):
             if s < k_tile_cnt:
-                self.load_stage(tidx, w_base, x_base, s, s, b_addr, sfb_addr, x_addr, m, n0, token0,
-                                b_row_bytes, x_row_bytes, rest_k)
+                self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.config.pdl):
+            cute.arch.griddepcontrol_wait()
+        for s in cutlass.range_constexpr(self.stages - 2):
+            if s < k_tile_cnt:
+                self.load_tokens(tidx, x_base, s, s, x_addr, m, token0, x_row_bytes)
             cute.arch.cp_async_commit_group()
 
         # Main loop, unrolled by 2 so that the A fragment of a k-tile is static (k_tile_cnt is
@@ -335,7 +359,8 @@ class Sm90SwapAbGemm:
         num_vectors = cute.size(accumulators) // 4
         k_rank = cute.arch.block_idx_in_cluster()
         summing_rank = warp_group_idx % self.config.split_k
-        slot_thread = tidx % 128
+        # a rank receives from the warpgroups it sums: warpgroup w uses slot w // split_k
+        slot_thread = (warp_group_idx // self.config.split_k) * 128 * num_vectors + tidx % 128
         # every thread of the cluster is past its main loop: the receiving buffers are free
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
