@@ -90,10 +90,6 @@ def compare_configs(repeats, names=None):
         "stream k": hopper.STREAM_K_CONFIG,
         "swap t128": hopper.SWAP_AB_CONFIG,
         "swap t128 split 2": hopper.SwapAbConfig(split_k=2),
-        "swap nopdl": hopper.SwapAbConfig(pdl=False),
-        "swap w256": hopper.SwapAbConfig(tile_weights=256, ctas_per_sm=1),
-        "swap w256 split 2": hopper.SwapAbConfig(tile_weights=256, ctas_per_sm=1, split_k=2),
-        "swap w256 t64": hopper.SwapAbConfig(tile_weights=256, ctas_per_sm=1, tile_tokens=64),
         # what custom_kernel runs: the config hopper.choose_config picks per size set
         "auto": None,
     }

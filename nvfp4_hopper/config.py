@@ -183,15 +183,12 @@ class SwapAbConfig:
     a_buffers: int = 1
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
-    # Programmatic dependent launch after the pre-pass: the GEMM's CTAs start, and copy their
-    # first weight stages, while the pre-pass finishes; they wait for it before their first
-    # token rows (griddepcontrol.wait)
-    pdl: bool = True
-    # Weight rows per tile (wgmma M): one warpgroup per 64. 256 (512 threads, one CTA per SM)
-    # reads each token tile's fp16 rows once per 256 weight rows instead of per 128.
-    tile_weights: int = 128
+    # No programmatic dependent launch after the pre-pass: slower; docs/EXPERIMENTS.md.
     arch: str = "sm_90a"
 
+    # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA
+    # per SM, each token row read once per 256 weight rows): slower; docs/EXPERIMENTS.md.
+    tile_weights = TILE_M
     tile_k = 64
 
     @property
@@ -222,10 +219,6 @@ class SwapAbConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.a_buffers not in (1, 2):
             raise ValueError(f"a_buffers={self.a_buffers}: must be 1 or 2")
-        if self.tile_weights not in (128, 256):
-            raise ValueError(f"tile_weights={self.tile_weights}: must be 128 or 256")
-        if self.tile_weights == 256 and self.ctas_per_sm != 1:
-            raise ValueError("tile_weights=256 (512 threads) runs one CTA per SM: ctas_per_sm must be 1")
         if self.tile_tokens * 8 % self.num_threads:
             raise ValueError(f"tile_tokens={self.tile_tokens}: its 16-byte chunks per k-tile "
                              f"(8 per token) must split evenly over {self.num_threads} threads")

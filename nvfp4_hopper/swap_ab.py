@@ -74,9 +74,6 @@ class Sm90DecodeActivations:
 
     @cute.kernel
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mActs: cute.Tensor):
-        # the GEMM (launched as this grid's programmatic dependent) may start now: it waits
-        # for this grid's completion before it reads what this grid writes
-        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, group, _ = cute.arch.block_idx()
         m = mSizes[group, 0]
@@ -171,7 +168,6 @@ class Sm90SwapAbGemm:
             block=(self.num_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
             min_blocks_per_mp=self.config.ctas_per_sm,
-            use_pdl=self.config.pdl,
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
         )
@@ -303,19 +299,11 @@ class Sm90SwapAbGemm:
         sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
         x_addr = mActs[group] + cutlass.Int64(k_tile_begin) * self.x_row_bytes
 
-        # Prologue: k-tiles 0 .. stages - 3 (copies run stages - 2 ahead; k_tile_cnt >= 2).
-        # The weights first, as one commit group: they do not depend on the pre-pass, whose
-        # completion the token rows wait for. Then one group per k-tile of token rows, so
-        # that the main loop's wait count holds (its k-tiles commit one group each).
+        # Prologue: k-tiles 0 .. stages - 3 (copies run stages - 2 ahead)
         for s in cutlass.range_constexpr(self.stages - 2):
             if s < k_tile_cnt:
-                self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
-        cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.config.pdl):
-            cute.arch.griddepcontrol_wait()
-        for s in cutlass.range_constexpr(self.stages - 2):
-            if s < k_tile_cnt:
-                self.load_tokens(tidx, x_base, s, s, x_addr, m, token0, x_row_bytes)
+                self.load_stage(tidx, w_base, x_base, s, s, b_addr, sfb_addr, x_addr, m, n0, token0,
+                                b_row_bytes, x_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
 
         # Main loop, unrolled by 2 so that the A fragment of a k-tile is static (k_tile_cnt is

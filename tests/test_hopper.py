@@ -680,8 +680,6 @@ CONFIG_CASES = (
     + [("tile_n_256_split_k_2", seed) for seed in range(1300, 1332)]
     + [("swap_ab", seed) for seed in range(1400, 1440)]
     + [("swap_ab_split_k_2", seed) for seed in range(1500, 1530)]
-    + [("swap_ab_w256", seed) for seed in range(1600, 1630)]
-    + [("swap_ab_w256_split_k_2", seed) for seed in range(1700, 1730)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -692,8 +690,6 @@ CONFIGS = {
     "tile_n_256_split_k_2": hopper.WIDE_SPLIT_K_CONFIG,
     "swap_ab": hopper.SWAP_AB_CONFIG,
     "swap_ab_split_k_2": hopper.SwapAbConfig(split_k=2),
-    "swap_ab_w256": hopper.SwapAbConfig(tile_weights=256, ctas_per_sm=1),
-    "swap_ab_w256_split_k_2": hopper.SwapAbConfig(tile_weights=256, ctas_per_sm=1, split_k=2),
 }
 
 
@@ -712,8 +708,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @requires_sm90
 @pytest.mark.parametrize(
     "config_name",
-    ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto", "swap_ab", "swap_ab_split_k_2",
-     "swap_ab_w256", "swap_ab_w256_split_k_2"],
+    ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto", "swap_ab", "swap_ab_split_k_2"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):
