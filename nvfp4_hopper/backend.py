@@ -11,7 +11,12 @@ from cutlass.cute.runtime import make_ptr
 from .config import CTAS_PER_SM, HopperGemmConfig, SwapAbConfig, can_implement
 from .kernel import compile_gemm
 from .schedules import StreamKPlan, choose_config
-from .swap_ab import DECODE_THREADS, activation_blocks, compile_decode_activations, compile_swap_ab_gemm
+from .swap_ab import (
+    DECODE_THREADS,
+    activation_blocks,
+    compile_decode_activations,
+    compile_swap_ab_gemm,
+)
 
 
 def _gmem_ptr(dtype, tensor: torch.Tensor):

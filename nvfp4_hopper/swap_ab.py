@@ -27,7 +27,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import cute, utils
 from cutlass.cute.runtime import make_ptr
 
-from .config import SF_ATOM_BYTES, SF_ATOM_ROWS, SF_VEC_SIZE, SwapAbConfig
+from .config import (
+    SF_ATOM_BYTES,
+    SF_ATOM_ROWS,
+    SF_VEC_SIZE,
+    SWAP_AB_CONFIG,
+    SwapAbConfig,
+)
 from .kernel import _smem_per_sm_known_without_gpu, stage_scale_offset
 from .ptx import (
     a_word_selector,
@@ -393,7 +399,7 @@ def _fake_ptr(dtype):
 _compiled_cache: dict = {}
 
 
-def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig = SwapAbConfig()):
+def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig = SWAP_AB_CONFIG):
     """Compile (cached) the swap-AB GEMM; the key is everything baked in."""
     key = ("gemm", num_groups, config, options)
     if key not in _compiled_cache:
