@@ -83,15 +83,19 @@ def compare_configs(repeats, names=None):
     import submission
     from reference import match_outputs, ref_kernel
 
+    # column -> (config, kernel): a config runs as given; None runs the automatic choice of
+    # `kernel` (None: the default backend's kernel, what custom_kernel runs)
     configs = {
-        "whole tiles": hopper.SM90_CONFIG,
-        "split 2": hopper.SPLIT_K_CONFIG,
-        "n256 split 2": hopper.WIDE_SPLIT_K_CONFIG,
-        "stream k": hopper.STREAM_K_CONFIG,
-        "swap t128": hopper.SWAP_AB_CONFIG,
-        "swap t128 split 2": hopper.SwapAbConfig(split_k=2),
-        # what custom_kernel runs: the config hopper.choose_config picks per size set
-        "auto": None,
+        "whole tiles": (hopper.SM90_CONFIG, None),
+        "split 2": (hopper.SPLIT_K_CONFIG, None),
+        "n256 split 2": (hopper.WIDE_SPLIT_K_CONFIG, None),
+        "stream k": (hopper.STREAM_K_CONFIG, None),
+        "in-gemm auto": (None, "in_gemm_decode"),
+        "swap t128": (hopper.SWAP_AB_CONFIG, None),
+        "swap split 2": (hopper.SWAP_AB_SPLIT_K_CONFIG, None),
+        "swap t192": (hopper.SwapAbConfig(tile_tokens=192, ctas_per_sm=1), None),
+        "swap t256": (hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1), None),
+        "auto": (None, None),
     }
     if names:
         unknown = set(names) - set(configs)
@@ -110,8 +114,8 @@ def compare_configs(repeats, names=None):
         expected = ref_kernel(inputs[0])
         expected = [c.clone() for c in expected]
         cells = []
-        for config in configs.values():
-            backend = hopper.make_backend(config)  # None: the default backend
+        for config, kernel in configs.values():
+            backend = hopper.make_backend(config, kernel)
             states = [submission.bind_input_set(data, backend) for data in inputs]
             for _, _, c in inputs[0][0]:
                 c.fill_(float("nan"))

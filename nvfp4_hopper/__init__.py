@@ -56,7 +56,15 @@ docs/EXPERIMENTS.md, each with a one-line note at its decision point here.
 Standalone use of one config on an H200: ``submission.run_with_backend(data, make_backend(config))``.
 """
 
-from .backend import Sm90Backend, Sm90Plan, current_num_sms, make_backend
+from .backend import (
+    SM90_KERNELS,
+    ActivationBuffer,
+    Sm90Backend,
+    Sm90Plan,
+    current_num_sms,
+    default_kernel,
+    make_backend,
+)
 from .config import (
     CTAS_PER_SM,
     MAX_GROUPS,
@@ -68,6 +76,7 @@ from .config import (
     SPLIT_K_CONFIG,
     STREAM_K_CONFIG,
     SWAP_AB_CONFIG,
+    SWAP_AB_SPLIT_K_CONFIG,
     TILE_M,
     WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
@@ -77,10 +86,10 @@ from .config import (
 from .kernel import (
     Sm90Nvfp4GroupedGemm,
     compile_gemm,
-    compile_targets,
     make_tiled_mma,
     stage_scale_offset,
 )
+from .kernel import compile_targets as in_gemm_decode_compile_targets
 from .ptx import (
     CHUNK_REGISTERS,
     FRAGMENT_REGISTERS,
@@ -93,9 +102,11 @@ from .schedules import (
     STREAM_K_SEGMENT_COST,
     StreamKPlan,
     choose_config,
+    choose_swap_ab_config,
     plan_stream_k,
     split_k_pays,
     stream_k_pays,
+    swap_ab_tiles,
     tile_k_tiles,
     tile_k_tiles_of,
     wide_split_k_fits,
@@ -105,7 +116,15 @@ from .swap_ab import (
     Sm90SwapAbGemm,
     compile_decode_activations,
     compile_swap_ab_gemm,
+    swap_ab_compile_targets,
 )
+
+
+def compile_targets():
+    """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)),
+    the swap-AB kernels first."""
+    return swap_ab_compile_targets() + in_gemm_decode_compile_targets()
+
 
 __all__ = [
     "CHUNK_REGISTERS",
@@ -119,13 +138,16 @@ __all__ = [
     "SF_ATOM_ROWS",
     "SF_VEC_SIZE",
     "SM90_CONFIG",
+    "SM90_KERNELS",
     "SPLIT_K_CONFIG",
     "STREAM_K_CONFIG",
     "STREAM_K_MIN_SEGMENT",
     "STREAM_K_SEGMENT_COST",
     "SWAP_AB_CONFIG",
+    "SWAP_AB_SPLIT_K_CONFIG",
     "TILE_M",
     "WIDE_SPLIT_K_CONFIG",
+    "ActivationBuffer",
     "HopperGemmConfig",
     "Sm90Backend",
     "Sm90DecodeActivations",
@@ -137,17 +159,20 @@ __all__ = [
     "a_word_selector",
     "can_implement",
     "choose_config",
+    "choose_swap_ab_config",
     "compile_decode_activations",
     "compile_gemm",
     "compile_swap_ab_gemm",
     "compile_targets",
     "current_num_sms",
+    "default_kernel",
     "make_backend",
     "make_tiled_mma",
     "plan_stream_k",
     "split_k_pays",
     "stage_scale_offset",
     "stream_k_pays",
+    "swap_ab_tiles",
     "tile_k_tiles",
     "tile_k_tiles_of",
     "wide_split_k_fits",

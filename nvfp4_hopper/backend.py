@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import cuda.bindings.driver as cuda
 import cutlass
 import torch
@@ -10,7 +12,7 @@ from cutlass.cute.runtime import make_ptr
 
 from .config import CTAS_PER_SM, HopperGemmConfig, SwapAbConfig, can_implement
 from .kernel import compile_gemm
-from .schedules import StreamKPlan, choose_config
+from .schedules import StreamKPlan, choose_config, choose_swap_ab_config
 from .swap_ab import (
     DECODE_THREADS,
     activation_blocks,
@@ -100,32 +102,56 @@ class Sm90Plan:
             scratch.record_stream(stream)
 
 
+# The sm_90 kernels: "swap_ab" (swap_ab.py: an activation pre-pass, then the weights decoded
+# into wgmma's register A with the tokens as N) and "in_gemm_decode" (kernel.py: both operands
+# decoded inside the GEMM, no scratch beyond stream-K's). The default is swap_ab; H200 device
+# µs, benchmark shapes 0-3, one bench/peers.py --configs run: 175.5 / 107.0 / 42.7 / 21.5 vs
+# in_gemm_decode's own automatic choice 185.0 / 116.0 / 43.8 / 24.2. in_gemm_decode needs no
+# ΣM x K x 2 bytes of activation scratch. NVFP4_SM90_KERNEL picks the default backend's kernel.
+SM90_KERNELS = ("swap_ab", "in_gemm_decode")
+
+
+def default_kernel() -> str:
+    """NVFP4_SM90_KERNEL (swap_ab when unset); ValueError naming the allowed values."""
+    kernel = os.environ.get("NVFP4_SM90_KERNEL", "swap_ab")
+    if kernel not in SM90_KERNELS:
+        raise ValueError(f"NVFP4_SM90_KERNEL={kernel!r}: must be one of {', '.join(SM90_KERNELS)}")
+    return kernel
+
+
 class Sm90Backend:
     """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host
-    runtime: no descriptors (the kernel reads the pointer table), so a plan is the config its
-    size set runs and, for stream-K, its schedule and scratch.
+    runtime: no descriptors (the kernels read the pointer table), so a plan is the config its
+    size set runs and its scratch (swap-AB's decoded activations, stream-K's workspace).
 
-    config None (custom_kernel's backend): per size set the config schedules.choose_config
-    picks from the sizes (stream-K, split-K with 128x128 or 128x256 tiles, or whole tiles);
-    tile_shape and prepare ask the same question, so the tile table is planned with the
-    tile shape of the kernel that runs it. Otherwise `config` runs every input set."""
+    config None (custom_kernel's backend): per size set the config of `kernel` picked from
+    the sizes: swap_ab, schedules.choose_swap_ab_config (split-K where tiles are few);
+    in_gemm_decode, schedules.choose_config (stream-K, split-K with 128x128 or 128x256 tiles,
+    or whole tiles). tile_shape, plan_tiles and prepare ask the same question, so the tile
+    table is planned with the tile shape of the kernel that runs it. Otherwise `config` (a
+    SwapAbConfig or a HopperGemmConfig) runs every input set."""
 
     name = "sm90"
 
-    def __init__(self, config: HopperGemmConfig | None = None):
+    def __init__(self, config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str = "swap_ab"):
         if config is not None:
             config.check()
+        if kernel not in SM90_KERNELS:
+            raise ValueError(f"kernel={kernel!r}: must be one of {', '.join(SM90_KERNELS)}")
         self.config = config
+        self.kernel = kernel
 
     @property
     def plan_key(self):
         """What, besides the device and the sizes, a plan of this backend depends on."""
-        return (self.name, self.config)
+        return (self.name, self.config, self.kernel)
 
-    def config_for(self, problem_sizes) -> HopperGemmConfig:
+    def config_for(self, problem_sizes) -> HopperGemmConfig | SwapAbConfig:
         """The config a size set runs."""
         if self.config is not None:
             return self.config
+        if self.kernel == "swap_ab":
+            return choose_swap_ab_config(problem_sizes, current_num_sms())
         return choose_config(problem_sizes, current_num_sms())
 
     def compile(self, num_groups: int, config):
@@ -209,7 +235,8 @@ class Sm90Backend:
         )
 
 
-def make_backend(config: HopperGemmConfig | None = None) -> Sm90Backend:
-    """The backend custom_kernel uses (config None: the automatic choice per size set), or one
-    running `config` as given for every input set."""
-    return Sm90Backend(config)
+def make_backend(config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str | None = None) -> Sm90Backend:
+    """The backend custom_kernel uses (config None: the automatic choice per size set of
+    `kernel`, default_kernel() when None), or one running `config` as given for every input
+    set."""
+    return Sm90Backend(config, default_kernel() if kernel is None else kernel)

@@ -178,9 +178,8 @@ class SwapAbConfig:
     stages: int = 4
     # CTAs sharing one output tile along K (a cluster along grid x), as HopperGemmConfig
     split_k: int = 1
-    # Register A fragments: 1 (the decode of k-tile k waits for wgmma k - 1) or 2 (the
-    # decode of k-tile k runs while wgmma k - 1 reads the other fragment)
-    a_buffers: int = 1
+    # One register A fragment: the decode of k-tile k waits for wgmma k - 1. Two (the decode of
+    # k + 1 while wgmma k reads the other): no faster; docs/EXPERIMENTS.md.
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
     # No programmatic dependent launch after the pre-pass: slower; docs/EXPERIMENTS.md.
@@ -217,8 +216,6 @@ class SwapAbConfig:
             raise ValueError(f"stages={self.stages}: must be >= 3")
         if self.split_k not in (1, 2):
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
-        if self.a_buffers not in (1, 2):
-            raise ValueError(f"a_buffers={self.a_buffers}: must be 1 or 2")
         if self.tile_tokens * 8 % self.num_threads:
             raise ValueError(f"tile_tokens={self.tile_tokens}: its 16-byte chunks per k-tile "
                              f"(8 per token) must split evenly over {self.num_threads} threads")
@@ -239,3 +236,7 @@ class SwapAbConfig:
 
 
 SWAP_AB_CONFIG = SwapAbConfig()
+# Split-K over a 2-CTA cluster: what the default backend runs where the whole tiles would leave
+# most SMs idle (schedules.choose_swap_ab_config), so at most one CTA per SM: built without the
+# 2-CTA register bound (which spilled 16 bytes)
+SWAP_AB_SPLIT_K_CONFIG = SwapAbConfig(split_k=2, ctas_per_sm=1)

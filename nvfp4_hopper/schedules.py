@@ -14,10 +14,30 @@ from .config import (
     SM90_CONFIG,
     SPLIT_K_CONFIG,
     STREAM_K_CONFIG,
+    SWAP_AB_CONFIG,
+    SWAP_AB_SPLIT_K_CONFIG,
     TILE_M,
     WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
+    SwapAbConfig,
 )
+
+
+def swap_ab_tiles(problem_sizes, config: SwapAbConfig = SWAP_AB_CONFIG) -> int:
+    """Output tiles (tile_tokens x tile_weights) of a size set in the swap-AB kernel."""
+    return sum(-(-m // config.tile_tokens) * -(-n // config.tile_weights) for m, n, _k, _l in problem_sizes)
+
+
+# H200 device µs (bench/peers.py --configs and scratch runs, same run each): split-K pays only
+# where the unsplit tiles leave most SMs idle: G=1 M=40 N=4096 K=7168 38.8 vs 65.5 unsplit;
+# G=4 M=8..32 N=2048 K=4096 27.8 vs 42.5. With a tile per SM already, two half-K CTAs per
+# SM are slower (benchmark shape 3, 128 tiles: 23.1 vs 21.5; shape 1 122.7 vs 107.0).
+def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
+    """The swap-AB config for a size set: split-K over 2 CTAs where the split CTAs still fit
+    one per SM (2 x tiles <= SMs), else whole tiles."""
+    if 2 * swap_ab_tiles(problem_sizes) <= num_sms:
+        return SWAP_AB_SPLIT_K_CONFIG
+    return SWAP_AB_CONFIG
 
 
 def tile_k_tiles(problem_sizes, tile_n: int) -> list[int]:

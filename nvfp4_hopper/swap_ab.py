@@ -32,6 +32,7 @@ from .config import (
     SF_ATOM_ROWS,
     SF_VEC_SIZE,
     SWAP_AB_CONFIG,
+    SWAP_AB_SPLIT_K_CONFIG,
     SwapAbConfig,
 )
 from .kernel import _smem_per_sm_known_without_gpu, stage_scale_offset
@@ -57,6 +58,30 @@ def activation_blocks(problem_sizes) -> int:
     """Scale blocks (16 elements) of the largest group's activations: the pre-pass grid's x
     extent is this over DECODE_THREADS (each group is one grid row)."""
     return max((m * k // SF_VEC_SIZE for m, _n, k, _l in problem_sizes), default=0)
+
+
+def activation_scale_offset(row, block, k):
+    """Byte offset, in a reordered scale tensor of K = k, of the scale of 16-element block
+    `block` of row `row` (the kernel calls this with device integers, tests with Python ints):
+    atom (row // 128, block // 4) of 512 bytes, then the in-atom offset of stage_scale_offset."""
+    rest_k = k // (SF_VEC_SIZE * 4)
+    atom = (row // SF_ATOM_ROWS) * rest_k + block // 4
+    return atom * SF_ATOM_BYTES + stage_scale_offset(row % SF_ATOM_ROWS, block % 4)
+
+
+def activation_chunk_offset(row, block, k):
+    """Byte offset, in a group's decoded activations (rows of k fp16), of the first of the two
+    16-byte chunks the pre-pass writes for 16-element block `block` of row `row`: a k-tile's
+    4 blocks fill its 128-byte row image in order, 32 bytes (chunks 2 (block % 4) and + 1)
+    each, the image the GEMM copies into its swizzled stage (token_stage_chunk_offset)."""
+    return row * (k * 2) + block * (SF_VEC_SIZE * 2)
+
+
+def token_stage_chunk_offset(row, chunk):
+    """Byte offset, in a token stage, of 16-byte chunk `chunk` (0..7) of a k-tile's row image
+    of token row `row`: wgmma's 128-byte swizzle (chunk XOR row % 8 inside 1024-byte atoms of 8
+    rows), as the GEMM's copies place it."""
+    return row * 128 + (chunk ^ (row % 8)) * 16
 
 
 class Sm90DecodeActivations:
@@ -89,17 +114,9 @@ class Sm90DecodeActivations:
         if item < m * blocks_per_row:
             row = item // blocks_per_row
             block = item - row * blocks_per_row
-            rest_k = k // (SF_VEC_SIZE * 4)
             src = mPtrs[group, _PTR_A] + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
-            # reordered scale atom (row // 128, block // 4): 512 bytes, in-atom offset as the
-            # GEMM's stage_scale_offset
-            scale = (
-                mPtrs[group, _PTR_SFA]
-                + (cutlass.Int64(row // SF_ATOM_ROWS) * rest_k + block // 4) * SF_ATOM_BYTES
-                + (row % 32) * 16 + ((row % SF_ATOM_ROWS) // 32) * 4 + block % 4
-            )
-            # a k-tile's 4 blocks fill its 128-byte row image in order, 32 bytes each
-            dst = mActs[group] + cutlass.Int64(row) * (k * 2) + block * (SF_VEC_SIZE * 2)
+            scale = mPtrs[group, _PTR_SFA] + activation_scale_offset(cutlass.Int64(row), block, k)
+            dst = mActs[group] + activation_chunk_offset(cutlass.Int64(row), block, k)
             decode_scale_blocks_global([(src, scale, dst, dst + 16)])
 
 
@@ -221,7 +238,7 @@ class Sm90SwapAbGemm:
             valid = (token0 + row) < m
             src_row = (token0 + row) if valid else 0
             src = x_addr + cutlass.Int64(src_row) * x_row_bytes + k_tile * self.x_row_bytes + part * 16
-            cp_async_16B(x_stage + row * self.x_row_bytes + (part ^ (row % 8)) * 16, src, 16 if valid else 0)
+            cp_async_16B(x_stage + token_stage_chunk_offset(row, part), src, 16 if valid else 0)
 
     @cute.jit
     def decode_weights(self, tidx, w_base, stage, a_frag):
@@ -277,7 +294,7 @@ class Sm90SwapAbGemm:
         thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
         a_frag_shape = tiled_mma.partition_shape_A((self.tile_w, self.tile_k))
-        a_frags = [cute.make_rmem_tensor(a_frag_shape, cutlass.Float16) for _ in range(self.config.a_buffers)]
+        a_frag = cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
         acc_shape = thr_mma.partition_C(cute.make_identity_tensor((self.tile_w, self.tile_t))).shape
         accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         accumulators.fill(0.0)
@@ -312,28 +329,23 @@ class Sm90SwapAbGemm:
                                 b_row_bytes, x_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
 
-        # Main loop, unrolled by 2 so that the A fragment of a k-tile is static (k_tile_cnt is
-        # even: K % 256 == 0, halved by split-K)
-        for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
-            for half in cutlass.range_constexpr(2):
-                k_tile = 2 * k_pair + half
-                stage = k_tile % self.stages
-                # k-tile k_tile landed (this thread's copies), visible to the async proxy
-                # (wgmma), then to every thread; every warpgroup has retired wgmma k_tile - 2
-                cute.arch.cp_async_wait_group(self.stages - 3)
-                fence_proxy_async_shared_cta()
-                cute.arch.sync_threads()
-                next_tile = k_tile + self.stages - 2
-                if next_tile < k_tile_cnt:
-                    self.load_stage(tidx, w_base, x_base, next_tile % self.stages, next_tile, b_addr, sfb_addr,
-                                    x_addr, m, n0, token0, b_row_bytes, x_row_bytes, rest_k)
-                cute.arch.cp_async_commit_group()
-                a_frag = a_frags[half % self.config.a_buffers]
-                if cutlass.const_expr(self.config.a_buffers == 1):
-                    cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
-                self.decode_weights(tidx, w_base, stage, a_frag)
-                self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, stage)
-                cute.nvgpu.warpgroup.wait_group(1)
+        # Main loop
+        for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+            stage = k_tile % self.stages
+            # k-tile k_tile landed (this thread's copies), visible to the async proxy
+            # (wgmma), then to every thread; every warpgroup has retired wgmma k_tile - 2 (before
+            # its decode of k_tile - 1), so the stage the copies below overwrite is free
+            cute.arch.cp_async_wait_group(self.stages - 3)
+            fence_proxy_async_shared_cta()
+            cute.arch.sync_threads()
+            next_tile = k_tile + self.stages - 2
+            if next_tile < k_tile_cnt:
+                self.load_stage(tidx, w_base, x_base, next_tile % self.stages, next_tile, b_addr, sfb_addr,
+                                x_addr, m, n0, token0, b_row_bytes, x_row_bytes, rest_k)
+            cute.arch.cp_async_commit_group()
+            cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
+            self.decode_weights(tidx, w_base, stage, a_frag)
+            self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, stage)
 
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)
@@ -435,9 +447,12 @@ def compile_decode_activations(num_groups: int, options: str | None = None):
 
 
 def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
-    """The swap-AB kernels for the build report: (kernel name, arch, compile(G, options))."""
-    config = SwapAbConfig()
+    """The swap-AB kernels for the build report: (kernel name, arch, compile(G, options)): the
+    pre-pass and both GEMM configs the automatic choice picks."""
     return [
-        ("sm90_decode_activations", config.arch, compile_decode_activations),
-        ("sm90_swap_ab_gemm", config.arch, lambda g, options: compile_swap_ab_gemm(g, options, config)),
+        ("sm90_decode_activations", SWAP_AB_CONFIG.arch, compile_decode_activations),
+        ("sm90_swap_ab_gemm", SWAP_AB_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_CONFIG)),
+        ("sm90_swap_ab_gemm_splitk2", SWAP_AB_SPLIT_K_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_SPLIT_K_CONFIG)),
     ]

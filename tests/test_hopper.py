@@ -302,6 +302,9 @@ def test_compiles_for_sm90a_on_any_machine(config):
 def test_compile_targets_list_what_the_backend_runs():
     targets = {name: arch for name, arch, _ in hopper.compile_targets()}
     assert targets == {
+        "sm90_decode_activations": "sm_90a",
+        "sm90_swap_ab_gemm": "sm_90a",
+        "sm90_swap_ab_gemm_splitk2": "sm_90a",
         "sm90_nvfp4_gemm": "sm_90a",
         "sm90_nvfp4_gemm_splitk2": "sm_90a",
         "sm90_nvfp4_gemm_streamk": "sm_90a",
@@ -413,7 +416,7 @@ def test_automatic_choice_on_the_benchmark_shapes(shape):
     config, num_tiles = AUTO_CHOICE[shape]
     assert hopper.choose_config(sizes, 132) == config
     assert len(hopper.tile_k_tiles(sizes, config.tile_n)) == num_tiles
-    assert hopper.make_backend().tile_shape(sizes) == (128, config.tile_n)
+    assert hopper.make_backend(kernel="in_gemm_decode").tile_shape(sizes) == (128, config.tile_n)
     assert hopper.wide_split_k_fits(sizes, 132) == (shape in (2, 3))
 
 
@@ -441,7 +444,7 @@ def test_tile_shape_is_the_shape_of_the_config_prepare_picks(sm90_backend_on_cpu
          for _ in range(rng.randint(1, 12))]
         for _ in range(60)
     ]
-    backends = [hopper.make_backend(), hopper.make_backend(hopper.WIDE_SPLIT_K_CONFIG),
+    backends = [hopper.make_backend(kernel="in_gemm_decode"), hopper.make_backend(hopper.WIDE_SPLIT_K_CONFIG),
                 hopper.make_backend(hopper.SPLIT_K_CONFIG)]
     picked = set()
     for sizes in size_sets:
@@ -522,7 +525,7 @@ def test_default_backend_picks_a_schedule_per_input_set(sm90_backend_on_cpu):
         sizes = tuple(BENCHMARK_SIZES[shape])
         whole_tiles = (352, 728, 120, 128)[shape]
         for backend, want, num_tiles in (
-            (hopper.make_backend(), picked, picked_tiles),
+            (hopper.make_backend(kernel="in_gemm_decode"), picked, picked_tiles),
             (hopper.make_backend(hopper.SM90_CONFIG), hopper.SM90_CONFIG, whole_tiles),
         ):
             state = _bind(_cpu_input_set(sizes), sizes, backend)
@@ -538,7 +541,7 @@ def test_default_backend_picks_a_schedule_per_input_set(sm90_backend_on_cpu):
             assert launched == [(("kernel", len(sizes), want), state.plan.num_tiles, workers)]
     # shape 0 on 132 SMs: one worker per CTA slot, each tile's parts owning workspace slots
     sizes = tuple(BENCHMARK_SIZES[0])
-    plan = _bind(_cpu_input_set(sizes), sizes, hopper.make_backend()).plan.backend_plan.stream_k
+    plan = _bind(_cpu_input_set(sizes), sizes, hopper.make_backend(kernel="in_gemm_decode")).plan.backend_plan.stream_k
     assert plan.num_workers == 264
     assert plan.workspace.numel() == plan.num_slots * 128 * 128
     assert plan.counters.tolist() == [0] * 352
@@ -685,7 +688,7 @@ CONFIGS = {
     "default": hopper.SM90_CONFIG,
     "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
     "split_k_2": hopper.SPLIT_K_CONFIG,
-    "auto": None,  # what custom_kernel runs: make_backend(), the config choose_config picks
+    "auto": None,  # what custom_kernel runs: make_backend(), the config choose_swap_ab_config picks
     "stream_k": hopper.STREAM_K_CONFIG,
     "tile_n_256_split_k_2": hopper.WIDE_SPLIT_K_CONFIG,
     "swap_ab": hopper.SWAP_AB_CONFIG,
@@ -758,10 +761,13 @@ def test_stream_k_state_relaunches_exactly(case):
 
 
 @requires_sm90
-def test_stream_k_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch):
-    """Two input sets of benchmark shape 0 share one stream-K plan (workspace and counters);
-    launched alternately on two streams, each launch waits for the other stream's, so every
-    output is exact."""
+@pytest.mark.parametrize("kernel", ["swap_ab", "in_gemm_decode"])
+def test_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch, kernel):
+    """Two input sets of benchmark shape 0 share one plan and its scratch (swap-AB's decoded
+    activations; in_gemm_decode's stream-K workspace and counters); launched alternately on
+    two streams, each launch waits for the other stream's, so every output is exact."""
+    monkeypatch.setenv("NVFP4_SM90_KERNEL", kernel)
+    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
     monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
     monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
     sizes = BENCHMARK_SIZES[0]
@@ -780,4 +786,7 @@ def test_stream_k_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch):
             ok, message = match_outputs(want, [c for _, _, c in data[0]])
             assert ok, f"round {round_}: {message}"
     bindings = [submission._BINDINGS.get(submission.input_key(data)) for data in sets]
-    assert bindings[0].plan is bindings[1].plan and bindings[0].plan.backend_plan.stream_k is not None
+    backend_plan = bindings[0].plan.backend_plan
+    assert bindings[0].plan is bindings[1].plan and backend_plan.shared_scratch
+    assert (backend_plan.stream_k is not None) == (kernel == "in_gemm_decode")
+    assert (backend_plan.activations is not None) == (kernel == "swap_ab")

@@ -1,0 +1,199 @@
+"""CPU tests of the swap-AB sm_90a kernels (nvfp4_hopper.swap_ab): the pre-pass's addressing
+against the reordered scale layout and the GEMM's swizzled stages, the automatic choice, the
+tile table, the activation scratch, the launches a binding makes, and the sm_90a builds.
+The kernels' numerics run on an H200 in tests/test_hopper.py (configs swap_ab*, auto)."""
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import build_report
+import nvfp4_hopper as hopper
+import submission
+from nvfp4_hopper import swap_ab
+from reference import create_reordered_scale_factor_tensor
+
+BENCHMARK_SIZES = {
+    0: list(zip([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8, [1] * 8)),
+    1: list(zip([40, 76, 168, 72, 164, 148, 196, 160], [7168] * 8, [2048] * 8, [1] * 8)),
+    2: list(zip([192, 320], [3072] * 2, [4096] * 2, [1] * 2)),
+    3: list(zip([128, 384], [4096] * 2, [1536] * 2, [1] * 2)),
+}
+
+
+@pytest.mark.parametrize("m,k", [(40, 256), (128, 512), (200, 768), (384, 1536)])
+def test_activation_scale_offsets_match_the_reordered_layout(m, k):
+    """Every (row, block) scale the pre-pass reads is the one the reordered tensor holds."""
+    torch.manual_seed(m + k)
+    scales = torch.randint(0, 256, (m, k // 16, 1), dtype=torch.uint8)
+    reordered = create_reordered_scale_factor_tensor(1, m, k, scales.view(torch.float8_e4m3fn), device="cpu")
+    # the pre-pass reads the memory of the permuted view as a flat byte buffer
+    assert reordered.permute(5, 2, 4, 0, 1, 3).is_contiguous()
+    flat = reordered.permute(5, 2, 4, 0, 1, 3).contiguous().view(torch.uint8).flatten()
+    for row in range(m):
+        for block in range(k // 16):
+            offset = swap_ab.activation_scale_offset(row, block, k)
+            assert flat[offset] == scales[row, block, 0], (row, block)
+
+
+@pytest.mark.parametrize("k", [256, 1536])
+def test_pre_pass_rows_land_where_the_b_stage_decode_put_them(k):
+    """The pre-pass writes block b of a row as chunks 2 (b % 4) and + 1 of its k-tile's
+    128-byte image; the GEMM copies chunk c of token row r to c ^ (r % 8). Composed, every
+    block lands where the decode of the two-sided kernel wrote its B rows (chunk 2 blk ^ swz,
+    2 blk + 1 ^ swz of row r): the K permutation both operands share is unchanged."""
+    for row in range(16):
+        for block in range(k // 16):
+            k_tile, blk = divmod(block, 4)
+            image = swap_ab.activation_chunk_offset(row, block, k) - row * k * 2 - k_tile * 128
+            for half in range(2):
+                chunk = (image + 16 * half) // 16
+                assert chunk == 2 * blk + half
+                assert swap_ab.token_stage_chunk_offset(row, chunk) == row * 128 + ((2 * blk + half) ^ (row % 8)) * 16
+
+
+def test_token_stage_chunks_are_a_permutation_per_8_rows():
+    offsets = sorted(swap_ab.token_stage_chunk_offset(r, c) for r in range(8) for c in range(8))
+    assert offsets == list(range(0, 1024, 16))
+
+
+@pytest.mark.parametrize("shape,split", [(0, 1), (1, 1), (2, 1), (3, 1)])
+def test_automatic_choice_on_the_benchmark_shapes(shape, split):
+    """Whole 128-token tiles on every benchmark shape (352, 728, 120, 128 tiles: at least one
+    per SM of 132 already)."""
+    sizes = BENCHMARK_SIZES[shape]
+    assert hopper.swap_ab_tiles(sizes) == (352, 728, 120, 128)[shape]
+    assert hopper.choose_swap_ab_config(sizes, 132).split_k == split
+
+
+def test_split_k_where_split_ctas_fit_one_per_sm():
+    one_group = [(40, 4096, 7168, 1)]  # 32 tiles
+    assert hopper.choose_swap_ab_config(one_group, 132) == hopper.SWAP_AB_SPLIT_K_CONFIG
+    assert hopper.choose_swap_ab_config([(40, 4096 * 2, 256, 1), (1, 128 * 2, 256, 1)], 132).split_k == 2  # 66
+    assert hopper.choose_swap_ab_config([(40, 128 * 67, 256, 1)], 132).split_k == 1  # 67 tiles
+    assert hopper.choose_swap_ab_config(one_group, 60).split_k == 1  # 64 split CTAs > 60 SMs
+
+
+def test_config_check_rejects_unsupported_values():
+    hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1).check()
+    for bad in ({"tile_tokens": 48}, {"tile_tokens": 288}, {"stages": 2}, {"split_k": 3},
+                {"ctas_per_sm": 4}):
+        with pytest.raises(ValueError):
+            hopper.SwapAbConfig(**bad).check()
+
+
+def test_stage_and_reduction_sizes():
+    config = hopper.SWAP_AB_CONFIG
+    assert config.weight_stage_bytes == 128 * 32 + 512
+    assert config.token_stage_bytes == 128 * 128
+    assert config.smem_bytes == 4 * (4608 + 16384)
+    # a summing rank receives one warpgroup's 64 x 128 fp32 sums, into its stages
+    assert hopper.SWAP_AB_SPLIT_K_CONFIG.reduction_bytes == 64 * 128 * 4 <= config.smem_bytes
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_tile_table_covers_every_output_once_token_tiles_innermost(seed):
+    rng = random.Random(seed)
+    sizes = tuple((rng.choice([0, 1, rng.randint(1, 700)]), 128 * rng.randint(1, 6), 256, 1)
+                  for _ in range(rng.randint(1, 6)))
+    backend = hopper.make_backend(hopper.SWAP_AB_CONFIG)
+    tiles = backend.plan_tiles(sizes)
+    assert backend.tile_shape(sizes) == (128, 128)
+    covered = {}
+    for g, token_tile, weight_tile in tiles:
+        m, n, _k, _l = sizes[g]
+        for t in range(token_tile * 128, min(m, token_tile * 128 + 128)):
+            for w in range(weight_tile * 128, min(n, weight_tile * 128 + 128)):
+                covered[(g, t, w)] = covered.get((g, t, w), 0) + 1
+    assert set(covered.values()) <= {1}
+    assert len(covered) == sum(m * n for m, n, _k, _l in sizes)
+    # the token tiles of one weight tile are adjacent (they share its reads in L2)
+    assert tiles == sorted(tiles, key=lambda row: (row[0], row[2], row[1]))
+
+
+def test_activation_buffer_holds_every_group_back_to_back():
+    sizes = ((40, 128, 512, 1), (0, 128, 256, 1), (300, 256, 1024, 1))
+    buffer = hopper.ActivationBuffer(sizes, "cpu")
+    base = buffer.buffer.data_ptr()
+    assert buffer.addresses.tolist() == [base, base + 40 * 512 * 2, base + 40 * 512 * 2]
+    assert buffer.buffer.numel() == 40 * 512 * 2 + 300 * 1024 * 2
+    assert buffer.nbytes == buffer.buffer.numel() + 3 * 8
+    # the pre-pass grid: one thread per scale block of the largest group
+    assert buffer.blocks_x == 300 * 1024 // 16 // swap_ab.DECODE_THREADS
+
+
+def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
+    """A swap-AB input set launches two kernels in order, on one plan's scratch: the pre-pass
+    over every group (grid x from the largest group) and the GEMM over the tile table."""
+    launched = []
+
+    def fake_make_launcher(kernel, *args):
+        return lambda: launched.append((kernel, args))
+
+    monkeypatch.setattr(hopper.backend, "compile_swap_ab_gemm", lambda g, config: ("gemm", g, config))
+    monkeypatch.setattr(hopper.backend, "compile_decode_activations", lambda g: ("pre-pass", g))
+    monkeypatch.setattr(submission, "make_launcher", fake_make_launcher)
+    sizes = tuple(BENCHMARK_SIZES[3])
+    abc = [(torch.zeros((m, k // 2, 1), dtype=torch.uint8), torch.zeros((n, k // 2, 1), dtype=torch.uint8),
+            torch.zeros((m, n, 1), dtype=torch.float16)) for m, n, k, _l in sizes]
+    sfs = [(torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)) for _ in sizes]
+    plan = submission.Plan(hopper.make_backend(), sizes, "cpu")
+    binding = submission.Binding(plan, submission.pointers_of((abc, None, sfs, sizes)))
+    assert plan.backend_plan.shared_scratch and plan.backend_plan.config == hopper.SWAP_AB_CONFIG
+    assert plan.nbytes >= (128 + 384) * 1536 * 2
+    binding.run(object())
+    (first, first_args), (second, second_args) = launched
+    assert first == ("pre-pass", 2) and second == ("gemm", 2, hopper.SWAP_AB_CONFIG)
+    assert int(first_args[3]) == 384 * 1536 // 16 // swap_ab.DECODE_THREADS
+    assert int(second_args[3]) == plan.num_tiles == 128
+
+
+def test_kernel_selection_by_environment(monkeypatch):
+    monkeypatch.delenv("NVFP4_SM90_KERNEL", raising=False)
+    assert hopper.make_backend().kernel == "swap_ab"
+    monkeypatch.setenv("NVFP4_SM90_KERNEL", "in_gemm_decode")
+    backend = hopper.make_backend()
+    assert backend.kernel == "in_gemm_decode"
+    assert backend.config_for(BENCHMARK_SIZES[0]) == hopper.choose_config(BENCHMARK_SIZES[0], 132)
+    monkeypatch.setenv("NVFP4_SM90_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="NVFP4_SM90_KERNEL='fastest': must be one of swap_ab, in_gemm_decode"):
+        hopper.make_backend()
+
+
+@pytest.fixture(scope="module")
+def swap_ab_builds(tmp_path_factory):
+    dump_root = tmp_path_factory.mktemp("swap_ab_build")
+    reports = build_report.build_all((1, 8), dump_root, modules=("nvfp4_hopper",))
+    return {(r.target, r.num_groups): r for r in reports if "swap_ab" in r.target or "decode_act" in r.target}
+
+
+@pytest.mark.parametrize("num_groups", [1, 8])
+@pytest.mark.parametrize("target,config", [
+    ("sm90_swap_ab_gemm", hopper.SWAP_AB_CONFIG),
+    ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG),
+])
+def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, num_groups):
+    report = swap_ab_builds[(target, num_groups)]
+    assert report.arch == "sm_90a" and report.sm_version == 90
+    # ctas_per_sm CTAs of 256 threads share the 65,536-register file
+    assert 0 < report.registers * config.num_threads * config.ctas_per_sm <= 65536
+    assert report.frame_bytes == 0 and report.spill_bytes_max == 0, "local memory: spills possible"
+    assert report.mma == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"]
+    assert report.dynamic_smem_bytes == config.smem_bytes
+    assert build_report.problems(report) == []
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    # the token rows arrive decoded: the GEMM stores nothing into its own shared memory (only
+    # split-K's partial sums into the other rank's)
+    assert "cp.async.cg.shared.global" in ptx
+    assert "st.shared." not in ptx.replace("st.shared::cluster.", "")
+    assert ("st.shared::cluster.v4.f32" in ptx) == (config.split_k == 2)
+
+
+@pytest.mark.parametrize("num_groups", [1, 8])
+def test_pre_pass_builds_without_local_memory(swap_ab_builds, num_groups):
+    report = swap_ab_builds[("sm90_decode_activations", num_groups)]
+    assert report.frame_bytes == 0 and report.spill_bytes_max == 0
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    assert "ld.global.nc.v2.b32" in ptx and "st.global.v4.b32" in ptx and "shared" not in ptx.split(".entry")[1]
