@@ -240,3 +240,7 @@ SWAP_AB_CONFIG = SwapAbConfig()
 # most SMs idle (schedules.choose_swap_ab_config), so at most one CTA per SM: built without the
 # 2-CTA register bound (which spilled 16 bytes)
 SWAP_AB_SPLIT_K_CONFIG = SwapAbConfig(split_k=2, ctas_per_sm=1)
+# 192 tokens per tile (96 accumulator registers per thread: one CTA per SM): each weight decode
+# serves 1.5x the tokens; what the default backend runs where its tile count makes up for the
+# lost second CTA per SM (schedules.choose_swap_ab_config)
+SWAP_AB_T192_CONFIG = SwapAbConfig(tile_tokens=192, ctas_per_sm=1)

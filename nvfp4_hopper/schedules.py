@@ -16,6 +16,7 @@ from .config import (
     STREAM_K_CONFIG,
     SWAP_AB_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
+    SWAP_AB_T192_CONFIG,
     TILE_M,
     WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
@@ -28,16 +29,38 @@ def swap_ab_tiles(problem_sizes, config: SwapAbConfig = SWAP_AB_CONFIG) -> int:
     return sum(-(-m // config.tile_tokens) * -(-n // config.tile_weights) for m, n, _k, _l in problem_sizes)
 
 
+# µs per k-tile of one SM (its tiles run one after another, or two at a time at the same total
+# throughput), fitted on the H200 to bench/peers.py --configs device times less the pre-pass:
+# 128 tokens, 163 µs for 352 tiles x 112 k-tiles (shape 0), 100.7 for 728 x 32 (shape 1), 36.7
+# for 120 x 64 (shape 2); 192 tokens, 92 µs for 504 x 32 (shape 1).
+SWAP_AB_K_TILE_US = {128: 0.55, 192: 0.72}
+
+
+def swap_ab_time_model(problem_sizes, config: SwapAbConfig, num_sms: int) -> float:
+    """Modelled GEMM µs of a size set in `config` (whole tiles): ceil(tiles / SMs) tiles of the
+    longest K one after another on the busiest SM."""
+    tiles = swap_ab_tiles(problem_sizes, config)
+    k_tiles = max(k for _m, _n, k, _l in problem_sizes) // config.tile_k
+    return -(-tiles // num_sms) * k_tiles * SWAP_AB_K_TILE_US[config.tile_tokens]
+
+
 # H200 device µs (bench/peers.py --configs and scratch runs, same run each): split-K pays only
 # where the unsplit tiles leave most SMs idle: G=1 M=40 N=4096 K=7168 38.8 vs 65.5 unsplit;
 # G=4 M=8..32 N=2048 K=4096 27.8 vs 42.5. With a tile per SM already, two half-K CTAs per
 # SM are slower (benchmark shape 3, 128 tiles: 23.1 vs 21.5; shape 1 122.7 vs 107.0).
+# 192-token tiles, benchmark shapes 0-3: 210.6 / 97.0 / 48.1 / 23.4 vs 128: 173.3 / 105.7 /
+# 41.5 / 21.1 (model: 242 / 92 / 46 / 17 vs 185 / 106 / 35 / 13, the same order per shape).
+# 256-token tiles lost on all four (docs/EXPERIMENTS.md).
 def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     """The swap-AB config for a size set: split-K over 2 CTAs where the split CTAs still fit
-    one per SM (2 x tiles <= SMs), else whole tiles."""
+    one per SM (2 x tiles <= SMs); else 192-token tiles where swap_ab_time_model puts them
+    ahead of 128-token tiles, else 128-token tiles."""
     if 2 * swap_ab_tiles(problem_sizes) <= num_sms:
         return SWAP_AB_SPLIT_K_CONFIG
-    return SWAP_AB_CONFIG
+    wide, narrow = SWAP_AB_T192_CONFIG, SWAP_AB_CONFIG
+    if swap_ab_time_model(problem_sizes, wide, num_sms) < swap_ab_time_model(problem_sizes, narrow, num_sms):
+        return wide
+    return narrow
 
 
 def tile_k_tiles(problem_sizes, tile_n: int) -> list[int]:

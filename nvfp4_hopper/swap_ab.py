@@ -33,6 +33,7 @@ from .config import (
     SF_VEC_SIZE,
     SWAP_AB_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
+    SWAP_AB_T192_CONFIG,
     SwapAbConfig,
 )
 from .kernel import _smem_per_sm_known_without_gpu, stage_scale_offset
@@ -350,12 +351,14 @@ class Sm90SwapAbGemm:
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)
 
-        stores = True
+        c_addr = mPtrs[group, _PTR_C]
         if cutlass.const_expr(split > 1):
+            # the summing rank of this warpgroup's rows holds their sums
             self.reduce_split_k(tidx, warp_group_idx, x_base, accumulators)
-            stores = cute.arch.block_idx_in_cluster() == warp_group_idx % split
-        if stores:
-            self.store_tile(tiled_mma, tidx, accumulators, mPtrs[group, _PTR_C], m, n, token_tile, weight_tile)
+            if cute.arch.block_idx_in_cluster() == warp_group_idx % split:
+                self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, token_tile, weight_tile)
+        else:
+            self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, token_tile, weight_tile)
 
     @cute.jit
     def reduce_split_k(self, tidx, warp_group_idx, reduction_base, accumulators):
@@ -455,4 +458,6 @@ def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None]
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_CONFIG)),
         ("sm90_swap_ab_gemm_splitk2", SWAP_AB_SPLIT_K_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_SPLIT_K_CONFIG)),
+        ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T192_CONFIG)),
     ]

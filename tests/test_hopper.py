@@ -305,6 +305,7 @@ def test_compile_targets_list_what_the_backend_runs():
         "sm90_decode_activations": "sm_90a",
         "sm90_swap_ab_gemm": "sm_90a",
         "sm90_swap_ab_gemm_splitk2": "sm_90a",
+        "sm90_swap_ab_gemm_t192": "sm_90a",
         "sm90_nvfp4_gemm": "sm_90a",
         "sm90_nvfp4_gemm_splitk2": "sm_90a",
         "sm90_nvfp4_gemm_streamk": "sm_90a",
@@ -683,6 +684,7 @@ CONFIG_CASES = (
     + [("tile_n_256_split_k_2", seed) for seed in range(1300, 1332)]
     + [("swap_ab", seed) for seed in range(1400, 1440)]
     + [("swap_ab_split_k_2", seed) for seed in range(1500, 1530)]
+    + [("swap_ab_t192", seed) for seed in range(1600, 1630)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -692,7 +694,8 @@ CONFIGS = {
     "stream_k": hopper.STREAM_K_CONFIG,
     "tile_n_256_split_k_2": hopper.WIDE_SPLIT_K_CONFIG,
     "swap_ab": hopper.SWAP_AB_CONFIG,
-    "swap_ab_split_k_2": hopper.SwapAbConfig(split_k=2),
+    "swap_ab_split_k_2": hopper.SWAP_AB_SPLIT_K_CONFIG,
+    "swap_ab_t192": hopper.SWAP_AB_T192_CONFIG,
 }
 
 
@@ -711,7 +714,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @requires_sm90
 @pytest.mark.parametrize(
     "config_name",
-    ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto", "swap_ab", "swap_ab_split_k_2"],
+    ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto", "swap_ab", "swap_ab_split_k_2", "swap_ab_t192"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):

@@ -59,13 +59,21 @@ def test_token_stage_chunks_are_a_permutation_per_8_rows():
     assert offsets == list(range(0, 1024, 16))
 
 
-@pytest.mark.parametrize("shape,split", [(0, 1), (1, 1), (2, 1), (3, 1)])
-def test_automatic_choice_on_the_benchmark_shapes(shape, split):
-    """Whole 128-token tiles on every benchmark shape (352, 728, 120, 128 tiles: at least one
-    per SM of 132 already)."""
+@pytest.mark.parametrize("shape,config", [
+    (0, hopper.SWAP_AB_CONFIG), (1, hopper.SWAP_AB_T192_CONFIG), (2, hopper.SWAP_AB_CONFIG),
+    (3, hopper.SWAP_AB_CONFIG),
+])
+def test_automatic_choice_on_the_benchmark_shapes(shape, config):
+    """Whole tiles on every benchmark shape (352, 728, 120, 128 128-token tiles: at least one
+    per SM of 132 already); 192-token tiles on shape 1 only: 504 tiles of 32 k-tiles in 4
+    rounds of 132 SMs against 728 in 6."""
     sizes = BENCHMARK_SIZES[shape]
     assert hopper.swap_ab_tiles(sizes) == (352, 728, 120, 128)[shape]
-    assert hopper.choose_swap_ab_config(sizes, 132).split_k == split
+    assert hopper.swap_ab_tiles(sizes, hopper.SWAP_AB_T192_CONFIG) == (288, 504, 72, 96)[shape]
+    assert hopper.choose_swap_ab_config(sizes, 132) == config
+    model = hopper.swap_ab_time_model
+    assert model(BENCHMARK_SIZES[1], hopper.SWAP_AB_T192_CONFIG, 132) == pytest.approx(4 * 32 * 0.72)
+    assert model(BENCHMARK_SIZES[1], hopper.SWAP_AB_CONFIG, 132) == pytest.approx(6 * 32 * 0.55)
 
 
 def test_split_k_where_split_ctas_fit_one_per_sm():
@@ -170,17 +178,18 @@ def swap_ab_builds(tmp_path_factory):
 
 
 @pytest.mark.parametrize("num_groups", [1, 8])
-@pytest.mark.parametrize("target,config", [
-    ("sm90_swap_ab_gemm", hopper.SWAP_AB_CONFIG),
-    ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG),
+@pytest.mark.parametrize("target,config,mma", [
+    ("sm90_swap_ab_gemm", hopper.SWAP_AB_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_gemm_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
 ])
-def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, num_groups):
+def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, num_groups):
     report = swap_ab_builds[(target, num_groups)]
     assert report.arch == "sm_90a" and report.sm_version == 90
     # ctas_per_sm CTAs of 256 threads share the 65,536-register file
     assert 0 < report.registers * config.num_threads * config.ctas_per_sm <= 65536
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0, "local memory: spills possible"
-    assert report.mma == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16"]
+    assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
     assert report.dynamic_smem_bytes == config.smem_bytes
     assert build_report.problems(report) == []
     ptx = Path(report.ptx_path).read_text(errors="replace")
