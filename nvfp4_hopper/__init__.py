@@ -9,15 +9,30 @@ elements along K, read from the "reordered" (cuBLAS 32x4x4 blocked) scale tensor
 
 Hopper has no FP4 tensor cores. Every e2m1 value (2 significant bits) times an e4m3 scale
 (at most 4 significant bits, 2^-9 .. 448) is exactly representable in fp16 (11 bits, normal
-from 2^-14 to 65504): |v * s| lies in [2^-10, 2688]. The kernel therefore decodes each
-operand into fp16 (B into shared memory, A into registers) and runs 16-bit wgmma with fp32
-accumulation; the sums are the exact block-scaled products, accumulated in fp32.
+from 2^-14 to 65504): |v * s| lies in [2^-10, 2688]. The kernels therefore decode both
+operands into fp16 and run 16-bit wgmma with fp32 accumulation; the sums are the exact
+block-scaled products, accumulated in fp32.
 
-Per CTA: one output tile (group, tile_m, tile_n) of the shared tile table, 128x128 or
-128x256. The config is chosen per size set from the sizes (schedules.choose_config): input sets
-with more tiles than CTA slots and long K run stream-K (stream_k_pays: one CTA per slot,
-equal shares of all k-tiles, partial tiles summed through a global workspace); input sets
-whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
+Two kernels (backend.SM90_KERNELS; NVFP4_SM90_KERNEL picks custom_kernel's):
+
+swap_ab (the default; swap_ab.py). Two launches per call:
+
+    pre-pass:  A (packed) x SFA --decode--> X (fp16, every group's M x K, plan scratch)
+    GEMM:      B packed + SFB, X rows --cp.async--> stages (``stages`` deep)
+               B --decode--> register A fragments (one warpgroup per 64 weight rows)
+               X stage --wgmma (tokens as N)--> fp32 --> C[token, n] fp16 (transposed stores)
+
+Each activation is decoded once per call (not once per weight tile) and M pads to the token
+tile (128 or 192), not to 128-row wgmma blocks. The config is chosen per size set
+(schedules.choose_swap_ab_config): split-K over a 2-CTA cluster where the split CTAs still fit
+one per SM, else 192- or 128-token tiles by swap_ab_time_model.
+
+in_gemm_decode (kernel.py): no activation scratch. Per CTA one output tile (group, tile_m,
+tile_n) of 128x128 or 128x256; A decoded into the register fragment, B into swizzled shared
+memory, both inside the GEMM. Its config is chosen per size set by schedules.choose_config:
+input sets with more tiles than CTA slots and long K run stream-K (stream_k_pays: one CTA per
+slot, equal shares of all k-tiles, partial tiles summed through a global workspace); input
+sets whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
 (split_k_pays), with 128x256 tiles where N % 256 == 0 and those CTAs fit one wave
 (wide_split_k_fits), else with 128x128 tiles; the rest run whole 128x128 tiles.
 
@@ -28,13 +43,10 @@ whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA cluster
                                         for A and B, see ptx._decode_blocks_asm)
            --wgmma (one warpgroup per 64 rows)--> fp32 accumulators --> predicated fp16 stores
 
-The decode of k-tile k+1 runs on the CUDA cores while the wgmma of k-tile k runs on the
-tensor cores (wgmma is asynchronous; ``wait_group(1)`` keeps one in flight). The decode's
-instructions are most of the kernel's (Nsight Compute, benchmark shape 0 on the H200: integer
-and multiply pipes 44% busy each, tensor pipe 41%, issue slots 55%), so the decode places two
-codes per register with 7 integer instructions per 8 codes (see ptx._place_word_ptx). No unit
-is saturated, though: the warps mostly wait on instruction latencies (the figures and the
-options tried are at the main loop's barrier in kernel.py).
+In both, the decode places two codes per register with 7 integer instructions per 8 codes
+(see ptx._place_word_ptx), and no unit is saturated: the warps mostly wait on instruction
+latencies (Nsight Compute figures in kernel.py at the main loop's barrier, and for swap-AB in
+docs/EXPERIMENTS.md).
 
 Why cp.async and not TMA: the per-group base pointers arrive at run time in the pointer
 table, so TMA would need one descriptor per group written on the device (an init kernel
@@ -48,9 +60,10 @@ Constraints (checked by submission.validate_inputs and by ``can_implement`` here
   * a/b/c row-major with unit stride along K (a, b) or N (c); reordered scale tensors in the
     official permuted layout (a contiguous (rest_mn, rest_k, 32, 4, 4) buffer)
 
-Modules: config (HopperGemmConfig, the configs, can_implement), ptx (inline-PTX helpers and
-the decode), kernel (Sm90Nvfp4GroupedGemm, compile_gemm, compile_targets), schedules (split-K,
-stream-K), backend (Sm90Backend, make_backend). Options measured and removed are listed in
+Modules: config (SwapAbConfig, HopperGemmConfig, the configs, can_implement), ptx (inline-PTX
+helpers and the decode), swap_ab (Sm90DecodeActivations, Sm90SwapAbGemm, their compilation),
+kernel (Sm90Nvfp4GroupedGemm, compile_gemm), schedules (the automatic choices, split-K,
+stream-K), backend (Sm90Backend, make_backend, ActivationBuffer). Options measured and removed are listed in
 docs/EXPERIMENTS.md, each with a one-line note at its decision point here.
 
 Standalone use of one config on an H200: ``submission.run_with_backend(data, make_backend(config))``.

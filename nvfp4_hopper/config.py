@@ -170,11 +170,12 @@ class SwapAbConfig:
     N, read as fp16 rows that a pre-pass decoded once per call."""
 
     # Tokens per tile (wgmma N): a multiple of 32 up to 256. Accumulators take
-    # tile_tokens / 2 registers per thread.
+    # tile_tokens / 2 registers per thread. The automatic choice runs 128 and 192; 64 (3 CTAs
+    # per SM) and 256 (one) measured slower on every benchmark shape; docs/EXPERIMENTS.md.
     tile_tokens: int = 128
     # cp.async stages of (packed weights + their scale atom + fp16 token rows) per k-tile;
     # copies run stages - 2 k-tiles ahead (the stage of k-tile k - 1 may still be read by
-    # its wgmma when k-tile k + stages - 2 is issued)
+    # its wgmma when k-tile k + stages - 2 is issued). 5 measured slower; docs/EXPERIMENTS.md.
     stages: int = 4
     # CTAs sharing one output tile along K (a cluster along grid x), as HopperGemmConfig
     split_k: int = 1
