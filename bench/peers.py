@@ -17,7 +17,7 @@ mean and best µs of each, their ratio, TFLOP/s on the real (unpadded) work, and
 of the bf16 dense roofline (790 TFLOP/s, measured on the H200).
 
     python bench/peers.py [--repeats 30] [--json PATH] [--plot PATH]
-    python bench/peers.py --configs ["whole tiles,split 2"]   # sm_90 configs, device time
+    python bench/peers.py --configs ["swap t128,auto"]        # sm_90 configs, device time
 
 --json writes the rows, --plot a PNG (needs matplotlib: pip install -e '.[plot]'): per shape,
 ours beside cuBLAS and the bf16 roofline time. Progress goes to stderr, one line per shape.
@@ -209,7 +209,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--configs", nargs="?", const="", default=None, metavar="NAMES",
                         help="compare sm_90 kernel configurations (device time only); "
-                        "optional comma-separated subset, e.g. 'whole tiles,split 2'")
+                        "optional comma-separated subset, e.g. 'swap t128,auto'")
     parser.add_argument("--json", dest="json_path", help="write the rows here")
     parser.add_argument("--plot", dest="plot_path",
                         help="draw the rows into this PNG (needs matplotlib)")
