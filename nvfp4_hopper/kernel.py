@@ -614,7 +614,7 @@ SM90_SMEM_PER_SM = 233472
 
 
 @contextlib.contextmanager
-def _smem_per_sm_known_without_gpu():
+def smem_per_sm_known_without_gpu():
     """A launch with min_blocks_per_mp > 1 makes DSL 4.3.5 read the device's shared memory per
     SM while tracing (for a shared-memory carveout hint), which fails where there is no GPU.
     There, answer with the sm_90 value; with a GPU, the real query runs."""
@@ -644,7 +644,7 @@ def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemm
     key = (num_groups, config, options)
     if key not in _compiled_cache:
         kernel = Sm90Nvfp4GroupedGemm(config, num_groups)
-        with _smem_per_sm_known_without_gpu():
+        with smem_per_sm_known_without_gpu():
             _compiled_cache[key] = cute.compile(
                 kernel,
                 _fake_ptr(cutlass.Int64),

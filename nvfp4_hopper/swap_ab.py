@@ -36,7 +36,7 @@ from .config import (
     SWAP_AB_T192_CONFIG,
     SwapAbConfig,
 )
-from .kernel import _smem_per_sm_known_without_gpu, stage_scale_offset
+from .kernel import smem_per_sm_known_without_gpu, stage_scale_offset
 from .ptx import (
     a_word_selector,
     cp_async_16B,
@@ -419,7 +419,7 @@ def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: Sw
     key = ("gemm", num_groups, config, options)
     if key not in _compiled_cache:
         kernel = Sm90SwapAbGemm(config, num_groups)
-        with _smem_per_sm_known_without_gpu():
+        with smem_per_sm_known_without_gpu():
             _compiled_cache[key] = cute.compile(
                 kernel,
                 _fake_ptr(cutlass.Int64),
