@@ -91,6 +91,7 @@ from .config import (
     SWAP_AB_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T192_CONFIG,
+    SWAP_AB_VARIABLE_CONFIG,
     TILE_M,
     WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
@@ -125,6 +126,7 @@ from .schedules import (
     swap_ab_time_model,
     tile_k_tiles,
     tile_k_tiles_of,
+    variable_token_tiles,
     wide_split_k_fits,
 )
 from .swap_ab import (
@@ -163,6 +165,7 @@ __all__ = [
     "SWAP_AB_K_TILE_US",
     "SWAP_AB_SPLIT_K_CONFIG",
     "SWAP_AB_T192_CONFIG",
+    "SWAP_AB_VARIABLE_CONFIG",
     "TILE_M",
     "WIDE_SPLIT_K_CONFIG",
     "ActivationBuffer",
@@ -194,5 +197,6 @@ __all__ = [
     "swap_ab_time_model",
     "tile_k_tiles",
     "tile_k_tiles_of",
+    "variable_token_tiles",
     "wide_split_k_fits",
 ]

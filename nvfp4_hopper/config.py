@@ -256,3 +256,5 @@ SWAP_AB_SPLIT_K_CONFIG = SwapAbConfig(split_k=2, ctas_per_sm=1)
 # serves 1.5x the tokens; what the default backend runs where its tile count makes up for the
 # lost second CTA per SM (schedules.choose_swap_ab_config)
 SWAP_AB_T192_CONFIG = SwapAbConfig(tile_tokens=192, ctas_per_sm=1)
+# Variable token tiles (64, 128, 192 or 256 tokens per tile, one CTA per SM): not yet measured
+SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True)

@@ -44,6 +44,31 @@ def swap_ab_time_model(problem_sizes, config: SwapAbConfig, num_sms: int) -> flo
     return -(-tiles // num_sms) * k_tiles * SWAP_AB_K_TILE_US[config.tile_tokens]
 
 
+# Variable token tiles: a group's M in ceil(M / 256) tiles of equal size rounded up to 64 tokens
+TOKEN_CLASS_STEP = 64
+
+
+def variable_token_tiles(problem_sizes, config: SwapAbConfig) -> list[tuple[int, int, int, int]]:
+    """Tile rows (group, first token / 64, weight tile, token class) of a variable-token-tile
+    config: each group's M in ceil(M / tile_tokens) tiles of equal size rounded up to a
+    multiple of 64 (the last one smaller where M ends), class = tokens / 64 - 1. Ordered by
+    class, largest first, so that the hardware's in-order dispatch gives the longest tiles the
+    first SMs (longest-first scheduling); then group, weight tile, first token."""
+    step = TOKEN_CLASS_STEP
+    rows = []
+    for g, (m, n, _k, _l) in enumerate(problem_sizes):
+        if m == 0:
+            continue
+        count = -(-m // config.tile_tokens)
+        per_tile = -(-m // count)
+        size = -(-per_tile // step) * step
+        for first in range(0, m, size):
+            tokens = -(-min(size, m - first) // step) * step
+            for weight_tile in range(-(-n // config.tile_weights)):
+                rows.append((g, first // step, weight_tile, tokens // step - 1))
+    return sorted(rows, key=lambda row: (-row[3], row[0], row[2], row[1]))
+
+
 # H200 device µs (bench/peers.py --configs and scratch runs, same run each): split-K pays only
 # where the unsplit tiles leave most SMs idle: G=1 M=40 N=4096 K=7168 38.8 vs 65.5 unsplit;
 # G=4 M=8..32 N=2048 K=4096 27.8 vs 42.5. With a tile per SM already, two half-K CTAs per

@@ -34,6 +34,7 @@ from .config import (
     SWAP_AB_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T192_CONFIG,
+    SWAP_AB_VARIABLE_CONFIG,
     SwapAbConfig,
 )
 from .kernel import smem_per_sm_known_without_gpu, stage_scale_offset
@@ -48,13 +49,13 @@ from .ptx import (
     store_f16,
     store_f32x4_to_rank,
 )
+from .schedules import TOKEN_CLASS_STEP
 
 # Pointer table columns (submission's Binding.ptrs): a, b, c, sfa_reordered, sfb_reordered
 _PTR_A, _PTR_B, _PTR_C, _PTR_SFA, _PTR_SFB = range(5)
 # Threads of a pre-pass CTA; each decodes one 16-element scale block of one row
 DECODE_THREADS = 256
-# Token classes of variable token tiles: multiples of this up to tile_tokens (256)
-TOKEN_CLASS_STEP = 64
+
 
 
 def activation_blocks(problem_sizes) -> int:
@@ -317,20 +318,10 @@ class Sm90SwapAbGemm:
             token_class = mTiles[tile_idx, 3]
             # one main loop per class, each with its own wgmma N (classes: TOKEN_CLASS_STEP,
             # 2 x, ..., tile_tokens); the CTA runs the one of its tile
-            if token_class == 3:
-                self.run_tile(256, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0, weight_tile, a_frag,
-                              accumulators_by_class[256])
-            else:
-                if token_class == 2:
-                    self.run_tile(192, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0, weight_tile, a_frag,
-                              accumulators_by_class[192])
-                else:
-                    if token_class == 1:
-                        self.run_tile(128, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0,
-                                      weight_tile, a_frag, accumulators_by_class[128])
-                    else:
-                        self.run_tile(64, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0,
-                                      weight_tile, a_frag, accumulators_by_class[64])
+            for class_index, tile_t in enumerate(classes):
+                if token_class == class_index:
+                    self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0,
+                                  weight_tile, a_frag, accumulators_by_class[tile_t])
         else:
             token0 = mTiles[tile_idx, 1] * self.tile_t
             self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0, weight_tile, a_frag,
@@ -508,4 +499,6 @@ def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None]
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_SPLIT_K_CONFIG)),
         ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T192_CONFIG)),
+        ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_VARIABLE_CONFIG)),
     ]

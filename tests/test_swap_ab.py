@@ -121,6 +121,43 @@ def test_tile_table_covers_every_output_once_token_tiles_innermost(seed):
     assert tiles == sorted(tiles, key=lambda row: (row[0], row[2], row[1]))
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_variable_token_tiles_cover_every_output_once_longest_first(seed):
+    rng = random.Random(seed)
+    sizes = tuple((rng.choice([0, 1, 64, 65, 256, 257, rng.randint(1, 900)]), 128 * rng.randint(1, 4), 256, 1)
+                  for _ in range(rng.randint(1, 6)))
+    config = hopper.SWAP_AB_VARIABLE_CONFIG
+    tiles = hopper.make_backend(config).plan_tiles(sizes)
+    assert tiles == hopper.variable_token_tiles(sizes, config)
+    covered = {}
+    for g, first_step, weight_tile, token_class in tiles:
+        m, n, _k, _l = sizes[g]
+        first, tokens = first_step * 64, (token_class + 1) * 64
+        assert 0 <= token_class <= 3 and first < m
+        assert tokens - 64 < min(tokens, m - first) <= tokens  # the smallest class that holds them
+        for t in range(first, min(m, first + tokens)):
+            for w in range(weight_tile * 128, min(n, weight_tile * 128 + 128)):
+                covered[(g, t, w)] = covered.get((g, t, w), 0) + 1
+    assert set(covered.values()) <= {1}
+    assert len(covered) == sum(m * n for m, n, _k, _l in sizes)
+    assert [row[3] for row in tiles] == sorted((row[3] for row in tiles), reverse=True)
+
+
+def test_variable_token_tiles_of_the_benchmark_shapes():
+    """Equal tiles per group, rounded up to 64 tokens: shape 0's M = 248 is one 256-token tile,
+    shape 2's M = 320 two of 192 and 128, shape 3's M = 384 two of 192."""
+    def classes(shape):
+        tiles = hopper.variable_token_tiles(BENCHMARK_SIZES[shape], hopper.SWAP_AB_VARIABLE_CONFIG)
+        per_group = {}
+        for g, _first, weight_tile, token_class in tiles:
+            if weight_tile == 0:
+                per_group.setdefault(g, []).append((token_class + 1) * 64)
+        return [sorted(per_group[g], reverse=True) for g in sorted(per_group)]
+    assert classes(0) == [[128], [192], [128], [128], [64], [256], [128], [192]]
+    assert classes(2) == [[192], [192, 128]]
+    assert classes(3) == [[128], [192, 192]]
+
+
 def test_activation_buffer_holds_every_group_back_to_back():
     sizes = ((40, 128, 512, 1), (0, 128, 256, 1), (300, 256, 1024, 1))
     buffer = hopper.ActivationBuffer(sizes, "cpu")
@@ -182,6 +219,7 @@ def swap_ab_builds(tmp_path_factory):
     ("sm90_swap_ab_gemm", hopper.SWAP_AB_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
+    ("sm90_swap_ab_gemm_variable", hopper.SWAP_AB_VARIABLE_CONFIG, "m64n128k16"),
 ])
 def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, num_groups):
     report = swap_ab_builds[(target, num_groups)]
@@ -189,7 +227,11 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     # ctas_per_sm CTAs of 256 threads share the 65,536-register file
     assert 0 < report.registers * config.num_threads * config.ctas_per_sm <= 65536
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0, "local memory: spills possible"
-    assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
+    if config.variable_tokens:  # one main loop per token class
+        assert sorted(report.mma) == sorted(
+            f"wgmma.mma_async.sync.aligned.m64n{t}k16.f32.f16.f16" for t in (64, 128, 192, 256))
+    else:
+        assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
     assert report.dynamic_smem_bytes == config.smem_bytes
     assert build_report.problems(report) == []
     ptx = Path(report.ptx_path).read_text(errors="replace")
