@@ -201,12 +201,7 @@ class SwapAbConfig:
     @property
     def weight_stage_bytes(self) -> int:
         """Packed weight rows of one k-tile (32 bytes each) and their 512-byte scale atom."""
-        return self.tile_weights * (self.tile_k // 2) + self.weight_sf_atoms * SF_ATOM_BYTES
-
-    @property
-    def weight_sf_atoms(self) -> int:
-        """512-byte scale atoms of the weights per k-tile (one per 128 rows)."""
-        return self.tile_weights // SF_ATOM_ROWS
+        return self.tile_weights * (self.tile_k // 2) + SF_ATOM_BYTES
 
     @property
     def token_stage_bytes(self) -> int:
@@ -236,11 +231,8 @@ class SwapAbConfig:
 
     @property
     def reduction_bytes(self) -> int:
-        """Split-K: shared memory a summing rank receives (the fp32 sums of the warpgroups
-        it sums: every split_k-th one)."""
-        if self.split_k == 1:
-            return 0
-        return self.tile_weights // 64 // self.split_k * 64 * self.tile_tokens * 4
+        """Split-K: shared memory a summing rank receives (one warpgroup's fp32 sums)."""
+        return 0 if self.split_k == 1 else 64 * self.tile_tokens * 4
 
     @property
     def smem_bytes(self) -> int:

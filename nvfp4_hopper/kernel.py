@@ -60,6 +60,64 @@ def stage_scale_offset(row, block, base=0):
     )
 
 
+@cute.jit
+def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr):
+    """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
+    64 v + 16 w + g and + 8 of a stage (packed rows of row_bytes from packed_base, their scale
+    atoms from scales_base; 4-byte half t // 2 of every scale block, the bytes
+    a_word_selector(t) picks) into the wgmma A fragment, in ptx's K permutation."""
+    lane = tidx % 32
+    row = (tidx // 32) * 16 + lane // 4
+    t = lane % 4
+    half_offset = (t // 2) * 4
+    # a_word_selector(t) depends on t % 2 only, by one step per byte selector
+    selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
+    rows = (row, row + 8)
+    unit = (
+        *(packed_base + r * row_bytes + half_offset for r in rows),
+        selector,
+        *(stage_scale_offset(r, 0, base=scales_base) for r in rows),
+    )
+    steps = decode_scale_blocks_to_registers([unit])[0]
+    # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
+    for step in cutlass.range_constexpr(tile_k // 16):
+        step_frag = a_frag[(None, 0, step)]
+        step_frag.store(cute.TensorSSA(pack_f16x8(steps[step]), step_frag.shape, cutlass.Float16))
+
+
+@cute.jit
+def reduce_split_k_partials(tidx, warp_group_idx, reduction_base, accumulators, split_k: cutlass.Constexpr):
+    """Split-K over a cluster of split_k CTAs: the rows of warpgroup w are summed and stored
+    by rank w % split_k (so the epilogues run in parallel); the other ranks add theirs into
+    its accumulators. Each thread's fragment goes to the summing rank's shared memory at
+    reduction_base in fragment order (its thread tidx has the same fragment layout), 16 bytes
+    per store, consecutive threads on consecutive 16 bytes."""
+    num_vectors = cute.size(accumulators) // 4
+    k_rank = cute.arch.block_idx_in_cluster()
+    summing_rank = warp_group_idx % split_k
+    # one rank receives from the warpgroups it sums: warpgroup w uses slot w // split_k of the
+    # buffer, its 128 threads side by side
+    slot_thread = (warp_group_idx // split_k) * 128 * num_vectors + tidx % 128
+    # every thread of the cluster is past its main loop: the receiving buffers are free
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    if k_rank != summing_rank:
+        for j in cutlass.range_constexpr(num_vectors):
+            store_f32x4_to_rank(
+                reduction_base + (j * 128 + slot_thread) * 16,
+                [accumulators[4 * j + e] for e in range(4)],
+                summing_rank,
+            )
+    # release (the senders' stores) / acquire (the summing rank's loads)
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+    if k_rank == summing_rank:
+        for j in cutlass.range_constexpr(num_vectors):
+            partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
+            for e in cutlass.range_constexpr(4):
+                accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
+
+
 def make_tiled_mma(config: HopperGemmConfig):
     """The kernel's fp16 wgmma (fp32 accumulators): one warpgroup per 64 rows, A from
     registers, B from shared memory, both K-major."""
@@ -272,28 +330,12 @@ class Sm90Nvfp4GroupedGemm:
 
     @cute.jit
     def decode_a_registers(self, tidx, raw_base, raw_stage, a_frag):
-        """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
-        64 v + 16 w + g and + 8 (4-byte half t // 2 of every scale block, the bytes
-        a_word_selector(t) picks) into the wgmma A fragment (K permutation above)."""
+        """Register-A mode: A's rows of the raw stage into the wgmma A fragment
+        (decode_rows_to_fragment)."""
         raw_stage_base = raw_base + raw_stage * self.raw_stage_bytes
-        lane = tidx % 32
-        row = (tidx // 32) * 16 + lane // 4
-        t = lane % 4
-        half_offset = (t // 2) * 4
-        # a_word_selector(t) depends on t % 2 only, by one step per byte selector
-        selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
-        rows = (row, row + 8)
-        unit = (
-            *(raw_stage_base + r * self.raw_row_bytes + half_offset for r in rows),
-            selector,
-            *(stage_scale_offset(r, 0, base=raw_stage_base + self.raw_sfa_offset) for r in rows),
+        decode_rows_to_fragment(
+            tidx, raw_stage_base, self.raw_row_bytes, raw_stage_base + self.raw_sfa_offset, a_frag, self.tile_k
         )
-        steps = decode_scale_blocks_to_registers([unit])[0]
-        # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
-        for step in cutlass.range_constexpr(self.tile_k // 16):
-            step_frag = a_frag[(None, 0, step)]
-            values = pack_f16x8(steps[step])
-            step_frag.store(cute.TensorSSA(values, step_frag.shape, cutlass.Float16))
 
     def summing_rank(self, warp_group_idx):
         """Split-K: the cluster rank that sums and stores the rows of warpgroup
@@ -346,37 +388,6 @@ class Sm90Nvfp4GroupedGemm:
                         accumulators[2 * i] * acc_scale,
                         accumulators[2 * i + 1] * acc_scale,
                     )
-
-    @cute.jit
-    def reduce_split_k(self, tidx, warp_group_idx, reduction_base, accumulators):
-        """Split-K: the other rank's accumulators of a warpgroup's rows are added into those
-        of the summing rank (summing_rank). Each thread's fragment goes to the summing rank's
-        shared memory in fragment order (its thread tidx has the same fragment layout), 16
-        bytes per store, consecutive threads on consecutive 16 bytes."""
-        num_vectors = cute.size(accumulators) // 4
-        k_rank = cute.arch.block_idx_in_cluster()
-        summing_rank = self.summing_rank(warp_group_idx)
-        # one rank receives from the warpgroups it sums: warpgroup w uses slot w // split_k
-        # of the buffer, its 128 threads side by side
-        slot_thread = (warp_group_idx // self.config.split_k) * 128 * num_vectors + tidx % 128
-        # every thread of the cluster is past its main loop: the receiving buffers are free
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if k_rank != summing_rank:
-            for j in cutlass.range_constexpr(num_vectors):
-                store_f32x4_to_rank(
-                    reduction_base + (j * 128 + slot_thread) * 16,
-                    [accumulators[4 * j + e] for e in range(4)],
-                    summing_rank,
-                )
-        # release (the senders' stores) / acquire (the summing rank's loads)
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if k_rank == summing_rank:
-            for j in cutlass.range_constexpr(num_vectors):
-                partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
-                for e in cutlass.range_constexpr(4):
-                    accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
 
     @cute.kernel
     def kernel(
@@ -461,7 +472,7 @@ class Sm90Nvfp4GroupedGemm:
                 tile_idx, (bidx % split) * k_tile_cnt, k_tile_cnt,
             )
             if cutlass.const_expr(split > 1):
-                self.reduce_split_k(tidx, warp_group_idx, head_base, accumulators)
+                reduce_split_k_partials(tidx, warp_group_idx, head_base, accumulators, split)
 
             # (split_k > 1: only the summing rank of this warpgroup's rows holds their sum)
             stores_rows = (tile_row * self.tile_m + warp_group_idx * 64) < m

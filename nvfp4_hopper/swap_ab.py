@@ -37,17 +37,17 @@ from .config import (
     SWAP_AB_VARIABLE_CONFIG,
     SwapAbConfig,
 )
-from .kernel import smem_per_sm_known_without_gpu, stage_scale_offset
+from .kernel import (
+    decode_rows_to_fragment,
+    reduce_split_k_partials,
+    smem_per_sm_known_without_gpu,
+    stage_scale_offset,
+)
 from .ptx import (
-    a_word_selector,
     cp_async_16B,
     decode_scale_blocks_global,
-    decode_scale_blocks_to_registers,
     fence_proxy_async_shared_cta,
-    load_f32x4,
-    pack_f16x8,
     store_f16,
-    store_f32x4_to_rank,
 )
 from .schedules import TOKEN_CLASS_STEP
 
@@ -230,13 +230,9 @@ class Sm90SwapAbGemm:
             part = chunk % 2
             src = b_addr + cutlass.Int64(n0 + row) * b_row_bytes + k_tile * self.w_row_bytes + part * 16
             cp_async_16B(w_stage + row * self.w_row_bytes + part * 16, src, 16)
-        # the weights' scale atoms: 512 contiguous bytes per 128 rows and k-tile
-        if tidx < self.config.weight_sf_atoms * (SF_ATOM_BYTES // 16):
-            atom = tidx // (SF_ATOM_BYTES // 16)
-            part = tidx % (SF_ATOM_BYTES // 16)
-            src = (
-                sfb_addr + (cutlass.Int64(n0 // SF_ATOM_ROWS + atom) * rest_k + k_tile) * SF_ATOM_BYTES + part * 16
-            )
+        # the weights' scale atom: 512 contiguous bytes per 128 rows and k-tile
+        if tidx < SF_ATOM_BYTES // 16:
+            src = sfb_addr + (cutlass.Int64(n0 // SF_ATOM_ROWS) * rest_k + k_tile) * SF_ATOM_BYTES + tidx * 16
             cp_async_16B(w_stage + self.w_sf_offset + tidx * 16, src, 16)
 
     @cute.jit
@@ -256,25 +252,10 @@ class Sm90SwapAbGemm:
 
     @cute.jit
     def decode_weights(self, tidx, w_base, stage, a_frag):
-        """Lane (g, t) of warp w in warpgroup v decodes weight rows 64 v + 16 w + g and + 8 of
-        the stage into its wgmma A fragment (ptx's register mode and K permutation)."""
+        """The stage's weight rows into the wgmma A fragment (decode_rows_to_fragment: lane
+        (g, t) of warp w in warpgroup v decodes rows 64 v + 16 w + g and + 8)."""
         w_stage = w_base + stage * self.config.weight_stage_bytes
-        lane = tidx % 32
-        row = (tidx // 32) * 16 + lane // 4
-        t = lane % 4
-        half_offset = (t // 2) * 4
-        # a_word_selector(t) depends on t % 2 only, by one step per byte selector
-        selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
-        rows = (row, row + 8)
-        unit = (
-            *(w_stage + r * self.w_row_bytes + half_offset for r in rows),
-            selector,
-            *(stage_scale_offset(r, 0, base=w_stage + self.w_sf_offset) for r in rows),
-        )
-        steps = decode_scale_blocks_to_registers([unit])[0]
-        for step in cutlass.range_constexpr(self.tile_k // 16):
-            step_frag = a_frag[(None, 0, step)]
-            step_frag.store(cute.TensorSSA(pack_f16x8(steps[step]), step_frag.shape, cutlass.Float16))
+        decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, self.tile_k)
 
     def mma_k_tile(self, tiled_mma, accumulators, a_frag, tCrB, stage):
         """The wgmma of one k-tile as one commit group (plain Python: traced inline)."""
@@ -395,39 +376,11 @@ class Sm90SwapAbGemm:
         c_addr = mPtrs[group, _PTR_C]
         if cutlass.const_expr(split > 1):
             # the summing rank of this warpgroup's rows holds their sums
-            self.reduce_split_k(tidx, warp_group_idx, x_base, accumulators)
+            reduce_split_k_partials(tidx, warp_group_idx, x_base, accumulators, split)
             if cute.arch.block_idx_in_cluster() == warp_group_idx % split:
                 self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
         else:
             self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
-
-    @cute.jit
-    def reduce_split_k(self, tidx, warp_group_idx, reduction_base, accumulators):
-        """Split-K: rank r sums and stores the rows of warpgroup r; the other rank sends it
-        that warpgroup's fp32 sums through DSMEM (16 bytes per store, a warp's stores
-        contiguous)."""
-        num_vectors = cute.size(accumulators) // 4
-        k_rank = cute.arch.block_idx_in_cluster()
-        summing_rank = warp_group_idx % self.config.split_k
-        # a rank receives from the warpgroups it sums: warpgroup w uses slot w // split_k
-        slot_thread = (warp_group_idx // self.config.split_k) * 128 * num_vectors + tidx % 128
-        # every thread of the cluster is past its main loop: the receiving buffers are free
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if k_rank != summing_rank:
-            for j in cutlass.range_constexpr(num_vectors):
-                store_f32x4_to_rank(
-                    reduction_base + (j * 128 + slot_thread) * 16,
-                    [accumulators[4 * j + e] for e in range(4)],
-                    summing_rank,
-                )
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
-        if k_rank == summing_rank:
-            for j in cutlass.range_constexpr(num_vectors):
-                partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
-                for e in cutlass.range_constexpr(4):
-                    accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
 
     @cute.jit
     def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0):
