@@ -95,6 +95,7 @@ def compare_configs(repeats, names=None):
         "swap split 2": (hopper.SWAP_AB_SPLIT_K_CONFIG, None),
         "swap t192": (hopper.SwapAbConfig(tile_tokens=192, ctas_per_sm=1), None),
         "swap t256": (hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1), None),
+        "swap variable": (hopper.SWAP_AB_VARIABLE_CONFIG, None),
         "auto": (None, None),
     }
     if names:

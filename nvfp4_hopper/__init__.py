@@ -23,9 +23,13 @@ swap_ab (the default; swap_ab.py). Two launches per call:
                X stage --wgmma (tokens as N)--> fp32 --> C[token, n] fp16 (transposed stores)
 
 Each activation is decoded once per call (not once per weight tile) and M pads to the token
-tile (128 or 192), not to 128-row wgmma blocks. The config is chosen per size set
-(schedules.choose_swap_ab_config): split-K over a 2-CTA cluster where the split CTAs still fit
-one per SM, else 192- or 128-token tiles by swap_ab_time_model.
+tile, not to 128-row wgmma blocks. Token tiles are 128 or 192 tokens, or variable: each
+group's M in near-equal tiles of 64, 128, 192 or 256 tokens (multiples of 64), the kernel
+compiled with one main loop per size and each tile row naming its own. The config is chosen
+per size set (schedules.choose_swap_ab_config): split-K over a 2-CTA cluster where the split
+CTAs still fit one per SM, else whichever of 128-token, 192-token and variable tiles
+swap_ab_time_model (a per-k-tile cost, tiles dispatched in order to the SM that frees first)
+puts first.
 
 in_gemm_decode (kernel.py): no activation scratch. Per CTA one output tile (group, tile_m,
 tile_n) of 128x128 or 128x256; A decoded into the register fragment, B into swizzled shared
@@ -91,6 +95,7 @@ from .config import (
     SWAP_AB_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T192_CONFIG,
+    SWAP_AB_VARIABLE_CONFIG,
     TILE_M,
     WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
@@ -114,17 +119,22 @@ from .ptx import (
 from .schedules import (
     STREAM_K_MIN_SEGMENT,
     STREAM_K_SEGMENT_COST,
-    SWAP_AB_K_TILE_US,
+    SWAP_AB_CANDIDATES,
+    SWAP_AB_K_TILE_FIXED_US,
+    SWAP_AB_K_TILE_US_PER_TOKEN,
     StreamKPlan,
     choose_config,
     choose_swap_ab_config,
     plan_stream_k,
     split_k_pays,
     stream_k_pays,
+    swap_ab_k_tile_us,
+    swap_ab_tile_costs,
     swap_ab_tiles,
     swap_ab_time_model,
     tile_k_tiles,
     tile_k_tiles_of,
+    variable_token_tiles,
     wide_split_k_fits,
 )
 from .swap_ab import (
@@ -159,10 +169,13 @@ __all__ = [
     "STREAM_K_CONFIG",
     "STREAM_K_MIN_SEGMENT",
     "STREAM_K_SEGMENT_COST",
+    "SWAP_AB_CANDIDATES",
     "SWAP_AB_CONFIG",
-    "SWAP_AB_K_TILE_US",
+    "SWAP_AB_K_TILE_FIXED_US",
+    "SWAP_AB_K_TILE_US_PER_TOKEN",
     "SWAP_AB_SPLIT_K_CONFIG",
     "SWAP_AB_T192_CONFIG",
+    "SWAP_AB_VARIABLE_CONFIG",
     "TILE_M",
     "WIDE_SPLIT_K_CONFIG",
     "ActivationBuffer",
@@ -190,9 +203,12 @@ __all__ = [
     "split_k_pays",
     "stage_scale_offset",
     "stream_k_pays",
+    "swap_ab_k_tile_us",
+    "swap_ab_tile_costs",
     "swap_ab_tiles",
     "swap_ab_time_model",
     "tile_k_tiles",
     "tile_k_tiles_of",
+    "variable_token_tiles",
     "wide_split_k_fits",
 ]

@@ -12,7 +12,12 @@ from cutlass.cute.runtime import make_ptr
 
 from .config import CTAS_PER_SM, HopperGemmConfig, SwapAbConfig, can_implement
 from .kernel import compile_gemm
-from .schedules import StreamKPlan, choose_config, choose_swap_ab_config
+from .schedules import (
+    StreamKPlan,
+    choose_config,
+    choose_swap_ab_config,
+    variable_token_tiles,
+)
 from .swap_ab import (
     DECODE_THREADS,
     activation_blocks,
@@ -174,8 +179,11 @@ class Sm90Backend:
         first; then, for swap-AB, the N (weight) tile, so that the token tiles of one weight
         tile run side by side and share its reads in L2; otherwise the M tile, so that the
         tiles of one A tile do."""
+        config = self.config_for(problem_sizes)
+        if isinstance(config, SwapAbConfig) and config.variable_tokens:
+            return variable_token_tiles(problem_sizes, config)
         tile_m, tile_n = self.tile_shape(problem_sizes)
-        swap_ab = isinstance(self.config_for(problem_sizes), SwapAbConfig)
+        swap_ab = isinstance(config, SwapAbConfig)
         tiles = []
         for g, (m, n, _k, _l) in enumerate(problem_sizes):
             m_tiles, n_tiles = range(-(-m // tile_m)), range(-(-n // tile_n))

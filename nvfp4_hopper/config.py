@@ -183,6 +183,9 @@ class SwapAbConfig:
     # k + 1 while wgmma k reads the other): no faster; docs/EXPERIMENTS.md.
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
+    # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
+    # tokens, tile_tokens = 256), the kernel one main loop per class (wgmma N = the class)
+    variable_tokens: bool = False
     # No programmatic dependent launch after the pre-pass: slower; docs/EXPERIMENTS.md.
     arch: str = "sm_90a"
 
@@ -208,6 +211,8 @@ class SwapAbConfig:
     def check(self) -> None:
         if self.tile_tokens % 32 or not 32 <= self.tile_tokens <= 256:
             raise ValueError(f"tile_tokens={self.tile_tokens}: must be a multiple of 32 in 32..256")
+        if self.variable_tokens and (self.tile_tokens != 256 or self.split_k != 1 or self.ctas_per_sm != 1):
+            raise ValueError("variable_tokens needs tile_tokens=256, split_k=1, ctas_per_sm=1")
         if self.stages < 3:
             raise ValueError(f"stages={self.stages}: must be >= 3")
         if self.split_k not in (1, 2):
@@ -217,6 +222,12 @@ class SwapAbConfig:
                              f"(8 per token) must split evenly over {self.num_threads} threads")
         if self.ctas_per_sm not in (1, 2, 3):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
+
+    @property
+    def tile_row_width(self) -> int:
+        """int32 fields per tile row: (group, token tile, weight tile), plus the token class
+        with variable token tiles (the token field then counts 64-token steps)."""
+        return 4 if self.variable_tokens else 3
 
     @property
     def reduction_bytes(self) -> int:
@@ -237,3 +248,5 @@ SWAP_AB_SPLIT_K_CONFIG = SwapAbConfig(split_k=2, ctas_per_sm=1)
 # serves 1.5x the tokens; what the default backend runs where its tile count makes up for the
 # lost second CTA per SM (schedules.choose_swap_ab_config)
 SWAP_AB_T192_CONFIG = SwapAbConfig(tile_tokens=192, ctas_per_sm=1)
+# Variable token tiles (64, 128, 192 or 256 tokens per tile, one CTA per SM): not yet measured
+SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True)

@@ -6,6 +6,7 @@ stream-K launch's device buffers."""
 from __future__ import annotations
 
 import functools
+import heapq
 
 import torch
 
@@ -17,6 +18,7 @@ from .config import (
     SWAP_AB_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T192_CONFIG,
+    SWAP_AB_VARIABLE_CONFIG,
     TILE_M,
     WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
@@ -29,38 +31,91 @@ def swap_ab_tiles(problem_sizes, config: SwapAbConfig = SWAP_AB_CONFIG) -> int:
     return sum(-(-m // config.tile_tokens) * -(-n // config.tile_weights) for m, n, _k, _l in problem_sizes)
 
 
-# µs per k-tile of one SM (its tiles run one after another, or two at a time at the same total
-# throughput), fitted on the H200 to bench/peers.py --configs device times less the pre-pass:
-# 128 tokens, 163 µs for 352 tiles x 112 k-tiles (shape 0), 100.7 for 728 x 32 (shape 1), 36.7
-# for 120 x 64 (shape 2); 192 tokens, 92 µs for 504 x 32 (shape 1).
-SWAP_AB_K_TILE_US = {128: 0.55, 192: 0.72}
+# µs per k-tile (64 K) of one SM for a tile of t tokens: a fixed part (barrier, copies, the
+# weight decode) and a part per token (wgmma N), fitted on the H200 to bench/peers.py --configs
+# device times less the pre-pass: 128 tokens 0.55 (163 µs for 352 tiles x 112 k-tiles, shape 0;
+# 100.7 for 728 x 32, shape 1; 36.7 for 120 x 64, shape 2), 192 tokens 0.72 (92 µs for 504 x 32,
+# shape 1). An SM runs its tiles one after another (or two at a time at the same throughput).
+SWAP_AB_K_TILE_FIXED_US = 0.21
+SWAP_AB_K_TILE_US_PER_TOKEN = 0.17 / 64
+
+
+def swap_ab_k_tile_us(tokens: int) -> float:
+    """Modelled µs of one k-tile of a tile of `tokens` tokens on one SM."""
+    return SWAP_AB_K_TILE_FIXED_US + SWAP_AB_K_TILE_US_PER_TOKEN * tokens
+
+
+def swap_ab_tile_costs(problem_sizes, config: SwapAbConfig) -> list[float]:
+    """Modelled µs of every output tile of a size set in `config`, in launch order."""
+    if config.variable_tokens:
+        return [
+            problem_sizes[g][2] // config.tile_k * swap_ab_k_tile_us((token_class + 1) * TOKEN_CLASS_STEP)
+            for g, _first, _weight_tile, token_class in variable_token_tiles(problem_sizes, config)
+        ]
+    return [
+        k // config.tile_k * swap_ab_k_tile_us(config.tile_tokens)
+        for m, n, k, _l in problem_sizes
+        for _tile in range(-(-m // config.tile_tokens) * -(-n // config.tile_weights))
+    ]
 
 
 def swap_ab_time_model(problem_sizes, config: SwapAbConfig, num_sms: int) -> float:
-    """Modelled GEMM µs of a size set in `config` (whole tiles): ceil(tiles / SMs) tiles of the
-    longest K one after another on the busiest SM."""
-    tiles = swap_ab_tiles(problem_sizes, config)
-    k_tiles = max(k for _m, _n, k, _l in problem_sizes) // config.tile_k
-    return -(-tiles // num_sms) * k_tiles * SWAP_AB_K_TILE_US[config.tile_tokens]
+    """Modelled GEMM µs of a size set in `config` (whole tiles): the tiles, in launch order,
+    each to the SM that frees first (the hardware's in-order dispatch); the busiest SM's
+    total."""
+    loads = [0.0] * num_sms
+    for cost in swap_ab_tile_costs(problem_sizes, config):
+        heapq.heappush(loads, heapq.heappop(loads) + cost)
+    return max(loads)
+
+
+# Variable token tiles: a group's M in ceil(M / 256) tiles of equal size rounded up to 64 tokens
+TOKEN_CLASS_STEP = 64
+
+
+def variable_token_tiles(problem_sizes, config: SwapAbConfig) -> list[tuple[int, int, int, int]]:
+    """Tile rows (group, first token / 64, weight tile, token class) of a variable-token-tile
+    config: each group's M in ceil(M / tile_tokens) tiles of equal size rounded up to a
+    multiple of 64 (the last one smaller where M ends), class = tokens / 64 - 1. Longest
+    modelled time (k-tiles x swap_ab_k_tile_us of the class) first, so that the hardware's
+    in-order dispatch gives the longest tiles the first SMs (longest-first scheduling); then
+    group, weight tile, first token."""
+    step = TOKEN_CLASS_STEP
+    rows = []
+    for g, (m, n, _k, _l) in enumerate(problem_sizes):
+        if m == 0:
+            continue
+        count = -(-m // config.tile_tokens)
+        per_tile = -(-m // count)
+        size = -(-per_tile // step) * step
+        for first in range(0, m, size):
+            tokens = -(-min(size, m - first) // step) * step
+            for weight_tile in range(-(-n // config.tile_weights)):
+                rows.append((g, first // step, weight_tile, tokens // step - 1))
+    def cost(row):
+        return problem_sizes[row[0]][2] // config.tile_k * swap_ab_k_tile_us((row[3] + 1) * step)
+
+    return sorted(rows, key=lambda row: (-cost(row), row[0], row[2], row[1]))
 
 
 # H200 device µs (bench/peers.py --configs and scratch runs, same run each): split-K pays only
 # where the unsplit tiles leave most SMs idle: G=1 M=40 N=4096 K=7168 38.8 vs 65.5 unsplit;
 # G=4 M=8..32 N=2048 K=4096 27.8 vs 42.5. With a tile per SM already, two half-K CTAs per
 # SM are slower (benchmark shape 3, 128 tiles: 23.1 vs 21.5; shape 1 122.7 vs 107.0).
-# 192-token tiles, benchmark shapes 0-3: 210.6 / 97.0 / 48.1 / 23.4 vs 128: 173.3 / 105.7 /
-# 41.5 / 21.1 (model: 242 / 92 / 46 / 17 vs 185 / 106 / 35 / 13, the same order per shape).
-# 256-token tiles lost on all four (docs/EXPERIMENTS.md).
+# Benchmark shapes 0-3, variable / 128 / 192 tokens: 147.9 / 90.5 / 47.5 / 23.8, 174.7 / 107.0 /
+# 43.5 / 21.6, 209.9 / 97.6 / 48.2 / 23.4 (model plus pre-pass: 152 / 81 / 51 / 21, 195 / 111 /
+# 40 / 17, 252 / 98 / 51 / 21: the same winner per shape). 256-token tiles lost on all four
+# (docs/EXPERIMENTS.md).
+SWAP_AB_CANDIDATES = (SWAP_AB_CONFIG, SWAP_AB_T192_CONFIG, SWAP_AB_VARIABLE_CONFIG)
+
+
 def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     """The swap-AB config for a size set: split-K over 2 CTAs where the split CTAs still fit
-    one per SM (2 x tiles <= SMs); else 192-token tiles where swap_ab_time_model puts them
-    ahead of 128-token tiles, else 128-token tiles."""
+    one per SM (2 x tiles <= SMs); else whichever of 128-token, 192-token and variable token
+    tiles swap_ab_time_model puts first (128 on a tie)."""
     if 2 * swap_ab_tiles(problem_sizes) <= num_sms:
         return SWAP_AB_SPLIT_K_CONFIG
-    wide, narrow = SWAP_AB_T192_CONFIG, SWAP_AB_CONFIG
-    if swap_ab_time_model(problem_sizes, wide, num_sms) < swap_ab_time_model(problem_sizes, narrow, num_sms):
-        return wide
-    return narrow
+    return min(SWAP_AB_CANDIDATES, key=lambda config: swap_ab_time_model(problem_sizes, config, num_sms))
 
 
 def tile_k_tiles(problem_sizes, tile_n: int) -> list[int]:

@@ -34,6 +34,7 @@ from .config import (
     SWAP_AB_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T192_CONFIG,
+    SWAP_AB_VARIABLE_CONFIG,
     SwapAbConfig,
 )
 from .kernel import (
@@ -48,11 +49,13 @@ from .ptx import (
     fence_proxy_async_shared_cta,
     store_f16,
 )
+from .schedules import TOKEN_CLASS_STEP
 
 # Pointer table columns (submission's Binding.ptrs): a, b, c, sfa_reordered, sfb_reordered
 _PTR_A, _PTR_B, _PTR_C, _PTR_SFA, _PTR_SFB = range(5)
 # Threads of a pre-pass CTA; each decodes one 16-element scale block of one row
 DECODE_THREADS = 256
+
 
 
 def activation_blocks(problem_sizes) -> int:
@@ -121,9 +124,9 @@ class Sm90DecodeActivations:
             decode_scale_blocks_global([(src, scale, dst, dst + 16)])
 
 
-def make_swap_ab_tiled_mma(config: SwapAbConfig):
+def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
     """fp16 wgmma (fp32 accumulators): one warpgroup per 64 weight rows, weights from
-    registers, tokens from shared memory, both K-major; N = tile_tokens."""
+    registers, tokens from shared memory, both K-major; N = tile_t."""
     return sm90_utils.make_trivial_tiled_mma(
         cutlass.Float16,
         cutlass.Float16,
@@ -131,7 +134,7 @@ def make_swap_ab_tiled_mma(config: SwapAbConfig):
         cute.nvgpu.warpgroup.OperandMajorMode.K,
         cutlass.Float32,
         (config.tile_weights // 64, 1, 1),
-        tiler_mn=(64, config.tile_tokens),
+        tiler_mn=(64, tile_t),
         a_source=cute.nvgpu.warpgroup.OperandSource.RMEM,
     )
 
@@ -164,10 +167,7 @@ class Sm90SwapAbGemm:
         acts: cute.Pointer,
         stream: cuda.CUstream,
     ):
-        tiled_mma = make_swap_ab_tiled_mma(self.config)
-        x_smem_layout_staged = sm90_utils.make_smem_layout_b(
-            utils.LayoutEnum.ROW_MAJOR, (self.tile_w, self.tile_t, self.tile_k), cutlass.Float16, self.stages
-        )
+        x_smem_layout_staged = self.token_smem_layout(self.tile_t)
 
         @cute.struct
         class SharedStorage:
@@ -184,10 +184,11 @@ class Sm90SwapAbGemm:
 
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
-        mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, 3), stride=(3, 1)))
+        width = self.config.tile_row_width
+        mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, width), stride=(width, 1)))
         mActs = cute.make_tensor(acts, cute.make_layout(self.num_groups))
         split = self.config.split_k
-        self.kernel(tiled_mma, mPtrs, mSizes, mTiles, mActs, x_smem_layout_staged).launch(
+        self.kernel(mPtrs, mSizes, mTiles, mActs).launch(
             grid=(num_tiles * split, 1, 1),
             block=(self.num_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
@@ -196,16 +197,28 @@ class Sm90SwapAbGemm:
             stream=stream,
         )
 
+    def token_classes(self) -> tuple[int, ...]:
+        """Token counts the kernel has a main loop for."""
+        if self.config.variable_tokens:
+            return tuple(range(TOKEN_CLASS_STEP, self.tile_t + 1, TOKEN_CLASS_STEP))
+        return (self.tile_t,)
+
+    def token_smem_layout(self, tile_t: int):
+        """Staged K-major swizzled layout of tile_t fp16 token rows per k-tile."""
+        return sm90_utils.make_smem_layout_b(
+            utils.LayoutEnum.ROW_MAJOR, (self.tile_w, tile_t, self.tile_k), cutlass.Float16, self.stages
+        )
+
     # -------------------------------------------------------------------------
     # Copies: one k-tile of weights, their scales and fp16 token rows into stage `stage`
     # -------------------------------------------------------------------------
     @cute.jit
     def load_stage(
-        self, tidx, w_base, x_base, stage, k_tile, b_addr, sfb_addr, x_addr, m, n0, token0,
-        b_row_bytes, x_row_bytes, rest_k,
+        self, tile_t: cutlass.Constexpr, tidx, w_base, x_base, stage, k_tile, b_addr, sfb_addr, x_addr, m,
+        n0, token0, b_row_bytes, x_row_bytes, rest_k,
     ):
         self.load_weights(tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
-        self.load_tokens(tidx, x_base, stage, k_tile, x_addr, m, token0, x_row_bytes)
+        self.load_tokens(tile_t, tidx, x_base, stage, k_tile, x_addr, m, token0, x_row_bytes)
 
     @cute.jit
     def load_weights(self, tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k):
@@ -223,12 +236,12 @@ class Sm90SwapAbGemm:
             cp_async_16B(w_stage + self.w_sf_offset + tidx * 16, src, 16)
 
     @cute.jit
-    def load_tokens(self, tidx, x_base, stage, k_tile, x_addr, m, token0, x_row_bytes):
+    def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, stage, k_tile, x_addr, m, token0, x_row_bytes):
         # fp16 token rows (zero-filled past M) into the 128-byte swizzle: 16-byte chunk c of
         # row r at chunk c ^ (r % 8) of its 128-byte row
-        x_stage = x_base + stage * self.config.token_stage_bytes
+        x_stage = x_base + stage * (tile_t * self.x_row_bytes)
         chunks_per_row = self.x_row_bytes // 16
-        for i in cutlass.range_constexpr(self.tile_t * chunks_per_row // self.num_threads):
+        for i in cutlass.range_constexpr(tile_t * chunks_per_row // self.num_threads):
             chunk = tidx + i * self.num_threads
             row = chunk // chunks_per_row
             part = chunk % chunks_per_row
@@ -253,46 +266,74 @@ class Sm90SwapAbGemm:
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.kernel
-    def kernel(
-        self,
-        tiled_mma: cute.TiledMma,
-        mPtrs: cute.Tensor,
-        mSizes: cute.Tensor,
-        mTiles: cute.Tensor,
-        mActs: cute.Tensor,
-        x_smem_layout_staged: cute.ComposedLayout,
-    ):
+    def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mTiles: cute.Tensor, mActs: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        sX = storage.sX.get_tensor(x_smem_layout_staged.outer, swizzle=x_smem_layout_staged.inner)
-        x_base = storage.sX.data_ptr().toint()
+        sX_ptr = storage.sX.data_ptr()
         w_base = storage.raw_w.data_ptr().toint()
+        # Register fragments, allocated here (the kernel's entry block; allocated inside a
+        # class's branch they went to local memory): the A fragment, and per token class its
+        # accumulators (only one class's are live in a CTA)
+        classes = self.token_classes()
+        a_frag = cute.make_rmem_tensor(
+            make_swap_ab_tiled_mma(self.config, self.tile_t).partition_shape_A((self.tile_w, self.tile_k)),
+            cutlass.Float16,
+        )
+        accumulators_by_class = {}
+        for tile_t in classes:
+            thr = make_swap_ab_tiled_mma(self.config, tile_t).get_slice(0)
+            acc_shape = thr.partition_C(cute.make_identity_tensor((self.tile_w, tile_t))).shape
+            accumulators_by_class[tile_t] = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+
+        # tile row: (group, first token / 64, weight tile, token class) with variable token
+        # tiles, (group, token tile, weight tile) otherwise; split-K rank r of a cluster runs
+        # k-tiles r * cnt .. (r + 1) * cnt
+        tile_idx = bidx // self.config.split_k
+        group = mTiles[tile_idx, 0]
+        weight_tile = mTiles[tile_idx, 2]
+        if cutlass.const_expr(self.config.variable_tokens):
+            token0 = mTiles[tile_idx, 1] * TOKEN_CLASS_STEP
+            token_class = mTiles[tile_idx, 3]
+            # one main loop per class, each with its own wgmma N (classes: TOKEN_CLASS_STEP,
+            # 2 x, ..., tile_tokens); the CTA runs the one of its tile
+            for class_index, tile_t in enumerate(classes):
+                if token_class == class_index:
+                    self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0,
+                                  weight_tile, a_frag, accumulators_by_class[tile_t])
+        else:
+            token0 = mTiles[tile_idx, 1] * self.tile_t
+            self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0, weight_tile, a_frag,
+                              accumulators_by_class[self.tile_t])
+
+    @cute.jit
+    def run_tile(
+        self, tile_t: cutlass.Constexpr, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0,
+        weight_tile, a_frag, accumulators,
+    ):
+        """The output tile of weight rows weight_tile * 128 .. + 128 and tokens token0 ..
+        token0 + tile_t of `group` (this split-K rank's k-tiles): copies, decode, wgmma with
+        N = tile_t, epilogue."""
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        tiled_mma = make_swap_ab_tiled_mma(self.config, tile_t)
+        x_smem_layout_staged = self.token_smem_layout(tile_t)
+        sX = cute.make_tensor(
+            cute.recast_ptr(sX_ptr, x_smem_layout_staged.inner, dtype=cutlass.Float16), x_smem_layout_staged.outer
+        )
+        x_base = sX_ptr.toint()
 
         warp_group_thread_layout = cute.make_layout(self.tile_w // 64, stride=128)
         thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
-        a_frag_shape = tiled_mma.partition_shape_A((self.tile_w, self.tile_k))
-        a_frag = cute.make_rmem_tensor(a_frag_shape, cutlass.Float16)
-        acc_shape = thr_mma.partition_C(cute.make_identity_tensor((self.tile_w, self.tile_t))).shape
-        accumulators = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         accumulators.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
-        # tile row: (group, token tile, weight tile); split-K rank r of a cluster runs k-tiles
-        # r * cnt .. (r + 1) * cnt
         split = self.config.split_k
-        tile_idx = bidx // split
-        group = mTiles[tile_idx, 0]
-        token_tile = mTiles[tile_idx, 1]
-        weight_tile = mTiles[tile_idx, 2]
         m = mSizes[group, 0]
         n = mSizes[group, 1]
         k = mSizes[group, 2]
-        token0 = token_tile * self.tile_t
         n0 = weight_tile * self.tile_w
         k_tile_cnt = k // (self.tile_k * split)
         k_tile_begin = (bidx % split) * k_tile_cnt
@@ -307,7 +348,7 @@ class Sm90SwapAbGemm:
         # Prologue: k-tiles 0 .. stages - 3 (copies run stages - 2 ahead)
         for s in cutlass.range_constexpr(self.stages - 2):
             if s < k_tile_cnt:
-                self.load_stage(tidx, w_base, x_base, s, s, b_addr, sfb_addr, x_addr, m, n0, token0,
+                self.load_stage(tile_t, tidx, w_base, x_base, s, s, b_addr, sfb_addr, x_addr, m, n0, token0,
                                 b_row_bytes, x_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
 
@@ -322,8 +363,8 @@ class Sm90SwapAbGemm:
             cute.arch.sync_threads()
             next_tile = k_tile + self.stages - 2
             if next_tile < k_tile_cnt:
-                self.load_stage(tidx, w_base, x_base, next_tile % self.stages, next_tile, b_addr, sfb_addr,
-                                x_addr, m, n0, token0, b_row_bytes, x_row_bytes, rest_k)
+                self.load_stage(tile_t, tidx, w_base, x_base, next_tile % self.stages, next_tile, b_addr,
+                                sfb_addr, x_addr, m, n0, token0, b_row_bytes, x_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
             cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
             self.decode_weights(tidx, w_base, stage, a_frag)
@@ -337,24 +378,22 @@ class Sm90SwapAbGemm:
             # the summing rank of this warpgroup's rows holds their sums
             reduce_split_k_partials(tidx, warp_group_idx, x_base, accumulators, split)
             if cute.arch.block_idx_in_cluster() == warp_group_idx % split:
-                self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, token_tile, weight_tile)
+                self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
         else:
-            self.store_tile(tiled_mma, tidx, accumulators, c_addr, m, n, token_tile, weight_tile)
+            self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
 
     @cute.jit
-    def store_tile(self, tiled_mma, tidx, accumulators, c_addr, m, n, token_tile, weight_tile):
+    def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0):
         """Epilogue: the fp32 sums of (weight row, token) -> fp16 C[token, weight row], stores
         predicated on M (N is a multiple of the weight tile)."""
-        cC = cute.local_tile(
-            cute.make_identity_tensor((n, m)), (self.tile_w, self.tile_t), (weight_tile, token_tile)
-        )
-        tCcC = tiled_mma.get_slice(tidx).partition_C(cC)
+        tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_w, tile_t)))
         # both operands carry 2^-14 (the decode's one multiply): exact rescale
         acc_scale = cutlass.Float32(2.0**28)
         for i in cutlass.range_constexpr(cute.size(accumulators)):
             coord = tCcC[i]
-            if coord[1] < m:
-                store_f16(c_addr + (cutlass.Int64(coord[1]) * n + coord[0]) * 2, accumulators[i] * acc_scale)
+            token = token0 + coord[1]
+            if token < m:
+                store_f16(c_addr + (cutlass.Int64(token) * n + n0 + coord[0]) * 2, accumulators[i] * acc_scale)
 
 
 # =============================================================================
@@ -413,4 +452,6 @@ def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None]
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_SPLIT_K_CONFIG)),
         ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T192_CONFIG)),
+        ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_VARIABLE_CONFIG)),
     ]

@@ -60,20 +60,57 @@ def test_token_stage_chunks_are_a_permutation_per_8_rows():
 
 
 @pytest.mark.parametrize("shape,config", [
-    (0, hopper.SWAP_AB_CONFIG), (1, hopper.SWAP_AB_T192_CONFIG), (2, hopper.SWAP_AB_CONFIG),
+    (0, hopper.SWAP_AB_VARIABLE_CONFIG), (1, hopper.SWAP_AB_VARIABLE_CONFIG), (2, hopper.SWAP_AB_CONFIG),
     (3, hopper.SWAP_AB_CONFIG),
 ])
 def test_automatic_choice_on_the_benchmark_shapes(shape, config):
-    """Whole tiles on every benchmark shape (352, 728, 120, 128 128-token tiles: at least one
-    per SM of 132 already); 192-token tiles on shape 1 only: 504 tiles of 32 k-tiles in 4
-    rounds of 132 SMs against 728 in 6."""
+    """No split-K on any benchmark shape (352, 728, 120, 128 128-token tiles: at least one per
+    SM of 132 already); variable token tiles on shapes 0 and 1, where M pads least in them
+    (shape 0's M = 64..248 in one tile each), 128-token tiles on shapes 2 and 3, whose 120 and
+    128 tiles are one round of 132 SMs (larger tiles would only make that round longer)."""
     sizes = BENCHMARK_SIZES[shape]
     assert hopper.swap_ab_tiles(sizes) == (352, 728, 120, 128)[shape]
     assert hopper.swap_ab_tiles(sizes, hopper.SWAP_AB_T192_CONFIG) == (288, 504, 72, 96)[shape]
     assert hopper.choose_swap_ab_config(sizes, 132) == config
+
+
+def test_time_model_of_whole_tile_rounds():
+    """Equal tiles: rounds of one tile per SM, each the tile's k-tiles at the per-k-tile cost
+    of its size; the per-k-tile costs are the fitted 0.55 (128 tokens) and 0.72 (192)."""
     model = hopper.swap_ab_time_model
+    assert hopper.swap_ab_k_tile_us(128) == pytest.approx(0.55)
+    assert hopper.swap_ab_k_tile_us(192) == pytest.approx(0.72)
     assert model(BENCHMARK_SIZES[1], hopper.SWAP_AB_T192_CONFIG, 132) == pytest.approx(4 * 32 * 0.72)
     assert model(BENCHMARK_SIZES[1], hopper.SWAP_AB_CONFIG, 132) == pytest.approx(6 * 32 * 0.55)
+    # 8 tiles of 8 k-tiles on 4 SMs: two rounds
+    assert model([(128, 128 * 8, 512, 1)], hopper.SWAP_AB_CONFIG, 4) == pytest.approx(2 * 8 * 0.55)
+
+
+def test_time_model_dispatches_each_tile_to_the_sm_that_frees_first():
+    """Tiles of unequal length: in launch order, each to the least loaded SM. One 256-token
+    group (4 tiles of 28 k-tiles) and one 64-token group (4 tiles of 28): on 4 SMs each SM
+    takes one of each; on 2 SMs the long ones pair up first."""
+    sizes = [(256, 512, 1792, 1), (64, 512, 1792, 1)]
+    config = hopper.SWAP_AB_VARIABLE_CONFIG
+    long_tile, short_tile = 28 * hopper.swap_ab_k_tile_us(256), 28 * hopper.swap_ab_k_tile_us(64)
+    assert hopper.swap_ab_tile_costs(sizes, config) == pytest.approx([long_tile] * 4 + [short_tile] * 4)
+    assert hopper.swap_ab_time_model(sizes, config, 4) == pytest.approx(long_tile + short_tile)
+    assert hopper.swap_ab_time_model(sizes, config, 2) == pytest.approx(2 * long_tile + 2 * short_tile)
+    assert hopper.swap_ab_time_model(sizes, config, 8) == pytest.approx(long_tile)
+
+
+def test_choice_takes_the_fastest_modelled_candidate():
+    """Variable tiles where M = 256 would pad to 384 in 192-token tiles and split in two
+    128-token tiles; 128-token tiles where they form one round of every SM and larger ones
+    would only lengthen it."""
+    many_256 = [(256, 4096, 2048, 1)] * 8  # 512 tiles of 128 tokens, 512 of 192 (padded), 256 of 256
+    assert hopper.choose_swap_ab_config(many_256, 132) == hopper.SWAP_AB_VARIABLE_CONFIG
+    one_round = [(128, 128 * 130, 2048, 1)]  # 130 128-token tiles (variable: the same 130; a tie)
+    assert hopper.choose_swap_ab_config(one_round, 132) == hopper.SWAP_AB_CONFIG
+    for sizes in (many_256, one_round):
+        chosen = hopper.choose_swap_ab_config(sizes, 132)
+        times = {c: hopper.swap_ab_time_model(sizes, c, 132) for c in hopper.SWAP_AB_CANDIDATES}
+        assert times[chosen] == min(times.values())
 
 
 def test_split_k_where_split_ctas_fit_one_per_sm():
@@ -119,6 +156,46 @@ def test_tile_table_covers_every_output_once_token_tiles_innermost(seed):
     assert len(covered) == sum(m * n for m, n, _k, _l in sizes)
     # the token tiles of one weight tile are adjacent (they share its reads in L2)
     assert tiles == sorted(tiles, key=lambda row: (row[0], row[2], row[1]))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_variable_token_tiles_cover_every_output_once_longest_first(seed):
+    rng = random.Random(seed)
+    sizes = tuple((rng.choice([0, 1, 64, 65, 256, 257, rng.randint(1, 900)]), 128 * rng.randint(1, 4), 256 * rng.randint(1, 8), 1)
+                  for _ in range(rng.randint(1, 6)))
+    config = hopper.SWAP_AB_VARIABLE_CONFIG
+    tiles = hopper.make_backend(config).plan_tiles(sizes)
+    assert tiles == hopper.variable_token_tiles(sizes, config)
+    covered = {}
+    for g, first_step, weight_tile, token_class in tiles:
+        m, n, _k, _l = sizes[g]
+        first, tokens = first_step * 64, (token_class + 1) * 64
+        assert 0 <= token_class <= 3 and first < m
+        assert tokens - 64 < min(tokens, m - first) <= tokens  # the smallest class that holds them
+        for t in range(first, min(m, first + tokens)):
+            for w in range(weight_tile * 128, min(n, weight_tile * 128 + 128)):
+                covered[(g, t, w)] = covered.get((g, t, w), 0) + 1
+    assert set(covered.values()) <= {1}
+    assert len(covered) == sum(m * n for m, n, _k, _l in sizes)
+    # longest modelled tile first: k-tiles x the per-k-tile cost of its size
+    costs = hopper.swap_ab_tile_costs(sizes, config)
+    assert costs == sorted(costs, reverse=True)
+    assert costs == [sizes[g][2] // 64 * hopper.swap_ab_k_tile_us((c + 1) * 64) for g, _f, _w, c in tiles]
+
+
+def test_variable_token_tiles_of_the_benchmark_shapes():
+    """Equal tiles per group, rounded up to 64 tokens: shape 0's M = 248 is one 256-token tile,
+    shape 2's M = 320 two of 192 and 128, shape 3's M = 384 two of 192."""
+    def classes(shape):
+        tiles = hopper.variable_token_tiles(BENCHMARK_SIZES[shape], hopper.SWAP_AB_VARIABLE_CONFIG)
+        per_group = {}
+        for g, _first, weight_tile, token_class in tiles:
+            if weight_tile == 0:
+                per_group.setdefault(g, []).append((token_class + 1) * 64)
+        return [sorted(per_group[g], reverse=True) for g in sorted(per_group)]
+    assert classes(0) == [[128], [192], [128], [128], [64], [256], [128], [192]]
+    assert classes(2) == [[192], [192, 128]]
+    assert classes(3) == [[128], [192, 192]]
 
 
 def test_activation_buffer_holds_every_group_back_to_back():
@@ -182,6 +259,7 @@ def swap_ab_builds(tmp_path_factory):
     ("sm90_swap_ab_gemm", hopper.SWAP_AB_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
+    ("sm90_swap_ab_gemm_variable", hopper.SWAP_AB_VARIABLE_CONFIG, "m64n128k16"),
 ])
 def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, num_groups):
     report = swap_ab_builds[(target, num_groups)]
@@ -189,7 +267,11 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     # ctas_per_sm CTAs of 256 threads share the 65,536-register file
     assert 0 < report.registers * config.num_threads * config.ctas_per_sm <= 65536
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0, "local memory: spills possible"
-    assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
+    if config.variable_tokens:  # one main loop per token class
+        assert sorted(report.mma) == sorted(
+            f"wgmma.mma_async.sync.aligned.m64n{t}k16.f32.f16.f16" for t in (64, 128, 192, 256))
+    else:
+        assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
     assert report.dynamic_smem_bytes == config.smem_bytes
     assert build_report.problems(report) == []
     ptx = Path(report.ptx_path).read_text(errors="replace")
