@@ -23,6 +23,7 @@ from .swap_ab import (
     activation_blocks,
     compile_decode_activations,
     compile_swap_ab_gemm,
+    padded_token_rows,
 )
 
 
@@ -48,21 +49,23 @@ def current_num_sms() -> int:
 
 
 class ActivationBuffer:
-    """The swap-AB pre-pass's output for one plan (size set): every group's decoded fp16
-    activations (M x K each, one buffer) and the device table of their addresses, which the
-    pre-pass and the GEMM read. Every input set of the plan shares it; the runtime orders
-    launches of the plan on different streams (Sm90Plan.shared_scratch)."""
+    """The swap-AB pre-pass's output for one plan (size set, config): every group's decoded
+    fp16 activations in k-tile slabs (K / 64 slabs of padded_token_rows x 128 bytes, one
+    buffer) and the device table of (address, slab bytes) per group, which the pre-pass and
+    the GEMM read. Every input set of the plan shares it; the runtime orders launches of the
+    plan on different streams (Sm90Plan.shared_scratch)."""
 
     __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer")
 
-    def __init__(self, problem_sizes, device):
-        sizes = [m * k * 2 for m, _n, k, _l in problem_sizes]  # K % 256 == 0: 512-byte rows
+    def __init__(self, problem_sizes, device, config: SwapAbConfig):
+        slabs = [padded_token_rows(m, config) * config.tile_k * 2 for m, _n, _k, _l in problem_sizes]
+        sizes = [slab * (k // config.tile_k) for slab, (_m, _n, k, _l) in zip(slabs, problem_sizes)]
         self.buffer = torch.empty(max(sum(sizes), 16), dtype=torch.uint8, device=device)
-        base, offsets = self.buffer.data_ptr(), []
-        for size in sizes:
-            offsets.append(base)
+        base, table = self.buffer.data_ptr(), []
+        for size, slab in zip(sizes, slabs):
+            table.append((base, slab))
             base += size
-        host = torch.tensor(offsets, dtype=torch.int64)
+        host = torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
         if self.buffer.device.type == "cuda":
             host = host.pin_memory()
         self._host_staging = host
@@ -200,7 +203,7 @@ class Sm90Backend:
         self.compile(plan.num_groups, config)
         if isinstance(config, SwapAbConfig):
             compile_decode_activations(plan.num_groups)
-            return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device))
+            return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device, config))
         stream_k = None
         if config.stream_k and plan.num_tiles > 0:
             stream_k = StreamKPlan(plan, config, current_num_sms() * CTAS_PER_SM)

@@ -236,7 +236,10 @@ class SwapAbConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return self.stages * (self.weight_stage_bytes + self.token_stage_bytes)
+        """The stages and their token copies' mbarriers (8 bytes each), in a struct whose size
+        is a multiple of its 1024-byte alignment (the token stages' swizzle atoms)."""
+        stages_and_barriers = self.stages * (self.weight_stage_bytes + self.token_stage_bytes + 8)
+        return -(-stages_and_barriers // 1024) * 1024
 
 
 SWAP_AB_CONFIG = SwapAbConfig()

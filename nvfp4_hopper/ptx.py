@@ -1,5 +1,5 @@
-"""Device helpers of the sm_90a kernel as inline PTX (cp.async, DSMEM and global stores and
-loads, fences, atomics) and the exact e2m1 x e4m3 decode to fp16, with the K permutation it
+"""Device helpers of the sm_90a kernel as inline PTX (cp.async, bulk copies and mbarriers,
+DSMEM and global stores and loads, fences, atomics) and the exact e2m1 x e4m3 decode to fp16, with the K permutation it
 applies to both operands."""
 
 from __future__ import annotations
@@ -38,6 +38,64 @@ def cp_async_16B(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, src_bytes: cu
         ],
         "cp.async.cg.shared.global [$0], [$1], 16, $2;",
         "r,l,r",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def mbarrier_init_shared(mbar_smem: cutlass.Int32, count: int, *, loc=None, ip=None):
+    """mbarrier.init of the 8-byte barrier at shared address `mbar_smem` for `count` arrivals."""
+    _inline_asm(
+        None,
+        [cutlass.Int32(mbar_smem).ir_value(loc=loc, ip=ip)],
+        f"mbarrier.init.shared::cta.b64 [$0], {count};",
+        "r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def fence_mbarrier_init(*, loc=None, ip=None):
+    """fence.mbarrier_init: this thread's mbarrier.init become visible to the async proxy
+    (the bulk copies that complete transactions on them); a CTA barrier follows."""
+    _inline_asm(None, [], "fence.mbarrier_init.release.cluster;", "~{memory}", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def bulk_copy_to_shared(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, num_bytes: cutlass.Int32,
+                        mbar_smem: cutlass.Int32, *, loc=None, ip=None):
+    """One thread: arrive on the mbarrier expecting `num_bytes` of transactions, then copy
+    `num_bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared by
+    the bulk-copy engine, which completes them on that mbarrier."""
+    _inline_asm(
+        None,
+        [
+            cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
+            cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(num_bytes).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(mbar_smem).ir_value(loc=loc, ip=ip),
+        ],
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$3], $2;\n\t"
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        "r,l,r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def mbarrier_wait_parity(mbar_smem: cutlass.Int32, parity: cutlass.Int32, *, loc=None, ip=None):
+    """Wait until the phase of parity `parity` of the mbarrier at `mbar_smem` has completed
+    (its writes then visible to this thread and to its wgmma)."""
+    _inline_asm(
+        None,
+        [cutlass.Int32(mbar_smem).ir_value(loc=loc, ip=ip), cutlass.Int32(parity).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred done;\n\tWAIT:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1;\n\t"
+        "@!done bra WAIT;\n\t}",
+        "r,r,~{memory}",
         loc=loc,
         ip=ip,
     )

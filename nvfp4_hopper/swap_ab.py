@@ -44,9 +44,12 @@ from .kernel import (
     stage_scale_offset,
 )
 from .ptx import (
+    bulk_copy_to_shared,
     cp_async_16B,
     decode_scale_blocks_global,
-    fence_proxy_async_shared_cta,
+    fence_mbarrier_init,
+    mbarrier_init_shared,
+    mbarrier_wait_parity,
     store_f16,
 )
 from .schedules import TOKEN_CLASS_STEP
@@ -73,24 +76,37 @@ def activation_scale_offset(row, block, k):
     return atom * SF_ATOM_BYTES + stage_scale_offset(row % SF_ATOM_ROWS, block % 4)
 
 
-def activation_chunk_offset(row, block, k):
-    """Byte offset, in a group's decoded activations (rows of k fp16), of the first of the two
-    16-byte chunks the pre-pass writes for 16-element block `block` of row `row`: a k-tile's
-    4 blocks fill its 128-byte row image in order, 32 bytes (chunks 2 (block % 4) and + 1)
-    each, the image the GEMM copies into its swizzled stage (token_stage_chunk_offset)."""
-    return row * (k * 2) + block * (SF_VEC_SIZE * 2)
+def padded_token_rows(m: int, config: SwapAbConfig) -> int:
+    """Token rows of a group's decoded activations per k-tile: M rounded up to where its last
+    tile ends (a multiple of the token tile, or of 64 with variable tiles). The GEMM copies
+    whole tiles; the rows past M are never written, and their columns never stored."""
+    step = TOKEN_CLASS_STEP if config.variable_tokens else config.tile_tokens
+    return -(-m // step) * step
+
+
+def activation_chunk_offsets(row, block, slab_bytes):
+    """Byte offsets, in a group's decoded activations, of the two 16-byte chunks the pre-pass
+    writes for 16-element block `block` of row `row`. The activations are k-tile slabs of
+    `slab_bytes` (padded_token_rows x 128 bytes), each the 128-byte row images of one k-tile
+    in row order, already in wgmma's 128-byte swizzle: block b fills chunks 2 (b % 4) and + 1
+    of its k-tile's image, chunk c at c ^ (row % 8). A tile's rows of one k-tile are then one
+    contiguous run that the GEMM copies as is (token tiles start at multiples of 64)."""
+    k_tile, blk = block // 4, block % 4
+    image = k_tile * slab_bytes + row * 128
+    return image + ((2 * blk) ^ (row % 8)) * 16, image + ((2 * blk + 1) ^ (row % 8)) * 16
 
 
 def token_stage_chunk_offset(row, chunk):
     """Byte offset, in a token stage, of 16-byte chunk `chunk` (0..7) of a k-tile's row image
-    of token row `row`: wgmma's 128-byte swizzle (chunk XOR row % 8 inside 1024-byte atoms of 8
-    rows), as the GEMM's copies place it."""
+    of the tile's token row `row`: wgmma's 128-byte swizzle (chunk XOR row % 8 inside
+    1024-byte atoms of 8 rows)."""
     return row * 128 + (chunk ^ (row % 8)) * 16
 
 
 class Sm90DecodeActivations:
-    """Pre-pass: X_g[row, :] = the fp16 decode (v * s * 2^-14, ptx's K permutation) of
-    activation row `row` of group g, for every row of every group; X_g at acts[g]."""
+    """Pre-pass: the fp16 decode (v * s * 2^-14, ptx's K permutation) of every activation row
+    of every group, into group g's k-tile slabs (activation_chunk_offsets) at acts[g, 0], of
+    acts[g, 1] bytes each."""
 
     def __init__(self, num_groups: int):
         self.num_groups = num_groups
@@ -102,7 +118,7 @@ class Sm90DecodeActivations:
     ):
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
-        mActs = cute.make_tensor(acts, cute.make_layout(self.num_groups))
+        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, 2), stride=(2, 1)))
         self.kernel(mPtrs, mSizes, mActs).launch(
             grid=(blocks_x, self.num_groups, 1), block=(DECODE_THREADS, 1, 1), stream=stream
         )
@@ -120,8 +136,8 @@ class Sm90DecodeActivations:
             block = item - row * blocks_per_row
             src = mPtrs[group, _PTR_A] + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
             scale = mPtrs[group, _PTR_SFA] + activation_scale_offset(cutlass.Int64(row), block, k)
-            dst = mActs[group] + activation_chunk_offset(cutlass.Int64(row), block, k)
-            decode_scale_blocks_global([(src, scale, dst, dst + 16)])
+            dst_lo, dst_hi = activation_chunk_offsets(cutlass.Int64(row), block, mActs[group, 1])
+            decode_scale_blocks_global([(src, scale, mActs[group, 0] + dst_lo, mActs[group, 0] + dst_hi)])
 
 
 def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
@@ -175,18 +191,20 @@ class Sm90SwapAbGemm:
             raw_w: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, self.config.weight_stage_bytes * self.stages], 128
             ]
+            # per stage, the mbarrier its token bulk copy completes on
+            token_full: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, self.stages], 8]
 
         self.shared_storage = SharedStorage
         if cutlass.const_expr(self.config.split_k > 1):
             # a summing rank receives its warpgroups' sums at the start of sX, free after its
-            # main loop
-            assert self.config.reduction_bytes <= SharedStorage.size_in_bytes()
+            # main loop (and clear of the mbarriers)
+            assert self.config.reduction_bytes <= cute.cosize(x_smem_layout_staged) * 2
 
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
         width = self.config.tile_row_width
         mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, width), stride=(width, 1)))
-        mActs = cute.make_tensor(acts, cute.make_layout(self.num_groups))
+        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, 2), stride=(2, 1)))
         split = self.config.split_k
         self.kernel(mPtrs, mSizes, mTiles, mActs).launch(
             grid=(num_tiles * split, 1, 1),
@@ -214,11 +232,11 @@ class Sm90SwapAbGemm:
     # -------------------------------------------------------------------------
     @cute.jit
     def load_stage(
-        self, tile_t: cutlass.Constexpr, tidx, w_base, x_base, stage, k_tile, b_addr, sfb_addr, x_addr, m,
-        n0, token0, b_row_bytes, x_row_bytes, rest_k,
+        self, tile_t: cutlass.Constexpr, tidx, w_base, x_base, mbar_base, stage, k_tile, b_addr, sfb_addr,
+        x_addr, slab_bytes, n0, b_row_bytes, rest_k,
     ):
         self.load_weights(tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
-        self.load_tokens(tile_t, tidx, x_base, stage, k_tile, x_addr, m, token0, x_row_bytes)
+        self.load_tokens(tile_t, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes)
 
     @cute.jit
     def load_weights(self, tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k):
@@ -236,19 +254,18 @@ class Sm90SwapAbGemm:
             cp_async_16B(w_stage + self.w_sf_offset + tidx * 16, src, 16)
 
     @cute.jit
-    def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, stage, k_tile, x_addr, m, token0, x_row_bytes):
-        # fp16 token rows (zero-filled past M) into the 128-byte swizzle: 16-byte chunk c of
-        # row r at chunk c ^ (r % 8) of its 128-byte row
-        x_stage = x_base + stage * (tile_t * self.x_row_bytes)
-        chunks_per_row = self.x_row_bytes // 16
-        for i in cutlass.range_constexpr(tile_t * chunks_per_row // self.num_threads):
-            chunk = tidx + i * self.num_threads
-            row = chunk // chunks_per_row
-            part = chunk % chunks_per_row
-            valid = (token0 + row) < m
-            src_row = (token0 + row) if valid else 0
-            src = x_addr + cutlass.Int64(src_row) * x_row_bytes + k_tile * self.x_row_bytes + part * 16
-            cp_async_16B(x_stage + token_stage_chunk_offset(row, part), src, 16 if valid else 0)
+    def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes):
+        # the tile's fp16 token rows of this k-tile: one contiguous run of its group's k-tile
+        # slab, already swizzled by the pre-pass; one bulk copy by one thread, completing on
+        # the stage's mbarrier (cp.async took 16-byte copies and their address arithmetic from
+        # every thread)
+        if tidx == 0:
+            bulk_copy_to_shared(
+                x_base + stage * (tile_t * self.x_row_bytes),
+                x_addr + cutlass.Int64(k_tile) * slab_bytes,
+                tile_t * self.x_row_bytes,
+                mbar_base + stage * 8,
+            )
 
     @cute.jit
     def decode_weights(self, tidx, w_base, stage, a_frag):
@@ -274,6 +291,7 @@ class Sm90SwapAbGemm:
         storage = smem.allocate(self.shared_storage)
         sX_ptr = storage.sX.data_ptr()
         w_base = storage.raw_w.data_ptr().toint()
+        mbar_base = storage.token_full.data_ptr().toint()
         # Register fragments, allocated here (the kernel's entry block; allocated inside a
         # class's branch they went to local memory): the A fragment, and per token class its
         # accumulators (only one class's are live in a CTA)
@@ -301,17 +319,17 @@ class Sm90SwapAbGemm:
             # 2 x, ..., tile_tokens); the CTA runs the one of its tile
             for class_index, tile_t in enumerate(classes):
                 if token_class == class_index:
-                    self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0,
-                                  weight_tile, a_frag, accumulators_by_class[tile_t])
+                    self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group,
+                                  token0, weight_tile, a_frag, accumulators_by_class[tile_t])
         else:
             token0 = mTiles[tile_idx, 1] * self.tile_t
-            self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0, weight_tile, a_frag,
-                              accumulators_by_class[self.tile_t])
+            self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group, token0,
+                          weight_tile, a_frag, accumulators_by_class[self.tile_t])
 
     @cute.jit
     def run_tile(
-        self, tile_t: cutlass.Constexpr, tidx, bidx, sX_ptr, w_base, mPtrs, mSizes, mActs, group, token0,
-        weight_tile, a_frag, accumulators,
+        self, tile_t: cutlass.Constexpr, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group,
+        token0, weight_tile, a_frag, accumulators,
     ):
         """The output tile of weight rows weight_tile * 128 .. + 128 and tokens token0 ..
         token0 + tile_t of `group` (this split-K rank's k-tiles): copies, decode, wgmma with
@@ -323,6 +341,13 @@ class Sm90SwapAbGemm:
             cute.recast_ptr(sX_ptr, x_smem_layout_staged.inner, dtype=cutlass.Float16), x_smem_layout_staged.outer
         )
         x_base = sX_ptr.toint()
+
+        # the stages' mbarriers, one arrival each (the copying thread's expect_tx)
+        if tidx == 0:
+            for s in cutlass.range_constexpr(self.stages):
+                mbarrier_init_shared(mbar_base + s * 8, 1)
+            fence_mbarrier_init()
+        cute.arch.sync_threads()
 
         warp_group_thread_layout = cute.make_layout(self.tile_w // 64, stride=128)
         thr_mma = tiled_mma.get_slice(warp_group_thread_layout(warp_group_idx))
@@ -338,36 +363,37 @@ class Sm90SwapAbGemm:
         k_tile_cnt = k // (self.tile_k * split)
         k_tile_begin = (bidx % split) * k_tile_cnt
         b_row_bytes = k // 2
-        x_row_bytes = k * 2
         rest_k = k // (SF_VEC_SIZE * 4)
+        slab_bytes = mActs[group, 1]
         # the rank's first k-tile moves into the base addresses: its loop runs from 0
         b_addr = mPtrs[group, _PTR_B] + cutlass.Int64(k_tile_begin) * self.w_row_bytes
         sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
-        x_addr = mActs[group] + cutlass.Int64(k_tile_begin) * self.x_row_bytes
+        x_addr = mActs[group, 0] + cutlass.Int64(k_tile_begin) * slab_bytes + token0 * self.x_row_bytes
 
         # Prologue: k-tiles 0 .. stages - 3 (copies run stages - 2 ahead)
         for s in cutlass.range_constexpr(self.stages - 2):
             if s < k_tile_cnt:
-                self.load_stage(tile_t, tidx, w_base, x_base, s, s, b_addr, sfb_addr, x_addr, m, n0, token0,
-                                b_row_bytes, x_row_bytes, rest_k)
+                self.load_stage(tile_t, tidx, w_base, x_base, mbar_base, s, s, b_addr, sfb_addr, x_addr,
+                                slab_bytes, n0, b_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
 
         # Main loop
         for k_tile in cutlass.range(k_tile_cnt, unroll=1):
             stage = k_tile % self.stages
-            # k-tile k_tile landed (this thread's copies), visible to the async proxy
-            # (wgmma), then to every thread; every warpgroup has retired wgmma k_tile - 2 (before
-            # its decode of k_tile - 1), so the stage the copies below overwrite is free
+            # k-tile k_tile's weights landed (this thread's copies), then every thread's; every
+            # warpgroup has retired wgmma k_tile - 2 (before its decode of k_tile - 1), so the
+            # stage the copies below overwrite is free
             cute.arch.cp_async_wait_group(self.stages - 3)
-            fence_proxy_async_shared_cta()
             cute.arch.sync_threads()
             next_tile = k_tile + self.stages - 2
             if next_tile < k_tile_cnt:
-                self.load_stage(tile_t, tidx, w_base, x_base, next_tile % self.stages, next_tile, b_addr,
-                                sfb_addr, x_addr, m, n0, token0, b_row_bytes, x_row_bytes, rest_k)
+                self.load_stage(tile_t, tidx, w_base, x_base, mbar_base, next_tile % self.stages, next_tile,
+                                b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
             cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
             self.decode_weights(tidx, w_base, stage, a_frag)
+            # the token rows of k-tile k_tile (the stage's (k_tile // stages)-th copy)
+            mbarrier_wait_parity(mbar_base + stage * 8, (k_tile // self.stages) % 2)
             self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, stage)
 
         cute.nvgpu.warpgroup.wait_group(0)

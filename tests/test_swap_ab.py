@@ -38,20 +38,41 @@ def test_activation_scale_offsets_match_the_reordered_layout(m, k):
             assert flat[offset] == scales[row, block, 0], (row, block)
 
 
-@pytest.mark.parametrize("k", [256, 1536])
-def test_pre_pass_rows_land_where_the_b_stage_decode_put_them(k):
-    """The pre-pass writes block b of a row as chunks 2 (b % 4) and + 1 of its k-tile's
-    128-byte image; the GEMM copies chunk c of token row r to c ^ (r % 8). Composed, every
-    block lands where the decode of the two-sided kernel wrote its B rows (chunk 2 blk ^ swz,
-    2 blk + 1 ^ swz of row r): the K permutation both operands share is unchanged."""
-    for row in range(16):
-        for block in range(k // 16):
-            k_tile, blk = divmod(block, 4)
-            image = swap_ab.activation_chunk_offset(row, block, k) - row * k * 2 - k_tile * 128
-            for half in range(2):
-                chunk = (image + 16 * half) // 16
-                assert chunk == 2 * blk + half
-                assert swap_ab.token_stage_chunk_offset(row, chunk) == row * 128 + ((2 * blk + half) ^ (row % 8)) * 16
+@pytest.mark.parametrize("config", [hopper.SWAP_AB_CONFIG, hopper.SWAP_AB_T192_CONFIG,
+                                    hopper.SWAP_AB_VARIABLE_CONFIG])
+@pytest.mark.parametrize("m,k", [(40, 256), (200, 1536)])
+def test_pre_pass_rows_land_where_the_b_stage_decode_put_them(config, m, k):
+    """The pre-pass writes block b of row r as chunks 2 (b % 4) and + 1 of its k-tile's
+    128-byte image, swizzled, in the group's k-tile slab; the GEMM copies a tile's rows of a
+    k-tile as one run from its first token's image into the stage. Composed, for every tile
+    of the config, every block lands where the decode of the two-sided kernel wrote its B rows
+    (chunk 2 blk ^ swz, 2 blk + 1 ^ swz of the tile's row r): the K permutation both operands
+    share is unchanged, and the run stays inside the slab."""
+    padded = swap_ab.padded_token_rows(m, config)
+    slab = padded * 128
+    tiles = hopper.make_backend(config).plan_tiles([(m, 128, k, 1)])
+    step = 64 if config.variable_tokens else config.tile_tokens
+    for tile in tiles:
+        token0 = tile[1] * step
+        tokens = (tile[3] + 1) * 64 if config.variable_tokens else config.tile_tokens
+        assert token0 % 64 == 0 and token0 + tokens <= padded
+        for row in range(token0, min(m, token0 + tokens)):
+            for block in range(k // 16):
+                k_tile, blk = divmod(block, 4)
+                run_start = k_tile * slab + token0 * 128  # the GEMM's copy source of this k-tile
+                for half, offset in enumerate(swap_ab.activation_chunk_offsets(row, block, slab)):
+                    in_stage = offset - run_start
+                    assert 0 <= in_stage < tokens * 128
+                    tile_row = row - token0
+                    assert in_stage == tile_row * 128 + ((2 * blk + half) ^ (tile_row % 8)) * 16
+                    assert in_stage == swap_ab.token_stage_chunk_offset(tile_row, 2 * blk + half)
+
+
+def test_padded_token_rows_reach_the_last_tile():
+    assert swap_ab.padded_token_rows(40, hopper.SWAP_AB_CONFIG) == 128
+    assert swap_ab.padded_token_rows(200, hopper.SWAP_AB_T192_CONFIG) == 384
+    assert swap_ab.padded_token_rows(200, hopper.SWAP_AB_VARIABLE_CONFIG) == 256
+    assert swap_ab.padded_token_rows(0, hopper.SWAP_AB_CONFIG) == 0
 
 
 def test_token_stage_chunks_are_a_permutation_per_8_rows():
@@ -133,9 +154,10 @@ def test_stage_and_reduction_sizes():
     config = hopper.SWAP_AB_CONFIG
     assert config.weight_stage_bytes == 128 * 32 + 512
     assert config.token_stage_bytes == 128 * 128
-    assert config.smem_bytes == 4 * (4608 + 16384)
-    # a summing rank receives one warpgroup's 64 x 128 fp32 sums, into its stages
-    assert hopper.SWAP_AB_SPLIT_K_CONFIG.reduction_bytes == 64 * 128 * 4 <= config.smem_bytes
+    # 4 stages and their 4 mbarriers, rounded up to the 1024-byte struct alignment
+    assert config.smem_bytes == 4 * (4608 + 16384) + 1024
+    # a summing rank receives one warpgroup's 64 x 128 fp32 sums, into its token stages
+    assert hopper.SWAP_AB_SPLIT_K_CONFIG.reduction_bytes == 64 * 128 * 4 <= 4 * config.token_stage_bytes
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -199,12 +221,15 @@ def test_variable_token_tiles_of_the_benchmark_shapes():
 
 
 def test_activation_buffer_holds_every_group_back_to_back():
+    """Per group K / 64 slabs of its padded token rows (128, 0, 384 with 128-token tiles) x 128
+    bytes; the table holds (address, slab bytes) per group."""
     sizes = ((40, 128, 512, 1), (0, 128, 256, 1), (300, 256, 1024, 1))
-    buffer = hopper.ActivationBuffer(sizes, "cpu")
+    buffer = hopper.ActivationBuffer(sizes, "cpu", hopper.SWAP_AB_CONFIG)
     base = buffer.buffer.data_ptr()
-    assert buffer.addresses.tolist() == [base, base + 40 * 512 * 2, base + 40 * 512 * 2]
-    assert buffer.buffer.numel() == 40 * 512 * 2 + 300 * 1024 * 2
-    assert buffer.nbytes == buffer.buffer.numel() + 3 * 8
+    first = 128 * 512 * 2
+    assert buffer.addresses.tolist() == [[base, 128 * 128], [base + first, 0], [base + first, 384 * 128]]
+    assert buffer.buffer.numel() == first + 384 * 1024 * 2
+    assert buffer.nbytes == buffer.buffer.numel() + 3 * 16
     # the pre-pass grid: one thread per scale block of the largest group
     assert buffer.blocks_x == 300 * 1024 // 16 // swap_ab.DECODE_THREADS
 
