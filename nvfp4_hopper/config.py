@@ -179,8 +179,12 @@ class SwapAbConfig:
     stages: int = 4
     # CTAs sharing one output tile along K (a cluster along grid x), as HopperGemmConfig
     split_k: int = 1
-    # One register A fragment: the decode of k-tile k waits for wgmma k - 1. Two (the decode of
-    # k + 1 while wgmma k reads the other): no faster; docs/EXPERIMENTS.md.
+    # Register A fragments: with one, the decode of k-tile k waits for wgmma k - 1; with two,
+    # the decode of k + 1 runs while wgmma k reads the other.
+    a_buffers: int = 1
+    # Weight stages (packed rows and scale atom of a k-tile, cp.async); the weights are copied
+    # weight_stages - 1 k-tiles ahead (a weight stage is free once decoded).
+    weight_stages: int = 4
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
     # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
@@ -215,6 +219,10 @@ class SwapAbConfig:
             raise ValueError("variable_tokens needs tile_tokens=256, split_k=1, ctas_per_sm=1")
         if self.stages < 3:
             raise ValueError(f"stages={self.stages}: must be >= 3")
+        if self.a_buffers not in (1, 2):
+            raise ValueError(f"a_buffers={self.a_buffers}: must be 1 or 2")
+        if self.weight_stages < 2:
+            raise ValueError(f"weight_stages={self.weight_stages}: must be >= 2")
         if self.split_k not in (1, 2):
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.tile_tokens * 8 % self.num_threads:
@@ -238,7 +246,9 @@ class SwapAbConfig:
     def smem_bytes(self) -> int:
         """The stages and their token copies' mbarriers (8 bytes each), in a struct whose size
         is a multiple of its 1024-byte alignment (the token stages' swizzle atoms)."""
-        stages_and_barriers = self.stages * (self.weight_stage_bytes + self.token_stage_bytes + 8)
+        stages_and_barriers = (
+            self.weight_stages * self.weight_stage_bytes + self.stages * (self.token_stage_bytes + 8)
+        )
         return -(-stages_and_barriers // 1024) * 1024
 
 
