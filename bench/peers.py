@@ -98,13 +98,8 @@ def compare_configs(repeats, names=None):
         "swap t256": (hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1), None),
         "swap variable": (hopper.SWAP_AB_VARIABLE_CONFIG, None),
         "swap w3": (hopper.SwapAbConfig(weight_stages=3), None),
-        "swap w8": (hopper.SwapAbConfig(weight_stages=8), None),
-        "swap a2": (hopper.SwapAbConfig(a_buffers=2), None),
-        "swap a2 w8": (hopper.SwapAbConfig(a_buffers=2, weight_stages=8), None),
         "var w3": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=3), None),
         "var w8": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=8), None),
-        "var a2": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, a_buffers=2), None),
-        "var a2 w8": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, a_buffers=2, weight_stages=8), None),
         "auto": (None, None),
     }
     if names:

@@ -288,13 +288,10 @@ class Sm90SwapAbGemm:
         # class's branch they went to local memory): the A fragment, and per token class its
         # accumulators (only one class's are live in a CTA)
         classes = self.token_classes()
-        a_frags = [
-            cute.make_rmem_tensor(
-                make_swap_ab_tiled_mma(self.config, self.tile_t).partition_shape_A((self.tile_w, self.tile_k)),
-                cutlass.Float16,
-            )
-            for _ in range(self.config.a_buffers)
-        ]
+        a_frag = cute.make_rmem_tensor(
+            make_swap_ab_tiled_mma(self.config, self.tile_t).partition_shape_A((self.tile_w, self.tile_k)),
+            cutlass.Float16,
+        )
         accumulators_by_class = {}
         for tile_t in classes:
             thr = make_swap_ab_tiled_mma(self.config, tile_t).get_slice(0)
@@ -315,11 +312,11 @@ class Sm90SwapAbGemm:
             for class_index, tile_t in enumerate(classes):
                 if token_class == class_index:
                     self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group,
-                                  token0, weight_tile, a_frags, accumulators_by_class[tile_t])
+                                  token0, weight_tile, a_frag, accumulators_by_class[tile_t])
         else:
             token0 = mTiles[tile_idx, 1] * self.tile_t
             self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group, token0,
-                          weight_tile, a_frags, accumulators_by_class[self.tile_t])
+                          weight_tile, a_frag, accumulators_by_class[self.tile_t])
 
     @cute.jit
     def k_tile_step(
@@ -332,8 +329,8 @@ class Sm90SwapAbGemm:
         tokens_ahead = self.stages - 2
         # k-tile k_tile's weights landed (this thread's copies), then every thread's. Every
         # thread has decoded k-tile k_tile - 1, so its weight stage, the one the copies below
-        # overwrite, is free; every warpgroup has retired wgmma k_tile - 2, so the token stage
-        # the bulk copy below overwrites is free.
+        # overwrite, is free; every warpgroup has retired wgmma k_tile - 2 (before its decode of
+        # k_tile - 1), so the token stage the bulk copy below overwrites is free.
         cute.arch.cp_async_wait_group(weights_ahead - 1)
         cute.arch.sync_threads()
         next_weights = k_tile + weights_ahead
@@ -345,21 +342,17 @@ class Sm90SwapAbGemm:
         if next_tokens < k_tile_cnt:
             self.load_tokens(tile_t, tidx, x_base, mbar_base, next_tokens % self.stages, next_tokens, x_addr,
                              slab_bytes)
-        if cutlass.const_expr(self.config.a_buffers == 1):
-            cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
+        cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
         self.decode_weights(tidx, w_base, k_tile % self.config.weight_stages, a_frag)
         # the token rows of k-tile k_tile (its stage's (k_tile // stages)-th copy)
         stage = k_tile % self.stages
         mbarrier_wait_parity(mbar_base + stage * 8, (k_tile // self.stages) % 2)
         self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, stage)
-        if cutlass.const_expr(self.config.a_buffers == 2):
-            # wgmma k_tile - 1 retired: its fragment (the next k-tile's) and token stage are free
-            cute.nvgpu.warpgroup.wait_group(1)
 
     @cute.jit
     def run_tile(
         self, tile_t: cutlass.Constexpr, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group,
-        token0, weight_tile, a_frags, accumulators,
+        token0, weight_tile, a_frag, accumulators,
     ):
         """The output tile of weight rows weight_tile * 128 .. + 128 and tokens token0 ..
         token0 + tile_t of `group` (this split-K rank's k-tiles): copies, decode, wgmma with
@@ -413,19 +406,11 @@ class Sm90SwapAbGemm:
             if cutlass.const_expr(s < weights_ahead):
                 cute.arch.cp_async_commit_group()
 
-        # Main loop; with two A fragments unrolled by 2, so that each k-tile's is static
-        # (k_tile_cnt is even: K % 256 == 0, halved by split-K)
-        if cutlass.const_expr(self.config.a_buffers == 2):
-            for k_pair in cutlass.range(k_tile_cnt // 2, unroll=1):
-                for half in cutlass.range_constexpr(2):
-                    self.k_tile_step(tile_t, tiled_mma, tidx, w_base, x_base, mbar_base, 2 * k_pair + half,
-                                     k_tile_cnt, b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k,
-                                     a_frags[half], tCrB, accumulators)
-        else:
-            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-                self.k_tile_step(tile_t, tiled_mma, tidx, w_base, x_base, mbar_base, k_tile, k_tile_cnt, b_addr,
-                                 sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frags[0], tCrB,
-                                 accumulators)
+        # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
+        # other, measured no faster; docs/EXPERIMENTS.md)
+        for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+            self.k_tile_step(tile_t, tiled_mma, tidx, w_base, x_base, mbar_base, k_tile, k_tile_cnt, b_addr,
+                             sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators)
 
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)
