@@ -26,6 +26,7 @@ off sm_90, matplotlib missing for --plot, a bad option), as one line on stderr.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -96,6 +97,9 @@ def compare_configs(repeats, names=None):
         "swap t192": (hopper.SwapAbConfig(tile_tokens=192, ctas_per_sm=1), None),
         "swap t256": (hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1), None),
         "swap variable": (hopper.SWAP_AB_VARIABLE_CONFIG, None),
+        "swap w3": (hopper.SwapAbConfig(weight_stages=3), None),
+        "var w3": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=3), None),
+        "var w8": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=8), None),
         "auto": (None, None),
     }
     if names:

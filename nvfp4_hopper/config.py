@@ -170,17 +170,23 @@ class SwapAbConfig:
     N, read as fp16 rows that a pre-pass decoded once per call."""
 
     # Tokens per tile (wgmma N): a multiple of 32 up to 256. Accumulators take
-    # tile_tokens / 2 registers per thread. The automatic choice runs 128 and 192; 64 (3 CTAs
-    # per SM) and 256 (one) measured slower on every benchmark shape; docs/EXPERIMENTS.md.
+    # tile_tokens / 2 registers per thread. The automatic choice runs 128, 192 and variable
+    # tiles (tile_tokens 256, below); fixed 64 (3 CTAs per SM) and 256 (one) measured slower on
+    # every benchmark shape; docs/EXPERIMENTS.md.
     tile_tokens: int = 128
-    # cp.async stages of (packed weights + their scale atom + fp16 token rows) per k-tile;
-    # copies run stages - 2 k-tiles ahead (the stage of k-tile k - 1 may still be read by
-    # its wgmma when k-tile k + stages - 2 is issued). 5 measured slower; docs/EXPERIMENTS.md.
+    # Token stages (a k-tile's fp16 token rows, one bulk copy each, completing on the stage's
+    # mbarrier); the token rows are copied stages - 2 k-tiles ahead (the stage of k-tile k - 1
+    # may still be read by its wgmma when k-tile k + stages - 2 is issued). 5 measured slower
+    # (with cp.async token copies); docs/EXPERIMENTS.md.
     stages: int = 4
     # CTAs sharing one output tile along K (a cluster along grid x), as HopperGemmConfig
     split_k: int = 1
     # One register A fragment: the decode of k-tile k waits for wgmma k - 1. Two (the decode of
-    # k + 1 while wgmma k reads the other): no faster; docs/EXPERIMENTS.md.
+    # k + 1 while wgmma k reads the other): no faster, twice measured; docs/EXPERIMENTS.md.
+    # Weight stages (packed rows and scale atom of a k-tile, cp.async), apart from the token
+    # stages: a weight stage is free once decoded, so the weights are copied weight_stages - 1
+    # k-tiles ahead (3 measured faster than 2 with variable token tiles, 7 no faster).
+    weight_stages: int = 4
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
     # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
@@ -215,6 +221,8 @@ class SwapAbConfig:
             raise ValueError("variable_tokens needs tile_tokens=256, split_k=1, ctas_per_sm=1")
         if self.stages < 3:
             raise ValueError(f"stages={self.stages}: must be >= 3")
+        if self.weight_stages < 2:
+            raise ValueError(f"weight_stages={self.weight_stages}: must be >= 2")
         if self.split_k not in (1, 2):
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.tile_tokens * 8 % self.num_threads:
@@ -238,7 +246,9 @@ class SwapAbConfig:
     def smem_bytes(self) -> int:
         """The stages and their token copies' mbarriers (8 bytes each), in a struct whose size
         is a multiple of its 1024-byte alignment (the token stages' swizzle atoms)."""
-        stages_and_barriers = self.stages * (self.weight_stage_bytes + self.token_stage_bytes + 8)
+        stages_and_barriers = (
+            self.weight_stages * self.weight_stage_bytes + self.stages * (self.token_stage_bytes + 8)
+        )
         return -(-stages_and_barriers // 1024) * 1024
 
 

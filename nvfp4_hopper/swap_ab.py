@@ -189,7 +189,7 @@ class Sm90SwapAbGemm:
         class SharedStorage:
             sX: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(x_smem_layout_staged)], 1024]
             raw_w: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Uint8, self.config.weight_stage_bytes * self.stages], 128
+                cute.struct.MemRange[cutlass.Uint8, self.config.weight_stage_bytes * self.config.weight_stages], 128
             ]
             # per stage, the mbarrier its token bulk copy completes on
             token_full: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, self.stages], 8]
@@ -230,14 +230,6 @@ class Sm90SwapAbGemm:
     # -------------------------------------------------------------------------
     # Copies: one k-tile of weights, their scales and fp16 token rows into stage `stage`
     # -------------------------------------------------------------------------
-    @cute.jit
-    def load_stage(
-        self, tile_t: cutlass.Constexpr, tidx, w_base, x_base, mbar_base, stage, k_tile, b_addr, sfb_addr,
-        x_addr, slab_bytes, n0, b_row_bytes, rest_k,
-    ):
-        self.load_weights(tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
-        self.load_tokens(tile_t, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes)
-
     @cute.jit
     def load_weights(self, tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k):
         w_stage = w_base + stage * self.config.weight_stage_bytes
@@ -327,6 +319,37 @@ class Sm90SwapAbGemm:
                           weight_tile, a_frag, accumulators_by_class[self.tile_t])
 
     @cute.jit
+    def k_tile_step(
+        self, tile_t: cutlass.Constexpr, tiled_mma, tidx, w_base, x_base, mbar_base, k_tile, k_tile_cnt, b_addr,
+        sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators,
+    ):
+        """One main-loop k-tile: the copies of a later k-tile, the decode of this one's weights
+        into `a_frag`, its wgmma."""
+        weights_ahead = self.config.weight_stages - 1
+        tokens_ahead = self.stages - 2
+        # k-tile k_tile's weights landed (this thread's copies), then every thread's. Every
+        # thread has decoded k-tile k_tile - 1, so its weight stage, the one the copies below
+        # overwrite, is free; every warpgroup has retired wgmma k_tile - 2 (before its decode of
+        # k_tile - 1), so the token stage the bulk copy below overwrites is free.
+        cute.arch.cp_async_wait_group(weights_ahead - 1)
+        cute.arch.sync_threads()
+        next_weights = k_tile + weights_ahead
+        if next_weights < k_tile_cnt:
+            self.load_weights(tidx, w_base, next_weights % self.config.weight_stages, next_weights, b_addr,
+                              sfb_addr, n0, b_row_bytes, rest_k)
+        cute.arch.cp_async_commit_group()
+        next_tokens = k_tile + tokens_ahead
+        if next_tokens < k_tile_cnt:
+            self.load_tokens(tile_t, tidx, x_base, mbar_base, next_tokens % self.stages, next_tokens, x_addr,
+                             slab_bytes)
+        cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
+        self.decode_weights(tidx, w_base, k_tile % self.config.weight_stages, a_frag)
+        # the token rows of k-tile k_tile (its stage's (k_tile // stages)-th copy)
+        stage = k_tile % self.stages
+        mbarrier_wait_parity(mbar_base + stage * 8, (k_tile // self.stages) % 2)
+        self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, stage)
+
+    @cute.jit
     def run_tile(
         self, tile_t: cutlass.Constexpr, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group,
         token0, weight_tile, a_frag, accumulators,
@@ -370,31 +393,24 @@ class Sm90SwapAbGemm:
         sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
         x_addr = mActs[group, 0] + cutlass.Int64(k_tile_begin) * slab_bytes + token0 * self.x_row_bytes
 
-        # Prologue: k-tiles 0 .. stages - 3 (copies run stages - 2 ahead)
-        for s in cutlass.range_constexpr(self.stages - 2):
+        # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
+        # rows of k-tiles 0 .. stages - 3
+        weights_ahead = self.config.weight_stages - 1
+        tokens_ahead = self.stages - 2
+        for s in cutlass.range_constexpr(max(weights_ahead, tokens_ahead)):
             if s < k_tile_cnt:
-                self.load_stage(tile_t, tidx, w_base, x_base, mbar_base, s, s, b_addr, sfb_addr, x_addr,
-                                slab_bytes, n0, b_row_bytes, rest_k)
-            cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(s < weights_ahead):
+                    self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
+                if cutlass.const_expr(s < tokens_ahead):
+                    self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
+            if cutlass.const_expr(s < weights_ahead):
+                cute.arch.cp_async_commit_group()
 
-        # Main loop
+        # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
+        # other, measured no faster; docs/EXPERIMENTS.md)
         for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-            stage = k_tile % self.stages
-            # k-tile k_tile's weights landed (this thread's copies), then every thread's; every
-            # warpgroup has retired wgmma k_tile - 2 (before its decode of k_tile - 1), so the
-            # stage the copies below overwrite is free
-            cute.arch.cp_async_wait_group(self.stages - 3)
-            cute.arch.sync_threads()
-            next_tile = k_tile + self.stages - 2
-            if next_tile < k_tile_cnt:
-                self.load_stage(tile_t, tidx, w_base, x_base, mbar_base, next_tile % self.stages, next_tile,
-                                b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k)
-            cute.arch.cp_async_commit_group()
-            cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
-            self.decode_weights(tidx, w_base, stage, a_frag)
-            # the token rows of k-tile k_tile (the stage's (k_tile // stages)-th copy)
-            mbarrier_wait_parity(mbar_base + stage * 8, (k_tile // self.stages) % 2)
-            self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, stage)
+            self.k_tile_step(tile_t, tiled_mma, tidx, w_base, x_base, mbar_base, k_tile, k_tile_cnt, b_addr,
+                             sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators)
 
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)

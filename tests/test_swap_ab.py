@@ -3,6 +3,7 @@ against the reordered scale layout and the GEMM's swizzled stages, the automatic
 tile table, the activation scratch, the launches a binding makes, and the sm_90a builds.
 The kernels' numerics run on an H200 in tests/test_hopper.py (configs swap_ab*, auto)."""
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -145,7 +146,8 @@ def test_split_k_where_split_ctas_fit_one_per_sm():
 def test_config_check_rejects_unsupported_values():
     hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1).check()
     for bad in ({"tile_tokens": 48}, {"tile_tokens": 288}, {"stages": 2}, {"split_k": 3},
-                {"ctas_per_sm": 4}):
+                {"ctas_per_sm": 4}, {"weight_stages": 1},
+                {"variable_tokens": True}, {"tile_tokens": 256, "variable_tokens": True, "split_k": 2}):
         with pytest.raises(ValueError):
             hopper.SwapAbConfig(**bad).check()
 
@@ -154,8 +156,11 @@ def test_stage_and_reduction_sizes():
     config = hopper.SWAP_AB_CONFIG
     assert config.weight_stage_bytes == 128 * 32 + 512
     assert config.token_stage_bytes == 128 * 128
-    # 4 stages and their 4 mbarriers, rounded up to the 1024-byte struct alignment
+    # 4 weight stages, 4 token stages and their 4 mbarriers, rounded up to the 1024-byte
+    # struct alignment
     assert config.smem_bytes == 4 * (4608 + 16384) + 1024
+    assert dataclasses.replace(config, weight_stages=8).smem_bytes == 8 * 4608 + 4 * 16384 + 1024
+    assert dataclasses.replace(config, weight_stages=3).smem_bytes == 3 * 4608 + 4 * 16384 + 1024 - 512
     # a summing rank receives one warpgroup's 64 x 128 fp32 sums, into its token stages
     assert hopper.SWAP_AB_SPLIT_K_CONFIG.reduction_bytes == 64 * 128 * 4 <= 4 * config.token_stage_bytes
 
