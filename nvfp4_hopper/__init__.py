@@ -17,8 +17,10 @@ Two kernels (backend.SM90_KERNELS; NVFP4_SM90_KERNEL picks custom_kernel's):
 
 swap_ab (the default; swap_ab.py). Two launches per call:
 
-    pre-pass:  A (packed) x SFA --decode--> X (fp16, every group's M x K, plan scratch)
-    GEMM:      B packed + SFB, X rows --cp.async--> stages (``stages`` deep)
+    pre-pass:  A (packed) x SFA --decode--> X (fp16, every group's M x K in swizzled k-tile
+               slabs, plan scratch)
+    GEMM:      B packed + SFB --cp.async--> weight stages (``weight_stages`` deep)
+               X: a tile's rows of a k-tile --one bulk copy, mbarrier--> token stages
                B --decode--> register A fragments (one warpgroup per 64 weight rows)
                X stage --wgmma (tokens as N)--> fp32 --> C[token, n] fp16 (transposed stores)
 
@@ -52,11 +54,13 @@ In both, the decode places two codes per register with 7 integer instructions pe
 latencies (Nsight Compute figures in kernel.py at the main loop's barrier, and for swap-AB in
 docs/EXPERIMENTS.md).
 
-Why cp.async and not TMA: the per-group base pointers arrive at run time in the pointer
-table, so TMA would need one descriptor per group written on the device (an init kernel
-plus tensormap fences, as the sm_100 backend does). The packed operands are a quarter of
-the decoded bytes, so plain 16-byte cp.async from the table's pointers costs few issue
-slots, needs no descriptors, and zero-fills rows past M without reading them.
+Why cp.async and not TMA for the packed operands: the per-group base pointers arrive at run
+time in the pointer table, so TMA would need one descriptor per group written on the device
+(an init kernel plus tensormap fences, as the sm_100 backend does). The packed operands are a
+quarter of the decoded bytes, so plain 16-byte cp.async from the table's pointers costs few
+issue slots, needs no descriptors, and zero-fills rows past M without reading them. The
+swap-AB GEMM's fp16 token rows need no descriptor either: the pre-pass lays them out so that
+a tile's rows of a k-tile are contiguous, and a plain bulk copy (cp.async.bulk) brings them.
 
 Constraints (checked by submission.validate_inputs and by ``can_implement`` here):
   * 1 <= G <= 64, L == 1

@@ -114,8 +114,9 @@ class Sm90Plan:
 # into wgmma's register A with the tokens as N) and "in_gemm_decode" (kernel.py: both operands
 # decoded inside the GEMM, no scratch beyond stream-K's). The default is swap_ab; H200 device
 # µs, benchmark shapes 0-3, one bench/peers.py --configs run: 175.5 / 107.0 / 42.7 / 21.5 vs
-# in_gemm_decode's own automatic choice 185.0 / 116.0 / 43.8 / 24.2. in_gemm_decode needs no
-# ΣM x K x 2 bytes of activation scratch. NVFP4_SM90_KERNEL picks the default backend's kernel.
+# in_gemm_decode's own automatic choice 185.0 / 116.0 / 43.8 / 24.2 (swap_ab has become faster
+# since: docs/EXPERIMENTS.md). in_gemm_decode needs no activation scratch (M padded to the
+# token tiles x K x 2 bytes). NVFP4_SM90_KERNEL picks the default backend's kernel.
 SM90_KERNELS = ("swap_ab", "in_gemm_decode")
 
 

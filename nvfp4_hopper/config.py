@@ -261,5 +261,7 @@ SWAP_AB_SPLIT_K_CONFIG = SwapAbConfig(split_k=2, ctas_per_sm=1)
 # serves 1.5x the tokens; what the default backend runs where its tile count makes up for the
 # lost second CTA per SM (schedules.choose_swap_ab_config)
 SWAP_AB_T192_CONFIG = SwapAbConfig(tile_tokens=192, ctas_per_sm=1)
-# Variable token tiles (64, 128, 192 or 256 tokens per tile, one CTA per SM): not yet measured
+# Variable token tiles (64, 128, 192 or 256 tokens per tile, each group's M in near-equal tiles;
+# one CTA per SM): M pads least, and the larger tiles do the most work per weight decode; what
+# the default backend runs where the time model puts it first (benchmark shapes 0 and 1)
 SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True)

@@ -7,11 +7,15 @@ their packed bytes straight into register fragments, one warpgroup per 64 weight
 tokens (problem A, M rows) are wgmma's N operand, so a tile holds any multiple of 32 tokens
 and M pads to that, not to 64-row wgmma blocks. The token rows arrive already decoded (fp16,
 the K permutation of ptx.CHUNK_REGISTERS) from the pre-pass, so each activation is decoded
-once per call instead of once per weight tile, and the GEMM copies them with cp.async into
-the swizzled K-major layout wgmma reads: no decode stores, no proxy fence per decoded stage.
+once per call instead of once per weight tile. The pre-pass writes them as k-tile slabs
+already in the swizzled K-major layout wgmma reads (activation_chunk_offsets), so a tile's
+token rows of one k-tile are one contiguous run that one thread brings in with one bulk copy,
+completing on the stage's mbarrier: no decode stores, no per-thread token copies, no proxy
+fence.
 
-    pre-pass:  A (packed) x SFA --decode--> X (fp16, ΣM x K, L2-resident)
-    GEMM:      B packed + SFB, X rows --cp.async--> stages (``stages`` deep)
+    pre-pass:  A (packed) x SFA --decode--> X (fp16, k-tile slabs, L2-resident)
+    GEMM:      B packed + SFB --cp.async--> weight stages (``weight_stages`` deep)
+               X: a tile's rows of a k-tile --bulk copy--> token stages (``stages`` deep)
                B --decode--> register A fragments; X stage --wgmma (B from smem)--> fp32
                --> C[token, n] fp16 (transposed stores)
 """
