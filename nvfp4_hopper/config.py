@@ -212,6 +212,13 @@ class SwapAbConfig:
         return self.tile_weights * (self.tile_k // 2) + SF_ATOM_BYTES
 
     @property
+    def unrolled_main_loop(self) -> bool:
+        """The main loop unrolled by the stage count, so that every stage index is a constant:
+        where weight and token stages are as many and the tile's k-tile count is a multiple of
+        them (without split-K, K % 256 == 0 gives a multiple of 4 k-tiles)."""
+        return self.split_k == 1 and self.stages == self.weight_stages and 4 % self.stages == 0
+
+    @property
     def weights_ahead(self) -> int:
         """k-tiles the weight copies run ahead of the decode (a weight stage is free once
         decoded)."""

@@ -327,10 +327,13 @@ class Sm90SwapAbGemm:
     @cute.jit
     def k_tile_step(
         self, tile_t: cutlass.Constexpr, tiled_mma, tidx, w_base, x_base, mbar_base, k_tile, k_tile_cnt, b_addr,
-        sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators,
+        sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators, w_stage, x_stage,
+        w_stage_next, x_stage_next, x_parity,
     ):
         """One main-loop k-tile: the copies of a later k-tile, the decode of this one's weights
-        into `a_frag`, its wgmma."""
+        into `a_frag`, its wgmma. The stages (this k-tile's weight and token stages, those of
+        the k-tiles copied now, the token stage's parity) come from the caller: constants in
+        the unrolled loop."""
         weights_ahead, tokens_ahead = self.config.weights_ahead, self.config.tokens_ahead
         # k-tile k_tile's weights landed (this thread's copies), then every thread's. Every
         # thread has decoded k-tile k_tile - 1, so its weight stage, the one the copies below
@@ -340,19 +343,16 @@ class Sm90SwapAbGemm:
         cute.arch.sync_threads()
         next_weights = k_tile + weights_ahead
         if next_weights < k_tile_cnt:
-            self.load_weights(tidx, w_base, next_weights % self.config.weight_stages, next_weights, b_addr,
-                              sfb_addr, n0, b_row_bytes, rest_k)
+            self.load_weights(tidx, w_base, w_stage_next, next_weights, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
         cute.arch.cp_async_commit_group()
         next_tokens = k_tile + tokens_ahead
         if next_tokens < k_tile_cnt:
-            self.load_tokens(tile_t, tidx, x_base, mbar_base, next_tokens % self.stages, next_tokens, x_addr,
-                             slab_bytes)
+            self.load_tokens(tile_t, tidx, x_base, mbar_base, x_stage_next, next_tokens, x_addr, slab_bytes)
         cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
-        self.decode_weights(tidx, w_base, k_tile % self.config.weight_stages, a_frag)
+        self.decode_weights(tidx, w_base, w_stage, a_frag)
         # the token rows of k-tile k_tile (its stage's (k_tile // stages)-th copy)
-        stage = k_tile % self.stages
-        mbarrier_wait_parity(mbar_base + stage * 8, (k_tile // self.stages) % 2)
-        self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, stage)
+        mbarrier_wait_parity(mbar_base + x_stage * 8, x_parity)
+        self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, x_stage)
 
     @cute.jit
     def run_tile(
@@ -412,9 +412,22 @@ class Sm90SwapAbGemm:
 
         # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
         # other, measured no faster; docs/EXPERIMENTS.md)
-        for k_tile in cutlass.range(k_tile_cnt, unroll=1):
-            self.k_tile_step(tile_t, tiled_mma, tidx, w_base, x_base, mbar_base, k_tile, k_tile_cnt, b_addr,
-                             sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators)
+        step_args = (tile_t, tiled_mma, tidx, w_base, x_base, mbar_base)
+        tile_args = (b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators)
+        weight_stages = self.config.weight_stages
+        if cutlass.const_expr(self.config.unrolled_main_loop):
+            # unrolled by the stage count (k_tile_cnt is a multiple of it): every stage index
+            # and shared address is a constant, the token parity one value per round
+            for k_round in cutlass.range(0, k_tile_cnt, self.stages, unroll=1):
+                x_parity = (k_round // self.stages) % 2
+                for u in cutlass.range_constexpr(self.stages):
+                    self.k_tile_step(*step_args, k_round + u, k_tile_cnt, *tile_args, u, u,
+                                     (u + weights_ahead) % weight_stages, (u + tokens_ahead) % self.stages, x_parity)
+        else:
+            for k_tile in cutlass.range(k_tile_cnt, unroll=1):
+                self.k_tile_step(*step_args, k_tile, k_tile_cnt, *tile_args, k_tile % weight_stages,
+                                 k_tile % self.stages, (k_tile + weights_ahead) % weight_stages,
+                                 (k_tile + tokens_ahead) % self.stages, (k_tile // self.stages) % 2)
 
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)

@@ -316,7 +316,11 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     assert ptx.count("mbarrier.init.shared::cta.b64") == config.stages * main_loops
     bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
     assert ptx.count(bulk) == ptx.count("mbarrier.arrive.expect_tx.shared::cta.b64") >= 2 * main_loops
-    assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == main_loops
+    # one wait per k-tile step in the loop: the loop unrolled by the stage count where the
+    # stage indices can be constants
+    steps = config.stages if config.unrolled_main_loop else 1
+    assert config.unrolled_main_loop == (config.split_k == 1)
+    assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == main_loops * steps
     assert "fence.proxy.async" not in ptx
 
 
