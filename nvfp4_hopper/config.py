@@ -187,6 +187,11 @@ class SwapAbConfig:
     # stages: a weight stage is free once decoded, so the weights are copied weight_stages - 1
     # k-tiles ahead (3 measured faster than 2 with variable token tiles, 7 no faster).
     weight_stages: int = 4
+    # Programmatic dependent launch after the pre-pass: the GEMM's CTAs start, and copy their
+    # first weight stages, while the pre-pass finishes (griddepcontrol.wait before the first
+    # token rows). With ctas_per_sm = 1 the launch asks for more than half an SM's shared
+    # memory, so that the early CTAs spread one per SM.
+    pdl: bool = False
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
     # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
@@ -241,6 +246,13 @@ class SwapAbConfig:
     def reduction_bytes(self) -> int:
         """Split-K: shared memory a summing rank receives (one warpgroup's fp32 sums)."""
         return 0 if self.split_k == 1 else 64 * self.tile_tokens * 4
+
+    def launch_smem_bytes(self, storage_bytes: int) -> int:
+        """Dynamic shared memory the GEMM launch asks for: its storage, or with pdl and one CTA
+        per SM more than half of an SM's 228 KB."""
+        if self.pdl and self.ctas_per_sm == 1:
+            return max(storage_bytes, 115 * 1024)
+        return storage_bytes
 
     @property
     def smem_bytes(self) -> int:

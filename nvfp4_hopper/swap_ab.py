@@ -129,6 +129,9 @@ class Sm90DecodeActivations:
 
     @cute.kernel
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mActs: cute.Tensor):
+        # a GEMM launched as this grid's programmatic dependent may start now: it reads what
+        # this grid writes only after griddepcontrol.wait (no effect on other launches)
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, group, _ = cute.arch.block_idx()
         m = mSizes[group, 0]
@@ -215,7 +218,8 @@ class Sm90SwapAbGemm:
             block=(self.num_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
             min_blocks_per_mp=self.config.ctas_per_sm,
-            smem=self.shared_storage.size_in_bytes(),
+            smem=self.config.launch_smem_bytes(self.shared_storage.size_in_bytes()),
+            use_pdl=self.config.pdl,
             stream=stream,
         )
 
@@ -401,14 +405,16 @@ class Sm90SwapAbGemm:
         # rows of k-tiles 0 .. stages - 3
         weights_ahead = self.config.weight_stages - 1
         tokens_ahead = self.stages - 2
-        for s in cutlass.range_constexpr(max(weights_ahead, tokens_ahead)):
+        for s in cutlass.range_constexpr(weights_ahead):
             if s < k_tile_cnt:
-                if cutlass.const_expr(s < weights_ahead):
-                    self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
-                if cutlass.const_expr(s < tokens_ahead):
-                    self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
-            if cutlass.const_expr(s < weights_ahead):
-                cute.arch.cp_async_commit_group()
+                self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
+            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.config.pdl):
+            # launched as the pre-pass's dependent: its token rows are complete past here
+            cute.arch.griddepcontrol_wait()
+        for s in cutlass.range_constexpr(tokens_ahead):
+            if s < k_tile_cnt:
+                self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
 
         # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
         # other, measured no faster; docs/EXPERIMENTS.md)
