@@ -276,4 +276,8 @@ SWAP_AB_T192_CONFIG = SwapAbConfig(tile_tokens=192, ctas_per_sm=1)
 # Variable token tiles (64, 128, 192 or 256 tokens per tile, each group's M in near-equal tiles;
 # one CTA per SM): M pads least, and the larger tiles do the most work per weight decode; what
 # the default backend runs where the time model puts it first (benchmark shapes 0 and 1)
-SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True)
+SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True, pdl=True)
+# 128-token tiles where they are one round (no more tiles than SMs): one CTA per SM, launched as
+# the pre-pass's programmatic dependent (2 CTAs per SM with that launch left some SMs two tiles
+# and others none: 69.0 µs on shape 2 against 43.8; docs/EXPERIMENTS.md)
+SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True)
