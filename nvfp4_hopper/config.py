@@ -197,7 +197,9 @@ class SwapAbConfig:
     # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
     # tokens, tile_tokens = 256), the kernel one main loop per class (wgmma N = the class)
     variable_tokens: bool = False
-    # No programmatic dependent launch after the pre-pass: slower; docs/EXPERIMENTS.md.
+    # No programmatic dependent launch after the pre-pass: with two CTAs per SM much slower;
+    # with one CTA per SM about 1 µs faster, its exactness on random sets not yet checked on a
+    # GPU; docs/EXPERIMENTS.md.
     arch: str = "sm_90a"
 
     # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA

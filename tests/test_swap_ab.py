@@ -313,6 +313,14 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     assert "cp.async.cg.shared.global" in ptx
     assert "st.shared." not in ptx.replace("st.shared::cluster.", "")
     assert ("st.shared::cluster.v4.f32" in ptx) == (config.split_k == 2)
+    # the token rows: bulk copies completing on mbarriers, one per stage, waited on by parity;
+    # the only async-proxy writes are the bulk copies, so no proxy fence is left
+    main_loops = len(report.mma)
+    assert ptx.count("mbarrier.init.shared::cta.b64") == config.stages * main_loops
+    bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+    assert ptx.count(bulk) == ptx.count("mbarrier.arrive.expect_tx.shared::cta.b64") >= 2 * main_loops
+    assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == main_loops
+    assert "fence.proxy.async" not in ptx
 
 
 @pytest.mark.parametrize("num_groups", [1, 8])
