@@ -190,16 +190,14 @@ class SwapAbConfig:
     # Programmatic dependent launch after the pre-pass: the GEMM's CTAs start, and copy their
     # first weight stages, while the pre-pass finishes (griddepcontrol.wait before the first
     # token rows). With ctas_per_sm = 1 the launch asks for more than half an SM's shared
-    # memory, so that the early CTAs spread one per SM.
+    # memory, so that the early CTAs spread one per SM (with two allowed, some SMs took two
+    # tiles and others none: much slower); docs/EXPERIMENTS.md.
     pdl: bool = False
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
     # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
     # tokens, tile_tokens = 256), the kernel one main loop per class (wgmma N = the class)
     variable_tokens: bool = False
-    # No programmatic dependent launch after the pre-pass: with two CTAs per SM much slower;
-    # with one CTA per SM about 1 µs faster, its exactness on random sets not yet checked on a
-    # GPU; docs/EXPERIMENTS.md.
     arch: str = "sm_90a"
 
     # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA
