@@ -215,6 +215,18 @@ class SwapAbConfig:
         return self.tile_weights * (self.tile_k // 2) + SF_ATOM_BYTES
 
     @property
+    def weights_ahead(self) -> int:
+        """k-tiles the weight copies run ahead of the decode (a weight stage is free once
+        decoded)."""
+        return self.weight_stages - 1
+
+    @property
+    def tokens_ahead(self) -> int:
+        """k-tiles the token copies run ahead of the wgmma (the stage of k-tile k - 1 may
+        still be read by its wgmma when k-tile k + tokens_ahead is issued)."""
+        return self.stages - 2
+
+    @property
     def token_stage_bytes(self) -> int:
         """fp16 token rows of one k-tile (128 bytes each: one swizzle row)."""
         return self.tile_tokens * self.tile_k * 2

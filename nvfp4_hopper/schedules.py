@@ -115,6 +115,13 @@ def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     one per SM (2 x tiles <= SMs); else whichever of 128-token, 192-token and variable token
     tiles swap_ab_time_model puts first (128 on a tie), 128-token tiles as one round of one CTA
     per SM, launched as the pre-pass's dependent, where they number no more than the SMs."""
+    return _chosen_swap_ab_config(tuple(map(tuple, problem_sizes)), num_sms)
+
+
+@functools.lru_cache(maxsize=256)
+def _chosen_swap_ab_config(problem_sizes: tuple, num_sms: int) -> SwapAbConfig:
+    # A plan miss asks three times (tile shape, tile table, prepare); the model walks every tile
+    # of three candidates (0.15-0.9 ms on the benchmark shapes): it runs once
     tiles = swap_ab_tiles(problem_sizes)
     if 2 * tiles <= num_sms:
         return SWAP_AB_SPLIT_K_CONFIG

@@ -89,23 +89,24 @@ def padded_token_rows(m: int, config: SwapAbConfig) -> int:
     return -(-m // step) * step
 
 
-def activation_chunk_offsets(row, block, slab_bytes):
-    """Byte offsets, in a group's decoded activations, of the two 16-byte chunks the pre-pass
-    writes for 16-element block `block` of row `row`. The activations are k-tile slabs of
-    `slab_bytes` (padded_token_rows x 128 bytes), each the 128-byte row images of one k-tile
-    in row order, already in wgmma's 128-byte swizzle: block b fills chunks 2 (b % 4) and + 1
-    of its k-tile's image, chunk c at c ^ (row % 8). A tile's rows of one k-tile are then one
-    contiguous run that the GEMM copies as is (token tiles start at multiples of 64)."""
-    k_tile, blk = block // 4, block % 4
-    image = k_tile * slab_bytes + row * 128
-    return image + ((2 * blk) ^ (row % 8)) * 16, image + ((2 * blk + 1) ^ (row % 8)) * 16
-
-
 def token_stage_chunk_offset(row, chunk):
     """Byte offset, in a token stage, of 16-byte chunk `chunk` (0..7) of a k-tile's row image
     of the tile's token row `row`: wgmma's 128-byte swizzle (chunk XOR row % 8 inside
     1024-byte atoms of 8 rows)."""
     return row * 128 + (chunk ^ (row % 8)) * 16
+
+
+def activation_chunk_offsets(row, block, slab_bytes):
+    """Byte offsets, in a group's decoded activations, of the two 16-byte chunks the pre-pass
+    writes for 16-element block `block` of row `row`. The activations are k-tile slabs of
+    `slab_bytes` (padded_token_rows x 128 bytes), each the 128-byte row images of one k-tile
+    in row order, each placed as in a token stage (token_stage_chunk_offset): block b fills
+    chunks 2 (b % 4) and + 1 of its k-tile's image. A tile's rows of one k-tile are then one
+    contiguous run that the GEMM copies as is (token tiles start at multiples of 64, so the
+    swizzle's row % 8 is the same in the slab and in the stage)."""
+    k_tile, blk = block // 4, block % 4
+    slab = k_tile * slab_bytes
+    return slab + token_stage_chunk_offset(row, 2 * blk), slab + token_stage_chunk_offset(row, 2 * blk + 1)
 
 
 class Sm90DecodeActivations:
@@ -165,8 +166,9 @@ def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
 
 class Sm90SwapAbGemm:
     """Grouped NVFP4 GEMM on sm_90a, swap-AB: one CTA per (group, weight tile, token tile) of
-    the tile table (per split-K rank), cp.async stages -> weight decode into registers ->
-    wgmma with the token rows from shared memory -> transposed fp16 stores."""
+    the tile table (per split-K rank): weight stages by cp.async -> weight decode into
+    registers; token stages by bulk copy -> wgmma with the token rows from shared memory ->
+    transposed fp16 stores."""
 
     def __init__(self, config: SwapAbConfig, num_groups: int):
         config.check()
@@ -334,8 +336,7 @@ class Sm90SwapAbGemm:
     ):
         """One main-loop k-tile: the copies of a later k-tile, the decode of this one's weights
         into `a_frag`, its wgmma."""
-        weights_ahead = self.config.weight_stages - 1
-        tokens_ahead = self.stages - 2
+        weights_ahead, tokens_ahead = self.config.weights_ahead, self.config.tokens_ahead
         # k-tile k_tile's weights landed (this thread's copies), then every thread's. Every
         # thread has decoded k-tile k_tile - 1, so its weight stage, the one the copies below
         # overwrite, is free; every warpgroup has retired wgmma k_tile - 2 (before its decode of
@@ -404,8 +405,7 @@ class Sm90SwapAbGemm:
 
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
-        weights_ahead = self.config.weight_stages - 1
-        tokens_ahead = self.stages - 2
+        weights_ahead, tokens_ahead = self.config.weights_ahead, self.config.tokens_ahead
         for s in cutlass.range_constexpr(weights_ahead):
             if s < k_tile_cnt:
                 self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
