@@ -100,6 +100,8 @@ def compare_configs(repeats, names=None):
         "swap w3": (hopper.SwapAbConfig(weight_stages=3), None),
         "var w3": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=3), None),
         "var w8": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=8), None),
+        "swap t128 pdl": (hopper.SwapAbConfig(ctas_per_sm=1, pdl=True), None),
+        "var pdl": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, pdl=True), None),
         "auto": (None, None),
     }
     if names:

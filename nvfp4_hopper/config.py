@@ -187,14 +187,17 @@ class SwapAbConfig:
     # stages: a weight stage is free once decoded, so the weights are copied weight_stages - 1
     # k-tiles ahead (3 measured faster than 2 with variable token tiles, 7 no faster).
     weight_stages: int = 4
+    # Programmatic dependent launch after the pre-pass: the GEMM's CTAs start, and copy their
+    # first weight stages, while the pre-pass finishes (griddepcontrol.wait before the first
+    # token rows). With ctas_per_sm = 1 the launch asks for more than half an SM's shared
+    # memory, so that the early CTAs spread one per SM (with two allowed, some SMs took two
+    # tiles and others none: much slower); docs/EXPERIMENTS.md.
+    pdl: bool = False
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
     # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
     # tokens, tile_tokens = 256), the kernel one main loop per class (wgmma N = the class)
     variable_tokens: bool = False
-    # No programmatic dependent launch after the pre-pass: with two CTAs per SM much slower;
-    # with one CTA per SM about 1 µs faster, its exactness on random sets not yet checked on a
-    # GPU; docs/EXPERIMENTS.md.
     arch: str = "sm_90a"
 
     # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA
@@ -263,6 +266,13 @@ class SwapAbConfig:
         """Split-K: shared memory a summing rank receives (one warpgroup's fp32 sums)."""
         return 0 if self.split_k == 1 else 64 * self.tile_tokens * 4
 
+    def launch_smem_bytes(self, storage_bytes: int) -> int:
+        """Dynamic shared memory the GEMM launch asks for: its storage, or with pdl and one CTA
+        per SM more than half of an SM's 228 KB."""
+        if self.pdl and self.ctas_per_sm == 1:
+            return max(storage_bytes, 115 * 1024)
+        return storage_bytes
+
     @property
     def smem_bytes(self) -> int:
         """The stages and their token copies' mbarriers (8 bytes each), in a struct whose size
@@ -285,4 +295,8 @@ SWAP_AB_T192_CONFIG = SwapAbConfig(tile_tokens=192, ctas_per_sm=1)
 # Variable token tiles (64, 128, 192 or 256 tokens per tile, each group's M in near-equal tiles;
 # one CTA per SM): M pads least, and the larger tiles do the most work per weight decode; what
 # the default backend runs where the time model puts it first (benchmark shapes 0 and 1)
-SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True)
+SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True, pdl=True)
+# 128-token tiles where they are one round (no more tiles than SMs): one CTA per SM, launched as
+# the pre-pass's programmatic dependent (2 CTAs per SM with that launch left some SMs two tiles
+# and others none: 69.0 µs on shape 2 against 43.8; docs/EXPERIMENTS.md)
+SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True)

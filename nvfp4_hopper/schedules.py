@@ -16,6 +16,7 @@ from .config import (
     SPLIT_K_CONFIG,
     STREAM_K_CONFIG,
     SWAP_AB_CONFIG,
+    SWAP_AB_ONE_ROUND_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
@@ -112,7 +113,8 @@ SWAP_AB_CANDIDATES = (SWAP_AB_CONFIG, SWAP_AB_T192_CONFIG, SWAP_AB_VARIABLE_CONF
 def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     """The swap-AB config for a size set: split-K over 2 CTAs where the split CTAs still fit
     one per SM (2 x tiles <= SMs); else whichever of 128-token, 192-token and variable token
-    tiles swap_ab_time_model puts first (128 on a tie)."""
+    tiles swap_ab_time_model puts first (128 on a tie), 128-token tiles as one round of one CTA
+    per SM, launched as the pre-pass's dependent, where they number no more than the SMs."""
     return _chosen_swap_ab_config(tuple(map(tuple, problem_sizes)), num_sms)
 
 
@@ -120,9 +122,13 @@ def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
 def _chosen_swap_ab_config(problem_sizes: tuple, num_sms: int) -> SwapAbConfig:
     # A plan miss asks three times (tile shape, tile table, prepare); the model walks every tile
     # of three candidates (0.15-0.9 ms on the benchmark shapes): it runs once
-    if 2 * swap_ab_tiles(problem_sizes) <= num_sms:
+    tiles = swap_ab_tiles(problem_sizes)
+    if 2 * tiles <= num_sms:
         return SWAP_AB_SPLIT_K_CONFIG
-    return min(SWAP_AB_CANDIDATES, key=lambda config: swap_ab_time_model(problem_sizes, config, num_sms))
+    config = min(SWAP_AB_CANDIDATES, key=lambda config: swap_ab_time_model(problem_sizes, config, num_sms))
+    if config == SWAP_AB_CONFIG and tiles <= num_sms:
+        return SWAP_AB_ONE_ROUND_CONFIG
+    return config
 
 
 def tile_k_tiles(problem_sizes, tile_n: int) -> list[int]:

@@ -36,6 +36,7 @@ from .config import (
     SF_ATOM_ROWS,
     SF_VEC_SIZE,
     SWAP_AB_CONFIG,
+    SWAP_AB_ONE_ROUND_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
@@ -130,6 +131,9 @@ class Sm90DecodeActivations:
 
     @cute.kernel
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mActs: cute.Tensor):
+        # a GEMM launched as this grid's programmatic dependent may start now: it reads what
+        # this grid writes only after griddepcontrol.wait (no effect on other launches)
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, group, _ = cute.arch.block_idx()
         m = mSizes[group, 0]
@@ -217,7 +221,8 @@ class Sm90SwapAbGemm:
             block=(self.num_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
             min_blocks_per_mp=self.config.ctas_per_sm,
-            smem=self.shared_storage.size_in_bytes(),
+            smem=self.config.launch_smem_bytes(self.shared_storage.size_in_bytes()),
+            use_pdl=self.config.pdl,
             stream=stream,
         )
 
@@ -401,14 +406,16 @@ class Sm90SwapAbGemm:
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
         weights_ahead, tokens_ahead = self.config.weights_ahead, self.config.tokens_ahead
-        for s in cutlass.range_constexpr(max(weights_ahead, tokens_ahead)):
+        for s in cutlass.range_constexpr(weights_ahead):
             if s < k_tile_cnt:
-                if cutlass.const_expr(s < weights_ahead):
-                    self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
-                if cutlass.const_expr(s < tokens_ahead):
-                    self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
-            if cutlass.const_expr(s < weights_ahead):
-                cute.arch.cp_async_commit_group()
+                self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
+            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.config.pdl):
+            # launched as the pre-pass's dependent: its token rows are complete past here
+            cute.arch.griddepcontrol_wait()
+        for s in cutlass.range_constexpr(tokens_ahead):
+            if s < k_tile_cnt:
+                self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
 
         # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
         # other, measured no faster; docs/EXPERIMENTS.md)
@@ -509,6 +516,8 @@ def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None]
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_CONFIG)),
         ("sm90_swap_ab_gemm_splitk2", SWAP_AB_SPLIT_K_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_SPLIT_K_CONFIG)),
+        ("sm90_swap_ab_gemm_one_round", SWAP_AB_ONE_ROUND_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_ONE_ROUND_CONFIG)),
         ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T192_CONFIG)),
         ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG.arch,

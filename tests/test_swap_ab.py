@@ -82,14 +82,15 @@ def test_token_stage_chunks_are_a_permutation_per_8_rows():
 
 
 @pytest.mark.parametrize("shape,config", [
-    (0, hopper.SWAP_AB_VARIABLE_CONFIG), (1, hopper.SWAP_AB_VARIABLE_CONFIG), (2, hopper.SWAP_AB_CONFIG),
-    (3, hopper.SWAP_AB_CONFIG),
+    (0, hopper.SWAP_AB_VARIABLE_CONFIG), (1, hopper.SWAP_AB_VARIABLE_CONFIG), (2, hopper.SWAP_AB_ONE_ROUND_CONFIG),
+    (3, hopper.SWAP_AB_ONE_ROUND_CONFIG),
 ])
 def test_automatic_choice_on_the_benchmark_shapes(shape, config):
     """No split-K on any benchmark shape (352, 728, 120, 128 128-token tiles: at least one per
     SM of 132 already); variable token tiles on shapes 0 and 1, where M pads least in them
     (shape 0's M = 64..248 in one tile each), 128-token tiles on shapes 2 and 3, whose 120 and
-    128 tiles are one round of 132 SMs (larger tiles would only make that round longer)."""
+    128 tiles are one round of 132 SMs (larger tiles would only make that round longer), one
+    CTA per SM launched as the pre-pass's programmatic dependent."""
     sizes = BENCHMARK_SIZES[shape]
     assert hopper.swap_ab_tiles(sizes) == (352, 728, 120, 128)[shape]
     assert hopper.swap_ab_tiles(sizes, hopper.SWAP_AB_T192_CONFIG) == (288, 504, 72, 96)[shape]
@@ -128,11 +129,13 @@ def test_choice_takes_the_fastest_modelled_candidate():
     many_256 = [(256, 4096, 2048, 1)] * 8  # 512 tiles of 128 tokens, 512 of 192 (padded), 256 of 256
     assert hopper.choose_swap_ab_config(many_256, 132) == hopper.SWAP_AB_VARIABLE_CONFIG
     one_round = [(128, 128 * 130, 2048, 1)]  # 130 128-token tiles (variable: the same 130; a tie)
-    assert hopper.choose_swap_ab_config(one_round, 132) == hopper.SWAP_AB_CONFIG
-    for sizes in (many_256, one_round):
-        chosen = hopper.choose_swap_ab_config(sizes, 132)
+    assert hopper.choose_swap_ab_config(one_round, 132) == hopper.SWAP_AB_ONE_ROUND_CONFIG
+    # more 128-token tiles than SMs: two CTAs per SM, no dependent launch
+    two_rounds = [(128, 128 * 140, 2048, 1)]
+    assert hopper.choose_swap_ab_config(two_rounds, 132) == hopper.SWAP_AB_CONFIG
+    for sizes, expected in ((many_256, hopper.SWAP_AB_VARIABLE_CONFIG), (one_round, hopper.SWAP_AB_CONFIG)):
         times = {c: hopper.swap_ab_time_model(sizes, c, 132) for c in hopper.SWAP_AB_CANDIDATES}
-        assert times[chosen] == min(times.values())
+        assert times[expected] == min(times.values())
 
 
 def test_split_k_where_split_ctas_fit_one_per_sm():
@@ -256,11 +259,11 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     sfs = [(torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)) for _ in sizes]
     plan = submission.Plan(hopper.make_backend(), sizes, "cpu")
     binding = submission.Binding(plan, submission.pointers_of((abc, None, sfs, sizes)))
-    assert plan.backend_plan.shared_scratch and plan.backend_plan.config == hopper.SWAP_AB_CONFIG
+    assert plan.backend_plan.shared_scratch and plan.backend_plan.config == hopper.SWAP_AB_ONE_ROUND_CONFIG
     assert plan.nbytes >= (128 + 384) * 1536 * 2
     binding.run(object())
     (first, first_args), (second, second_args) = launched
-    assert first == ("pre-pass", 2) and second == ("gemm", 2, hopper.SWAP_AB_CONFIG)
+    assert first == ("pre-pass", 2) and second == ("gemm", 2, hopper.SWAP_AB_ONE_ROUND_CONFIG)
     assert int(first_args[3]) == 384 * 1536 // 16 // swap_ab.DECODE_THREADS
     assert int(second_args[3]) == plan.num_tiles == 128
 
