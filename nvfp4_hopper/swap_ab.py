@@ -418,7 +418,9 @@ class Sm90SwapAbGemm:
                 self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
 
         # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
-        # other, measured no faster; docs/EXPERIMENTS.md)
+        # other, measured no faster; the two warpgroups taking turns at wgmma, each decoding
+        # while the other's runs (named barriers, per-warpgroup weight stages, token stages
+        # freed by mbarriers): slower; docs/EXPERIMENTS.md)
         step_args = (tile_t, tiled_mma, tidx, w_base, x_base, mbar_base)
         tile_args = (b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators)
         weight_stages = self.config.weight_stages
