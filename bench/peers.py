@@ -18,6 +18,7 @@ of the bf16 dense roofline (790 TFLOP/s, measured on the H200).
 
     python bench/peers.py [--repeats 30] [--json PATH] [--plot PATH]
     python bench/peers.py --configs ["swap t128,auto"]        # sm_90 configs, device time
+    python bench/peers.py --shapes 2,3 ...                    # a subset of the four shapes
 
 --json writes the rows, --plot a PNG (needs matplotlib: pip install -e '.[plot]'): per shape,
 ours beside cuBLAS and the bf16 roofline time. Progress goes to stderr, one line per shape.
@@ -74,10 +75,11 @@ def time_calls(fn, inputs, repeats, device_only=False):
     return statistics.mean(durations_us), min(durations_us)
 
 
-def compare_configs(repeats, names=None):
+def compare_configs(repeats, names=None, shapes=None):
     """Device time of the sm_90 kernel configurations the default backend chooses from, and
     of its choice ("auto"), on the benchmark shapes (each checked first); `names`: a subset
-    of the columns. Options measured and removed: docs/EXPERIMENTS.md."""
+    of the columns; `shapes`: indices into BENCHMARKS (default all). Options measured and
+    removed: docs/EXPERIMENTS.md."""
     import cuda.bindings.driver as cuda
 
     import nvfp4_hopper as hopper
@@ -112,7 +114,7 @@ def compare_configs(repeats, names=None):
         configs = {name: configs[name] for name in names}
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     print(f"{'shape':<34} " + " ".join(f"{name:>13}" for name in configs))
-    for m, n, k in BENCHMARKS:
+    for m, n, k in (BENCHMARKS[i] for i in (range(len(BENCHMARKS)) if shapes is None else shapes)):
         inputs = []
         seed = 1111
         for _ in range(NUM_INPUTS):
@@ -176,6 +178,17 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"  # argparse names the type in its message
 
 
+def shape_list(text: str) -> list[int]:
+    """Comma-separated benchmark shape indices (0..3), each once, in the order given."""
+    indices = [int(part) for part in text.split(",")]
+    if not indices or len(set(indices)) != len(indices) or not all(0 <= i < len(BENCHMARKS) for i in indices):
+        raise ValueError(text)
+    return indices
+
+
+shape_list.__name__ = f"shape list (distinct indices 0..{len(BENCHMARKS) - 1}, e.g. 2,3)"
+
+
 def check_machine(configs: bool) -> str | None:
     """None when this machine can run the comparison, else why not (one line)."""
     if not torch.cuda.is_available():
@@ -217,6 +230,8 @@ def main(argv=None):
     parser.add_argument("--configs", nargs="?", const="", default=None, metavar="NAMES",
                         help="compare sm_90 kernel configurations (device time only); "
                         "optional comma-separated subset, e.g. 'swap t128,auto'")
+    parser.add_argument("--shapes", type=shape_list, default=list(range(len(BENCHMARKS))), metavar="I,J",
+                        help="benchmark shapes to run, by index (default: all four)")
     parser.add_argument("--json", dest="json_path", help="write the rows here")
     parser.add_argument("--plot", dest="plot_path",
                         help="draw the rows into this PNG (needs matplotlib)")
@@ -235,7 +250,7 @@ def main(argv=None):
         print(problem, file=sys.stderr)
         return 2
     if args.configs is not None:
-        compare_configs(args.repeats, [x.strip() for x in args.configs.split(",") if x.strip()])
+        compare_configs(args.repeats, [x.strip() for x in args.configs.split(",") if x.strip()], args.shapes)
         return 0
 
     from submission import custom_kernel
@@ -243,7 +258,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name()
     print(f"device: {name}  torch {torch.__version__}")
     rows = []
-    for index, (m, n, k) in enumerate(BENCHMARKS):
+    for index in args.shapes:
+        m, n, k = BENCHMARKS[index]
         g = len(m)
         inputs = []
         seed = 1111

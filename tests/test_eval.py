@@ -489,6 +489,9 @@ def load_bench(name: str):
      "peers.py: argument --repeats: invalid positive integer value: '0'"),
     ("peers", ["--json", "/nonexistent-folder/r.json"], "--json /nonexistent-folder/r.json"),
     ("peers", ["--configs", "--plot", "p.png"], "--json and --plot apply to the comparison"),
+    ("peers", ["--shapes", "4"], "peers.py: argument --shapes: invalid shape list (distinct indices 0..3"),
+    ("peers", ["--shapes", "2,2"], "peers.py: argument --shapes: invalid shape list"),
+    ("peers", ["--shapes", "x"], "peers.py: argument --shapes: invalid shape list"),
     ("host_overhead", ["--repeats", "x"],
      "host_overhead.py: argument --repeats: invalid positive integer value: 'x'"),
     ("host_overhead", ["--submission", "absent.py"], "submission file not found: "),
@@ -502,6 +505,15 @@ def test_bench_scripts_reject_bad_arguments_with_one_line(capsys, script, argv, 
     assert status == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+
+def test_peers_shapes_option_selects_benchmark_shapes_in_order():
+    peers = load_bench("peers")
+    assert peers.shape_list("2,3") == [2, 3]
+    assert peers.shape_list("3,0") == [3, 0]
+    assert [peers.BENCHMARKS[i][2][0] for i in peers.shape_list("2,3")] == [4096, 1536]
+    for bad in ("", "0,,1", "-1", "0,1,2,3,0"):
+        with pytest.raises(ValueError):
+            peers.shape_list(bad)
 
 
 # ---------------------------------------------------------------------------------------
