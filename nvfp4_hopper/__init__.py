@@ -31,7 +31,10 @@ compiled with one main loop per size and each tile row naming its own. The confi
 per size set (schedules.choose_swap_ab_config): split-K over a 2-CTA cluster where the split
 CTAs still fit one per SM, else whichever of 128-token, 192-token and variable tiles
 swap_ab_time_model (a per-k-tile cost, tiles dispatched in order to the SM that frees first)
-puts first.
+puts first; 128-token tiles that make one round run one CTA per SM. Variable and one-round
+tiles are launched as the pre-pass's programmatic dependent (their first weight copies overlap
+its end). Without split-K the main loop is unrolled by the stage count, so that its stage
+indices and shared-memory addresses are constants.
 
 in_gemm_decode (kernel.py): no activation scratch. Per CTA one output tile (group, tile_m,
 tile_n) of 128x128 or 128x256; A decoded into the register fragment, B into swizzled shared

@@ -291,6 +291,7 @@ def swap_ab_builds(tmp_path_factory):
 @pytest.mark.parametrize("target,config,mma", [
     ("sm90_swap_ab_gemm", hopper.SWAP_AB_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_gemm_one_round", hopper.SWAP_AB_ONE_ROUND_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
     ("sm90_swap_ab_gemm_variable", hopper.SWAP_AB_VARIABLE_CONFIG, "m64n128k16"),
 ])
@@ -305,7 +306,10 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
             f"wgmma.mma_async.sync.aligned.m64n{t}k16.f32.f16.f16" for t in (64, 128, 192, 256))
     else:
         assert report.mma == [f"wgmma.mma_async.sync.aligned.{mma}.f32.f16.f16"]
-    assert report.dynamic_smem_bytes == config.smem_bytes
+    # the launch asks for its storage, or with the dependent launch at one CTA per SM for more
+    # than half an SM (115 KB), so that the early CTAs spread one per SM
+    assert report.dynamic_smem_bytes == config.launch_smem_bytes(config.smem_bytes)
+    assert (report.dynamic_smem_bytes > config.smem_bytes) == (config == hopper.SWAP_AB_ONE_ROUND_CONFIG)
     assert build_report.problems(report) == []
     ptx = Path(report.ptx_path).read_text(errors="replace")
     # the token rows arrive decoded: the GEMM stores nothing into its own shared memory (only
@@ -325,6 +329,8 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     assert config.unrolled_main_loop == (config.split_k == 1)
     assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == main_loops * steps
     assert "fence.proxy.async" not in ptx
+    # launched as the pre-pass's dependent: one wait per main loop, before its first token rows
+    assert ptx.count("griddepcontrol.wait") == (main_loops if config.pdl else 0)
 
 
 @pytest.mark.parametrize("num_groups", [1, 8])
@@ -333,3 +339,5 @@ def test_pre_pass_builds_without_local_memory(swap_ab_builds, num_groups):
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0
     ptx = Path(report.ptx_path).read_text(errors="replace")
     assert "ld.global.nc.v2.b32" in ptx and "st.global.v4.b32" in ptx and "shared" not in ptx.split(".entry")[1]
+    # its dependent GEMM may start at once (it waits before reading the token rows)
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
