@@ -103,6 +103,7 @@ def compare_configs(repeats, names=None, shapes=None):
         "var w3": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=3), None),
         "var w8": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=8), None),
         "swap t128 pdl": (hopper.SwapAbConfig(ctas_per_sm=1, pdl=True), None),
+        "swap t112 pdl": (hopper.SWAP_AB_T112_CONFIG, None),
         "var pdl": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, pdl=True), None),
         "auto": (None, None),
     }

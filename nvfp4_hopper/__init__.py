@@ -25,13 +25,14 @@ swap_ab (the default; swap_ab.py). Two launches per call:
                X stage --wgmma (tokens as N)--> fp32 --> C[token, n] fp16 (transposed stores)
 
 Each activation is decoded once per call (not once per weight tile) and M pads to the token
-tile, not to 128-row wgmma blocks. Token tiles are 128 or 192 tokens, or variable: each
+tile, not to 128-row wgmma blocks. Token tiles are 112, 128 or 192 tokens, or variable: each
 group's M in near-equal tiles of 64, 128, 192 or 256 tokens (multiples of 64), the kernel
 compiled with one main loop per size and each tile row naming its own. The config is chosen
 per size set (schedules.choose_swap_ab_config): split-K over a 2-CTA cluster where the split
-CTAs still fit one per SM, else whichever of 128-token, 192-token and variable tiles
-swap_ab_time_model (a per-k-tile cost, tiles dispatched in order to the SM that frees first)
-puts first; 128-token tiles that make one round run one CTA per SM. Variable and one-round
+CTAs still fit one per SM, else whichever of 112-token (one CTA per SM), 128-token, 192-token
+and variable tiles swap_ab_time_model (a per-k-tile cost, tiles dispatched in order to the SM
+that frees first) puts first; 128-token tiles that make one round run one CTA per SM. Variable
+and one-round
 tiles are launched as the pre-pass's programmatic dependent (their first weight copies overlap
 its end). Without split-K the main loop is unrolled by the stage count, so that its stage
 indices and shared-memory addresses are constants.
@@ -102,6 +103,7 @@ from .config import (
     SWAP_AB_CONFIG,
     SWAP_AB_ONE_ROUND_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
+    SWAP_AB_T112_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
     TILE_M,
@@ -183,6 +185,7 @@ __all__ = [
     "SWAP_AB_K_TILE_US_PER_TOKEN",
     "SWAP_AB_ONE_ROUND_CONFIG",
     "SWAP_AB_SPLIT_K_CONFIG",
+    "SWAP_AB_T112_CONFIG",
     "SWAP_AB_T192_CONFIG",
     "SWAP_AB_VARIABLE_CONFIG",
     "TILE_M",

@@ -169,8 +169,8 @@ class SwapAbConfig:
     fragments, one warpgroup per 64 weight rows; the tokens (problem A, M rows) are wgmma's
     N, read as fp16 rows that a pre-pass decoded once per call."""
 
-    # Tokens per tile (wgmma N): a multiple of 32 up to 256. Accumulators take
-    # tile_tokens / 2 registers per thread. The automatic choice runs 128, 192 and variable
+    # Tokens per tile (wgmma N): a multiple of 16 up to 256. Accumulators take
+    # tile_tokens / 2 registers per thread. The automatic choice runs 112, 128, 192 and variable
     # tiles (tile_tokens 256, below); fixed 64 (3 CTAs per SM) and 256 (one) measured slower on
     # every benchmark shape; docs/EXPERIMENTS.md.
     tile_tokens: int = 128
@@ -239,8 +239,8 @@ class SwapAbConfig:
         return self.tile_tokens * self.tile_k * 2
 
     def check(self) -> None:
-        if self.tile_tokens % 32 or not 32 <= self.tile_tokens <= 256:
-            raise ValueError(f"tile_tokens={self.tile_tokens}: must be a multiple of 32 in 32..256")
+        if self.tile_tokens % 16 or not 32 <= self.tile_tokens <= 256:
+            raise ValueError(f"tile_tokens={self.tile_tokens}: must be a multiple of 16 in 32..256")
         if self.variable_tokens and (self.tile_tokens != 256 or self.split_k != 1 or self.ctas_per_sm != 1):
             raise ValueError("variable_tokens needs tile_tokens=256, split_k=1, ctas_per_sm=1")
         if self.stages < 3:
@@ -249,9 +249,6 @@ class SwapAbConfig:
             raise ValueError(f"weight_stages={self.weight_stages}: must be >= 2")
         if self.split_k not in (1, 2):
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
-        if self.tile_tokens * 8 % self.num_threads:
-            raise ValueError(f"tile_tokens={self.tile_tokens}: its 16-byte chunks per k-tile "
-                             f"(8 per token) must split evenly over {self.num_threads} threads")
         if self.ctas_per_sm not in (1, 2, 3):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
 
@@ -300,3 +297,7 @@ SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_
 # the pre-pass's programmatic dependent (2 CTAs per SM with that launch left some SMs two tiles
 # and others none: 69.0 µs on shape 2 against 43.8; docs/EXPERIMENTS.md)
 SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True)
+# 112 tokens per tile, one round of one CTA per SM: where M in 112-token tiles pads less than in
+# 128-token tiles and the tiles still number no more than the SMs (benchmark shape 2: M = 192 and
+# 320 in 2 + 3 tiles of 112 instead of 2 + 3 of 128)
+SWAP_AB_T112_CONFIG = SwapAbConfig(tile_tokens=112, ctas_per_sm=1, pdl=True)

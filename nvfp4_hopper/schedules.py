@@ -18,6 +18,7 @@ from .config import (
     SWAP_AB_CONFIG,
     SWAP_AB_ONE_ROUND_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
+    SWAP_AB_T112_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
     TILE_M,
@@ -112,9 +113,11 @@ SWAP_AB_CANDIDATES = (SWAP_AB_CONFIG, SWAP_AB_T192_CONFIG, SWAP_AB_VARIABLE_CONF
 
 def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     """The swap-AB config for a size set: split-K over 2 CTAs where the split CTAs still fit
-    one per SM (2 x tiles <= SMs); else whichever of 128-token, 192-token and variable token
-    tiles swap_ab_time_model puts first (128 on a tie), 128-token tiles as one round of one CTA
-    per SM, launched as the pre-pass's dependent, where they number no more than the SMs."""
+    one per SM (2 x tiles <= SMs); else whichever of 128-token, 192-token, variable and, where
+    they make one round, 112-token tiles (one CTA per SM) swap_ab_time_model puts first (128 on a tie), 128-token
+    tiles as one round of one CTA per SM, launched as the pre-pass's dependent, where they
+    number no more than the SMs. 112-token tiles win where M pads less in them and they still
+    make one round (benchmark shape 2: 2 + 3 tiles of 112 for M = 192 and 320)."""
     return _chosen_swap_ab_config(tuple(map(tuple, problem_sizes)), num_sms)
 
 
@@ -125,7 +128,11 @@ def _chosen_swap_ab_config(problem_sizes: tuple, num_sms: int) -> SwapAbConfig:
     tiles = swap_ab_tiles(problem_sizes)
     if 2 * tiles <= num_sms:
         return SWAP_AB_SPLIT_K_CONFIG
-    config = min(SWAP_AB_CANDIDATES, key=lambda config: swap_ab_time_model(problem_sizes, config, num_sms))
+    candidates = SWAP_AB_CANDIDATES
+    if swap_ab_tiles(problem_sizes, SWAP_AB_T112_CONFIG) <= num_sms:
+        # one CTA per SM: a candidate where its tiles make one round (measured only there)
+        candidates += (SWAP_AB_T112_CONFIG,)
+    config = min(candidates, key=lambda config: swap_ab_time_model(problem_sizes, config, num_sms))
     if config == SWAP_AB_CONFIG and tiles <= num_sms:
         return SWAP_AB_ONE_ROUND_CONFIG
     return config

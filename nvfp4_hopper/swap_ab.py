@@ -4,7 +4,7 @@ compilation.
 
 The GEMM computes C^T: the weights (problem B, N rows) are wgmma's A operand, decoded from
 their packed bytes straight into register fragments, one warpgroup per 64 weight rows; the
-tokens (problem A, M rows) are wgmma's N operand, so a tile holds any multiple of 32 tokens
+tokens (problem A, M rows) are wgmma's N operand, so a tile holds any multiple of 16 tokens
 and M pads to that, not to 64-row wgmma blocks. The token rows arrive already decoded (fp16,
 the K permutation of ptx.CHUNK_REGISTERS) from the pre-pass, so each activation is decoded
 once per call instead of once per weight tile. The pre-pass writes them as k-tile slabs
@@ -38,6 +38,7 @@ from .config import (
     SWAP_AB_CONFIG,
     SWAP_AB_ONE_ROUND_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
+    SWAP_AB_T112_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
     SwapAbConfig,
@@ -102,7 +103,7 @@ def activation_chunk_offsets(row, block, slab_bytes):
     `slab_bytes` (padded_token_rows x 128 bytes), each the 128-byte row images of one k-tile
     in row order, each placed as in a token stage (token_stage_chunk_offset): block b fills
     chunks 2 (b % 4) and + 1 of its k-tile's image. A tile's rows of one k-tile are then one
-    contiguous run that the GEMM copies as is (token tiles start at multiples of 64, so the
+    contiguous run that the GEMM copies as is (token tiles start at multiples of 16, so the
     swizzle's row % 8 is the same in the slab and in the stage)."""
     k_tile, blk = block // 4, block % 4
     slab = k_tile * slab_bytes
@@ -520,6 +521,8 @@ def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None]
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_SPLIT_K_CONFIG)),
         ("sm90_swap_ab_gemm_one_round", SWAP_AB_ONE_ROUND_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_ONE_ROUND_CONFIG)),
+        ("sm90_swap_ab_gemm_t112", SWAP_AB_T112_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T112_CONFIG)),
         ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T192_CONFIG)),
         ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG.arch,

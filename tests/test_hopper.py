@@ -305,6 +305,7 @@ def test_compile_targets_list_what_the_backend_runs():
         "sm90_decode_activations": "sm_90a",
         "sm90_swap_ab_gemm": "sm_90a",
         "sm90_swap_ab_gemm_splitk2": "sm_90a",
+        "sm90_swap_ab_gemm_t112": "sm_90a",
         "sm90_swap_ab_gemm_t192": "sm_90a",
         "sm90_swap_ab_gemm_variable": "sm_90a",
         "sm90_swap_ab_gemm_one_round": "sm_90a",
@@ -758,6 +759,7 @@ CONFIG_CASES = (
     + [("swap_ab_t192", seed) for seed in range(1600, 1630)]
     + [("swap_ab_variable", seed) for seed in range(1800, 1840)]
     + [("swap_ab_one_round", seed) for seed in range(1900, 1930)]
+    + [("swap_ab_t112", seed) for seed in range(2300, 2330)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -771,6 +773,7 @@ CONFIGS = {
     "swap_ab_t192": hopper.SWAP_AB_T192_CONFIG,
     "swap_ab_one_round": hopper.SWAP_AB_ONE_ROUND_CONFIG,
     "swap_ab_variable": hopper.SWAP_AB_VARIABLE_CONFIG,
+    "swap_ab_t112": hopper.SWAP_AB_T112_CONFIG,
 }
 
 
@@ -790,7 +793,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @pytest.mark.parametrize(
     "config_name",
     ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto", "swap_ab", "swap_ab_split_k_2", "swap_ab_t192",
-     "swap_ab_variable", "swap_ab_one_round"],
+     "swap_ab_variable", "swap_ab_one_round", "swap_ab_t112"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):

@@ -39,7 +39,7 @@ def test_activation_scale_offsets_match_the_reordered_layout(m, k):
             assert flat[offset] == scales[row, block, 0], (row, block)
 
 
-@pytest.mark.parametrize("config", [hopper.SWAP_AB_CONFIG, hopper.SWAP_AB_T192_CONFIG,
+@pytest.mark.parametrize("config", [hopper.SWAP_AB_CONFIG, hopper.SWAP_AB_T112_CONFIG, hopper.SWAP_AB_T192_CONFIG,
                                     hopper.SWAP_AB_VARIABLE_CONFIG])
 @pytest.mark.parametrize("m,k", [(40, 256), (200, 1536)])
 def test_pre_pass_rows_land_where_the_b_stage_decode_put_them(config, m, k):
@@ -56,7 +56,8 @@ def test_pre_pass_rows_land_where_the_b_stage_decode_put_them(config, m, k):
     for tile in tiles:
         token0 = tile[1] * step
         tokens = (tile[3] + 1) * 64 if config.variable_tokens else config.tile_tokens
-        assert token0 % 64 == 0 and token0 + tokens <= padded
+        # tiles start on 8-row swizzle atoms (multiples of 16 tokens), inside the slab
+        assert token0 % 8 == 0 and token0 + tokens <= padded
         for row in range(token0, min(m, token0 + tokens)):
             for block in range(k // 16):
                 k_tile, blk = divmod(block, 4)
@@ -72,6 +73,7 @@ def test_pre_pass_rows_land_where_the_b_stage_decode_put_them(config, m, k):
 def test_padded_token_rows_reach_the_last_tile():
     assert swap_ab.padded_token_rows(40, hopper.SWAP_AB_CONFIG) == 128
     assert swap_ab.padded_token_rows(200, hopper.SWAP_AB_T192_CONFIG) == 384
+    assert swap_ab.padded_token_rows(200, hopper.SWAP_AB_T112_CONFIG) == 224
     assert swap_ab.padded_token_rows(200, hopper.SWAP_AB_VARIABLE_CONFIG) == 256
     assert swap_ab.padded_token_rows(0, hopper.SWAP_AB_CONFIG) == 0
 
@@ -82,18 +84,20 @@ def test_token_stage_chunks_are_a_permutation_per_8_rows():
 
 
 @pytest.mark.parametrize("shape,config", [
-    (0, hopper.SWAP_AB_VARIABLE_CONFIG), (1, hopper.SWAP_AB_VARIABLE_CONFIG), (2, hopper.SWAP_AB_ONE_ROUND_CONFIG),
+    (0, hopper.SWAP_AB_VARIABLE_CONFIG), (1, hopper.SWAP_AB_VARIABLE_CONFIG), (2, hopper.SWAP_AB_T112_CONFIG),
     (3, hopper.SWAP_AB_ONE_ROUND_CONFIG),
 ])
 def test_automatic_choice_on_the_benchmark_shapes(shape, config):
     """No split-K on any benchmark shape (352, 728, 120, 128 128-token tiles: at least one per
     SM of 132 already); variable token tiles on shapes 0 and 1, where M pads least in them
-    (shape 0's M = 64..248 in one tile each), 128-token tiles on shapes 2 and 3, whose 120 and
-    128 tiles are one round of 132 SMs (larger tiles would only make that round longer), one
-    CTA per SM launched as the pre-pass's programmatic dependent."""
+    (shape 0's M = 64..248 in one tile each); one round of one CTA per SM, launched as the
+    pre-pass's programmatic dependent, on shapes 2 and 3: 112-token tiles on shape 2 (M = 192
+    and 320 in 2 + 3 tiles, 560 tokens, where 128-token tiles pad to 640), 128-token tiles on
+    shape 3 (M = 128 and 384 fill them; 112-token tiles would be 192, two rounds)."""
     sizes = BENCHMARK_SIZES[shape]
     assert hopper.swap_ab_tiles(sizes) == (352, 728, 120, 128)[shape]
     assert hopper.swap_ab_tiles(sizes, hopper.SWAP_AB_T192_CONFIG) == (288, 504, 72, 96)[shape]
+    assert hopper.swap_ab_tiles(sizes, hopper.SWAP_AB_T112_CONFIG) == (416, 728, 120, 192)[shape]
     assert hopper.choose_swap_ab_config(sizes, 132) == config
 
 
@@ -148,7 +152,8 @@ def test_split_k_where_split_ctas_fit_one_per_sm():
 
 def test_config_check_rejects_unsupported_values():
     hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1).check()
-    for bad in ({"tile_tokens": 48}, {"tile_tokens": 288}, {"stages": 2}, {"split_k": 3},
+    hopper.SwapAbConfig(tile_tokens=112, ctas_per_sm=1).check()
+    for bad in ({"tile_tokens": 40}, {"tile_tokens": 16}, {"tile_tokens": 288}, {"stages": 2}, {"split_k": 3},
                 {"ctas_per_sm": 4}, {"weight_stages": 1},
                 {"variable_tokens": True}, {"tile_tokens": 256, "variable_tokens": True, "split_k": 2}):
         with pytest.raises(ValueError):
@@ -292,6 +297,7 @@ def swap_ab_builds(tmp_path_factory):
     ("sm90_swap_ab_gemm", hopper.SWAP_AB_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_one_round", hopper.SWAP_AB_ONE_ROUND_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_gemm_t112", hopper.SWAP_AB_T112_CONFIG, "m64n112k16"),
     ("sm90_swap_ab_gemm_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
     ("sm90_swap_ab_gemm_variable", hopper.SWAP_AB_VARIABLE_CONFIG, "m64n128k16"),
 ])
@@ -309,7 +315,8 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     # the launch asks for its storage, or with the dependent launch at one CTA per SM for more
     # than half an SM (115 KB), so that the early CTAs spread one per SM
     assert report.dynamic_smem_bytes == config.launch_smem_bytes(config.smem_bytes)
-    assert (report.dynamic_smem_bytes > config.smem_bytes) == (config == hopper.SWAP_AB_ONE_ROUND_CONFIG)
+    assert (report.dynamic_smem_bytes > config.smem_bytes) == (config.pdl and config.ctas_per_sm == 1
+                                                               and not config.variable_tokens)
     assert build_report.problems(report) == []
     ptx = Path(report.ptx_path).read_text(errors="replace")
     # the token rows arrive decoded: the GEMM stores nothing into its own shared memory (only
