@@ -262,7 +262,7 @@ class Sm90SwapAbGemm:
         # the tile's fp16 token rows of this k-tile: one contiguous run of its group's k-tile
         # slab, already swizzled by the pre-pass; one bulk copy by one thread, completing on
         # the stage's mbarrier (cp.async took 16-byte copies and their address arithmetic from
-        # every thread)
+        # every thread; multicast of each half to a 2-CTA cluster of two weight tiles: slower)
         if tidx == 0:
             bulk_copy_to_shared(
                 x_base + stage * (tile_t * self.x_row_bytes),
@@ -346,6 +346,8 @@ class Sm90SwapAbGemm:
         # overwrite, is free; every warpgroup has retired wgmma k_tile - 2 (before its decode of
         # k_tile - 1), so the token stage the bulk copy below overwrites is free.
         cute.arch.cp_async_wait_group(weights_ahead - 1)
+        # (without it, weight stages each warp's own and token stages refilled by the last warp
+        # to release them: slower; docs/EXPERIMENTS.md)
         cute.arch.sync_threads()
         next_weights = k_tile + weights_ahead
         if next_weights < k_tile_cnt:
@@ -421,7 +423,8 @@ class Sm90SwapAbGemm:
         # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
         # other, measured no faster; the two warpgroups taking turns at wgmma, each decoding
         # while the other's runs (named barriers, per-warpgroup weight stages, token stages
-        # freed by mbarriers): slower; docs/EXPERIMENTS.md)
+        # freed by mbarriers): slower; a second warpgroup pair in the CTA on half the k-tiles:
+        # no faster; docs/EXPERIMENTS.md)
         step_args = (tile_t, tiled_mma, tidx, w_base, x_base, mbar_base)
         tile_args = (b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators)
         weight_stages = self.config.weight_stages
@@ -456,7 +459,8 @@ class Sm90SwapAbGemm:
         """Epilogue: the fp32 sums of (weight row, token) -> fp16 C[token, weight row], stores
         predicated on M (N is a multiple of the weight tile)."""
         tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_w, tile_t)))
-        # both operands carry 2^-14 (the decode's one multiply): exact rescale
+        # both operands carry 2^-14 (the decode's one multiply): exact rescale. (Predicated
+        # stores instead of the branch: within the spread, registers up to 254; EXPERIMENTS.)
         acc_scale = cutlass.Float32(2.0**28)
         for i in cutlass.range_constexpr(cute.size(accumulators)):
             coord = tCcC[i]
