@@ -29,12 +29,11 @@ tile, not to 128-row wgmma blocks. Token tiles are 112, 128 or 192 tokens, or va
 group's M in near-equal tiles of 64, 128, 192 or 256 tokens (multiples of 64), the kernel
 compiled with one main loop per size and each tile row naming its own. The config is chosen
 per size set (schedules.choose_swap_ab_config): split-K over a 2-CTA cluster where the split
-CTAs still fit one per SM, else whichever of 112-token (one CTA per SM), 128-token, 192-token
-and variable tiles swap_ab_time_model (a per-k-tile cost, tiles dispatched in order to the SM
-that frees first) puts first; 128-token tiles that make one round run one CTA per SM. Variable
-and one-round
-tiles are launched as the pre-pass's programmatic dependent (their first weight copies overlap
-its end). Without split-K the main loop is unrolled by the stage count, so that its stage
+CTAs still fit one per SM, else whichever of 128-token, 192-token, variable and (where they
+make one round) 112-token tiles swap_ab_time_model (a per-k-tile cost, tiles dispatched in
+order to the SM that frees first) puts first; 128-token tiles that make one round run one CTA
+per SM. Variable and one-round tiles are launched as the pre-pass's programmatic dependent
+(their first weight copies overlap its end). Without split-K the main loop is unrolled by the stage count, so that its stage
 indices and shared-memory addresses are constants.
 
 in_gemm_decode (kernel.py): no activation scratch. Per CTA one output tile (group, tile_m,

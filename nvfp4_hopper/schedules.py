@@ -114,10 +114,11 @@ SWAP_AB_CANDIDATES = (SWAP_AB_CONFIG, SWAP_AB_T192_CONFIG, SWAP_AB_VARIABLE_CONF
 def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     """The swap-AB config for a size set: split-K over 2 CTAs where the split CTAs still fit
     one per SM (2 x tiles <= SMs); else whichever of 128-token, 192-token, variable and, where
-    they make one round, 112-token tiles (one CTA per SM) swap_ab_time_model puts first (128 on a tie), 128-token
-    tiles as one round of one CTA per SM, launched as the pre-pass's dependent, where they
-    number no more than the SMs. 112-token tiles win where M pads less in them and they still
-    make one round (benchmark shape 2: 2 + 3 tiles of 112 for M = 192 and 320)."""
+    they make one round, 112-token tiles (one CTA per SM, the dependent launch)
+    swap_ab_time_model puts first (128 on a tie), 128-token tiles as one round of one CTA per
+    SM, launched as the pre-pass's dependent, where they number no more than the SMs.
+    112-token tiles win where M pads less in them (benchmark shape 2: 2 + 3 tiles of 112 for
+    M = 192 and 320)."""
     return _chosen_swap_ab_config(tuple(map(tuple, problem_sizes)), num_sms)
 
 
