@@ -1,0 +1,110 @@
+"""Where a swap-AB call's device time goes on Hopper: the whole call against its kernels alone.
+
+For each benchmark shape and sm_90 config (default: the automatic choice), the harness's
+timing (15 inputs, L2 flushed, events around 15 back-to-back calls queued behind a sleep
+kernel, so device time only) of:
+
+    call      custom_kernel's launch (pre-pass, then the GEMM; a recorded graph)
+    pre-pass  the activation pre-pass alone
+    GEMM      the GEMM alone (reading the activations the last pre-pass left)
+    floor     one trivial kernel per call (a 1-element fill): the launch floor
+
+    python bench/breakdown.py [--repeats 10] [--shapes 2,3] [--configs "auto,swap t128 pdl"]
+
+Exit codes: 0 done; 2 cannot run as asked (no sm_90 GPU, a bad option), one line on stderr.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from peers import (
+    BENCHMARKS,
+    NUM_INPUTS,
+    OneLineArgumentParser,
+    positive_int,
+    shape_list,
+    time_calls,
+)
+
+from reference import generate_input, match_outputs, ref_kernel
+
+
+def config_table():
+    import nvfp4_hopper as hopper
+
+    return {
+        "auto": None,
+        "swap t128 pdl": hopper.SWAP_AB_ONE_ROUND_CONFIG,
+        "swap t112 pdl": hopper.SWAP_AB_T112_CONFIG,
+        "swap variable": hopper.SWAP_AB_VARIABLE_CONFIG,
+        "swap t128": hopper.SWAP_AB_CONFIG,
+    }
+
+
+def breakdown(repeats, shapes, names):
+    import cuda.bindings.driver as cuda
+
+    import nvfp4_hopper as hopper
+    import submission
+
+    configs = config_table()
+    unknown = set(names) - set(configs)
+    if unknown:
+        print(f"unknown config(s) {sorted(unknown)}; known: {list(configs)}", file=sys.stderr)
+        raise SystemExit(2)
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    columns = ("call", "pre-pass", "GEMM", "floor")
+    print(f"{'shape':<34} {'config':<14} " + " ".join(f"{c:>9}" for c in columns))
+    for index in shapes:
+        m, n, k = BENCHMARKS[index]
+        inputs, seed = [], 1111
+        for _ in range(NUM_INPUTS):
+            seed += 42
+            inputs.append(generate_input(m, n, k, len(m), seed))
+        expected = [c.clone() for c in ref_kernel(inputs[0])]
+        shape = f"G={len(m)} M={min(m)}..{max(m)} N={n[0]} K={k[0]}"
+        for name in names:
+            backend = hopper.make_backend(configs[name])
+            states = [submission.bind_input_set(data, backend) for data in inputs]
+            for _, _, c in inputs[0][0]:
+                c.fill_(float("nan"))
+            states[0].run(stream)
+            torch.cuda.synchronize()
+            ok, message = match_outputs(expected, [c for _, _, c in inputs[0][0]])
+            if not ok:
+                print(f"{shape:<34} {name:<14} WRONG: {message[:160]}")
+                continue
+            launches = []
+            for state in states:
+                pairs = backend.launch_args(state.plan, state, stream)
+                launches.append([submission.make_launcher(compiled, *args) for compiled, args in pairs])
+            floor_target = torch.zeros(1, device="cuda")
+            figures = [
+                time_calls(lambda state: state.run(stream), states, repeats, device_only=True)[0],
+                time_calls(lambda pair: pair[0](), launches, repeats, device_only=True)[0],
+                time_calls(lambda pair: pair[1](), launches, repeats, device_only=True)[0],
+                time_calls(lambda _, target=floor_target: target.fill_(1.0), states, repeats, device_only=True)[0],
+            ]
+            print(f"{shape:<34} {name:<14} " + " ".join(f"{f:9.2f}" for f in figures), flush=True)
+
+
+def main(argv=None):
+    parser = OneLineArgumentParser(prog="breakdown.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=positive_int, default=10)
+    parser.add_argument("--shapes", type=shape_list, default=list(range(len(BENCHMARKS))), metavar="I,J")
+    parser.add_argument("--configs", default="auto", metavar="NAMES",
+                        help="comma-separated swap-AB configs, e.g. 'auto,swap t128 pdl'")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("breakdown.py times the sm_90 swap-AB kernels and needs an H100/H200", file=sys.stderr)
+        return 2
+    breakdown(args.repeats, args.shapes, [x.strip() for x in args.configs.split(",") if x.strip()])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
