@@ -6,7 +6,8 @@ kernel, so device time only) of:
 
     call      custom_kernel's launch (pre-pass, then the GEMM; a recorded graph)
     pre-pass  the activation pre-pass alone
-    GEMM      the GEMM alone (reading the activations the last pre-pass left)
+    GEMM      the GEMM alone (reading the activations the last pre-pass left; with
+              fused_decode, the whole call: the GEMM decodes them itself)
     floor     one trivial kernel per call (a 1-element fill): the launch floor
 
     python bench/breakdown.py [--repeats 10] [--shapes 2,3] [--configs "auto,swap t128 pdl"]
@@ -42,6 +43,8 @@ def config_table():
         "swap t112 pdl": hopper.SWAP_AB_T112_CONFIG,
         "swap variable": hopper.SWAP_AB_VARIABLE_CONFIG,
         "swap t128": hopper.SWAP_AB_CONFIG,
+        "swap t128 fused": hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG,
+        "swap t112 fused": hopper.SWAP_AB_T112_FUSED_CONFIG,
     }
 
 
@@ -58,7 +61,7 @@ def breakdown(repeats, shapes, names):
         raise SystemExit(2)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     columns = ("call", "pre-pass", "GEMM", "floor")
-    print(f"{'shape':<34} {'config':<14} " + " ".join(f"{c:>9}" for c in columns))
+    print(f"{'shape':<34} {'config':<16} " + " ".join(f"{c:>9}" for c in columns))
     for index in shapes:
         m, n, k = BENCHMARKS[index]
         inputs, seed = [], 1111
@@ -76,20 +79,22 @@ def breakdown(repeats, shapes, names):
             torch.cuda.synchronize()
             ok, message = match_outputs(expected, [c for _, _, c in inputs[0][0]])
             if not ok:
-                print(f"{shape:<34} {name:<14} WRONG: {message[:160]}")
+                print(f"{shape:<34} {name:<16} WRONG: {message[:160]}")
                 continue
             launches = []
             for state in states:
                 pairs = backend.launch_args(state.plan, state, stream)
                 launches.append([submission.make_launcher(compiled, *args) for compiled, args in pairs])
             floor_target = torch.zeros(1, device="cuda")
-            figures = [
-                time_calls(lambda state: state.run(stream), states, repeats, device_only=True)[0],
-                time_calls(lambda pair: pair[0](), launches, repeats, device_only=True)[0],
-                time_calls(lambda pair: pair[1](), launches, repeats, device_only=True)[0],
-                time_calls(lambda _, target=floor_target: target.fill_(1.0), states, repeats, device_only=True)[0],
-            ]
-            print(f"{shape:<34} {name:<14} " + " ".join(f"{f:9.2f}" for f in figures), flush=True)
+            call = time_calls(lambda state: state.run(stream), states, repeats, device_only=True)[0]
+            if len(launches[0]) == 2:
+                pre_pass = time_calls(lambda pair: pair[0](), launches, repeats, device_only=True)[0]
+            else:  # fused_decode: the GEMM decodes the activations itself
+                pre_pass = None
+            gemm = time_calls(lambda pair: pair[-1](), launches, repeats, device_only=True)[0]
+            floor = time_calls(lambda _, target=floor_target: target.fill_(1.0), states, repeats, device_only=True)[0]
+            cells = [f"{f:9.2f}" if f is not None else f"{'-':>9}" for f in (call, pre_pass, gemm, floor)]
+            print(f"{shape:<34} {name:<16} " + " ".join(cells), flush=True)
 
 
 def main(argv=None):

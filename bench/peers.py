@@ -104,6 +104,8 @@ def compare_configs(repeats, names=None, shapes=None):
         "var w8": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=8), None),
         "swap t128 pdl": (hopper.SwapAbConfig(ctas_per_sm=1, pdl=True), None),
         "swap t112 pdl": (hopper.SWAP_AB_T112_CONFIG, None),
+        "swap t128 fused": (hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG, None),
+        "swap t112 fused": (hopper.SWAP_AB_T112_FUSED_CONFIG, None),
         "var pdl": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, pdl=True), None),
         "auto": (None, None),
     }

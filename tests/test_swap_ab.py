@@ -312,9 +312,10 @@ def test_fused_decode_buffer_has_a_zeroed_counter_per_token_tile():
     assert [row[2] for row in buffer.addresses.tolist()] == [counters, counters + 8, counters + 8]
 
 
-def test_fused_decode_refuses_more_tiles_than_sms():
+def test_fused_decode_refuses_more_tiles_than_sms(monkeypatch):
     """fused_decode's CTAs wait for each other: a size set of more tiles than SMs (benchmark
     shape 0: 352 tiles of 128 tokens) is refused before anything is allocated or launched."""
+    monkeypatch.setattr(hopper.backend, "compile_swap_ab_gemm", lambda g, config: ("gemm", g, config))
     backend = hopper.make_backend(hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG)
     with pytest.raises(ValueError, match="352 tiles for 132 SMs.*at most one tile per SM"):
         submission.Plan(backend, tuple(BENCHMARK_SIZES[0]), "cpu")
