@@ -15,6 +15,7 @@ kernel, so device time only) of:
 Exit codes: 0 done; 2 cannot run as asked (no sm_90 GPU, a bad option), one line on stderr.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -44,6 +45,9 @@ def config_table():
         "swap variable": hopper.SWAP_AB_VARIABLE_CONFIG,
         "swap t128": hopper.SWAP_AB_CONFIG,
         "swap t128 fused": hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG,
+        "swap t128 pf": dataclasses.replace(hopper.SWAP_AB_ONE_ROUND_CONFIG, prefetch_weights_l2=True),
+        "swap t112 pf": dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, prefetch_weights_l2=True),
+        "var pf": dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, prefetch_weights_l2=True),
         "swap t112 fused": hopper.SWAP_AB_T112_FUSED_CONFIG,
     }
 

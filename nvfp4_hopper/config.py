@@ -204,6 +204,9 @@ class SwapAbConfig:
     # Every CTA of the grid must be resident at once (a waiting CTA holds its SM), so the
     # automatic choice takes it only where the tiles make one round of one CTA per SM.
     fused_decode: bool = False
+    # Each CTA asks L2 for its weight rows and their scales (every k-tile) at its start, so
+    # that the main loop's weight copies read L2 instead of HBM
+    prefetch_weights_l2: bool = False
     arch: str = "sm_90a"
 
     # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA
