@@ -6,8 +6,7 @@ kernel, so device time only) of:
 
     call      custom_kernel's launch (pre-pass, then the GEMM; a recorded graph)
     pre-pass  the activation pre-pass alone
-    GEMM      the GEMM alone (reading the activations the last pre-pass left; with
-              fused_decode, the whole call: the GEMM decodes them itself)
+    GEMM      the GEMM alone (reading the activations the last pre-pass left)
     floor     one trivial kernel per call (a 1-element fill): the launch floor
 
     python bench/breakdown.py [--repeats 10] [--shapes 2,3] [--configs "auto,swap t128 pdl"]
@@ -15,7 +14,6 @@ kernel, so device time only) of:
 Exit codes: 0 done; 2 cannot run as asked (no sm_90 GPU, a bad option), one line on stderr.
 """
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -44,11 +42,6 @@ def config_table():
         "swap t112 pdl": hopper.SWAP_AB_T112_CONFIG,
         "swap variable": hopper.SWAP_AB_VARIABLE_CONFIG,
         "swap t128": hopper.SWAP_AB_CONFIG,
-        "swap t128 fused": hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG,
-        "swap t128 pf": dataclasses.replace(hopper.SWAP_AB_ONE_ROUND_CONFIG, prefetch_weights_l2=True),
-        "swap t112 pf": dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, prefetch_weights_l2=True),
-        "var pf": dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, prefetch_weights_l2=True),
-        "swap t112 fused": hopper.SWAP_AB_T112_FUSED_CONFIG,
     }
 
 
@@ -78,7 +71,7 @@ def breakdown(repeats, shapes, names):
             backend = hopper.make_backend(configs[name])
             try:
                 states = [submission.bind_input_set(data, backend) for data in inputs]
-            except ValueError as error:  # fused_decode: one round only
+            except ValueError as error:  # a config that cannot run this size set
                 print(f"{shape:<34} {name:<16} n/a: {str(error)[:100]}")
                 continue
             for _, _, c in inputs[0][0]:
@@ -97,7 +90,7 @@ def breakdown(repeats, shapes, names):
             call = time_calls(lambda state: state.run(stream), states, repeats, device_only=True)[0]
             if len(launches[0]) == 2:
                 pre_pass = time_calls(lambda pair: pair[0](), launches, repeats, device_only=True)[0]
-            else:  # fused_decode: the GEMM decodes the activations itself
+            else:  # one kernel: no pre-pass to time apart
                 pre_pass = None
             gemm = time_calls(lambda pair: pair[-1](), launches, repeats, device_only=True)[0]
             floor = time_calls(lambda _, target=floor_target: target.fill_(1.0), states, repeats, device_only=True)[0]

@@ -104,11 +104,6 @@ def compare_configs(repeats, names=None, shapes=None):
         "var w8": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=8), None),
         "swap t128 pdl": (hopper.SwapAbConfig(ctas_per_sm=1, pdl=True), None),
         "swap t112 pdl": (hopper.SWAP_AB_T112_CONFIG, None),
-        "swap t128 fused": (hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG, None),
-        "swap t128 pf": (dataclasses.replace(hopper.SWAP_AB_ONE_ROUND_CONFIG, prefetch_weights_l2=True), None),
-        "swap t112 pf": (dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, prefetch_weights_l2=True), None),
-        "var pf": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, prefetch_weights_l2=True), None),
-        "swap t112 fused": (hopper.SWAP_AB_T112_FUSED_CONFIG, None),
         "var pdl": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, pdl=True), None),
         "auto": (None, None),
     }
@@ -133,7 +128,7 @@ def compare_configs(repeats, names=None, shapes=None):
             backend = hopper.make_backend(config, kernel)
             try:
                 states = [submission.bind_input_set(data, backend) for data in inputs]
-            except ValueError:  # a config that cannot run this size set (fused_decode: one round)
+            except ValueError:  # a config that cannot run this size set
                 cells.append("n/a")
                 continue
             for _, _, c in inputs[0][0]:

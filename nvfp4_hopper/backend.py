@@ -19,9 +19,8 @@ from .schedules import (
     variable_token_tiles,
 )
 from .swap_ab import (
-    ACTIVATION_TABLE_COLUMNS,
     DECODE_THREADS,
-    activation_row_images,
+    activation_blocks,
     compile_decode_activations,
     compile_swap_ab_gemm,
     padded_token_rows,
@@ -50,44 +49,37 @@ def current_num_sms() -> int:
 
 
 class ActivationBuffer:
-    """The swap-AB decoded activations for one plan (size set, config): every group's fp16
-    activations in k-tile slabs (K / 64 slabs of padded_token_rows x 128 bytes, one buffer),
-    with fused_decode one int64 arrival counter per token tile (zero once; every launch adds
-    the same count, swap_ab's decode_token_tile_share), and the device table of (address,
-    slab bytes, the group's first counter) per group that the kernels read. Every input set of
-    the plan shares it; the runtime orders launches of the plan on different streams
-    (Sm90Plan.shared_scratch)."""
+    """The swap-AB pre-pass's output for one plan (size set, config): every group's decoded
+    fp16 activations in k-tile slabs (K / 64 slabs of padded_token_rows x 128 bytes, one
+    buffer) and the device table of (address, slab bytes) per group, which the pre-pass and
+    the GEMM read. Every input set of the plan shares it; the runtime orders launches of the
+    plan on different streams (Sm90Plan.shared_scratch)."""
 
-    __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer", "counters")
+    __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer")
 
     def __init__(self, problem_sizes, device, config: SwapAbConfig):
         slabs = [padded_token_rows(m, config) * config.tile_k * 2 for m, _n, _k, _l in problem_sizes]
         sizes = [slab * (k // config.tile_k) for slab, (_m, _n, k, _l) in zip(slabs, problem_sizes)]
         self.buffer = torch.empty(max(sum(sizes), 16), dtype=torch.uint8, device=device)
-        token_tiles = [-(-m // config.tile_tokens) for m, _n, _k, _l in problem_sizes]
-        count = sum(token_tiles) if config.fused_decode else 0
-        self.counters = torch.zeros(max(count, 1), dtype=torch.int64, device=device)
-        base, counter, table = self.buffer.data_ptr(), self.counters.data_ptr(), []
-        for size, slab, tiles in zip(sizes, slabs, token_tiles):
-            table.append((base, slab, counter if config.fused_decode else 0))
+        base, table = self.buffer.data_ptr(), []
+        for size, slab in zip(sizes, slabs):
+            table.append((base, slab))
             base += size
-            counter += tiles * 8
-        host = torch.tensor(table, dtype=torch.int64).reshape(-1, ACTIVATION_TABLE_COLUMNS)
+        host = torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
         if self.buffer.device.type == "cuda":
             host = host.pin_memory()
         self._host_staging = host
         self.addresses = torch.empty_like(host, device=device)
         self.addresses.copy_(host, non_blocking=True)
-        self.blocks_x = max(1, -(-activation_row_images(problem_sizes) // DECODE_THREADS))
+        self.blocks_x = max(1, -(-activation_blocks(problem_sizes) // DECODE_THREADS))
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() + self.addresses.numel() * 8 + self.counters.numel() * 8
+        return self.buffer.numel() + self.addresses.numel() * 8
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.buffer.record_stream(stream)
         self.addresses.record_stream(stream)
-        self.counters.record_stream(stream)
 
 
 class Sm90Plan:
@@ -209,16 +201,9 @@ class Sm90Backend:
         """Pick the size set's config, compile its kernel (cached) for its group count and,
         for stream-K, plan the workers' shares and allocate their buffers."""
         config = self.config_for(plan.problem_sizes)
-        if isinstance(config, SwapAbConfig) and config.fused_decode and plan.num_tiles > current_num_sms():
-            raise ValueError(
-                f"SwapAbConfig(fused_decode=True): {plan.num_tiles} tiles for {current_num_sms()} SMs; its CTAs "
-                "wait for each other's decoded activations, so they must all be resident at once: at most one "
-                "tile per SM"
-            )
         self.compile(plan.num_groups, config)
         if isinstance(config, SwapAbConfig):
-            if not config.fused_decode:
-                compile_decode_activations(plan.num_groups)
+            compile_decode_activations(plan.num_groups)
             return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device, config))
         stream_k = None
         if config.stream_k and plan.num_tiles > 0:
@@ -227,23 +212,19 @@ class Sm90Backend:
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):
         """(compiled GEMM, its arguments) for this input set on `stream`; for swap-AB, the
-        list [(pre-pass, arguments), (GEMM, arguments)], launched in that order ([(GEMM,
-        arguments)] with fused_decode)."""
+        list [(pre-pass, arguments), (GEMM, arguments)], launched in that order."""
         backend_plan = plan.backend_plan
         activations = backend_plan.activations
         if activations is not None:
             ptrs = _gmem_ptr(cutlass.Int64, binding.ptrs)
             sizes = _gmem_ptr(cutlass.Int32, plan.sizes)
             addresses = _gmem_ptr(cutlass.Int64, activations.addresses)
-            gemm = (self.compile(plan.num_groups, backend_plan.config),
-                    (ptrs, sizes, _gmem_ptr(cutlass.Int32, plan.tiles), cutlass.Int32(plan.num_tiles), addresses,
-                     stream))
-            if backend_plan.config.fused_decode:  # the GEMM's CTAs decode the activations
-                return [gemm]
             return [
                 (compile_decode_activations(plan.num_groups),
                  (ptrs, sizes, addresses, cutlass.Int32(activations.blocks_x), stream)),
-                gemm,
+                (self.compile(plan.num_groups, backend_plan.config),
+                 (ptrs, sizes, _gmem_ptr(cutlass.Int32, plan.tiles), cutlass.Int32(plan.num_tiles), addresses,
+                  stream)),
             ]
         stream_k = backend_plan.stream_k
         if stream_k is None:

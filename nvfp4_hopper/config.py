@@ -198,25 +198,12 @@ class SwapAbConfig:
     # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
     # tokens, tile_tokens = 256), the kernel one main loop per class (wgmma N = the class)
     variable_tokens: bool = False
-    # The activations decoded by the GEMM's own CTAs instead of a pre-pass kernel: the CTAs of
-    # a token tile (one per weight tile) each decode a share of its row images before their
-    # main loop, and wait on the token tile's arrival counter until every share is written.
-    # Every CTA of the grid must be resident at once (a waiting CTA holds its SM), so the
-    # automatic choice takes it only where the tiles make one round of one CTA per SM.
-    fused_decode: bool = False
-    # Each CTA asks L2 for its weight rows and their scales (every k-tile) at its start, so
-    # that the main loop's weight copies read L2 instead of HBM
-    prefetch_weights_l2: bool = False
     arch: str = "sm_90a"
 
     # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA
     # per SM, each token row read once per 256 weight rows): slower; docs/EXPERIMENTS.md.
     tile_weights = TILE_M
     tile_k = 64
-    # fused_decode: row images (one k-tile of one token row) a thread decodes per batch, all
-    # loads first (a CTA's share of a benchmark shape's token tile is one batch: 299 and 96
-    # row images on shapes 2 and 3)
-    fused_row_images_per_thread = 2
 
     @property
     def num_threads(self) -> int:
@@ -264,8 +251,6 @@ class SwapAbConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.ctas_per_sm not in (1, 2, 3):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
-        if self.fused_decode and (self.variable_tokens or self.split_k != 1 or self.pdl or self.ctas_per_sm != 1):
-            raise ValueError("fused_decode needs fixed token tiles, split_k=1, ctas_per_sm=1 and no pdl")
 
     @property
     def tile_row_width(self) -> int:
@@ -279,9 +264,9 @@ class SwapAbConfig:
         return 0 if self.split_k == 1 else 64 * self.tile_tokens * 4
 
     def launch_smem_bytes(self, storage_bytes: int) -> int:
-        """Dynamic shared memory the GEMM launch asks for: its storage, or with pdl or
-        fused_decode and one CTA per SM more than half of an SM's 228 KB (one CTA per SM)."""
-        if (self.pdl or self.fused_decode) and self.ctas_per_sm == 1:
+        """Dynamic shared memory the GEMM launch asks for: its storage, or with pdl and one CTA
+        per SM more than half of an SM's 228 KB."""
+        if self.pdl and self.ctas_per_sm == 1:
             return max(storage_bytes, 115 * 1024)
         return storage_bytes
 
@@ -316,6 +301,3 @@ SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True)
 # 128-token tiles and the tiles still number no more than the SMs (benchmark shape 2: M = 192 and
 # 320 in 2 + 3 tiles of 112 instead of 2 + 3 of 128)
 SWAP_AB_T112_CONFIG = SwapAbConfig(tile_tokens=112, ctas_per_sm=1, pdl=True)
-# The one-round configs with the activations decoded by the GEMM's CTAs (no pre-pass kernel)
-SWAP_AB_ONE_ROUND_FUSED_CONFIG = SwapAbConfig(ctas_per_sm=1, fused_decode=True)
-SWAP_AB_T112_FUSED_CONFIG = SwapAbConfig(tile_tokens=112, ctas_per_sm=1, fused_decode=True)

@@ -215,56 +215,6 @@ def fence_acq_rel_gpu(*, loc=None, ip=None):
 
 
 @dsl_user_op
-def prefetch_bulk_l2(address: cutlass.Int64, num_bytes: cutlass.Int32, *, loc=None, ip=None):
-    """cp.async.bulk.prefetch.L2: bring `num_bytes` (a multiple of 16) from global `address`
-    (16-byte aligned) into L2, asynchronously, nothing returned to the thread."""
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.prefetch.L2.global [$0], $1;",
-        "l,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
-def fence_proxy_async_global(*, loc=None, ip=None):
-    """fence.proxy.async.global: orders this thread's generic-proxy global accesses with
-    async-proxy ones (bulk copies) on either side of it."""
-    _inline_asm(None, [], "fence.proxy.async.global;", "~{memory}", loc=loc, ip=ip)
-
-
-@dsl_user_op
-def arrive_and_wait_count(counter: cutlass.Int64, arrivals: cutlass.Int32, *, loc=None, ip=None):
-    """One arrival on a monotonic u64 counter that gets exactly `arrivals` arrivals per
-    launch, then the wait for the rest of this launch's: release (fence.acq_rel.gpu before a
-    relaxed add, so that what the CTA wrote before its barrier is seen by whoever acquires the
-    count), the launch's target from the value the add returned ((old / arrivals + 1) x
-    arrivals), acquire loads until the count reaches it, and an async-proxy fence so that the
-    caller's bulk copies read what the other arrivals wrote."""
-    _inline_asm(
-        None,
-        [cutlass.Int64(counter).ir_value(loc=loc, ip=ip), cutlass.Int32(arrivals).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .u64 old, target, now, arrivals;\n\t.reg .pred pending;\n\t"
-        "fence.acq_rel.gpu;\n\t"
-        "atom.relaxed.gpu.global.add.u64 old, [$0], 1;\n\t"
-        "cvt.u64.u32 arrivals, $1;\n\t"
-        "div.u64 target, old, arrivals;\n\t"
-        "add.u64 target, target, 1;\n\t"
-        "mul.lo.u64 target, target, arrivals;\n\t"
-        "WAIT:\n\t"
-        "ld.acquire.gpu.global.u64 now, [$0];\n\t"
-        "setp.lt.u64 pending, now, target;\n\t"
-        "@pending bra WAIT;\n\t"
-        "fence.proxy.async.global;\n\t}",
-        "l,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
 def atomic_add_u32(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
     """atom.global.add.u32 (relaxed, GPU scope): adds `value`, returns the previous value."""
     result = _inline_asm(
@@ -515,81 +465,6 @@ def decode_scale_blocks_global(addresses, *, loc=None, ip=None):
         operands,
         _decode_blocks_asm(len(addresses), "chunks", space="global"),
         ",".join(["l"] * len(operands)) + ",~{memory}",
-        loc=loc,
-        ip=ip,
-    )
-
-
-def _decode_row_images_asm(num_units: int) -> str:
-    """PTX decoding `num_units` row images (4 scale blocks: one k-tile of one row) from and to
-    global memory, all loads first. Operands per unit u: $(4u) the row's 32 packed bytes of
-    the k-tile, $(4u+1) its 4 scale bytes (blocks 0..3, consecutive in the reordered
-    layout), $(4u+2) the 128-byte row image, $(4u+3) the row image's swizzle (row % 8):
-    block b fills 16-byte chunks 2b and 2b+1 (CHUNK_REGISTERS), each placed at
-    (chunk XOR swizzle) x 16."""
-    lines = [
-        "{",
-        ".reg .b32 x, o, a, b, lanes, sc, cj;",
-        ".reg .b16 slo, shi;",
-        ".reg .b64 dj;",
-        "mov.b32 lanes, 0x8E008E00;",
-    ]
-    for u in range(num_units):
-        lines.append(f".reg .b32 w{u}_<8>, s{u}, S{u}_<4>, r{u}_<32>;")
-    for u in range(num_units):  # loads
-        src, scale = f"${4 * u}", f"${4 * u + 1}"
-        lines += [
-            f"ld.global.nc.v4.b32 {{w{u}_0, w{u}_1, w{u}_2, w{u}_3}}, [{src}];",
-            f"ld.global.nc.v4.b32 {{w{u}_4, w{u}_5, w{u}_6, w{u}_7}}, [{src} + 16];",
-            f"ld.global.nc.u32 s{u}, [{scale}];",
-        ]
-    for u in range(num_units):  # scales: fp16x2 (s_b, s_b) per block b
-        for block in range(4):
-            lines += [
-                f"prmt.b32 sc, s{u}, 0, {block * 0x1111:#06x};",
-                "mov.b32 {slo, shi}, sc;",
-                f"cvt.rn.f16x2.e4m3x2 S{u}_{block}, slo;",
-            ]
-    for u in range(num_units):  # bit placement and scaling: chunk c in r{u}_{4c} .. 4c+3
-        for block in range(4):
-            for word in range(2):
-                destinations = {
-                    name: f"r{u}_{4 * (2 * block + chunk) + 2 * word + slot}"
-                    for chunk, names in enumerate(CHUNK_REGISTERS)
-                    for slot, name in enumerate(names)
-                }
-                lines += _place_word_ptx(f"w{u}_{2 * block + word}", destinations)
-                for reg in destinations.values():
-                    lines.append(f"mul.rn.f16x2 {reg}, {reg}, S{u}_{block};")
-    for u in range(num_units):  # stores
-        for chunk in range(8):
-            regs = ", ".join(f"r{u}_{4 * chunk + i}" for i in range(4))
-            lines += [
-                f"xor.b32 cj, ${4 * u + 3}, {chunk};",
-                "mul.wide.u32 dj, cj, 16;",
-                f"add.s64 dj, dj, ${4 * u + 2};",
-                f"st.global.v4.b32 [dj], {{{regs}}};",
-            ]
-    lines.append("}")
-    return "\n\t".join(lines)
-
-
-@dsl_user_op
-def decode_row_images_global(units, *, loc=None, ip=None):
-    """Decode row images (one k-tile of one row: 64 e2m1 values and their 4 e4m3 scales)
-    from and to global memory; `units` lists (packed, scales, row image, swizzle) per row
-    image: addresses, and the row % 8 the image's 16-byte chunks are swizzled by
-    (_decode_row_images_asm)."""
-    operands, constraints = [], []
-    for packed, scales, image, swizzle in units:
-        operands += [cutlass.Int64(x).ir_value(loc=loc, ip=ip) for x in (packed, scales, image)]
-        operands.append(cutlass.Int32(swizzle).ir_value(loc=loc, ip=ip))
-        constraints += ["l", "l", "l", "r"]
-    _inline_asm(
-        None,
-        operands,
-        _decode_row_images_asm(len(units)),
-        ",".join(constraints) + ",~{memory}",
         loc=loc,
         ip=ip,
     )

@@ -37,10 +37,8 @@ from .config import (
     SF_VEC_SIZE,
     SWAP_AB_CONFIG,
     SWAP_AB_ONE_ROUND_CONFIG,
-    SWAP_AB_ONE_ROUND_FUSED_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T112_CONFIG,
-    SWAP_AB_T112_FUSED_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
     SwapAbConfig,
@@ -52,54 +50,27 @@ from .kernel import (
     stage_scale_offset,
 )
 from .ptx import (
-    arrive_and_wait_count,
     bulk_copy_to_shared,
     cp_async_16B,
-    decode_row_images_global,
+    decode_scale_blocks_global,
     fence_mbarrier_init,
-    fence_proxy_async_global,
     mbarrier_init_shared,
     mbarrier_wait_parity,
-    prefetch_bulk_l2,
     store_f16,
 )
 from .schedules import TOKEN_CLASS_STEP
 
 # Pointer table columns (submission's Binding.ptrs): a, b, c, sfa_reordered, sfb_reordered
 _PTR_A, _PTR_B, _PTR_C, _PTR_SFA, _PTR_SFB = range(5)
-# Threads of a pre-pass CTA; each decodes one row image (one k-tile of one row: 64 elements)
+# Threads of a pre-pass CTA; each decodes one 16-element scale block of one row
 DECODE_THREADS = 256
-# The activation table's int64 columns per group: its k-tile slabs' address, the bytes of one
-# slab, and (fused_decode) the address of its first token tile's arrival counter
-ACTIVATION_TABLE_COLUMNS = 3
-_ACT_ADDRESS, _ACT_SLAB_BYTES, _ACT_COUNTERS = range(ACTIVATION_TABLE_COLUMNS)
-# Elements of a row image (a k-tile of one row: 4 scale blocks, 32 packed bytes, 128 fp16 bytes)
-ROW_IMAGE_ELEMENTS = 64
 
 
-def activation_row_images(problem_sizes) -> int:
-    """Row images (one k-tile of one row) of the largest group's activations: the pre-pass
-    grid's x extent is this over DECODE_THREADS (each group is one grid row)."""
-    return max((m * k // ROW_IMAGE_ELEMENTS for m, _n, k, _l in problem_sizes), default=0)
 
-
-def row_image_operands(a_addr, sfa_addr, acts_addr, slab_bytes, row, k_tile, k):
-    """(packed, scales, row image, swizzle) of row `row`'s k-tile `k_tile` for
-    ptx.decode_row_images_global: its 32 packed bytes, its 4 consecutive scale bytes in the
-    reordered layout, its 128-byte image in the k-tile slabs (activation_chunk_offsets' row
-    image), and row % 8. The kernels call this with device integers, tests with Python ints."""
-    return (
-        a_addr + row * (k // 2) + k_tile * (ROW_IMAGE_ELEMENTS // 2),
-        sfa_addr + activation_scale_offset(row, k_tile * 4, k),
-        acts_addr + k_tile * slab_bytes + row * 128,
-        row % 8,
-    )
-
-
-def fused_row_images_per_cta(rows: int, k: int, weight_tiles: int) -> int:
-    """fused_decode: row images of a token tile of `rows` rows (K = k) that each of its
-    `weight_tiles` CTAs decodes (the last share may be shorter, some may be empty)."""
-    return -(-rows * (k // ROW_IMAGE_ELEMENTS) // weight_tiles)
+def activation_blocks(problem_sizes) -> int:
+    """Scale blocks (16 elements) of the largest group's activations: the pre-pass grid's x
+    extent is this over DECODE_THREADS (each group is one grid row)."""
+    return max((m * k // SF_VEC_SIZE for m, _n, k, _l in problem_sizes), default=0)
 
 
 def activation_scale_offset(row, block, k):
@@ -164,7 +135,7 @@ class Sm90DecodeActivations:
     ):
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
-        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, ACTIVATION_TABLE_COLUMNS), stride=(ACTIVATION_TABLE_COLUMNS, 1)))
+        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, 2), stride=(2, 1)))
         self.kernel(mPtrs, mSizes, mActs).launch(
             grid=(blocks_x, self.num_groups, 1), block=(DECODE_THREADS, 1, 1), stream=stream
         )
@@ -178,18 +149,15 @@ class Sm90DecodeActivations:
         bidx, group, _ = cute.arch.block_idx()
         m = mSizes[group, 0]
         k = mSizes[group, 2]
+        blocks_per_row = k // SF_VEC_SIZE
         item = bidx * DECODE_THREADS + tidx
-        # one row image per thread, row-major: a warp reads 1 KB of packed row at once
-        # (k-tile major, 32-byte reads 2 KB apart in 32 rows: 9.4 µs on benchmark shape 2
-        # against 5.4 for one block per thread)
-        k_tiles = k // ROW_IMAGE_ELEMENTS
-        if item < m * k_tiles:
-            row = item // k_tiles
-            k_tile = item - row * k_tiles
-            decode_row_images_global([row_image_operands(
-                mPtrs[group, _PTR_A], mPtrs[group, _PTR_SFA], mActs[group, _ACT_ADDRESS], mActs[group, _ACT_SLAB_BYTES],
-                cutlass.Int64(row), k_tile, k,
-            )])
+        if item < m * blocks_per_row:
+            row = item // blocks_per_row
+            block = item - row * blocks_per_row
+            src = mPtrs[group, _PTR_A] + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
+            scale = mPtrs[group, _PTR_SFA] + activation_scale_offset(cutlass.Int64(row), block, k)
+            dst_lo, dst_hi = activation_chunk_offsets(cutlass.Int64(row), block, mActs[group, 1])
+            decode_scale_blocks_global([(src, scale, mActs[group, 0] + dst_lo, mActs[group, 0] + dst_hi)])
 
 
 def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
@@ -257,7 +225,7 @@ class Sm90SwapAbGemm:
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
         width = self.config.tile_row_width
         mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, width), stride=(width, 1)))
-        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, ACTIVATION_TABLE_COLUMNS), stride=(ACTIVATION_TABLE_COLUMNS, 1)))
+        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, 2), stride=(2, 1)))
         split = self.config.split_k
         self.kernel(mPtrs, mSizes, mTiles, mActs).launch(
             grid=(num_tiles * split, 1, 1),
@@ -444,11 +412,11 @@ class Sm90SwapAbGemm:
         k_tile_begin = (bidx % split) * k_tile_cnt
         b_row_bytes = k // 2
         rest_k = k // (SF_VEC_SIZE * 4)
-        slab_bytes = mActs[group, _ACT_SLAB_BYTES]
+        slab_bytes = mActs[group, 1]
         # the rank's first k-tile moves into the base addresses: its loop runs from 0
         b_addr = mPtrs[group, _PTR_B] + cutlass.Int64(k_tile_begin) * self.w_row_bytes
         sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
-        x_addr = mActs[group, _ACT_ADDRESS] + cutlass.Int64(k_tile_begin) * slab_bytes + token0 * self.x_row_bytes
+        x_addr = mActs[group, 0] + cutlass.Int64(k_tile_begin) * slab_bytes + token0 * self.x_row_bytes
 
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
@@ -457,18 +425,9 @@ class Sm90SwapAbGemm:
             if s < k_tile_cnt:
                 self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.config.prefetch_weights_l2):
-            # the tile's weight rows (one per thread) and its scale atoms, every k-tile of them
-            if tidx < self.tile_w:
-                prefetch_bulk_l2(b_addr + cutlass.Int64(n0 + tidx) * b_row_bytes, k_tile_cnt * self.w_row_bytes)
-            if tidx == self.tile_w:
-                prefetch_bulk_l2(sfb_addr + cutlass.Int64(n0 // SF_ATOM_ROWS) * rest_k * SF_ATOM_BYTES,
-                                 k_tile_cnt * SF_ATOM_BYTES)
         if cutlass.const_expr(self.config.pdl):
             # launched as the pre-pass's dependent: its token rows are complete past here
             cute.arch.griddepcontrol_wait()
-        if cutlass.const_expr(self.config.fused_decode):
-            self.decode_token_tile_share(tidx, mPtrs, mActs, group, m, n, k, token0, tile_t, weight_tile)
         for s in cutlass.range_constexpr(tokens_ahead):
             if s < k_tile_cnt:
                 self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
@@ -506,45 +465,6 @@ class Sm90SwapAbGemm:
                 self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
         else:
             self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
-
-    @cute.jit
-    def decode_token_tile_share(self, tidx, mPtrs, mActs, group, m, n, k, token0, tile_t: cutlass.Constexpr,
-                                weight_tile):
-        """fused_decode: this CTA's share of its token tile's row images (share weight_tile of
-        the group's n / tile_weights, fused_row_images_per_cta each, row-major, in batches
-        of fused_row_images_per_thread per thread), then one arrival on the token tile's
-        counter and, by the thread that issues the token copies, the wait for the other
-        shares. A waiting CTA never holds back a share it owns, and the others' owners are
-        resident (one round), so every wait ends."""
-        rows = cutlass.min(m - token0, tile_t)
-        k_tiles = k // ROW_IMAGE_ELEMENTS
-        weight_tiles = n // self.tile_w
-        total = rows * k_tiles
-        per_cta = (total + weight_tiles - 1) // weight_tiles
-        first = weight_tile * per_cta
-        end = cutlass.min(first + per_cta, total)
-        if first < end:
-            per_batch = self.num_threads * self.config.fused_row_images_per_thread
-            for batch in cutlass.range((end - first + per_batch - 1) // per_batch, unroll=1):
-                units = []
-                for u in cutlass.range_constexpr(self.config.fused_row_images_per_thread):
-                    # past the share's end: its last row image again (the same bytes to the same
-                    # place), so that every thread runs one decode with all its loads first
-                    item = cutlass.min(first + batch * per_batch + u * self.num_threads + tidx, end - 1)
-                    row_in_tile = item // k_tiles
-                    k_tile = item - row_in_tile * k_tiles
-                    row = token0 + row_in_tile
-                    units.append(row_image_operands(
-                        mPtrs[group, _PTR_A], mPtrs[group, _PTR_SFA], mActs[group, _ACT_ADDRESS],
-                        mActs[group, _ACT_SLAB_BYTES], cutlass.Int64(row), k_tile, k,
-                    ))
-                decode_row_images_global(units)
-            # the row images are read by other CTAs' bulk copies (the async proxy)
-            fence_proxy_async_global()
-        cute.arch.sync_threads()
-        if tidx == 0:
-            counter = mActs[group, _ACT_COUNTERS] + cutlass.Int64(token0 // tile_t) * 8
-            arrive_and_wait_count(counter, weight_tiles)
 
     @cute.jit
     def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0):
@@ -621,10 +541,6 @@ def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None]
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T112_CONFIG)),
         ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T192_CONFIG)),
-        ("sm90_swap_ab_gemm_one_round_fused", SWAP_AB_ONE_ROUND_FUSED_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_ONE_ROUND_FUSED_CONFIG)),
-        ("sm90_swap_ab_gemm_t112_fused", SWAP_AB_T112_FUSED_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T112_FUSED_CONFIG)),
         ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_VARIABLE_CONFIG)),
     ]

@@ -290,67 +290,16 @@ def test_variable_token_tiles_of_the_benchmark_shapes():
 
 def test_activation_buffer_holds_every_group_back_to_back():
     """Per group K / 64 slabs of its padded token rows (128, 0, 384 with 128-token tiles) x 128
-    bytes; the table holds (address, slab bytes, 0: no counters) per group."""
+    bytes; the table holds (address, slab bytes) per group."""
     sizes = ((40, 128, 512, 1), (0, 128, 256, 1), (300, 256, 1024, 1))
     buffer = hopper.ActivationBuffer(sizes, "cpu", hopper.SWAP_AB_CONFIG)
     base = buffer.buffer.data_ptr()
     first = 128 * 512 * 2
-    assert buffer.addresses.tolist() == [[base, 128 * 128, 0], [base + first, 0, 0], [base + first, 384 * 128, 0]]
+    assert buffer.addresses.tolist() == [[base, 128 * 128], [base + first, 0], [base + first, 384 * 128]]
     assert buffer.buffer.numel() == first + 384 * 1024 * 2
-    assert buffer.nbytes == buffer.buffer.numel() + 3 * 24 + 8
-    # the pre-pass grid: one thread per row image (64 elements) of the largest group
-    assert buffer.blocks_x == -(-300 * 1024 // 64 // swap_ab.DECODE_THREADS)  # 4800 row images
-
-
-def test_fused_decode_buffer_has_a_zeroed_counter_per_token_tile():
-    """fused_decode: one int64 counter per token tile (1 + 0 + 3 with 128-token tiles), zero;
-    each group's table row points at its first."""
-    sizes = ((40, 128, 512, 1), (0, 128, 256, 1), (300, 256, 1024, 1))
-    buffer = hopper.ActivationBuffer(sizes, "cpu", hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG)
-    counters = buffer.counters.data_ptr()
-    assert buffer.counters.tolist() == [0, 0, 0, 0]
-    assert [row[2] for row in buffer.addresses.tolist()] == [counters, counters + 8, counters + 8]
-
-
-def test_fused_decode_refuses_more_tiles_than_sms(monkeypatch):
-    """fused_decode's CTAs wait for each other: a size set of more tiles than SMs (benchmark
-    shape 0: 352 tiles of 128 tokens) is refused before anything is allocated or launched."""
-    monkeypatch.setattr(hopper.backend, "compile_swap_ab_gemm", lambda g, config: ("gemm", g, config))
-    backend = hopper.make_backend(hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG)
-    with pytest.raises(ValueError, match="352 tiles for 132 SMs.*at most one tile per SM"):
-        submission.Plan(backend, tuple(BENCHMARK_SIZES[0]), "cpu")
-    plan = submission.Plan(backend, tuple(BENCHMARK_SIZES[3]), "cpu")
-    assert plan.num_tiles == 128 and plan.backend_plan.activations.counters.numel() == 1 + 3
-
-
-def test_row_image_operands_are_the_blocks_of_a_k_tile():
-    """A row image (row, k-tile) is scale blocks 4 k-tile .. + 3 of the row: 32 packed bytes
-    from the block of 4 k-tile on, the 4 scale bytes of those blocks (consecutive in the
-    reordered layout), and the chunks activation_chunk_offsets gives them."""
-    k, slab = 1024, 256 * 128
-    for row in (0, 5, 37, 130, 255):
-        for k_tile in range(k // 64):
-            packed, scales, image, swizzle = swap_ab.row_image_operands(0, 0, 0, slab, row, k_tile, k)
-            assert packed == row * k // 2 + 32 * k_tile
-            for b in range(4):
-                block = 4 * k_tile + b
-                assert scales + b == swap_ab.activation_scale_offset(row, block, k)
-                for half, offset in enumerate(swap_ab.activation_chunk_offsets(row, block, slab)):
-                    assert offset == image + ((2 * b + half) ^ swizzle) * 16
-
-
-@pytest.mark.parametrize("rows,k,weight_tiles", [(112, 4096, 24), (128, 1536, 32), (96, 4096, 24), (1, 256, 8)])
-def test_fused_shares_cover_a_token_tile_once(rows, k, weight_tiles):
-    """The CTAs of a token tile (one per weight tile) decode disjoint shares whose union is
-    every row image of the tile (benchmark shapes 2 and 3: 299 and 96 row images each, one
-    batch of 2 per thread)."""
-    per_cta = swap_ab.fused_row_images_per_cta(rows, k, weight_tiles)
-    covered = []
-    for weight_tile in range(weight_tiles):
-        covered += range(weight_tile * per_cta, min((weight_tile + 1) * per_cta, rows * k // 64))
-    assert covered == list(range(rows * k // 64))
-    if (rows, k) in ((112, 4096), (128, 1536)):
-        assert per_cta <= 256 * hopper.SwapAbConfig.fused_row_images_per_thread
+    assert buffer.nbytes == buffer.buffer.numel() + 3 * 16
+    # the pre-pass grid: one thread per scale block of the largest group
+    assert buffer.blocks_x == 300 * 1024 // 16 // swap_ab.DECODE_THREADS
 
 
 def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
@@ -375,7 +324,7 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     binding.run(object())
     (first, first_args), (second, second_args) = launched
     assert first == ("pre-pass", 2) and second == ("gemm", 2, hopper.SWAP_AB_ONE_ROUND_CONFIG)
-    assert int(first_args[3]) == -(-384 * 1536 // 64 // swap_ab.DECODE_THREADS)
+    assert int(first_args[3]) == 384 * 1536 // 16 // swap_ab.DECODE_THREADS
     assert int(second_args[3]) == plan.num_tiles == 128
 
 
@@ -406,8 +355,6 @@ def swap_ab_builds(tmp_path_factory):
     ("sm90_swap_ab_gemm_t112", hopper.SWAP_AB_T112_CONFIG, "m64n112k16"),
     ("sm90_swap_ab_gemm_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
     ("sm90_swap_ab_gemm_variable", hopper.SWAP_AB_VARIABLE_CONFIG, "m64n128k16"),
-    ("sm90_swap_ab_gemm_one_round_fused", hopper.SWAP_AB_ONE_ROUND_FUSED_CONFIG, "m64n128k16"),
-    ("sm90_swap_ab_gemm_t112_fused", hopper.SWAP_AB_T112_FUSED_CONFIG, "m64n112k16"),
 ])
 def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, num_groups):
     report = swap_ab_builds[(target, num_groups)]
@@ -423,8 +370,7 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     # the launch asks for its storage, or with the dependent launch at one CTA per SM for more
     # than half an SM (115 KB), so that the early CTAs spread one per SM
     assert report.dynamic_smem_bytes == config.launch_smem_bytes(config.smem_bytes)
-    assert (report.dynamic_smem_bytes > config.smem_bytes) == ((config.pdl or config.fused_decode)
-                                                               and config.ctas_per_sm == 1
+    assert (report.dynamic_smem_bytes > config.smem_bytes) == (config.pdl and config.ctas_per_sm == 1
                                                                and not config.variable_tokens)
     assert build_report.problems(report) == []
     ptx = Path(report.ptx_path).read_text(errors="replace")
@@ -432,12 +378,6 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     # split-K's partial sums into the other rank's)
     assert "cp.async.cg.shared.global" in ptx
     assert "st.shared." not in ptx.replace("st.shared::cluster.", "")
-    # fused_decode: the CTA's share of row images decoded from global to global, one arrival
-    # on its token tile's counter and the acquire loop, async-proxy fences on both sides
-    fused = config.fused_decode
-    assert ("st.global.v4.b32" in ptx) == fused
-    assert ptx.count("atom.relaxed.gpu.global.add.u64") == ptx.count("ld.acquire.gpu.global.u64") == int(fused)
-    assert ptx.count("fence.proxy.async.global") == 2 * int(fused)
     assert ("st.shared::cluster.v4.f32" in ptx) == (config.split_k == 2)
     # the token rows: bulk copies completing on mbarriers, one per stage, waited on by parity;
     # the only async-proxy writes are the bulk copies, so no proxy fence is left
@@ -450,7 +390,7 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     steps = config.stages if config.unrolled_main_loop else 1
     assert config.unrolled_main_loop == (config.split_k == 1)
     assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == main_loops * steps
-    assert "fence.proxy.async.shared" not in ptx
+    assert "fence.proxy.async" not in ptx
     # launched as the pre-pass's dependent: one wait per main loop, before its first token rows
     assert ptx.count("griddepcontrol.wait") == (main_loops if config.pdl else 0)
 
@@ -460,10 +400,6 @@ def test_pre_pass_builds_without_local_memory(swap_ab_builds, num_groups):
     report = swap_ab_builds[("sm90_decode_activations", num_groups)]
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0
     ptx = Path(report.ptx_path).read_text(errors="replace")
-    # one row image per thread: its 32 packed bytes in two 16-byte loads, its 4 scale bytes in
-    # one, its 128 fp16 bytes in eight 16-byte stores
-    body = ptx.split(".entry")[1]
-    assert body.count("ld.global.nc.v4.b32") == 2 and body.count("ld.global.nc.u32") == 1
-    assert body.count("st.global.v4.b32") == 8 and "shared" not in body
+    assert "ld.global.nc.v2.b32" in ptx and "st.global.v4.b32" in ptx and "shared" not in ptx.split(".entry")[1]
     # its dependent GEMM may start at once (it waits before reading the token rows)
     assert ptx.count("griddepcontrol.launch_dependents") == 1
