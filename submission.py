@@ -2691,7 +2691,9 @@ class Binding:
 
 
 def _can_record(plan: Plan) -> bool:
-    return plan.device.type == "cuda" and plan.num_tiles > 0
+    """A CUDA device, something to launch, and a backend plan that allows graph replay (not
+    the sm_90 swap-AB calls chained by programmatic dependent launch)."""
+    return plan.device.type == "cuda" and plan.num_tiles > 0 and getattr(plan.backend_plan, "graph_launch", True)
 
 
 class _CudaEvent:

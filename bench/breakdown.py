@@ -14,6 +14,7 @@ kernel, so device time only) of:
 Exit codes: 0 done; 2 cannot run as asked (no sm_90 GPU, a bad option), one line on stderr.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def config_table():
         "swap t112 pdl": hopper.SWAP_AB_T112_CONFIG,
         "swap variable": hopper.SWAP_AB_VARIABLE_CONFIG,
         "swap t128": hopper.SWAP_AB_CONFIG,
+        "var unchained": dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, chain_calls=False),
+        "swap t112 unchained": dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, chain_calls=False),
+        "swap t128 unchained": dataclasses.replace(hopper.SWAP_AB_ONE_ROUND_CONFIG, chain_calls=False),
     }
 
 

@@ -105,6 +105,9 @@ def compare_configs(repeats, names=None, shapes=None):
         "swap t128 pdl": (hopper.SwapAbConfig(ctas_per_sm=1, pdl=True), None),
         "swap t112 pdl": (hopper.SWAP_AB_T112_CONFIG, None),
         "var pdl": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, pdl=True), None),
+        "var unchained": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, chain_calls=False), None),
+        "swap t112 unchained": (dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, chain_calls=False), None),
+        "swap t128 chained": (hopper.SWAP_AB_ONE_ROUND_CONFIG, None),
         "auto": (None, None),
     }
     if names:

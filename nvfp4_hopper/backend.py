@@ -105,6 +105,13 @@ class Sm90Plan:
     def shared_scratch(self) -> bool:
         return bool(self._scratch())
 
+    @property
+    def graph_launch(self) -> bool:
+        """Whether the runtime may replay this plan's launches as CUDA graphs: not with
+        chain_calls, whose pre-pass starts while the kernel before it finishes (a graph launch
+        waits for all earlier work)."""
+        return not getattr(self.config, "chain_calls", False)
+
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         for scratch in self._scratch():
             scratch.record_stream(stream)
@@ -203,7 +210,7 @@ class Sm90Backend:
         config = self.config_for(plan.problem_sizes)
         self.compile(plan.num_groups, config)
         if isinstance(config, SwapAbConfig):
-            compile_decode_activations(plan.num_groups)
+            compile_decode_activations(plan.num_groups, chained=config.chain_calls)
             return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device, config))
         stream_k = None
         if config.stream_k and plan.num_tiles > 0:
@@ -220,7 +227,7 @@ class Sm90Backend:
             sizes = _gmem_ptr(cutlass.Int32, plan.sizes)
             addresses = _gmem_ptr(cutlass.Int64, activations.addresses)
             return [
-                (compile_decode_activations(plan.num_groups),
+                (compile_decode_activations(plan.num_groups, chained=backend_plan.config.chain_calls),
                  (ptrs, sizes, addresses, cutlass.Int32(activations.blocks_x), stream)),
                 (self.compile(plan.num_groups, backend_plan.config),
                  (ptrs, sizes, _gmem_ptr(cutlass.Int32, plan.tiles), cutlass.Int32(plan.num_tiles), addresses,

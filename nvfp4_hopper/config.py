@@ -198,6 +198,12 @@ class SwapAbConfig:
     # Variable token tiles: each tile row carries its token count class (64, 128, 192 or 256
     # tokens, tile_tokens = 256), the kernel one main loop per class (wgmma N = the class)
     variable_tokens: bool = False
+    # Calls chained by programmatic dependent launch: the pre-pass is launched as the dependent
+    # of whatever kernel precedes it in the stream, and the GEMM lets its dependents start at
+    # once, so that the next call's pre-pass is launched, and reads its tables, while this
+    # GEMM finishes (griddepcontrol.wait before it reads anything else). The calls are launched
+    # directly, not replayed as CUDA graphs: a graph launch waits for all earlier work.
+    chain_calls: bool = False
     arch: str = "sm_90a"
 
     # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA
@@ -251,6 +257,8 @@ class SwapAbConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.ctas_per_sm not in (1, 2, 3):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
+        if self.chain_calls and not self.pdl:
+            raise ValueError("chain_calls needs pdl (the GEMM launched as the pre-pass's dependent)")
 
     @property
     def tile_row_width(self) -> int:
@@ -292,12 +300,13 @@ SWAP_AB_T192_CONFIG = SwapAbConfig(tile_tokens=192, ctas_per_sm=1)
 # Variable token tiles (64, 128, 192 or 256 tokens per tile, each group's M in near-equal tiles;
 # one CTA per SM): M pads least, and the larger tiles do the most work per weight decode; what
 # the default backend runs where the time model puts it first (benchmark shapes 0 and 1)
-SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True, pdl=True)
+SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True, pdl=True,
+                                       chain_calls=True)
 # 128-token tiles where they are one round (no more tiles than SMs): one CTA per SM, launched as
 # the pre-pass's programmatic dependent (2 CTAs per SM with that launch left some SMs two tiles
 # and others none: 69.0 µs on shape 2 against 43.8; docs/EXPERIMENTS.md)
-SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True)
+SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True, chain_calls=True)
 # 112 tokens per tile, one round of one CTA per SM: where M in 112-token tiles pads less than in
 # 128-token tiles and the tiles still number no more than the SMs (benchmark shape 2: M = 192 and
 # 320 in 2 + 3 tiles of 112 instead of 2 + 3 of 128)
-SWAP_AB_T112_CONFIG = SwapAbConfig(tile_tokens=112, ctas_per_sm=1, pdl=True)
+SWAP_AB_T112_CONFIG = SwapAbConfig(tile_tokens=112, ctas_per_sm=1, pdl=True, chain_calls=True)

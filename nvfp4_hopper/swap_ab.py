@@ -125,8 +125,9 @@ class Sm90DecodeActivations:
     of every group, into group g's k-tile slabs (activation_chunk_offsets) at acts[g, 0], of
     acts[g, 1] bytes each."""
 
-    def __init__(self, num_groups: int):
+    def __init__(self, num_groups: int, chained: bool = False):
         self.num_groups = num_groups
+        self.chained = chained
 
     @cute.jit
     def __call__(
@@ -137,18 +138,25 @@ class Sm90DecodeActivations:
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
         mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, 2), stride=(2, 1)))
         self.kernel(mPtrs, mSizes, mActs).launch(
-            grid=(blocks_x, self.num_groups, 1), block=(DECODE_THREADS, 1, 1), stream=stream
+            grid=(blocks_x, self.num_groups, 1), block=(DECODE_THREADS, 1, 1), use_pdl=self.chained,
+            stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mActs: cute.Tensor):
-        # a GEMM launched as this grid's programmatic dependent may start now: it reads what
-        # this grid writes only after griddepcontrol.wait (no effect on other launches)
-        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, group, _ = cute.arch.block_idx()
+        # the size table (this plan's own, written before any launch of it)
         m = mSizes[group, 0]
         k = mSizes[group, 2]
+        if cutlass.const_expr(self.chained):
+            # launched as the previous kernel's programmatic dependent (SwapAbConfig.chain_calls):
+            # everything before it in the stream is complete past here, the activations included
+            cute.arch.griddepcontrol_wait()
+        # a GEMM launched as this grid's programmatic dependent may start now: it reads what
+        # this grid writes only after its griddepcontrol.wait, and what came before this grid
+        # (weights) only once this point is passed (no effect on other launches)
+        cute.arch.griddepcontrol_launch_dependents()
         blocks_per_row = k // SF_VEC_SIZE
         item = bidx * DECODE_THREADS + tidx
         if item < m * blocks_per_row:
@@ -300,6 +308,10 @@ class Sm90SwapAbGemm:
 
     @cute.kernel
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mTiles: cute.Tensor, mActs: cute.Tensor):
+        if cutlass.const_expr(self.config.chain_calls):
+            # the next call's pre-pass may start now: it reads its tables, then waits for this
+            # grid to complete before it reads or writes anything this grid uses
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
 
@@ -510,12 +522,13 @@ def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: Sw
     return _compiled_cache[key]
 
 
-def compile_decode_activations(num_groups: int, options: str | None = None):
-    """Compile (cached) the activation pre-pass for num_groups groups."""
-    key = ("decode", num_groups, options)
+def compile_decode_activations(num_groups: int, options: str | None = None, chained: bool = False):
+    """Compile (cached) the activation pre-pass for num_groups groups (chained: launched as the
+    previous kernel's programmatic dependent, SwapAbConfig.chain_calls)."""
+    key = ("decode", num_groups, options, chained)
     if key not in _compiled_cache:
         _compiled_cache[key] = cute.compile(
-            Sm90DecodeActivations(num_groups),
+            Sm90DecodeActivations(num_groups, chained),
             _fake_ptr(cutlass.Int64),
             _fake_ptr(cutlass.Int32),
             _fake_ptr(cutlass.Int64),
@@ -531,6 +544,8 @@ def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None]
     pre-pass and both GEMM configs the automatic choice picks."""
     return [
         ("sm90_decode_activations", SWAP_AB_CONFIG.arch, compile_decode_activations),
+        ("sm90_decode_activations_chained", SWAP_AB_CONFIG.arch,
+         lambda g, options: compile_decode_activations(g, options, chained=True)),
         ("sm90_swap_ab_gemm", SWAP_AB_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_CONFIG)),
         ("sm90_swap_ab_gemm_splitk2", SWAP_AB_SPLIT_K_CONFIG.arch,

@@ -303,6 +303,7 @@ def test_compile_targets_list_what_the_backend_runs():
     targets = {name: arch for name, arch, _ in hopper.compile_targets()}
     assert targets == {
         "sm90_decode_activations": "sm_90a",
+        "sm90_decode_activations_chained": "sm_90a",
         "sm90_swap_ab_gemm": "sm_90a",
         "sm90_swap_ab_gemm_splitk2": "sm_90a",
         "sm90_swap_ab_gemm_t112": "sm_90a",
@@ -840,6 +841,36 @@ def test_stream_k_state_relaunches_exactly(case):
         results.append(out)
     for first, later in zip(results[0], results[2]):
         assert torch.equal(first, later)
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", [1, 2, 3])
+def test_chained_calls_back_to_back_exactly(monkeypatch, case):
+    """Chained calls (SwapAbConfig.chain_calls, what custom_kernel runs on the benchmark
+    shapes): four input sets of one plan, each call's pre-pass launched while the call before
+    it still runs, three rounds queued with no synchronization. Every pre-pass overwrites the
+    plan's one activation buffer only after the GEMM before it completed, so every output is
+    exact."""
+    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
+    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
+    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
+    sizes = BENCHMARK_SIZES[case]
+    m, n, k = (tuple(column) for column in list(zip(*sizes))[:3])
+    sets = [generate_input(m, n, k, len(m), seed=seed) for seed in (7001, 7002, 7003, 7004)]
+    expected = [_exact_reference(data) for data in sets]
+    for data in sets:
+        for _, _, c in data[0]:
+            c.fill_(float("nan"))
+    for _ in range(3):
+        for data in sets:
+            submission.custom_kernel(data)
+    torch.cuda.synchronize()
+    plans = {submission._BINDINGS.get(submission.input_key(data)).plan for data in sets}
+    (plan,) = plans
+    assert plan.backend_plan.config.chain_calls and not plan.backend_plan.graph_launch
+    for index, (data, want) in enumerate(zip(sets, expected)):
+        ok, message = match_outputs(want, [c for _, _, c in data[0]])
+        assert ok, f"input set {index}: {message}"
 
 
 @requires_sm90

@@ -311,7 +311,8 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
         return lambda: launched.append((kernel, args))
 
     monkeypatch.setattr(hopper.backend, "compile_swap_ab_gemm", lambda g, config: ("gemm", g, config))
-    monkeypatch.setattr(hopper.backend, "compile_decode_activations", lambda g: ("pre-pass", g))
+    monkeypatch.setattr(hopper.backend, "compile_decode_activations",
+                        lambda g, chained=False: ("pre-pass", g, chained))
     monkeypatch.setattr(submission, "make_launcher", fake_make_launcher)
     sizes = tuple(BENCHMARK_SIZES[3])
     abc = [(torch.zeros((m, k // 2, 1), dtype=torch.uint8), torch.zeros((n, k // 2, 1), dtype=torch.uint8),
@@ -323,7 +324,9 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     assert plan.nbytes >= (128 + 384) * 1536 * 2
     binding.run(object())
     (first, first_args), (second, second_args) = launched
-    assert first == ("pre-pass", 2) and second == ("gemm", 2, hopper.SWAP_AB_ONE_ROUND_CONFIG)
+    assert first == ("pre-pass", 2, True) and second == ("gemm", 2, hopper.SWAP_AB_ONE_ROUND_CONFIG)
+    # chained calls: launched directly (a graph launch would wait for the kernel before it)
+    assert not plan.backend_plan.graph_launch and not submission._can_record(plan)
     assert int(first_args[3]) == 384 * 1536 // 16 // swap_ab.DECODE_THREADS
     assert int(second_args[3]) == plan.num_tiles == 128
 
@@ -393,13 +396,26 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     assert "fence.proxy.async" not in ptx
     # launched as the pre-pass's dependent: one wait per main loop, before its first token rows
     assert ptx.count("griddepcontrol.wait") == (main_loops if config.pdl else 0)
+    # chained calls: the next call's pre-pass may be launched as soon as this grid starts
+    assert ptx.count("griddepcontrol.launch_dependents") == int(config.chain_calls)
 
 
+@pytest.mark.parametrize("chained", [False, True])
 @pytest.mark.parametrize("num_groups", [1, 8])
-def test_pre_pass_builds_without_local_memory(swap_ab_builds, num_groups):
-    report = swap_ab_builds[("sm90_decode_activations", num_groups)]
+def test_pre_pass_builds_without_local_memory(swap_ab_builds, num_groups, chained):
+    report = swap_ab_builds[("sm90_decode_activations" + ("_chained" if chained else ""), num_groups)]
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0
     ptx = Path(report.ptx_path).read_text(errors="replace")
     assert "ld.global.nc.v2.b32" in ptx and "st.global.v4.b32" in ptx and "shared" not in ptx.split(".entry")[1]
-    # its dependent GEMM may start at once (it waits before reading the token rows)
+    # its dependent GEMM may start once the pre-pass has its tables (and, chained, has waited
+    # for the kernel before it): the GEMM waits again before reading the token rows
     assert ptx.count("griddepcontrol.launch_dependents") == 1
+    body = ptx.split(".entry")[1]
+    if chained:
+        # the size table first, then the wait, then every activation read
+        assert body.count("griddepcontrol.wait") == 1
+        assert body.index("griddepcontrol.wait") < body.index("griddepcontrol.launch_dependents")
+        assert body.index("griddepcontrol.wait") < body.index("ld.global.nc.v2.b32")
+        assert body.index("ld.global") < body.index("griddepcontrol.wait")
+    else:
+        assert "griddepcontrol.wait" not in body
