@@ -146,9 +146,14 @@ class Sm90DecodeActivations:
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mActs: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, group, _ = cute.arch.block_idx()
-        # the size table (this plan's own, written before any launch of it)
+        # the plan's and the input set's own tables (written by copies before any launch
+        # reading them), read before the wait so that only the activation reads follow it
         m = mSizes[group, 0]
         k = mSizes[group, 2]
+        a_base = mPtrs[group, _PTR_A]
+        sfa_base = mPtrs[group, _PTR_SFA]
+        acts_base = mActs[group, 0]
+        slab_bytes = mActs[group, 1]
         if cutlass.const_expr(self.chained):
             # launched as the previous kernel's programmatic dependent (SwapAbConfig.chain_calls):
             # everything before it in the stream is complete past here, the activations included
@@ -162,10 +167,10 @@ class Sm90DecodeActivations:
         if item < m * blocks_per_row:
             row = item // blocks_per_row
             block = item - row * blocks_per_row
-            src = mPtrs[group, _PTR_A] + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
-            scale = mPtrs[group, _PTR_SFA] + activation_scale_offset(cutlass.Int64(row), block, k)
-            dst_lo, dst_hi = activation_chunk_offsets(cutlass.Int64(row), block, mActs[group, 1])
-            decode_scale_blocks_global([(src, scale, mActs[group, 0] + dst_lo, mActs[group, 0] + dst_hi)])
+            src = a_base + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
+            scale = sfa_base + activation_scale_offset(cutlass.Int64(row), block, k)
+            dst_lo, dst_hi = activation_chunk_offsets(cutlass.Int64(row), block, slab_bytes)
+            decode_scale_blocks_global([(src, scale, acts_base + dst_lo, acts_base + dst_hi)])
 
 
 def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
