@@ -209,20 +209,6 @@ def fence_proxy_async_shared_cta(*, loc=None, ip=None):
 
 
 @dsl_user_op
-def prefetch_bulk_l2(address: cutlass.Int64, num_bytes: cutlass.Int32, *, loc=None, ip=None):
-    """cp.async.bulk.prefetch.L2: bring `num_bytes` (a multiple of 16) from global `address`
-    (16-byte aligned) into L2, asynchronously, nothing returned to the thread."""
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-        "cp.async.bulk.prefetch.L2.global [$0], $1;",
-        "l,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
 def fence_acq_rel_gpu(*, loc=None, ip=None):
     """fence.acq_rel.gpu: orders this thread's global accesses before / after it, GPU-wide."""
     _inline_asm(None, [], "fence.acq_rel.gpu;", "~{memory}", loc=loc, ip=ip)

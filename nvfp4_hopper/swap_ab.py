@@ -56,7 +56,6 @@ from .ptx import (
     fence_mbarrier_init,
     mbarrier_init_shared,
     mbarrier_wait_parity,
-    prefetch_bulk_l2,
     store_f16,
 )
 from .schedules import TOKEN_CLASS_STEP
@@ -155,19 +154,7 @@ class Sm90DecodeActivations:
         sfa_base = mPtrs[group, _PTR_SFA]
         acts_base = mActs[group, 0]
         slab_bytes = mActs[group, 1]
-        blocks_per_row = k // SF_VEC_SIZE
-        item = bidx * DECODE_THREADS + tidx
-        row = item // blocks_per_row
-        block = item - row * blocks_per_row
         if cutlass.const_expr(self.chained):
-            # L2 prefetches of the activations this grid reads after the wait (a prefetch
-            # returns nothing to the thread, and L2 holds whatever the kernel before writes):
-            # each 128 bytes of packed rows, each 512-byte scale atom, once
-            if item < m * blocks_per_row:
-                if block % 16 == 0:
-                    prefetch_bulk_l2(a_base + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2), 128)
-                if block % 4 == 0 and row % SF_ATOM_ROWS == 0:
-                    prefetch_bulk_l2(sfa_base + activation_scale_offset(cutlass.Int64(row), block, k), SF_ATOM_BYTES)
             # launched as the previous kernel's programmatic dependent (SwapAbConfig.chain_calls):
             # everything before it in the stream is complete past here, the activations included
             cute.arch.griddepcontrol_wait()
@@ -175,7 +162,11 @@ class Sm90DecodeActivations:
         # this grid writes only after its griddepcontrol.wait, and what came before this grid
         # (weights) only once this point is passed (no effect on other launches)
         cute.arch.griddepcontrol_launch_dependents()
+        blocks_per_row = k // SF_VEC_SIZE
+        item = bidx * DECODE_THREADS + tidx
         if item < m * blocks_per_row:
+            row = item // blocks_per_row
+            block = item - row * blocks_per_row
             src = a_base + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
             scale = sfa_base + activation_scale_offset(cutlass.Int64(row), block, k)
             dst_lo, dst_hi = activation_chunk_offsets(cutlass.Int64(row), block, slab_bytes)
