@@ -60,32 +60,16 @@ def stage_scale_offset(row, block, base=0):
     )
 
 
-def packed_half_offset(lane, swizzled_rows: bool):
-    """Byte offset, in its packed row, of the 4-byte half t // 2 of chunk 0 that lane
-    (g, t) = (lane / 4, lane % 4) decodes (the kernel calls this with device integers, tests
-    with Python ints); swizzled_rows: in a row with row % 8 >= 4 chunk 0 is the second 16
-    bytes (rows g and g + 8 share row % 8 = g % 8 = lane / 4 % 8)."""
-    offset = (lane % 4 // 2) * 4
-    if swizzled_rows:
-        offset = offset + ((lane // 16) % 2) * 16
-    return offset
-
-
 @cute.jit
-def decode_rows_to_fragment(
-    tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr,
-    swizzled_rows: cutlass.Constexpr = False,
-):
+def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr):
     """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
     64 v + 16 w + g and + 8 of a stage (packed rows of row_bytes from packed_base, their scale
     atoms from scales_base; 4-byte half t // 2 of every scale block, the bytes
-    a_word_selector(t) picks) into the wgmma A fragment, in ptx's K permutation.
-    swizzled_rows: 32-byte rows whose 16-byte chunks are swapped where row % 8 >= 4
-    (swap_ab.weight_chunk_offset)."""
+    a_word_selector(t) picks) into the wgmma A fragment, in ptx's K permutation."""
     lane = tidx % 32
     row = (tidx // 32) * 16 + lane // 4
     t = lane % 4
-    half_offset = packed_half_offset(lane, swizzled_rows)
+    half_offset = (t // 2) * 4
     # a_word_selector(t) depends on t % 2 only, by one step per byte selector
     selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
     rows = (row, row + 8)
@@ -94,7 +78,7 @@ def decode_rows_to_fragment(
         selector,
         *(stage_scale_offset(r, 0, base=scales_base) for r in rows),
     )
-    steps = decode_scale_blocks_to_registers([unit], swizzled_rows)[0]
+    steps = decode_scale_blocks_to_registers([unit])[0]
     # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
     for step in cutlass.range_constexpr(tile_k // 16):
         step_frag = a_frag[(None, 0, step)]

@@ -348,7 +348,7 @@ def _place_word_ptx(word: str, destinations: dict) -> list[str]:
     ]
 
 
-def _decode_blocks_asm(num_units: int, mode: str = "chunks", space: str = "shared", swizzled_rows: bool = False) -> str:
+def _decode_blocks_asm(num_units: int, mode: str = "chunks", space: str = "shared") -> str:
     """PTX decoding `num_units` units. All loads are issued first and all stores last, so
     the units' integer work interleaves instead of waiting on each load.
 
@@ -358,10 +358,7 @@ def _decode_blocks_asm(num_units: int, mode: str = "chunks", space: str = "share
     mode "registers" (unit = rows g and g+8 of a 64-wide k-tile, register-A mode): outputs
     $(16u + 4s + i) = FRAGMENT_REGISTERS[i] of k16 step s; inputs after the 16 * num_units
     outputs, per unit: row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), the
-    a_word_selector, row g's 4 scale bytes, row g+8's (aligned). swizzled_rows (registers
-    mode): the packed rows are 32 bytes whose two 16-byte chunks are swapped in rows with
-    row % 8 >= 4, and the row addresses given are of chunk 0's half t // 2: chunk 1's is
-    that address XOR 16.
+    a_word_selector, row g's 4 scale bytes, row g+8's (aligned).
     """
     registers = mode == "registers"
     first_input = 16 * num_units if registers else 0
@@ -381,15 +378,9 @@ def _decode_blocks_asm(num_units: int, mode: str = "chunks", space: str = "share
     for u in range(num_units):  # loads
         src = first_input + per_unit * u
         if registers:
-            if swizzled_rows:
-                lines += [f".reg .b32 cg{u}, ch{u};", f"xor.b32 cg{u}, ${src}, 16;", f"xor.b32 ch{u}, ${src + 1}, 16;"]
             for s in range(4):
-                if swizzled_rows and s >= 2:  # chunk 1 (k16 steps 2 and 3)
-                    lines.append(f"ld.shared.u32 g{u}_{s}, [cg{u} + {8 * (s - 2)}];")
-                    lines.append(f"ld.shared.u32 h{u}_{s}, [ch{u} + {8 * (s - 2)}];")
-                else:
-                    lines.append(f"ld.shared.u32 g{u}_{s}, [${src} + {8 * s}];")
-                    lines.append(f"ld.shared.u32 h{u}_{s}, [${src + 1} + {8 * s}];")
+                lines.append(f"ld.shared.u32 g{u}_{s}, [${src} + {8 * s}];")
+                lines.append(f"ld.shared.u32 h{u}_{s}, [${src + 1} + {8 * s}];")
             lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
             lines.append(f"ld.shared.u32 sh{u}, [${src + 4}];")
         else:
@@ -484,18 +475,17 @@ def store_f16(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=No
 
 
 @dsl_user_op
-def decode_scale_blocks_to_registers(units, swizzled_rows: bool = False, *, loc=None, ip=None):
+def decode_scale_blocks_to_registers(units, *, loc=None, ip=None):
     """Decode a lane's share of row pairs (g, g+8) of a k-tile into registers; `units` lists
     (row g packed + 4 (t // 2), row g+8 packed + 4 (t // 2), a_word_selector(t), row g's
-    scales, row g+8's) per row pair (swizzled_rows: the rows' chunk-0 addresses of a
-    swizzled stage, see _decode_blocks_asm). Returns, per unit and k16 step, the 4 Int32
-    fragment registers (FRAGMENT_REGISTERS order)."""
+    scales, row g+8's) per row pair. Returns, per unit and k16 step, the 4 Int32 fragment
+    registers (FRAGMENT_REGISTERS order)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
     num_outputs = 16 * len(units)
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
-        _decode_blocks_asm(len(units), "registers", swizzled_rows=swizzled_rows),
+        _decode_blocks_asm(len(units), "registers"),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
         loc=loc,
         ip=ip,

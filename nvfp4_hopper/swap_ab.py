@@ -97,16 +97,6 @@ def token_stage_chunk_offset(row, chunk):
     return row * 128 + (chunk ^ (row % 8)) * 16
 
 
-def weight_chunk_offset(row, chunk):
-    """Byte offset, in a weight stage, of 16-byte chunk `chunk` (0 or 1) of packed weight row
-    `row` (32 bytes per k-tile): the chunks swap places where row % 8 >= 4. A decode load
-    reads one 4-byte word of one chunk from rows g and g + 8 of its warp's 16 (g = lane / 4,
-    two lanes per word); rows g and g + 4 would otherwise share banks (rows are 32 bytes, so
-    4 rows span the 32 banks), two ways of conflict on every load. Swapped, the 16 words of a
-    load fall in 16 banks."""
-    return row * 32 + (chunk ^ ((row // 4) % 2)) * 16
-
-
 def activation_chunk_offsets(row, block, slab_bytes):
     """Byte offsets, in a group's decoded activations, of the two 16-byte chunks the pre-pass
     writes for 16-element block `block` of row `row`. The activations are k-tile slabs of
@@ -274,7 +264,9 @@ class Sm90SwapAbGemm:
             row = chunk // 2
             part = chunk % 2
             src = b_addr + cutlass.Int64(n0 + row) * b_row_bytes + k_tile * self.w_row_bytes + part * 16
-            cp_async_16B(w_stage + weight_chunk_offset(row, part), src, 16)
+            # (chunks swapped in rows with row % 8 >= 4, so that the decode's loads hit 16 banks
+            # instead of 8: no faster; docs/EXPERIMENTS.md)
+            cp_async_16B(w_stage + row * self.w_row_bytes + part * 16, src, 16)
         # the weights' scale atom: 512 contiguous bytes per 128 rows and k-tile
         if tidx < SF_ATOM_BYTES // 16:
             src = sfb_addr + (cutlass.Int64(n0 // SF_ATOM_ROWS) * rest_k + k_tile) * SF_ATOM_BYTES + tidx * 16
@@ -297,11 +289,9 @@ class Sm90SwapAbGemm:
     @cute.jit
     def decode_weights(self, tidx, w_base, stage, a_frag):
         """The stage's weight rows into the wgmma A fragment (decode_rows_to_fragment: lane
-        (g, t) of warp w in warpgroup v decodes rows 64 v + 16 w + g and + 8; the rows' chunks
-        placed by weight_chunk_offset)."""
+        (g, t) of warp w in warpgroup v decodes rows 64 v + 16 w + g and + 8)."""
         w_stage = w_base + stage * self.config.weight_stage_bytes
-        decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, self.tile_k,
-                                swizzled_rows=True)
+        decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, self.tile_k)
 
     def mma_k_tile(self, tiled_mma, accumulators, a_frag, tCrB, stage):
         """The wgmma of one k-tile as one commit group (plain Python: traced inline)."""

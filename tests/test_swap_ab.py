@@ -83,61 +83,6 @@ def test_token_stage_chunks_are_a_permutation_per_8_rows():
     assert offsets == list(range(0, 1024, 16))
 
 
-def _decode_load_offsets(swizzled_rows):
-    """Per k16 step s, the byte offset (from the row's address operand) of the word each
-    ld.shared of the register-mode decode PTX reads for row g: parsed from the PTX, with
-    cgN = $N XOR 16 as it computes it."""
-    import re
-
-    from nvfp4_hopper.ptx import _decode_blocks_asm
-
-    asm = _decode_blocks_asm(1, "registers", swizzled_rows=swizzled_rows)
-    loads = {}
-    for s, (base, offset) in enumerate(
-        re.findall(rf"ld\.shared\.u32 g0_{s}, \[(\$16|cg0) \+ (\d+)\];", asm)[0] for s in range(4)
-    ):
-        loads[s] = (base == "cg0", int(offset))
-    return loads
-
-
-def test_weight_stage_decode_loads_read_the_copied_words_without_bank_conflicts():
-    """Each decode load of a warp (one k16 step, row g or g + 8 of its 16 rows) reads, in the
-    weight stage the copies fill (weight_chunk_offset), the bytes of the packed row the
-    fragment needs (half t // 2 of the step's 8 bytes), its 16 distinct words in 16 banks."""
-    from nvfp4_hopper.kernel import packed_half_offset
-
-    loads = _decode_load_offsets(swizzled_rows=True)
-    where = {}  # stage byte -> (row, byte of the packed row)
-    for row in range(128):
-        for chunk in range(2):
-            for byte in range(16):
-                where[swap_ab.weight_chunk_offset(row, chunk) + byte] = (row, 16 * chunk + byte)
-    assert sorted(where) == list(range(128 * 32))
-    for warp in range(8):
-        for s, (xor16, offset) in loads.items():
-            for second_row in (0, 8):
-                words = set()
-                for lane in range(32):
-                    row = 16 * warp + lane // 4 + second_row
-                    address = row * 32 + packed_half_offset(lane, True)
-                    address = (address ^ 16 if xor16 else address) + offset
-                    assert where[address] == (row, 4 * (lane % 4 // 2) + 8 * s)
-                    words.add(address // 4)
-                assert len(words) == 16
-                assert len({word % 32 for word in words}) == 16
-
-
-def test_unswizzled_decode_loads_are_two_way_conflicts():
-    """The in-GEMM-decode kernel's plain 32-byte rows (what the swizzle removes): rows g and
-    g + 4 share banks."""
-    from nvfp4_hopper.kernel import packed_half_offset
-
-    for xor16, offset in _decode_load_offsets(swizzled_rows=False).values():
-        assert not xor16
-        words = {(lane // 4 * 32 + packed_half_offset(lane, False) + offset) // 4 for lane in range(32)}
-        assert (len(words), len({word % 32 for word in words})) == (16, 8)
-
-
 @pytest.mark.parametrize("shape,config", [
     (0, hopper.SWAP_AB_VARIABLE_CONFIG), (1, hopper.SWAP_AB_VARIABLE_CONFIG), (2, hopper.SWAP_AB_T112_CONFIG),
     (3, hopper.SWAP_AB_ONE_ROUND_CONFIG),
