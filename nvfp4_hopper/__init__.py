@@ -86,6 +86,7 @@ from .backend import (
     Sm90Backend,
     Sm90Plan,
     current_num_sms,
+    default_chain_calls,
     default_kernel,
     make_backend,
 )
@@ -207,6 +208,7 @@ __all__ = [
     "compile_swap_ab_gemm",
     "compile_targets",
     "current_num_sms",
+    "default_chain_calls",
     "default_kernel",
     "make_backend",
     "make_tiled_mma",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import cuda.bindings.driver as cuda
@@ -135,6 +136,17 @@ def default_kernel() -> str:
     return kernel
 
 
+def default_chain_calls() -> bool:
+    """NVFP4_SM90_CHAIN_CALLS: "1" (when unset) lets the automatic choice chain the calls
+    (SwapAbConfig.chain_calls: the least device time, each call launched directly); "0"
+    replays each input set's launches as a CUDA graph instead (about a third of the CPU per
+    call, the pre-pass no longer overlapping the kernel before it). ValueError otherwise."""
+    value = os.environ.get("NVFP4_SM90_CHAIN_CALLS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"NVFP4_SM90_CHAIN_CALLS={value!r}: must be 0 or 1")
+    return value == "1"
+
+
 class Sm90Backend:
     """Backend protocol implementation for Hopper (sm_90a), driven by submission.py's host
     runtime: no descriptors (the kernels read the pointer table), so a plan is the config its
@@ -149,25 +161,31 @@ class Sm90Backend:
 
     name = "sm90"
 
-    def __init__(self, config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str = "swap_ab"):
+    def __init__(self, config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str = "swap_ab",
+                 chain_calls: bool = True):
         if config is not None:
             config.check()
         if kernel not in SM90_KERNELS:
             raise ValueError(f"kernel={kernel!r}: must be one of {', '.join(SM90_KERNELS)}")
         self.config = config
         self.kernel = kernel
+        self.chain_calls = chain_calls
 
     @property
     def plan_key(self):
         """What, besides the device and the sizes, a plan of this backend depends on."""
-        return (self.name, self.config, self.kernel)
+        return (self.name, self.config, self.kernel, self.chain_calls)
 
     def config_for(self, problem_sizes) -> HopperGemmConfig | SwapAbConfig:
-        """The config a size set runs."""
+        """The config a size set runs (the automatic choice without chain_calls where the
+        backend was made with chain_calls=False)."""
         if self.config is not None:
             return self.config
         if self.kernel == "swap_ab":
-            return choose_swap_ab_config(problem_sizes, current_num_sms())
+            config = choose_swap_ab_config(problem_sizes, current_num_sms())
+            if config.chain_calls and not self.chain_calls:
+                config = dataclasses.replace(config, chain_calls=False)
+            return config
         return choose_config(problem_sizes, current_num_sms())
 
     def compile(self, num_groups: int, config):
@@ -254,8 +272,11 @@ class Sm90Backend:
         )
 
 
-def make_backend(config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str | None = None) -> Sm90Backend:
+def make_backend(config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str | None = None,
+                 chain_calls: bool | None = None) -> Sm90Backend:
     """The backend custom_kernel uses (config None: the automatic choice per size set of
-    `kernel`, default_kernel() when None), or one running `config` as given for every input
+    `kernel`, default_kernel() when None, its calls chained unless chain_calls is False,
+    default_chain_calls() when None), or one running `config` as given for every input
     set."""
-    return Sm90Backend(config, default_kernel() if kernel is None else kernel)
+    return Sm90Backend(config, default_kernel() if kernel is None else kernel,
+                       default_chain_calls() if chain_calls is None else chain_calls)

@@ -276,6 +276,29 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     assert int(second_args[3]) == plan.num_tiles == 128
 
 
+def test_chained_calls_by_environment(monkeypatch):
+    """NVFP4_SM90_CHAIN_CALLS: unset or 1, the automatic choice chains the calls where it
+    picks a config that does (benchmark shape 2: 112-token tiles) and launches them directly;
+    0, the same config without chaining, replayed as a CUDA graph; anything else is refused by
+    name. Configs given explicitly run as given."""
+    monkeypatch.setattr(hopper.backend, "compile_swap_ab_gemm", lambda g, config: ("gemm", g, config))
+    monkeypatch.setattr(hopper.backend, "compile_decode_activations", lambda g, chained=False: ("pre-pass", g))
+    sizes = tuple(BENCHMARK_SIZES[2])
+    monkeypatch.delenv("NVFP4_SM90_CHAIN_CALLS", raising=False)
+    chained = hopper.make_backend()
+    assert chained.config_for(sizes) == hopper.SWAP_AB_T112_CONFIG and hopper.SWAP_AB_T112_CONFIG.chain_calls
+    assert not submission.Plan(chained, sizes, "cpu").backend_plan.graph_launch
+    monkeypatch.setenv("NVFP4_SM90_CHAIN_CALLS", "0")
+    unchained = hopper.make_backend()
+    assert unchained.config_for(sizes) == dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, chain_calls=False)
+    assert submission.Plan(unchained, sizes, "cpu").backend_plan.graph_launch
+    assert unchained.plan_key != chained.plan_key
+    assert hopper.make_backend(hopper.SWAP_AB_T112_CONFIG).config_for(sizes).chain_calls
+    monkeypatch.setenv("NVFP4_SM90_CHAIN_CALLS", "yes")
+    with pytest.raises(ValueError, match="NVFP4_SM90_CHAIN_CALLS='yes': must be 0 or 1"):
+        hopper.make_backend()
+
+
 def test_kernel_selection_by_environment(monkeypatch):
     monkeypatch.delenv("NVFP4_SM90_KERNEL", raising=False)
     assert hopper.make_backend().kernel == "swap_ab"
