@@ -147,11 +147,14 @@ class Sm90DecodeActivations:
         if cutlass.const_expr(self.chained):
             # launched as the previous kernel's programmatic dependent (SwapAbConfig.chain_calls):
             # everything before it in the stream is complete past here, the activations included
+            # (L2 prefetches of the activations before it: no faster; docs/EXPERIMENTS.md)
             cute.arch.griddepcontrol_wait()
         # a GEMM launched as this grid's programmatic dependent may start now: it reads what
         # this grid writes only after its griddepcontrol.wait, and what came before this grid
         # (weights) only once this point is passed (no effect on other launches)
         cute.arch.griddepcontrol_launch_dependents()
+        # one 16-element block per thread (a k-tile of a row per thread, 8 stores of 16 bytes
+        # each: slower; docs/EXPERIMENTS.md)
         blocks_per_row = k // SF_VEC_SIZE
         item = bidx * DECODE_THREADS + tidx
         if item < m * blocks_per_row:
@@ -433,7 +436,10 @@ class Sm90SwapAbGemm:
                 self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.config.pdl):
-            # launched as the pre-pass's dependent: its token rows are complete past here
+            # launched as the pre-pass's dependent: its token rows are complete past here (the
+            # CTAs decoding the activations themselves, waiting on each other through counters
+            # instead: slower; an L2 prefetch of all the tile's weights before this: slower;
+            # docs/EXPERIMENTS.md)
             cute.arch.griddepcontrol_wait()
         for s in cutlass.range_constexpr(tokens_ahead):
             if s < k_tile_cnt:
