@@ -34,7 +34,11 @@ make one round) 112-token tiles swap_ab_time_model (a per-k-tile cost, tiles dis
 order to the SM that frees first) puts first; 128-token tiles that make one round run one CTA
 per SM. Variable and one-round tiles are launched as the pre-pass's programmatic dependent
 (their first weight copies overlap its end). Without split-K the main loop is unrolled by the stage count, so that its stage
-indices and shared-memory addresses are constants.
+indices and shared-memory addresses are constants. Those configs also chain the calls
+(SwapAbConfig.chain_calls): the pre-pass is itself launched as the dependent of the kernel
+before it (back to back, the previous call's GEMM, which triggers at its start), reads its
+tables, then waits for that kernel before anything else; such calls are launched directly,
+not replayed as graphs (NVFP4_SM90_CHAIN_CALLS=0: unchained, graph replay).
 
 in_gemm_decode (kernel.py): no activation scratch. Per CTA one output tile (group, tile_m,
 tile_n) of 128x128 or 128x256; A decoded into the register fragment, B into swizzled shared
