@@ -56,10 +56,6 @@ def breakdown(repeats, shapes, names):
     import submission
 
     configs = config_table()
-    unknown = set(names) - set(configs)
-    if unknown:
-        print(f"unknown config(s) {sorted(unknown)}; known: {list(configs)}", file=sys.stderr)
-        raise SystemExit(2)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     columns = ("call", "pre-pass", "GEMM", "floor")
     print(f"{'shape':<34} {'config':<16} " + " ".join(f"{c:>9}" for c in columns))
@@ -109,10 +105,17 @@ def main(argv=None):
     parser.add_argument("--configs", default="auto", metavar="NAMES",
                         help="comma-separated swap-AB configs, e.g. 'auto,swap t128 pdl'")
     args = parser.parse_args(argv)
+    names = [x.strip() for x in args.configs.split(",") if x.strip()]
+    unknown = [name for name in names if name not in config_table()]
+    if not names or unknown:
+        problem = f"unknown {unknown}" if unknown else "no config named"
+        print(f"breakdown.py: --configs {args.configs!r}: {problem}; known: {list(config_table())}",
+              file=sys.stderr)
+        return 2
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("breakdown.py times the sm_90 swap-AB kernels and needs an H100/H200", file=sys.stderr)
         return 2
-    breakdown(args.repeats, args.shapes, [x.strip() for x in args.configs.split(",") if x.strip()])
+    breakdown(args.repeats, args.shapes, names)
     return 0
 
 

@@ -467,6 +467,7 @@ def test_bad_arguments_give_one_line_and_exit_2(monkeypatch, capsys, argv, env, 
     (["eval.py", "benchmark"], "benchmark mode needs a CUDA GPU, and torch"),
     (["bench/peers.py"], "peers.py needs a CUDA GPU, and torch"),
     (["bench/host_overhead.py"], "host_overhead.py needs a CUDA GPU, and torch"),
+    (["bench/breakdown.py"], "breakdown.py times the sm_90 swap-AB kernels and needs an H100/H200"),
 ])
 def test_commands_without_a_gpu_fail_with_one_line_and_no_traceback(script, message):
     completed = subprocess.run([sys.executable, *script], cwd=REPO_ROOT, capture_output=True,
@@ -495,6 +496,10 @@ def load_bench(name: str):
     ("host_overhead", ["--repeats", "x"],
      "host_overhead.py: argument --repeats: invalid positive integer value: 'x'"),
     ("host_overhead", ["--submission", "absent.py"], "submission file not found: "),
+    ("breakdown", ["--repeats", "0"], "breakdown.py: argument --repeats: invalid positive integer value: '0'"),
+    ("breakdown", ["--shapes", "4"], "breakdown.py: argument --shapes: invalid shape list (distinct indices 0..3"),
+    ("breakdown", ["--configs", "auto,fastest"], "breakdown.py: --configs 'auto,fastest': unknown ['fastest']"),
+    ("breakdown", ["--configs", ","], "breakdown.py: --configs ',': no config named; known: ['auto',"),
 ])
 def test_bench_scripts_reject_bad_arguments_with_one_line(capsys, script, argv, message):
     module = load_bench(script)
