@@ -21,6 +21,7 @@ one line on stderr; 113 an invalid case file (eval.py's rules).
 from __future__ import annotations
 
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -219,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
         if options.fresh:
             fresh.append((index, case.args["g"], fresh_pointer_us(custom_kernel, inputs[0], options.fresh)))
     print(f"worst ratio {max(ratios):.2f} (goal <= 1.5); medians over repeats")
+    if torch.cuda.get_device_capability() == (9, 0) and os.environ.get("NVFP4_SM90_CHAIN_CALLS", "1") != "0":
+        # the goal is the graph replay's, which the sm_100 path runs; chained Hopper calls
+        # trade CPU for device time (README, sm_90a section)
+        print("sm_90: calls chained by programmatic dependent launch, two direct launches each; "
+              "NVFP4_SM90_CHAIN_CALLS=0 times the graph replay")
     if fresh:
         print(f"calls on new pointers of known sizes, {options.fresh} per shape, each alone:")
         print(f"{'case':<5}{'G':>3}{'median µs':>11}{'best µs':>10}")
