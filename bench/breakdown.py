@@ -24,14 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peers import (
     BENCHMARKS,
-    NUM_INPUTS,
     OneLineArgumentParser,
+    benchmark_inputs,
+    bind_checked,
     positive_int,
     shape_list,
     time_calls,
 )
 
-from reference import generate_input, match_outputs, ref_kernel
+from reference import ref_kernel
 
 
 def config_table():
@@ -61,41 +62,28 @@ def breakdown(repeats, shapes, names):
     print(f"{'shape':<34} {'config':<16} " + " ".join(f"{c:>9}" for c in columns))
     for index in shapes:
         m, n, k = BENCHMARKS[index]
-        inputs, seed = [], 1111
-        for _ in range(NUM_INPUTS):
-            seed += 42
-            inputs.append(generate_input(m, n, k, len(m), seed))
+        inputs = benchmark_inputs(m, n, k)
         expected = [c.clone() for c in ref_kernel(inputs[0])]
         shape = f"G={len(m)} M={min(m)}..{max(m)} N={n[0]} K={k[0]}"
         for name in names:
             backend = hopper.make_backend(configs[name])
-            try:
-                states = [submission.bind_input_set(data, backend) for data in inputs]
-            except ValueError as error:  # a config that cannot run this size set
-                print(f"{shape:<34} {name:<16} n/a: {str(error)[:100]}")
-                continue
-            for _, _, c in inputs[0][0]:
-                c.fill_(float("nan"))
-            states[0].run(stream)
-            torch.cuda.synchronize()
-            ok, message = match_outputs(expected, [c for _, _, c in inputs[0][0]])
-            if not ok:
+            states, message = bind_checked(inputs, expected, backend, stream)
+            if states is None:
                 print(f"{shape:<34} {name:<16} WRONG: {message[:160]}")
                 continue
+            # (pre-pass, GEMM) launchers of every input set
             launches = []
             for state in states:
                 pairs = backend.launch_args(state.plan, state, stream)
                 launches.append([submission.make_launcher(compiled, *args) for compiled, args in pairs])
             floor_target = torch.zeros(1, device="cuda")
-            call = time_calls(lambda state: state.run(stream), states, repeats, device_only=True)[0]
-            if len(launches[0]) == 2:
-                pre_pass = time_calls(lambda pair: pair[0](), launches, repeats, device_only=True)[0]
-            else:  # one kernel: no pre-pass to time apart
-                pre_pass = None
-            gemm = time_calls(lambda pair: pair[-1](), launches, repeats, device_only=True)[0]
-            floor = time_calls(lambda _, target=floor_target: target.fill_(1.0), states, repeats, device_only=True)[0]
-            cells = [f"{f:9.2f}" if f is not None else f"{'-':>9}" for f in (call, pre_pass, gemm, floor)]
-            print(f"{shape:<34} {name:<16} " + " ".join(cells), flush=True)
+            figures = [
+                time_calls(lambda state: state.run(stream), states, repeats, device_only=True)[0],
+                time_calls(lambda pair: pair[0](), launches, repeats, device_only=True)[0],
+                time_calls(lambda pair: pair[1](), launches, repeats, device_only=True)[0],
+                time_calls(lambda _, target=floor_target: target.fill_(1.0), states, repeats, device_only=True)[0],
+            ]
+            print(f"{shape:<34} {name:<16} " + " ".join(f"{f:9.2f}" for f in figures), flush=True)
 
 
 def main(argv=None):

@@ -75,6 +75,30 @@ def time_calls(fn, inputs, repeats, device_only=False):
     return statistics.mean(durations_us), min(durations_us)
 
 
+def benchmark_inputs(m, n, k):
+    """The harness's NUM_INPUTS input sets of one benchmark shape (seed 1111 + 42 each)."""
+    inputs, seed = [], 1111
+    for _ in range(NUM_INPUTS):
+        seed += 42
+        inputs.append(generate_input(m, n, k, len(m), seed))
+    return inputs
+
+
+def bind_checked(inputs, expected, backend, stream):
+    """Every input set bound to `backend`; the first launched once (outputs reset to NaN
+    first) and checked against `expected`. (the bindings, None) or (None, the mismatch)."""
+    import submission
+    from reference import match_outputs
+
+    states = [submission.bind_input_set(data, backend) for data in inputs]
+    for _, _, c in inputs[0][0]:
+        c.fill_(float("nan"))
+    states[0].run(stream)
+    torch.cuda.synchronize()
+    ok, message = match_outputs(expected, [c for _, _, c in inputs[0][0]])
+    return (states, None) if ok else (None, message)
+
+
 def compare_configs(repeats, names=None, shapes=None):
     """Device time of the sm_90 kernel configurations the default backend chooses from, and
     of its choice ("auto"), on the benchmark shapes (each checked first); `names`: a subset
@@ -83,8 +107,7 @@ def compare_configs(repeats, names=None, shapes=None):
     import cuda.bindings.driver as cuda
 
     import nvfp4_hopper as hopper
-    import submission
-    from reference import match_outputs, ref_kernel
+    from reference import ref_kernel
 
     # column -> (config, kernel): a config runs as given; None runs the automatic choice of
     # `kernel` (None: the default backend's kernel, what custom_kernel runs)
@@ -119,27 +142,12 @@ def compare_configs(repeats, names=None, shapes=None):
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     print(f"{'shape':<34} " + " ".join(f"{name:>13}" for name in configs))
     for m, n, k in (BENCHMARKS[i] for i in (range(len(BENCHMARKS)) if shapes is None else shapes)):
-        inputs = []
-        seed = 1111
-        for _ in range(NUM_INPUTS):
-            seed += 42
-            inputs.append(generate_input(m, n, k, len(m), seed))
-        expected = ref_kernel(inputs[0])
-        expected = [c.clone() for c in expected]
+        inputs = benchmark_inputs(m, n, k)
+        expected = [c.clone() for c in ref_kernel(inputs[0])]
         cells = []
         for config, kernel in configs.values():
-            backend = hopper.make_backend(config, kernel)
-            try:
-                states = [submission.bind_input_set(data, backend) for data in inputs]
-            except ValueError:  # a config that cannot run this size set
-                cells.append("n/a")
-                continue
-            for _, _, c in inputs[0][0]:
-                c.fill_(float("nan"))
-            states[0].run(stream)
-            torch.cuda.synchronize()
-            ok, message = match_outputs(expected, [c for _, _, c in inputs[0][0]])
-            if not ok:
+            states, message = bind_checked(inputs, expected, hopper.make_backend(config, kernel), stream)
+            if states is None:
                 cells.append("WRONG")
                 print(f"  {config}: {message[:200]}")
                 continue
@@ -269,11 +277,7 @@ def main(argv=None):
     for index in args.shapes:
         m, n, k = BENCHMARKS[index]
         g = len(m)
-        inputs = []
-        seed = 1111
-        for _ in range(NUM_INPUTS):
-            seed += 42
-            inputs.append(generate_input(m, n, k, g, seed))
+        inputs = benchmark_inputs(m, n, k)
         ours_mean, ours_best = time_calls(custom_kernel, inputs, args.repeats)
         ours_device, _ = time_calls(custom_kernel, inputs, args.repeats, device_only=True)
         dequant = [dequantized_inputs(data) for data in inputs]
