@@ -229,6 +229,100 @@ def atomic_add_u32(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip
 
 
 @dsl_user_op
+def atomic_add_u64(address: cutlass.Int64, value: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
+    """atom.global.add.u64 (relaxed, GPU scope): adds `value`, returns the previous value."""
+    result = _inline_asm(
+        cutlass.Int64.mlir_type,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int64(value).ir_value(loc=loc, ip=ip)],
+        "atom.global.add.u64 $0, [$1], $2;",
+        "=l,l,l,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int64(result)
+
+
+@dsl_user_op
+def red_add_u64(address: cutlass.Int64, value: cutlass.Int64, release: bool = False, *, loc=None, ip=None):
+    """red.global.add.u64 at GPU scope, relaxed, or a release (this thread's accesses before
+    it, and those ordered before them, are visible to whoever acquires what it wrote)."""
+    semantics = "release" if release else "relaxed"
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int64(value).ir_value(loc=loc, ip=ip)],
+        f"red.{semantics}.gpu.global.add.u64 [$0], $1;",
+        "l,l,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+# Polls of a spin on decode counters before the kernel traps (2^22 polls of two L2 loads and
+# a 64 ns sleep each, seconds: an error instead of a hang if the counters never reach their
+# targets)
+SPIN_POLL_LIMIT = 1 << 22
+
+
+@dsl_user_op
+def wait_decoded_slab(sync_smem: cutlass.Int32, total_addr: cutlass.Int64, slab_addr: cutlass.Int64, *, loc=None,
+                      ip=None):
+    """One thread, before a bulk copy of a decoded activation slab. At shared `sync_smem`:
+    a flag (u32; set: every slab of the group seen decoded), then u64 targets of the slab
+    counters and of the group's total counter. Returns at once if the flag is set; otherwise
+    spins until the u64 at `total_addr` reaches its target (then sets the flag) or the one at
+    `slab_addr` reaches its, both read with acquire at GPU scope, and orders what they
+    published before this thread's later bulk copies (proxy fence). Traps after
+    SPIN_POLL_LIMIT polls."""
+    _inline_asm(
+        None,
+        [
+            cutlass.Int32(sync_smem).ir_value(loc=loc, ip=ip),
+            cutlass.Int64(total_addr).ir_value(loc=loc, ip=ip),
+            cutlass.Int64(slab_addr).ir_value(loc=loc, ip=ip),
+        ],
+        "{\n\t.reg .pred p;\n\t.reg .b32 ready, polls;\n\t.reg .b64 count, slab_target, total_target;\n\t"
+        "ld.shared.u32 ready, [$0];\n\t"
+        "setp.ne.u32 p, ready, 0;\n\t"
+        "@p bra DONE;\n\t"
+        "ld.shared.u64 slab_target, [$0 + 8];\n\t"
+        "ld.shared.u64 total_target, [$0 + 16];\n\t"
+        "mov.u32 polls, 0;\n\t"
+        "POLL:\n\t"
+        "ld.acquire.gpu.global.u64 count, [$1];\n\t"
+        "setp.ge.u64 p, count, total_target;\n\t"
+        "@p bra ALL;\n\t"
+        "ld.acquire.gpu.global.u64 count, [$2];\n\t"
+        "setp.ge.u64 p, count, slab_target;\n\t"
+        "@p bra READY;\n\t"
+        "add.u32 polls, polls, 1;\n\t"
+        f"setp.gt.u32 p, polls, {SPIN_POLL_LIMIT};\n\t"
+        "@p trap;\n\t"
+        "nanosleep.u32 64;\n\t"
+        "bra POLL;\n\t"
+        "ALL:\n\t"
+        "st.shared.u32 [$0], 1;\n\t"
+        "READY:\n\t"
+        "fence.proxy.async.global;\n\t"
+        "DONE:\n\t}",
+        "r,l,l,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_u64_shared(smem: cutlass.Int32, value: cutlass.Int64, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip), cutlass.Int64(value).ir_value(loc=loc, ip=ip)],
+        "st.shared.u64 [$0], $1;",
+        "r,l,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def store_u32_global(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None):
     _inline_asm(
         None,
