@@ -4,11 +4,9 @@ For each benchmark shape and sm_90 config (default: the automatic choice), the h
 timing (15 inputs, L2 flushed, events around 15 back-to-back calls queued behind a sleep
 kernel, so device time only) of:
 
-    call      custom_kernel's launch (pre-pass, then the GEMM)
+    call      custom_kernel's launch (pre-pass, then the GEMM; a recorded graph)
     pre-pass  the activation pre-pass alone
-    GEMM      the GEMM alone (reading the activations the last pre-pass left); for a config
-              with chained calls, whose GEMM waits for its own call's pre-pass, the GEMM of
-              the same config unchained
+    GEMM      the GEMM alone (reading the activations the last pre-pass left)
     floor     one trivial kernel per call (a 1-element fill): the launch floor
 
     python bench/breakdown.py [--repeats 10] [--shapes 2,3] [--configs "auto,swap t128 pdl"]
@@ -52,21 +50,11 @@ def config_table():
     }
 
 
-def launch_pairs(backend, states, stream):
-    """(pre-pass, GEMM) launchers of every bound input set."""
-    import submission
-
-    launches = []
-    for state in states:
-        pairs = backend.launch_args(state.plan, state, stream)
-        launches.append([submission.make_launcher(compiled, *args) for compiled, args in pairs])
-    return launches
-
-
 def breakdown(repeats, shapes, names):
     import cuda.bindings.driver as cuda
 
     import nvfp4_hopper as hopper
+    import submission
 
     configs = config_table()
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -83,27 +71,16 @@ def breakdown(repeats, shapes, names):
             if states is None:
                 print(f"{shape:<34} {name:<16} WRONG: {message[:160]}")
                 continue
-            launches = launch_pairs(backend, states, stream)
-            gemm_launches = launches
-            if states[0].plan.backend_plan.config.chain_calls:
-                # a chained GEMM launched without its pre-pass would wait for it forever
-                # (until its spin limit traps): time the unchained build of the same config
-                if configs[name] is None:
-                    unchained = hopper.make_backend(chain_calls=False)
-                else:
-                    unchained = hopper.make_backend(dataclasses.replace(configs[name], chain_calls=False))
-                unchained_states, message = bind_checked(inputs, expected, unchained, stream)
-                if unchained_states is None:
-                    print(f"{shape:<34} {name:<16} WRONG (unchained): {message[:160]}")
-                    continue
-                gemm_launches = launch_pairs(unchained, unchained_states, stream)
+            # (pre-pass, GEMM) launchers of every input set
+            launches = []
+            for state in states:
+                pairs = backend.launch_args(state.plan, state, stream)
+                launches.append([submission.make_launcher(compiled, *args) for compiled, args in pairs])
             floor_target = torch.zeros(1, device="cuda")
-            # the call first: the pre-pass alone adds to a chained plan's decode counters
-            # without a GEMM, after which that plan's GEMMs no longer wait for their pre-pass
             figures = [
                 time_calls(lambda state: state.run(stream), states, repeats, device_only=True)[0],
                 time_calls(lambda pair: pair[0](), launches, repeats, device_only=True)[0],
-                time_calls(lambda pair: pair[1](), gemm_launches, repeats, device_only=True)[0],
+                time_calls(lambda pair: pair[1](), launches, repeats, device_only=True)[0],
                 time_calls(lambda _, target=floor_target: target.fill_(1.0), states, repeats, device_only=True)[0],
             ]
             print(f"{shape:<34} {name:<16} " + " ".join(f"{f:9.2f}" for f in figures), flush=True)

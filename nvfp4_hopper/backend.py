@@ -20,13 +20,10 @@ from .schedules import (
     variable_token_tiles,
 )
 from .swap_ab import (
-    ACTS_FIELDS,
-    COUNTER_BYTES,
     DECODE_THREADS,
     activation_blocks,
     compile_decode_activations,
     compile_swap_ab_gemm,
-    decode_counter_words,
     padded_token_rows,
 )
 
@@ -55,29 +52,21 @@ def current_num_sms() -> int:
 class ActivationBuffer:
     """The swap-AB pre-pass's output for one plan (size set, config): every group's decoded
     fp16 activations in k-tile slabs (K / 64 slabs of padded_token_rows x 128 bytes, one
-    buffer), every group's decode counters (chained calls: swap_ab.COUNTER_*, zeroed here,
-    counting up over the plan's calls) and the device table the pre-pass and the GEMM read
-    (swap_ab.ACTS_*: address, slab bytes, counters, the group's GEMM tiles). Every input set of
-    the plan shares it; the runtime orders launches of the plan on different streams
-    (Sm90Plan.shared_scratch)."""
+    buffer) and the device table of (address, slab bytes) per group, which the pre-pass and
+    the GEMM read. Every input set of the plan shares it; the runtime orders launches of the
+    plan on different streams (Sm90Plan.shared_scratch)."""
 
-    __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer", "counters")
+    __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer")
 
-    def __init__(self, problem_sizes, device, config: SwapAbConfig, group_tiles=None):
-        """group_tiles: GEMM tiles (CTAs) per group, which chained calls need."""
+    def __init__(self, problem_sizes, device, config: SwapAbConfig):
         slabs = [padded_token_rows(m, config) * config.tile_k * 2 for m, _n, _k, _l in problem_sizes]
         sizes = [slab * (k // config.tile_k) for slab, (_m, _n, k, _l) in zip(slabs, problem_sizes)]
         self.buffer = torch.empty(max(sum(sizes), 16), dtype=torch.uint8, device=device)
-        words = [decode_counter_words(k) for _m, _n, k, _l in problem_sizes]
-        self.counters = torch.zeros(sum(words), dtype=torch.int64, device=device)
-        if group_tiles is None:
-            group_tiles = [0] * len(problem_sizes)
-        base, counters, table = self.buffer.data_ptr(), self.counters.data_ptr(), []
-        for size, slab, count, tiles in zip(sizes, slabs, words, group_tiles):
-            table.append((base, slab, counters, tiles))
+        base, table = self.buffer.data_ptr(), []
+        for size, slab in zip(sizes, slabs):
+            table.append((base, slab))
             base += size
-            counters += count * COUNTER_BYTES
-        host = torch.tensor(table, dtype=torch.int64).reshape(-1, ACTS_FIELDS)
+        host = torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
         if self.buffer.device.type == "cuda":
             host = host.pin_memory()
         self._host_staging = host
@@ -87,11 +76,10 @@ class ActivationBuffer:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() + (self.counters.numel() + self.addresses.numel()) * 8
+        return self.buffer.numel() + self.addresses.numel() * 8
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.buffer.record_stream(stream)
-        self.counters.record_stream(stream)
         self.addresses.record_stream(stream)
 
 
@@ -241,10 +229,7 @@ class Sm90Backend:
         self.compile(plan.num_groups, config)
         if isinstance(config, SwapAbConfig):
             compile_decode_activations(plan.num_groups, chained=config.chain_calls)
-            group_tiles = [0] * plan.num_groups
-            for row in plan.tile_rows:
-                group_tiles[row[0]] += 1
-            return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device, config, group_tiles))
+            return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device, config))
         stream_k = None
         if config.stream_k and plan.num_tiles > 0:
             stream_k = StreamKPlan(plan, config, current_num_sms() * CTAS_PER_SM)

@@ -259,8 +259,6 @@ class SwapAbConfig:
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
         if self.chain_calls and not self.pdl:
             raise ValueError("chain_calls needs pdl (the GEMM launched as the pre-pass's dependent)")
-        if self.chain_calls and self.split_k != 1:
-            raise ValueError("chain_calls needs split_k=1 (a group's GEMM CTAs are its tiles)")
 
     @property
     def tile_row_width(self) -> int:

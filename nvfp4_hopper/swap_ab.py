@@ -50,19 +50,13 @@ from .kernel import (
     stage_scale_offset,
 )
 from .ptx import (
-    atomic_add_u64,
     bulk_copy_to_shared,
     cp_async_16B,
     decode_scale_blocks_global,
-    fence_acq_rel_gpu,
     fence_mbarrier_init,
     mbarrier_init_shared,
     mbarrier_wait_parity,
-    red_add_u64,
     store_f16,
-    store_u32_shared,
-    store_u64_shared,
-    wait_decoded_slab,
 )
 from .schedules import TOKEN_CLASS_STEP
 
@@ -70,54 +64,13 @@ from .schedules import TOKEN_CLASS_STEP
 _PTR_A, _PTR_B, _PTR_C, _PTR_SFA, _PTR_SFB = range(5)
 # Threads of a pre-pass CTA; each decodes one 16-element scale block of one row
 DECODE_THREADS = 256
-# Activation table columns (backend.ActivationBuffer.addresses, int64 per group): the decoded
-# activations' address, the bytes of one k-tile slab, the group's decode counters (chained
-# calls) and its GEMM tile count
-ACTS_ADDRESS, ACTS_SLAB_BYTES, ACTS_COUNTERS, ACTS_TILES = range(4)
-ACTS_FIELDS = 4
-# A group's decode counters (u64, zero when the plan is made, never reset): the scale blocks
-# the pre-passes decoded of all its slabs, the GEMM CTAs of the group that have started, then
-# the blocks decoded per slab. Each call adds the same amounts, so the n-th call's GEMM
-# (n - 1 = its CTAs' count of started CTAs before them over the group's tiles) waits for n
-# times them (chained calls)
-COUNTER_TOTAL, COUNTER_STARTED, COUNTER_FIRST_SLAB = range(3)
-COUNTER_BYTES = 8
-# Scale blocks of one row in one k-tile slab
-SLAB_ROW_BLOCKS = 4
 
 
 
 def activation_blocks(problem_sizes) -> int:
-    """Scale blocks (16 elements) of the largest group's activations: the pre-pass runs this
-    over DECODE_THREADS CTAs per group."""
+    """Scale blocks (16 elements) of the largest group's activations: the pre-pass grid's x
+    extent is this over DECODE_THREADS (each group is one grid row)."""
     return max((m * k // SF_VEC_SIZE for m, _n, k, _l in problem_sizes), default=0)
-
-
-def decode_counter_words(k: int) -> int:
-    """Decode counters of a group of K = k (COUNTER_*: total, started, one per slab)."""
-    return COUNTER_FIRST_SLAB + k // (SF_VEC_SIZE * SLAB_ROW_BLOCKS)
-
-
-def pre_pass_item(item, m):
-    """(row, scale block) pre-pass thread `item` of a group of M = m decodes: slab major (the
-    slab's rows in order, a row's 4 blocks side by side), so that the CTAs of a slab are
-    consecutive and the GEMM's first k-tiles are decoded first (works on device integers and
-    on Python ints)."""
-    items_per_slab = m * SLAB_ROW_BLOCKS
-    slab = item // items_per_slab
-    rest = item - slab * items_per_slab
-    row = rest // SLAB_ROW_BLOCKS
-    return row, slab * SLAB_ROW_BLOCKS + rest - row * SLAB_ROW_BLOCKS
-
-
-def slab_counts(start, end, m):
-    """{slab: pre-pass items of slab} for the items start .. end - 1 of a group of M = m (what
-    one pre-pass CTA adds to the slabs' counters; plain Python, for the tests)."""
-    items_per_slab = m * SLAB_ROW_BLOCKS
-    counts = {}
-    for slab in range(start // items_per_slab, (end - 1) // items_per_slab + 1):
-        counts[slab] = min(end, (slab + 1) * items_per_slab) - max(start, slab * items_per_slab)
-    return counts
 
 
 def activation_scale_offset(row, block, k):
@@ -159,11 +112,8 @@ def activation_chunk_offsets(row, block, slab_bytes):
 
 class Sm90DecodeActivations:
     """Pre-pass: the fp16 decode (v * s * 2^-14, ptx's K permutation) of every activation row
-    of every group, into group g's k-tile slabs (activation_chunk_offsets) at acts[g,
-    ACTS_ADDRESS], of acts[g, ACTS_SLAB_BYTES] bytes each, slab by slab (pre_pass_item).
-    Chained (SwapAbConfig.chain_calls), each CTA then adds the blocks it decoded to the
-    group's counters (per slab, then the total, a release): the GEMM waits on those instead
-    of on this grid's completion."""
+    of every group, into group g's k-tile slabs (activation_chunk_offsets) at acts[g, 0], of
+    acts[g, 1] bytes each."""
 
     def __init__(self, num_groups: int, chained: bool = False):
         self.num_groups = num_groups
@@ -176,29 +126,24 @@ class Sm90DecodeActivations:
     ):
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
-        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, ACTS_FIELDS), stride=(ACTS_FIELDS, 1)))
-        # CTA b decodes chunk b // G of group b % G: CTAs are dispatched in order, so every
-        # group's first slabs come first
+        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, 2), stride=(2, 1)))
         self.kernel(mPtrs, mSizes, mActs).launch(
-            grid=(blocks_x * self.num_groups, 1, 1), block=(DECODE_THREADS, 1, 1), use_pdl=self.chained,
+            grid=(blocks_x, self.num_groups, 1), block=(DECODE_THREADS, 1, 1), use_pdl=self.chained,
             stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mActs: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        cta, _, _ = cute.arch.block_idx()
-        group = cta % self.num_groups
-        bidx = cta // self.num_groups
+        bidx, group, _ = cute.arch.block_idx()
         # the plan's and the input set's own tables (written by copies before any launch
         # reading them), read before the wait so that only the activation reads follow it
         m = mSizes[group, 0]
         k = mSizes[group, 2]
         a_base = mPtrs[group, _PTR_A]
         sfa_base = mPtrs[group, _PTR_SFA]
-        acts_base = mActs[group, ACTS_ADDRESS]
-        slab_bytes = mActs[group, ACTS_SLAB_BYTES]
-        counters = mActs[group, ACTS_COUNTERS]
+        acts_base = mActs[group, 0]
+        slab_bytes = mActs[group, 1]
         if cutlass.const_expr(self.chained):
             # launched as the previous kernel's programmatic dependent (SwapAbConfig.chain_calls):
             # everything before it in the stream is complete past here, the activations included
@@ -210,30 +155,15 @@ class Sm90DecodeActivations:
         cute.arch.griddepcontrol_launch_dependents()
         # one 16-element block per thread (a k-tile of a row per thread, 8 stores of 16 bytes
         # each: slower; docs/EXPERIMENTS.md)
-        total = m * (k // SF_VEC_SIZE)
-        start = bidx * DECODE_THREADS
-        item = start + tidx
-        if item < total:
-            row, block = pre_pass_item(item, m)
+        blocks_per_row = k // SF_VEC_SIZE
+        item = bidx * DECODE_THREADS + tidx
+        if item < m * blocks_per_row:
+            row = item // blocks_per_row
+            block = item - row * blocks_per_row
             src = a_base + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
             scale = sfa_base + activation_scale_offset(cutlass.Int64(row), block, k)
             dst_lo, dst_hi = activation_chunk_offsets(cutlass.Int64(row), block, slab_bytes)
             decode_scale_blocks_global([(src, scale, acts_base + dst_lo, acts_base + dst_hi)])
-        if cutlass.const_expr(self.chained):  # noqa: SIM102 - a build-time branch around a run-time one
-            if start < total:
-                # every thread's stores, then one thread publishes them: a GPU-scope fence
-                # (cumulative over the CTA's stores, ordered before it by the barrier), the
-                # slabs' counts, the total last as a release (a GEMM CTA that acquires the
-                # total reads no slab counter after it)
-                cute.arch.sync_threads()
-                if tidx == 0:
-                    end = cutlass.min(start + DECODE_THREADS, total)
-                    items_per_slab = m * SLAB_ROW_BLOCKS
-                    fence_acq_rel_gpu()
-                    for slab in cutlass.range(start // items_per_slab, (end - 1) // items_per_slab + 1, unroll=1):
-                        count = cutlass.min(end, (slab + 1) * items_per_slab) - cutlass.max(start, slab * items_per_slab)
-                        red_add_u64(counters + (COUNTER_FIRST_SLAB + slab) * COUNTER_BYTES, cutlass.Int64(count))
-                    red_add_u64(counters + COUNTER_TOTAL * COUNTER_BYTES, cutlass.Int64(end - start), release=True)
 
 
 def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
@@ -290,9 +220,6 @@ class Sm90SwapAbGemm:
             ]
             # per stage, the mbarrier its token bulk copy completes on
             token_full: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, self.stages], 8]
-            # chained calls (right after token_full): the flag "every slab of the group seen
-            # decoded", then the slab and total counter targets of this call (copying thread)
-            decode_sync: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 3], 8]
 
         self.shared_storage = SharedStorage
         if cutlass.const_expr(self.config.split_k > 1):
@@ -304,7 +231,7 @@ class Sm90SwapAbGemm:
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
         width = self.config.tile_row_width
         mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, width), stride=(width, 1)))
-        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, ACTS_FIELDS), stride=(ACTS_FIELDS, 1)))
+        mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, 2), stride=(2, 1)))
         split = self.config.split_k
         self.kernel(mPtrs, mSizes, mTiles, mActs).launch(
             grid=(num_tiles * split, 1, 1),
@@ -349,18 +276,12 @@ class Sm90SwapAbGemm:
             cp_async_16B(w_stage + self.w_sf_offset + tidx * 16, src, 16)
 
     @cute.jit
-    def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes,
-                    counters, slab_counters):
+    def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes):
         # the tile's fp16 token rows of this k-tile: one contiguous run of its group's k-tile
         # slab, already swizzled by the pre-pass; one bulk copy by one thread, completing on
         # the stage's mbarrier (cp.async took 16-byte copies and their address arithmetic from
         # every thread; multicast of each half to a 2-CTA cluster of two weight tiles: slower)
         if tidx == 0:
-            if cutlass.const_expr(self.config.chain_calls):
-                # the slab decoded by this call's pre-pass (its counters reached this call's
-                # targets); free once the group's total has been seen
-                wait_decoded_slab(mbar_base + self.stages * 8, counters + COUNTER_TOTAL * COUNTER_BYTES,
-                                  slab_counters + cutlass.Int64(k_tile) * COUNTER_BYTES)
             bulk_copy_to_shared(
                 x_base + stage * (tile_t * self.x_row_bytes),
                 x_addr + cutlass.Int64(k_tile) * slab_bytes,
@@ -434,8 +355,8 @@ class Sm90SwapAbGemm:
     @cute.jit
     def k_tile_step(
         self, tile_t: cutlass.Constexpr, tiled_mma, tidx, w_base, x_base, mbar_base, k_tile, k_tile_cnt, b_addr,
-        sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators, counters, slab_counters,
-        w_stage, x_stage, w_stage_next, x_stage_next, x_parity,
+        sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators, w_stage, x_stage,
+        w_stage_next, x_stage_next, x_parity,
     ):
         """One main-loop k-tile: the copies of a later k-tile, the decode of this one's weights
         into `a_frag`, its wgmma. The stages (this k-tile's weight and token stages, those of
@@ -456,8 +377,7 @@ class Sm90SwapAbGemm:
         cute.arch.cp_async_commit_group()
         next_tokens = k_tile + tokens_ahead
         if next_tokens < k_tile_cnt:
-            self.load_tokens(tile_t, tidx, x_base, mbar_base, x_stage_next, next_tokens, x_addr, slab_bytes, counters,
-                             slab_counters)
+            self.load_tokens(tile_t, tidx, x_base, mbar_base, x_stage_next, next_tokens, x_addr, slab_bytes)
         cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
         self.decode_weights(tidx, w_base, w_stage, a_frag)
         # the token rows of k-tile k_tile (its stage's (k_tile // stages)-th copy)
@@ -480,29 +400,11 @@ class Sm90SwapAbGemm:
         )
         x_base = sX_ptr.toint()
 
-        split = self.config.split_k
-        m = mSizes[group, 0]
-        k = mSizes[group, 2]
-        k_tile_cnt = k // (self.tile_k * split)
-        k_tile_begin = (bidx % split) * k_tile_cnt
-        counters = mActs[group, ACTS_COUNTERS]
-        slab_counters = counters + (COUNTER_FIRST_SLAB + cutlass.Int64(k_tile_begin)) * COUNTER_BYTES
-        sync_smem = mbar_base + self.stages * 8  # decode_sync
-        started = cutlass.Int64(0)
-        if cutlass.const_expr(self.config.chain_calls):  # noqa: SIM102 - a build-time branch around a run-time one
-            if tidx == 0:
-                # this CTA's place among the group's started GEMM CTAs of every call so far:
-                # earlier calls' all, this call's fewer than its tile count (relaxed: read only
-                # by GEMM CTAs, each call's after the last call's grid is complete)
-                started = atomic_add_u64(counters + COUNTER_STARTED * COUNTER_BYTES, cutlass.Int64(1))
-
         # the stages' mbarriers, one arrival each (the copying thread's expect_tx)
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
                 mbarrier_init_shared(mbar_base + s * 8, 1)
             fence_mbarrier_init()
-            if cutlass.const_expr(self.config.chain_calls):
-                store_u32_shared(sync_smem, 0)
         cute.arch.sync_threads()
 
         warp_group_thread_layout = cute.make_layout(self.tile_w // 64, stride=128)
@@ -511,15 +413,20 @@ class Sm90SwapAbGemm:
         accumulators.fill(0.0)
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
+        split = self.config.split_k
+        m = mSizes[group, 0]
         n = mSizes[group, 1]
+        k = mSizes[group, 2]
         n0 = weight_tile * self.tile_w
+        k_tile_cnt = k // (self.tile_k * split)
+        k_tile_begin = (bidx % split) * k_tile_cnt
         b_row_bytes = k // 2
         rest_k = k // (SF_VEC_SIZE * 4)
-        slab_bytes = mActs[group, ACTS_SLAB_BYTES]
+        slab_bytes = mActs[group, 1]
         # the rank's first k-tile moves into the base addresses: its loop runs from 0
         b_addr = mPtrs[group, _PTR_B] + cutlass.Int64(k_tile_begin) * self.w_row_bytes
         sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
-        x_addr = mActs[group, ACTS_ADDRESS] + cutlass.Int64(k_tile_begin) * slab_bytes + token0 * self.x_row_bytes
+        x_addr = mActs[group, 0] + cutlass.Int64(k_tile_begin) * slab_bytes + token0 * self.x_row_bytes
 
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
@@ -528,14 +435,7 @@ class Sm90SwapAbGemm:
             if s < k_tile_cnt:
                 self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.config.chain_calls):
-            if tidx == 0:
-                # this call's targets: its number (started // tiles + 1) times what each call's
-                # pre-pass adds to a slab counter (4 blocks per row) and to the total
-                call = started // mActs[group, ACTS_TILES] + 1
-                store_u64_shared(sync_smem + 8, call * cutlass.Int64(m * SLAB_ROW_BLOCKS))
-                store_u64_shared(sync_smem + 16, call * cutlass.Int64(m * (k // SF_VEC_SIZE)))
-        elif cutlass.const_expr(self.config.pdl):
+        if cutlass.const_expr(self.config.pdl):
             # launched as the pre-pass's dependent: its token rows are complete past here (the
             # CTAs decoding the activations themselves, waiting on each other through counters
             # instead: slower; an L2 prefetch of all the tile's weights before this: slower;
@@ -543,7 +443,7 @@ class Sm90SwapAbGemm:
             cute.arch.griddepcontrol_wait()
         for s in cutlass.range_constexpr(tokens_ahead):
             if s < k_tile_cnt:
-                self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes, counters, slab_counters)
+                self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
 
         # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
         # other, measured no faster; the two warpgroups taking turns at wgmma, each decoding
@@ -551,8 +451,7 @@ class Sm90SwapAbGemm:
         # freed by mbarriers): slower; a second warpgroup pair in the CTA on half the k-tiles:
         # no faster; docs/EXPERIMENTS.md)
         step_args = (tile_t, tiled_mma, tidx, w_base, x_base, mbar_base)
-        tile_args = (b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators,
-                     counters, slab_counters)
+        tile_args = (b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators)
         weight_stages = self.config.weight_stages
         if cutlass.const_expr(self.config.unrolled_main_loop):
             # unrolled by the stage count (k_tile_cnt is a multiple of it): every stage index
@@ -579,10 +478,6 @@ class Sm90SwapAbGemm:
                 self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
         else:
             self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
-        if cutlass.const_expr(self.config.chain_calls):
-            # the pre-pass this grid depends on is complete once this grid is (it is, long
-            # since: every slab was seen decoded), so that whatever follows the call sees it done
-            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0):
