@@ -42,6 +42,8 @@ def config_table():
         "auto": None,
         "swap t128 pdl": hopper.SWAP_AB_ONE_ROUND_CONFIG,
         "swap t112 pdl": hopper.SWAP_AB_T112_CONFIG,
+        "swap t112 k128": hopper.SWAP_AB_T112_K128_CONFIG,
+        "swap t128 k128": hopper.SWAP_AB_ONE_ROUND_K128_CONFIG,
         "swap variable": hopper.SWAP_AB_VARIABLE_CONFIG,
         "swap t128": hopper.SWAP_AB_CONFIG,
         "var unchained": dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, chain_calls=False),

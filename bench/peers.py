@@ -131,6 +131,8 @@ def compare_configs(repeats, names=None, shapes=None):
         "var unchained": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, chain_calls=False), None),
         "swap t112 unchained": (dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, chain_calls=False), None),
         "swap t128 chained": (hopper.SWAP_AB_ONE_ROUND_CONFIG, None),
+        "swap t112 k128": (hopper.SWAP_AB_T112_K128_CONFIG, None),
+        "swap t128 k128": (hopper.SWAP_AB_ONE_ROUND_K128_CONFIG, None),
         "auto": (None, None),
     }
     if names:

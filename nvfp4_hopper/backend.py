@@ -11,7 +11,13 @@ import torch
 from cutlass import cute
 from cutlass.cute.runtime import make_ptr
 
-from .config import CTAS_PER_SM, HopperGemmConfig, SwapAbConfig, can_implement
+from .config import (
+    CTAS_PER_SM,
+    SWAP_AB_HALF_K,
+    HopperGemmConfig,
+    SwapAbConfig,
+    can_implement,
+)
 from .kernel import compile_gemm
 from .schedules import (
     StreamKPlan,
@@ -59,8 +65,8 @@ class ActivationBuffer:
     __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer")
 
     def __init__(self, problem_sizes, device, config: SwapAbConfig):
-        slabs = [padded_token_rows(m, config) * config.tile_k * 2 for m, _n, _k, _l in problem_sizes]
-        sizes = [slab * (k // config.tile_k) for slab, (_m, _n, k, _l) in zip(slabs, problem_sizes)]
+        slabs = [padded_token_rows(m, config) * SWAP_AB_HALF_K * 2 for m, _n, _k, _l in problem_sizes]
+        sizes = [slab * (k // SWAP_AB_HALF_K) for slab, (_m, _n, k, _l) in zip(slabs, problem_sizes)]
         self.buffer = torch.empty(max(sum(sizes), 16), dtype=torch.uint8, device=device)
         base, table = self.buffer.data_ptr(), []
         for size, slab in zip(sizes, slabs):
@@ -194,7 +200,16 @@ class Sm90Backend:
         return compile_gemm(num_groups, config=config)
 
     def can_implement(self, problem_sizes) -> None:
+        """can_implement, then what the size set's config needs of K (SwapAbConfig.k_multiple:
+        an explicit config with 128-wide k-tiles takes K % 512 == 0 only)."""
         can_implement(problem_sizes)
+        config = self.config_for(problem_sizes)
+        multiple = getattr(config, "k_multiple", 256)
+        for g, (_m, _n, k, _l) in enumerate(problem_sizes):
+            if k % multiple:
+                raise ValueError(
+                    f"group {g}: K = {k}; the sm_90 config with {config.tile_k}-wide k-tiles needs K % {multiple} == 0"
+                )
 
     def tile_shape(self, problem_sizes) -> tuple[int, int]:
         """(rows along M, columns along N) of an output tile of the size set's config."""

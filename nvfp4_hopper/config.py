@@ -162,6 +162,10 @@ def can_implement(problem_sizes) -> None:
 
 
 
+# K of one decoded activation slab and of one half of a swap-AB k-tile
+SWAP_AB_HALF_K = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class SwapAbConfig:
     """Everything baked into the compiled swap-AB sm_90a kernel (swap_ab.Sm90SwapAbGemm): the
@@ -204,21 +208,42 @@ class SwapAbConfig:
     # GEMM finishes (griddepcontrol.wait before it reads anything else). The calls are launched
     # directly, not replayed as CUDA graphs: a graph launch waits for all earlier work.
     chain_calls: bool = False
+    # 64-wide halves of K per k-tile (tile_k = 64 x k_halves): each half's weights a stage
+    # part laid out as a 64-wide k-tile's, its token rows one bulk copy from its own slab. 2
+    # halves the k-tiles, and with them the per-k-tile work that is not decode or wgmma
+    # (barrier, copy issue, waits, wgmma fence and commit); needs K % (128 x stages) == 0 for
+    # the unrolled main loop (SwapAbConfig.k_multiple)
+    k_halves: int = 1
     arch: str = "sm_90a"
 
     # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA
     # per SM, each token row read once per 256 weight rows): slower; docs/EXPERIMENTS.md.
     tile_weights = TILE_M
-    tile_k = 64
+
+    @property
+    def tile_k(self) -> int:
+        """K per k-tile: 64 (one 128-byte swizzle row of fp16, 4 scale blocks) per half."""
+        return SWAP_AB_HALF_K * self.k_halves
+
+    @property
+    def k_multiple(self) -> int:
+        """What every group's K must be a multiple of: the k-tile times the stage count where
+        the main loop is unrolled by it (256 with one half, 512 with two)."""
+        return max(256, self.tile_k * (self.stages if self.unrolled_main_loop else 1))
 
     @property
     def num_threads(self) -> int:
         return 128 * (self.tile_weights // 64)
 
     @property
+    def weight_half_bytes(self) -> int:
+        """Packed weight rows of one 64-wide half (32 bytes each) and their 512-byte scale atom."""
+        return self.tile_weights * (SWAP_AB_HALF_K // 2) + SF_ATOM_BYTES
+
+    @property
     def weight_stage_bytes(self) -> int:
-        """Packed weight rows of one k-tile (32 bytes each) and their 512-byte scale atom."""
-        return self.tile_weights * (self.tile_k // 2) + SF_ATOM_BYTES
+        """The k-tile's halves, one after the other."""
+        return self.k_halves * self.weight_half_bytes
 
     @property
     def unrolled_main_loop(self) -> bool:
@@ -257,6 +282,10 @@ class SwapAbConfig:
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
         if self.ctas_per_sm not in (1, 2, 3):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
+        if self.k_halves not in (1, 2):
+            raise ValueError(f"k_halves={self.k_halves}: must be 1 or 2")
+        if self.k_halves != 1 and (self.split_k != 1 or self.variable_tokens):
+            raise ValueError("k_halves=2 needs split_k=1 and fixed token tiles")
         if self.chain_calls and not self.pdl:
             raise ValueError("chain_calls needs pdl (the GEMM launched as the pre-pass's dependent)")
 
@@ -310,3 +339,6 @@ SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True, chain_calls=Tru
 # 128-token tiles and the tiles still number no more than the SMs (benchmark shape 2: M = 192 and
 # 320 in 2 + 3 tiles of 112 instead of 2 + 3 of 128)
 SWAP_AB_T112_CONFIG = SwapAbConfig(tile_tokens=112, ctas_per_sm=1, pdl=True, chain_calls=True)
+# The 112-token and one-round 128-token configs with 128-wide k-tiles (two 64-wide halves)
+SWAP_AB_T112_K128_CONFIG = dataclasses.replace(SWAP_AB_T112_CONFIG, k_halves=2)
+SWAP_AB_ONE_ROUND_K128_CONFIG = dataclasses.replace(SWAP_AB_ONE_ROUND_CONFIG, k_halves=2)

@@ -61,11 +61,14 @@ def stage_scale_offset(row, block, base=0):
 
 
 @cute.jit
-def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr):
+def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr,
+                            parts: cutlass.Constexpr = 1, part_bytes: cutlass.Constexpr = 0):
     """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
     64 v + 16 w + g and + 8 of a stage (packed rows of row_bytes from packed_base, their scale
     atoms from scales_base; 4-byte half t // 2 of every scale block, the bytes
-    a_word_selector(t) picks) into the wgmma A fragment, in ptx's K permutation."""
+    a_word_selector(t) picks) into the wgmma A fragment, in ptx's K permutation. `parts`
+    stages of tile_k (64) each, part_bytes apart, fill the fragment's k16 steps in order (one
+    decode, every load first)."""
     lane = tidx % 32
     row = (tidx // 32) * 16 + lane // 4
     t = lane % 4
@@ -73,16 +76,22 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
     # a_word_selector(t) depends on t % 2 only, by one step per byte selector
     selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
     rows = (row, row + 8)
-    unit = (
-        *(packed_base + r * row_bytes + half_offset for r in rows),
-        selector,
-        *(stage_scale_offset(r, 0, base=scales_base) for r in rows),
-    )
-    steps = decode_scale_blocks_to_registers([unit])[0]
+    units = [
+        (
+            *(packed_base + part * part_bytes + r * row_bytes + half_offset for r in rows),
+            selector,
+            *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) for r in rows),
+        )
+        for part in range(parts)
+    ]
+    steps_of_parts = decode_scale_blocks_to_registers(units)
     # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
-    for step in cutlass.range_constexpr(tile_k // 16):
-        step_frag = a_frag[(None, 0, step)]
-        step_frag.store(cute.TensorSSA(pack_f16x8(steps[step]), step_frag.shape, cutlass.Float16))
+    for part in cutlass.range_constexpr(parts):
+        for step in cutlass.range_constexpr(tile_k // 16):
+            step_frag = a_frag[(None, 0, part * (tile_k // 16) + step)]
+            step_frag.store(
+                cute.TensorSSA(pack_f16x8(steps_of_parts[part][step]), step_frag.shape, cutlass.Float16)
+            )
 
 
 @cute.jit

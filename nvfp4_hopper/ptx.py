@@ -86,6 +86,28 @@ def bulk_copy_to_shared(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, num_by
 
 
 @dsl_user_op
+def bulk_copies_to_shared(pieces, num_bytes: int, mbar_smem: cutlass.Int32, *, loc=None, ip=None):
+    """bulk_copy_to_shared of several pieces of `num_bytes` each ((shared destination, global
+    source) pairs) completing on one mbarrier: one arrival expecting all their bytes."""
+    operands = [cutlass.Int32(mbar_smem).ir_value(loc=loc, ip=ip)]
+    lines = [f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {num_bytes * len(pieces)};"]
+    for i, (dst_smem, src_gmem) in enumerate(pieces):
+        operands += [cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip), cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip)]
+        lines.append(
+            f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [${2 * i + 1}], [${2 * i + 2}], "
+            f"{num_bytes}, [$0];"
+        )
+    _inline_asm(
+        None,
+        operands,
+        "\n\t".join(lines),
+        ",".join(["r"] + ["r", "l"] * len(pieces)) + ",~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def mbarrier_wait_parity(mbar_smem: cutlass.Int32, parity: cutlass.Int32, *, loc=None, ip=None):
     """Wait until the phase of parity `parity` of the mbarrier at `mbar_smem` has completed
     (its writes then visible to this thread and to its wgmma)."""

@@ -17,8 +17,10 @@ from .config import (
     STREAM_K_CONFIG,
     SWAP_AB_CONFIG,
     SWAP_AB_ONE_ROUND_CONFIG,
+    SWAP_AB_ONE_ROUND_K128_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T112_CONFIG,
+    SWAP_AB_T112_K128_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
     TILE_M,
@@ -118,7 +120,8 @@ def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     swap_ab_time_model puts first (128 on a tie), 128-token tiles as one round of one CTA per
     SM, launched as the pre-pass's dependent, where they number no more than the SMs.
     112-token tiles win where M pads less in them (benchmark shape 2: 2 + 3 tiles of 112 for
-    M = 192 and 320)."""
+    M = 192 and 320). One round of 112- or 128-token tiles runs 128-wide k-tiles where every
+    K allows (with_wide_k_tiles: benchmark shapes 2 and 3)."""
     return _chosen_swap_ab_config(tuple(map(tuple, problem_sizes)), num_sms)
 
 
@@ -135,7 +138,26 @@ def _chosen_swap_ab_config(problem_sizes: tuple, num_sms: int) -> SwapAbConfig:
         candidates += (SWAP_AB_T112_CONFIG,)
     config = min(candidates, key=lambda config: swap_ab_time_model(problem_sizes, config, num_sms))
     if config == SWAP_AB_CONFIG and tiles <= num_sms:
-        return SWAP_AB_ONE_ROUND_CONFIG
+        config = SWAP_AB_ONE_ROUND_CONFIG
+    return with_wide_k_tiles(problem_sizes, config)
+
+
+# One round of 112- or 128-token tiles with 128-wide k-tiles: H200 device µs, bench/breakdown.py
+# (the call; the GEMM alone), one run: shape 2, 112 tokens 31.17; 27.88 against 34.63; 31.16
+# (64-wide), shape 3, 128 tokens 16.67; 14.25 against 17.12; 15.09. The time model's k-tile
+# costs are those of 64-wide k-tiles: it chooses the tile shape, then this the k-tile width.
+WIDE_K_TILE_CONFIGS = {
+    SWAP_AB_T112_CONFIG: SWAP_AB_T112_K128_CONFIG,
+    SWAP_AB_ONE_ROUND_CONFIG: SWAP_AB_ONE_ROUND_K128_CONFIG,
+}
+
+
+def with_wide_k_tiles(problem_sizes, config: SwapAbConfig) -> SwapAbConfig:
+    """`config` with 128-wide k-tiles where it has such a variant and every group's K is a
+    multiple of what its unrolled main loop needs (512); else `config`."""
+    wide = WIDE_K_TILE_CONFIGS.get(config)
+    if wide is not None and all(k % wide.k_multiple == 0 for _m, _n, k, _l in problem_sizes):
+        return wide
     return config
 
 

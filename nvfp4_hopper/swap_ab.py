@@ -36,9 +36,12 @@ from .config import (
     SF_ATOM_ROWS,
     SF_VEC_SIZE,
     SWAP_AB_CONFIG,
+    SWAP_AB_HALF_K,
     SWAP_AB_ONE_ROUND_CONFIG,
+    SWAP_AB_ONE_ROUND_K128_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T112_CONFIG,
+    SWAP_AB_T112_K128_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
     SwapAbConfig,
@@ -50,6 +53,7 @@ from .kernel import (
     stage_scale_offset,
 )
 from .ptx import (
+    bulk_copies_to_shared,
     bulk_copy_to_shared,
     cp_async_16B,
     decode_scale_blocks_global,
@@ -196,9 +200,10 @@ class Sm90SwapAbGemm:
         self.tile_k = config.tile_k
         self.num_threads = config.num_threads
         self.stages = config.stages
-        self.w_row_bytes = config.tile_k // 2  # packed weight bytes of a row per k-tile
-        self.x_row_bytes = config.tile_k * 2  # fp16 token bytes of a row per k-tile
-        self.w_sf_offset = self.tile_w * self.w_row_bytes  # scale atom after the packed rows
+        self.k_halves = config.k_halves
+        self.w_row_bytes = SWAP_AB_HALF_K // 2  # packed weight bytes of a row per half k-tile
+        self.x_row_bytes = SWAP_AB_HALF_K * 2  # fp16 token bytes of a row per half (slab row)
+        self.w_sf_offset = self.tile_w * self.w_row_bytes  # scale atom after the half's packed rows
 
     @cute.jit
     def __call__(
@@ -260,20 +265,24 @@ class Sm90SwapAbGemm:
     # -------------------------------------------------------------------------
     @cute.jit
     def load_weights(self, tidx, w_base, stage, k_tile, b_addr, sfb_addr, n0, b_row_bytes, rest_k):
-        w_stage = w_base + stage * self.config.weight_stage_bytes
-        # packed weight rows: 32 bytes (two 16-byte chunks) per row
-        for i in cutlass.range_constexpr(self.tile_w * 2 // self.num_threads):
-            chunk = tidx + i * self.num_threads
-            row = chunk // 2
-            part = chunk % 2
-            src = b_addr + cutlass.Int64(n0 + row) * b_row_bytes + k_tile * self.w_row_bytes + part * 16
-            # (chunks swapped in rows with row % 8 >= 4, so that the decode's loads hit 16 banks
-            # instead of 8: no faster; docs/EXPERIMENTS.md)
-            cp_async_16B(w_stage + row * self.w_row_bytes + part * 16, src, 16)
-        # the weights' scale atom: 512 contiguous bytes per 128 rows and k-tile
-        if tidx < SF_ATOM_BYTES // 16:
-            src = sfb_addr + (cutlass.Int64(n0 // SF_ATOM_ROWS) * rest_k + k_tile) * SF_ATOM_BYTES + tidx * 16
-            cp_async_16B(w_stage + self.w_sf_offset + tidx * 16, src, 16)
+        for h in cutlass.range_constexpr(self.k_halves):
+            # each 64-wide half: packed rows, then their scale atom (weight_half_bytes)
+            w_half = w_base + stage * self.config.weight_stage_bytes + h * self.config.weight_half_bytes
+            half_k_tile = k_tile * self.k_halves + h
+            # packed weight rows: 32 bytes (two 16-byte chunks) per row
+            for i in cutlass.range_constexpr(self.tile_w * 2 // self.num_threads):
+                chunk = tidx + i * self.num_threads
+                row = chunk // 2
+                part = chunk % 2
+                src = b_addr + cutlass.Int64(n0 + row) * b_row_bytes + half_k_tile * self.w_row_bytes + part * 16
+                # (chunks swapped in rows with row % 8 >= 4, so that the decode's loads hit 16
+                # banks instead of 8: no faster; docs/EXPERIMENTS.md)
+                cp_async_16B(w_half + row * self.w_row_bytes + part * 16, src, 16)
+            # the weights' scale atom: 512 contiguous bytes per 128 rows and half k-tile
+            if tidx < SF_ATOM_BYTES // 16:
+                src = (sfb_addr + (cutlass.Int64(n0 // SF_ATOM_ROWS) * rest_k + half_k_tile) * SF_ATOM_BYTES
+                       + tidx * 16)
+                cp_async_16B(w_half + self.w_sf_offset + tidx * 16, src, 16)
 
     @cute.jit
     def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes):
@@ -282,19 +291,31 @@ class Sm90SwapAbGemm:
         # the stage's mbarrier (cp.async took 16-byte copies and their address arithmetic from
         # every thread; multicast of each half to a 2-CTA cluster of two weight tiles: slower)
         if tidx == 0:
-            bulk_copy_to_shared(
-                x_base + stage * (tile_t * self.x_row_bytes),
-                x_addr + cutlass.Int64(k_tile) * slab_bytes,
-                tile_t * self.x_row_bytes,
-                mbar_base + stage * 8,
-            )
+            if cutlass.const_expr(self.k_halves == 1):
+                bulk_copy_to_shared(
+                    x_base + stage * (tile_t * self.x_row_bytes),
+                    x_addr + cutlass.Int64(k_tile) * slab_bytes,
+                    tile_t * self.x_row_bytes,
+                    mbar_base + stage * 8,
+                )
+            else:
+                # one copy per half, from its own slab, into the stage's half (the K-major
+                # swizzled stage holds the tile's rows of each 64-wide half in turn)
+                half_bytes = tile_t * self.x_row_bytes
+                stage_base = x_base + stage * (half_bytes * self.k_halves)
+                pieces = [
+                    (stage_base + h * half_bytes, x_addr + cutlass.Int64(k_tile * self.k_halves + h) * slab_bytes)
+                    for h in range(self.k_halves)
+                ]
+                bulk_copies_to_shared(pieces, half_bytes, mbar_base + stage * 8)
 
     @cute.jit
     def decode_weights(self, tidx, w_base, stage, a_frag):
         """The stage's weight rows into the wgmma A fragment (decode_rows_to_fragment: lane
         (g, t) of warp w in warpgroup v decodes rows 64 v + 16 w + g and + 8)."""
         w_stage = w_base + stage * self.config.weight_stage_bytes
-        decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, self.tile_k)
+        decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, SWAP_AB_HALF_K,
+                                self.k_halves, self.config.weight_half_bytes)
 
     def mma_k_tile(self, tiled_mma, accumulators, a_frag, tCrB, stage):
         """The wgmma of one k-tile as one commit group (plain Python: traced inline)."""
@@ -424,9 +445,10 @@ class Sm90SwapAbGemm:
         rest_k = k // (SF_VEC_SIZE * 4)
         slab_bytes = mActs[group, 1]
         # the rank's first k-tile moves into the base addresses: its loop runs from 0
-        b_addr = mPtrs[group, _PTR_B] + cutlass.Int64(k_tile_begin) * self.w_row_bytes
-        sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(k_tile_begin) * SF_ATOM_BYTES
-        x_addr = mActs[group, 0] + cutlass.Int64(k_tile_begin) * slab_bytes + token0 * self.x_row_bytes
+        half_begin = k_tile_begin * self.k_halves  # the rank's first 64-wide half
+        b_addr = mPtrs[group, _PTR_B] + cutlass.Int64(half_begin) * self.w_row_bytes
+        sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(half_begin) * SF_ATOM_BYTES
+        x_addr = mActs[group, 0] + cutlass.Int64(half_begin) * slab_bytes + token0 * self.x_row_bytes
 
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
@@ -555,6 +577,10 @@ def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None]
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_ONE_ROUND_CONFIG)),
         ("sm90_swap_ab_gemm_t112", SWAP_AB_T112_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T112_CONFIG)),
+        ("sm90_swap_ab_gemm_t112_k128", SWAP_AB_T112_K128_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T112_K128_CONFIG)),
+        ("sm90_swap_ab_gemm_one_round_k128", SWAP_AB_ONE_ROUND_K128_CONFIG.arch,
+         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_ONE_ROUND_K128_CONFIG)),
         ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG.arch,
          lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T192_CONFIG)),
         ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG.arch,

@@ -636,9 +636,10 @@ def _is_sm90():
 requires_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 (Hopper) GPU")
 
 
-def _random_group_set(seed: int, general_scales: bool):
-    """Random groups: G 1..16, M 0..512, N in 128..1024, K in 256..2048; full-range fp4
-    codes; scales 1/2 (competition) or any finite e4m3 up to 3.75 (exactness check)."""
+def _random_group_set(seed: int, general_scales: bool, k_step: int = 256):
+    """Random groups: G 1..16, M 0..512, N in 128..1024, K in k_step..8 k_step (multiples of
+    k_step); full-range fp4 codes; scales 1/2 (competition) or any finite e4m3 up to 3.75
+    (exactness check)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     g = rng.randint(1, 16)
@@ -646,7 +647,7 @@ def _random_group_set(seed: int, general_scales: bool):
     for _ in range(g):
         m = rng.choice([0, 1, rng.randint(1, 512), rng.randint(1, 512)])
         n = 128 * rng.randint(1, 8)
-        k = 256 * rng.randint(1, 8)
+        k = k_step * rng.randint(1, 8)
         a = torch.randint(0, 256, (m, k // 2, 1), dtype=torch.uint8, device="cuda")
         b = torch.randint(0, 256, (n, k // 2, 1), dtype=torch.uint8, device="cuda")
         if general_scales:
@@ -761,6 +762,8 @@ CONFIG_CASES = (
     + [("swap_ab_variable", seed) for seed in range(1800, 1840)]
     + [("swap_ab_one_round", seed) for seed in range(1900, 1930)]
     + [("swap_ab_t112", seed) for seed in range(2300, 2330)]
+    + [("swap_ab_t112_k128", seed) for seed in range(2400, 2430)]
+    + [("swap_ab_one_round_k128", seed) for seed in range(2500, 2530)]
 )
 CONFIGS = {
     "default": hopper.SM90_CONFIG,
@@ -775,14 +778,19 @@ CONFIGS = {
     "swap_ab_one_round": hopper.SWAP_AB_ONE_ROUND_CONFIG,
     "swap_ab_variable": hopper.SWAP_AB_VARIABLE_CONFIG,
     "swap_ab_t112": hopper.SWAP_AB_T112_CONFIG,
+    "swap_ab_t112_k128": hopper.SWAP_AB_T112_K128_CONFIG,
+    "swap_ab_one_round_k128": hopper.SWAP_AB_ONE_ROUND_K128_CONFIG,
 }
 
 
 @requires_sm90
 @pytest.mark.parametrize("config_name,seed", CONFIG_CASES)
 def test_random_group_sets_match_exact_reference(config_name, seed):
-    data = _random_group_set(seed, general_scales=seed % 3 == 2)
-    out = submission.run_with_backend(data, hopper.make_backend(CONFIGS[config_name]))
+    config = CONFIGS[config_name]
+    # (128-wide k-tiles: K multiples of 512, what their unrolled loop takes)
+    k_step = 256 if config is None else getattr(config, "k_multiple", 256)
+    data = _random_group_set(seed, general_scales=seed % 3 == 2, k_step=k_step)
+    out = submission.run_with_backend(data, hopper.make_backend(config))
     torch.cuda.synchronize()
     for i, c in enumerate(out):
         assert not torch.isnan(c).any(), f"group {i}: unwritten (NaN) outputs, sizes {data[3][i]}"
@@ -794,7 +802,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @pytest.mark.parametrize(
     "config_name",
     ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto", "swap_ab", "swap_ab_split_k_2", "swap_ab_t192",
-     "swap_ab_variable", "swap_ab_one_round", "swap_ab_t112"],
+     "swap_ab_variable", "swap_ab_one_round", "swap_ab_t112", "swap_ab_t112_k128", "swap_ab_one_round_k128"],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):

@@ -84,8 +84,8 @@ def test_token_stage_chunks_are_a_permutation_per_8_rows():
 
 
 @pytest.mark.parametrize("shape,config", [
-    (0, hopper.SWAP_AB_VARIABLE_CONFIG), (1, hopper.SWAP_AB_VARIABLE_CONFIG), (2, hopper.SWAP_AB_T112_CONFIG),
-    (3, hopper.SWAP_AB_ONE_ROUND_CONFIG),
+    (0, hopper.SWAP_AB_VARIABLE_CONFIG), (1, hopper.SWAP_AB_VARIABLE_CONFIG), (2, hopper.SWAP_AB_T112_K128_CONFIG),
+    (3, hopper.SWAP_AB_ONE_ROUND_K128_CONFIG),
 ])
 def test_automatic_choice_on_the_benchmark_shapes(shape, config):
     """No split-K on any benchmark shape (352, 728, 120, 128 128-token tiles: at least one per
@@ -93,7 +93,8 @@ def test_automatic_choice_on_the_benchmark_shapes(shape, config):
     (shape 0's M = 64..248 in one tile each); one round of one CTA per SM, launched as the
     pre-pass's programmatic dependent, on shapes 2 and 3: 112-token tiles on shape 2 (M = 192
     and 320 in 2 + 3 tiles, 560 tokens, where 128-token tiles pad to 640), 128-token tiles on
-    shape 3 (M = 128 and 384 fill them; 112-token tiles would be 192, two rounds)."""
+    shape 3 (M = 128 and 384 fill them; 112-token tiles would be 192, two rounds); both with
+    128-wide k-tiles (K = 4096 and 1536, multiples of 512)."""
     sizes = BENCHMARK_SIZES[shape]
     assert hopper.swap_ab_tiles(sizes) == (352, 728, 120, 128)[shape]
     assert hopper.swap_ab_tiles(sizes, hopper.SWAP_AB_T192_CONFIG) == (288, 504, 72, 96)[shape]
@@ -133,13 +134,48 @@ def test_choice_takes_the_fastest_modelled_candidate():
     many_256 = [(256, 4096, 2048, 1)] * 8  # 512 tiles of 128 tokens, 512 of 192 (padded), 256 of 256
     assert hopper.choose_swap_ab_config(many_256, 132) == hopper.SWAP_AB_VARIABLE_CONFIG
     one_round = [(128, 128 * 130, 2048, 1)]  # 130 128-token tiles (variable: the same 130; a tie)
-    assert hopper.choose_swap_ab_config(one_round, 132) == hopper.SWAP_AB_ONE_ROUND_CONFIG
+    assert hopper.choose_swap_ab_config(one_round, 132) == hopper.SWAP_AB_ONE_ROUND_K128_CONFIG
     # more 128-token tiles than SMs: two CTAs per SM, no dependent launch
     two_rounds = [(128, 128 * 140, 2048, 1)]
     assert hopper.choose_swap_ab_config(two_rounds, 132) == hopper.SWAP_AB_CONFIG
     for sizes, expected in ((many_256, hopper.SWAP_AB_VARIABLE_CONFIG), (one_round, hopper.SWAP_AB_CONFIG)):
         times = {c: hopper.swap_ab_time_model(sizes, c, 132) for c in hopper.SWAP_AB_CANDIDATES}
         assert times[expected] == min(times.values())
+
+
+def test_wide_k_tiles_only_where_every_k_allows_them():
+    """One round of 112- or 128-token tiles runs 128-wide k-tiles where every group's K is a
+    multiple of 512 (the unrolled loop's 4 stages of 128), the 64-wide ones otherwise; no
+    other config has a wide variant."""
+    shape_2 = BENCHMARK_SIZES[2]
+    assert hopper.choose_swap_ab_config(shape_2, 132) == hopper.SWAP_AB_T112_K128_CONFIG
+    k_768 = [(192, 3072, 4096, 1), (320, 3072, 768, 1)]
+    assert hopper.choose_swap_ab_config(k_768, 132) == hopper.SWAP_AB_T112_CONFIG
+    one_round_k_1280 = [(128, 128 * 130, 1280, 1)]
+    assert hopper.choose_swap_ab_config(one_round_k_1280, 132) == hopper.SWAP_AB_ONE_ROUND_CONFIG
+    assert hopper.with_wide_k_tiles(shape_2, hopper.SWAP_AB_VARIABLE_CONFIG) == hopper.SWAP_AB_VARIABLE_CONFIG
+    wide = hopper.SWAP_AB_T112_K128_CONFIG
+    assert (wide.tile_k, wide.k_multiple, hopper.SWAP_AB_T112_CONFIG.k_multiple) == (128, 512, 256)
+    assert wide == dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, k_halves=2) and wide.chain_calls
+    # an explicit wide config rejects a K it cannot run, naming group, value and rule
+    backend = hopper.make_backend(wide)
+    with pytest.raises(ValueError, match=r"group 1: K = 768; .*128-wide k-tiles needs K % 512 == 0"):
+        backend.can_implement(k_768)
+    backend.can_implement(shape_2)
+
+
+def test_wide_k_tile_stages():
+    """A 128-wide k-tile's weight stage is two 64-wide halves, each laid out as a 64-wide
+    k-tile's (packed rows, then their scale atom); its token stage the tile's rows of both
+    halves (256 bytes per token)."""
+    wide = hopper.SWAP_AB_ONE_ROUND_K128_CONFIG
+    assert wide.weight_half_bytes == 128 * 32 + 512 and wide.weight_stage_bytes == 2 * wide.weight_half_bytes
+    assert wide.token_stage_bytes == 128 * 256
+    assert wide.smem_bytes == 4 * (2 * 4608 + 32768) + 1024
+    # slabs stay 64 wide: the activation buffer is the 64-wide config's
+    sizes = BENCHMARK_SIZES[3]
+    narrow = hopper.ActivationBuffer(sizes, "cpu", hopper.SWAP_AB_ONE_ROUND_CONFIG)
+    assert hopper.ActivationBuffer(sizes, "cpu", wide).addresses[:, 1].tolist() == narrow.addresses[:, 1].tolist()
 
 
 def test_split_k_where_split_ctas_fit_one_per_sm():
@@ -155,7 +191,9 @@ def test_config_check_rejects_unsupported_values():
     hopper.SwapAbConfig(tile_tokens=112, ctas_per_sm=1).check()
     for bad in ({"tile_tokens": 40}, {"tile_tokens": 16}, {"tile_tokens": 288}, {"stages": 2}, {"split_k": 3},
                 {"ctas_per_sm": 4}, {"weight_stages": 1},
-                {"variable_tokens": True}, {"tile_tokens": 256, "variable_tokens": True, "split_k": 2}):
+                {"variable_tokens": True}, {"tile_tokens": 256, "variable_tokens": True, "split_k": 2},
+                {"k_halves": 3}, {"k_halves": 2, "split_k": 2, "ctas_per_sm": 1},
+                {"k_halves": 2, "tile_tokens": 256, "variable_tokens": True, "ctas_per_sm": 1}):
         with pytest.raises(ValueError):
             hopper.SwapAbConfig(**bad).check()
 
@@ -265,11 +303,11 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     sfs = [(torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)) for _ in sizes]
     plan = submission.Plan(hopper.make_backend(), sizes, "cpu")
     binding = submission.Binding(plan, submission.pointers_of((abc, None, sfs, sizes)))
-    assert plan.backend_plan.shared_scratch and plan.backend_plan.config == hopper.SWAP_AB_ONE_ROUND_CONFIG
+    assert plan.backend_plan.shared_scratch and plan.backend_plan.config == hopper.SWAP_AB_ONE_ROUND_K128_CONFIG
     assert plan.nbytes >= (128 + 384) * 1536 * 2
     binding.run(object())
     (first, first_args), (second, second_args) = launched
-    assert first == ("pre-pass", 2, True) and second == ("gemm", 2, hopper.SWAP_AB_ONE_ROUND_CONFIG)
+    assert first == ("pre-pass", 2, True) and second == ("gemm", 2, hopper.SWAP_AB_ONE_ROUND_K128_CONFIG)
     # chained calls: launched directly (a graph launch would wait for the kernel before it)
     assert not plan.backend_plan.graph_launch and not submission._can_record(plan)
     assert int(first_args[3]) == 384 * 1536 // 16 // swap_ab.DECODE_THREADS
@@ -286,11 +324,12 @@ def test_chained_calls_by_environment(monkeypatch):
     sizes = tuple(BENCHMARK_SIZES[2])
     monkeypatch.delenv("NVFP4_SM90_CHAIN_CALLS", raising=False)
     chained = hopper.make_backend()
-    assert chained.config_for(sizes) == hopper.SWAP_AB_T112_CONFIG and hopper.SWAP_AB_T112_CONFIG.chain_calls
+    chosen = hopper.SWAP_AB_T112_K128_CONFIG
+    assert chained.config_for(sizes) == chosen and chosen.chain_calls
     assert not submission.Plan(chained, sizes, "cpu").backend_plan.graph_launch
     monkeypatch.setenv("NVFP4_SM90_CHAIN_CALLS", "0")
     unchained = hopper.make_backend()
-    assert unchained.config_for(sizes) == dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, chain_calls=False)
+    assert unchained.config_for(sizes) == dataclasses.replace(chosen, chain_calls=False)
     assert submission.Plan(unchained, sizes, "cpu").backend_plan.graph_launch
     assert unchained.plan_key != chained.plan_key
     assert hopper.make_backend(hopper.SWAP_AB_T112_CONFIG).config_for(sizes).chain_calls
@@ -324,6 +363,8 @@ def swap_ab_builds(tmp_path_factory):
     ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_one_round", hopper.SWAP_AB_ONE_ROUND_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_t112", hopper.SWAP_AB_T112_CONFIG, "m64n112k16"),
+    ("sm90_swap_ab_gemm_t112_k128", hopper.SWAP_AB_T112_K128_CONFIG, "m64n112k16"),
+    ("sm90_swap_ab_gemm_one_round_k128", hopper.SWAP_AB_ONE_ROUND_K128_CONFIG, "m64n128k16"),
     ("sm90_swap_ab_gemm_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
     ("sm90_swap_ab_gemm_variable", hopper.SWAP_AB_VARIABLE_CONFIG, "m64n128k16"),
 ])
@@ -342,7 +383,7 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     # than half an SM (115 KB), so that the early CTAs spread one per SM
     assert report.dynamic_smem_bytes == config.launch_smem_bytes(config.smem_bytes)
     assert (report.dynamic_smem_bytes > config.smem_bytes) == (config.pdl and config.ctas_per_sm == 1
-                                                               and not config.variable_tokens)
+                                                               and config.smem_bytes < 115 * 1024)
     assert build_report.problems(report) == []
     ptx = Path(report.ptx_path).read_text(errors="replace")
     # the token rows arrive decoded: the GEMM stores nothing into its own shared memory (only
@@ -355,7 +396,9 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     main_loops = len(report.mma)
     assert ptx.count("mbarrier.init.shared::cta.b64") == config.stages * main_loops
     bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
-    assert ptx.count(bulk) == ptx.count("mbarrier.arrive.expect_tx.shared::cta.b64") >= 2 * main_loops
+    # (128-wide k-tiles: one copy per 64-wide half, both on the stage's one arrival)
+    arrivals = ptx.count("mbarrier.arrive.expect_tx.shared::cta.b64")
+    assert ptx.count(bulk) == config.k_halves * arrivals and arrivals >= 2 * main_loops
     # one wait per k-tile step in the loop: the loop unrolled by the stage count where the
     # stage indices can be constants
     steps = config.stages if config.unrolled_main_loop else 1
