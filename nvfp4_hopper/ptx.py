@@ -484,6 +484,49 @@ def decode_scale_blocks_global(addresses, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def pack_f16x2(low: cutlass.Float32, high: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """Two fp32 rounded to fp16, packed: `low` in bits 0-15 (the lower address), `high` above."""
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Float32(high).ir_value(loc=loc, ip=ip), cutlass.Float32(low).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.f16x2.f32 $0, $1, $2;",
+        "=r,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
+
+
+@dsl_user_op
+def stmatrix_x4_trans(smem: cutlass.Int32, registers, *, loc=None, ip=None):
+    """stmatrix .x4 .trans (warp-wide): register i of every lane holds its two fp16 of 8x8
+    matrix i as an mma fragment (lane l: row l / 4, columns 2 (l % 4) and + 1); lane 8 i + r
+    gives the shared address where matrix i's column r is stored, as 8 fp16 (16 bytes)."""
+    _inline_asm(
+        None,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip)] + [cutlass.Int32(r).ir_value(loc=loc, ip=ip) for r in registers],
+        "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def copy_16B_shared_to_global(smem: cutlass.Int32, address: cutlass.Int64, *, loc=None, ip=None):
+    """16 bytes from shared `smem` to global `address` (both 16-byte aligned)."""
+    _inline_asm(
+        None,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip), cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b32 w<4>;\n\tld.shared.v4.b32 {w0, w1, w2, w3}, [$0];\n\t"
+        "st.global.v4.b32 [$1], {w0, w1, w2, w3};\n\t}",
+        "r,l,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def store_f16(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
     """Round one fp32 to fp16 and store it at global `address`."""
     _inline_asm(

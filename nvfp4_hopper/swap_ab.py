@@ -55,11 +55,14 @@ from .kernel import (
 from .ptx import (
     bulk_copies_to_shared,
     bulk_copy_to_shared,
+    copy_16B_shared_to_global,
     cp_async_16B,
     decode_scale_blocks_global,
     fence_mbarrier_init,
     mbarrier_init_shared,
     mbarrier_wait_parity,
+    pack_f16x2,
+    stmatrix_x4_trans,
     store_f16,
 )
 from .schedules import TOKEN_CLASS_STEP
@@ -499,12 +502,54 @@ class Sm90SwapAbGemm:
             if cute.arch.block_idx_in_cluster() == warp_group_idx % split:
                 self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
         else:
-            self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
+            self.store_tile_staged(tile_t, tidx, accumulators, x_base, c_addr, m, n, token0, n0)
+
+    @cute.jit
+    def store_tile_staged(self, tile_t: cutlass.Constexpr, tidx, accumulators, stage_base, c_addr, m, n, token0, n0):
+        """Epilogue through shared memory: the fp32 sums, rescaled and rounded to fp16, stored
+        transposed into the token stages (free once every warpgroup's last wgmma retired) as
+        the tile's C rows, one per token (tile_w fp16, padded by 16 bytes so that stmatrix's 8
+        rows of a matrix fall in 8 different 16-byte bank groups), then copied out 16 bytes per
+        thread and store, coalesced, predicated on M (N is a multiple of the weight tile).
+
+        Accumulator i of lane (g, t) of warp w is C^T[16 w + g + 8 r][8 j + 2 t + c] with
+        i = 4 j + 2 r + c (wgmma's fragment): the pair c = 0, 1 of (j, r) is one stmatrix
+        register of 8x8 matrix (j, r), whose column (token 8 j + col) .trans stores as 8
+        weight rows."""
+        pitch = self.tile_w * 2 + 16
+        # both operands carry 2^-14 (the decode's one multiply): exact rescale
+        acc_scale = cutlass.Float32(2.0**28)
+        lane = tidx % 32
+        warp = tidx // 32
+        # lane 8 q + col gives the address of column col of matrix q = (j = 2 jj + q // 2,
+        # r = q % 2) of register group jj
+        lane_offset = ((lane // 16) * 8 + lane % 8) * pitch + (warp * 16 + ((lane // 8) % 2) * 8) * 2
+        cute.arch.sync_threads()  # every warpgroup's wgmma is done reading the token stages
+        for jj in cutlass.range_constexpr(tile_t // 16):
+            registers = []
+            for q in cutlass.range_constexpr(4):
+                i = 4 * (2 * jj + q // 2) + 2 * (q % 2)
+                registers.append(pack_f16x2(accumulators[i] * acc_scale, accumulators[i + 1] * acc_scale))
+            stmatrix_x4_trans(stage_base + jj * 16 * pitch + lane_offset, registers)
+        cute.arch.sync_threads()
+        chunks_per_token = self.tile_w * 2 // 16
+        for i in cutlass.range_constexpr(tile_t * chunks_per_token // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            token = chunk // chunks_per_token
+            part = chunk % chunks_per_token
+            if token0 + token < m:
+                copy_16B_shared_to_global(
+                    stage_base + token * pitch + part * 16,
+                    c_addr + (cutlass.Int64(token0 + token) * n + n0 + part * 8) * 2,
+                )
 
     @cute.jit
     def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0):
-        """Epilogue: the fp32 sums of (weight row, token) -> fp16 C[token, weight row], stores
-        predicated on M (N is a multiple of the weight tile)."""
+        """Split-K's epilogue (its summing rank's token stages hold the partial sums): the fp32
+        sums of (weight row, token) -> fp16 C[token, weight row], one 2-byte store each,
+        predicated on M (N is a multiple of the weight tile). (Without split-K, these stores
+        took 4.2 / 6.0 / 1.0 / 1.5 µs more than store_tile_staged on the benchmark shapes;
+        docs/EXPERIMENTS.md.)"""
         tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_w, tile_t)))
         # both operands carry 2^-14 (the decode's one multiply): exact rescale. (Predicated
         # stores instead of the branch: within the spread, registers up to 254; EXPERIMENTS.)
