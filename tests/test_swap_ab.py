@@ -405,6 +405,14 @@ def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, 
     assert config.unrolled_main_loop == (config.split_k == 1)
     assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == main_loops * steps
     assert "fence.proxy.async" not in ptx
+    # the epilogue: without split-K through the token stages (stmatrix .trans of fp16 pairs,
+    # then 16-byte global stores of C rows: one stmatrix .x4 per 16 tokens of each main
+    # loop's tile); split-K's summing rank stores its sums 2 bytes at a time
+    classes = range(64, 257, 64) if config.variable_tokens else (config.tile_tokens,)
+    epilogue = ptx.count("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
+    assert epilogue == (0 if config.split_k > 1 else sum(tokens // 16 for tokens in classes))
+    assert ("st.global.v4.b32" in ptx) == (config.split_k == 1)
+    assert ("st.global.b16" in ptx) == (config.split_k > 1)
     # launched as the pre-pass's dependent: one wait per main loop, before its first token rows
     assert ptx.count("griddepcontrol.wait") == (main_loops if config.pdl else 0)
     # chained calls: the next call's pre-pass may be launched as soon as this grid starts
