@@ -22,7 +22,8 @@ swap_ab (the default; swap_ab.py). Two launches per call:
     GEMM:      B packed + SFB --cp.async--> weight stages (``weight_stages`` deep)
                X: a tile's rows of a k-tile --one bulk copy, mbarrier--> token stages
                B --decode--> register A fragments (one warpgroup per 64 weight rows)
-               X stage --wgmma (tokens as N)--> fp32 --> C[token, n] fp16 (transposed stores)
+               X stage --wgmma (tokens as N)--> fp32 --stmatrix .trans--> C rows in the free
+               token stages --16-byte stores--> C[token, n] fp16 (split-K: 2-byte stores)
 
 Each activation is decoded once per call (not once per weight tile) and M pads to the token
 tile, not to 128-row wgmma blocks. Token tiles are 112, 128 or 192 tokens, or variable: each
@@ -33,8 +34,10 @@ CTAs still fit one per SM, else whichever of 128-token, 192-token, variable and 
 make one round) 112-token tiles swap_ab_time_model (a per-k-tile cost, tiles dispatched in
 order to the SM that frees first) puts first; 128-token tiles that make one round run one CTA
 per SM. Variable and one-round tiles are launched as the pre-pass's programmatic dependent
-(their first weight copies overlap its end). Without split-K the main loop is unrolled by the stage count, so that its stage
-indices and shared-memory addresses are constants. Those configs also chain the calls
+(their first weight copies overlap its end). Without split-K the main loop is unrolled by the
+stage count, so that its stage indices and shared-memory addresses are constants; one round of
+112- or 128-token tiles runs 128-wide k-tiles (two 64-wide halves per stage) where every K %
+512 == 0 (schedules.with_wide_k_tiles). Those configs also chain the calls
 (SwapAbConfig.chain_calls): the pre-pass is itself launched as the dependent of the kernel
 before it (back to back, the previous call's GEMM, which triggers at its start), reads its
 tables, then waits for that kernel before anything else; such calls are launched directly,

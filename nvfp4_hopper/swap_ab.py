@@ -17,7 +17,11 @@ fence.
     GEMM:      B packed + SFB --cp.async--> weight stages (``weight_stages`` deep)
                X: a tile's rows of a k-tile --bulk copy--> token stages (``stages`` deep)
                B --decode--> register A fragments; X stage --wgmma (B from smem)--> fp32
-               --> C[token, n] fp16 (transposed stores)
+               --stmatrix .trans--> C rows in the free token stages --16-byte stores-->
+               C[token, n] fp16 (split-K: 2-byte stores of the summing rank's sums)
+
+A k-tile is 64 or 128 wide (SwapAbConfig.k_halves): a 128-wide one is two 64-wide halves,
+each copied and laid out as a 64-wide k-tile's (the activation slabs stay 64 wide).
 """
 
 from __future__ import annotations
@@ -158,10 +162,13 @@ class Sm90DecodeActivations:
             cute.arch.griddepcontrol_wait()
         # a GEMM launched as this grid's programmatic dependent may start now: it reads what
         # this grid writes only after its griddepcontrol.wait, and what came before this grid
-        # (weights) only once this point is passed (no effect on other launches)
+        # (weights) only once this point is passed (no effect on other launches). (Triggering
+        # before the wait instead, so that the GEMM's launch and weight prologue overlap the
+        # kernel before: no faster; docs/EXPERIMENTS.md)
         cute.arch.griddepcontrol_launch_dependents()
         # one 16-element block per thread (a k-tile of a row per thread, 8 stores of 16 bytes
-        # each: slower; docs/EXPERIMENTS.md)
+        # each: slower; two blocks per thread, 256 apart, half the CTAs: slower;
+        # docs/EXPERIMENTS.md)
         blocks_per_row = k // SF_VEC_SIZE
         item = bidx * DECODE_THREADS + tidx
         if item < m * blocks_per_row:
@@ -464,7 +471,8 @@ class Sm90SwapAbGemm:
             # launched as the pre-pass's dependent: its token rows are complete past here (the
             # CTAs decoding the activations themselves, waiting on each other through counters
             # instead: slower; an L2 prefetch of all the tile's weights before this: slower;
-            # docs/EXPERIMENTS.md)
+            # waiting per slab on counters the pre-pass's CTAs add to, not for its completion:
+            # slower; docs/EXPERIMENTS.md)
             cute.arch.griddepcontrol_wait()
         for s in cutlass.range_constexpr(tokens_ahead):
             if s < k_tile_cnt:
