@@ -307,6 +307,8 @@ def test_compile_targets_list_what_the_backend_runs():
         "sm90_swap_ab_gemm": "sm_90a",
         "sm90_swap_ab_gemm_splitk2": "sm_90a",
         "sm90_swap_ab_gemm_t112": "sm_90a",
+        "sm90_swap_ab_gemm_t112_k128": "sm_90a",
+        "sm90_swap_ab_gemm_one_round_k128": "sm_90a",
         "sm90_swap_ab_gemm_t192": "sm_90a",
         "sm90_swap_ab_gemm_variable": "sm_90a",
         "sm90_swap_ab_gemm_one_round": "sm_90a",
