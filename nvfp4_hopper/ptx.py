@@ -64,31 +64,11 @@ def fence_mbarrier_init(*, loc=None, ip=None):
 
 
 @dsl_user_op
-def bulk_copy_to_shared(dst_smem: cutlass.Int32, src_gmem: cutlass.Int64, num_bytes: cutlass.Int32,
-                        mbar_smem: cutlass.Int32, *, loc=None, ip=None):
-    """One thread: arrive on the mbarrier expecting `num_bytes` of transactions, then copy
-    `num_bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared by
-    the bulk-copy engine, which completes them on that mbarrier."""
-    _inline_asm(
-        None,
-        [
-            cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip),
-            cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
-            cutlass.Int32(num_bytes).ir_value(loc=loc, ip=ip),
-            cutlass.Int32(mbar_smem).ir_value(loc=loc, ip=ip),
-        ],
-        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$3], $2;\n\t"
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
-        "r,l,r,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
 def bulk_copies_to_shared(pieces, num_bytes: int, mbar_smem: cutlass.Int32, *, loc=None, ip=None):
-    """bulk_copy_to_shared of several pieces of `num_bytes` each ((shared destination, global
-    source) pairs) completing on one mbarrier: one arrival expecting all their bytes."""
+    """One thread: arrive on the mbarrier expecting the bytes of every piece, then copy each
+    ((shared destination, global source) pairs, `num_bytes` each, a multiple of 16, addresses
+    16-byte aligned) from global to shared by the bulk-copy engine, which completes them on
+    that mbarrier."""
     operands = [cutlass.Int32(mbar_smem).ir_value(loc=loc, ip=ip)]
     lines = [f"mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], {num_bytes * len(pieces)};"]
     for i, (dst_smem, src_gmem) in enumerate(pieces):

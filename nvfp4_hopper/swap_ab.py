@@ -26,6 +26,7 @@ each copied and laid out as a 64-wide k-tile's (the activation slabs stay 64 wid
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +59,6 @@ from .kernel import (
 )
 from .ptx import (
     bulk_copies_to_shared,
-    bulk_copy_to_shared,
     copy_16B_shared_to_global,
     cp_async_16B,
     decode_scale_blocks_global,
@@ -296,28 +296,20 @@ class Sm90SwapAbGemm:
 
     @cute.jit
     def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes):
-        # the tile's fp16 token rows of this k-tile: one contiguous run of its group's k-tile
-        # slab, already swizzled by the pre-pass; one bulk copy by one thread, completing on
-        # the stage's mbarrier (cp.async took 16-byte copies and their address arithmetic from
-        # every thread; multicast of each half to a 2-CTA cluster of two weight tiles: slower)
+        # the tile's fp16 token rows of this k-tile: per 64-wide half one contiguous run of its
+        # group's slab, already swizzled by the pre-pass, into the stage's half (the K-major
+        # swizzled stage holds the tile's rows of each half in turn); bulk copies by one
+        # thread, completing on the stage's mbarrier (cp.async took 16-byte copies and their
+        # address arithmetic from every thread; multicast of each half to a 2-CTA cluster of
+        # two weight tiles: slower)
         if tidx == 0:
-            if cutlass.const_expr(self.k_halves == 1):
-                bulk_copy_to_shared(
-                    x_base + stage * (tile_t * self.x_row_bytes),
-                    x_addr + cutlass.Int64(k_tile) * slab_bytes,
-                    tile_t * self.x_row_bytes,
-                    mbar_base + stage * 8,
-                )
-            else:
-                # one copy per half, from its own slab, into the stage's half (the K-major
-                # swizzled stage holds the tile's rows of each 64-wide half in turn)
-                half_bytes = tile_t * self.x_row_bytes
-                stage_base = x_base + stage * (half_bytes * self.k_halves)
-                pieces = [
-                    (stage_base + h * half_bytes, x_addr + cutlass.Int64(k_tile * self.k_halves + h) * slab_bytes)
-                    for h in range(self.k_halves)
-                ]
-                bulk_copies_to_shared(pieces, half_bytes, mbar_base + stage * 8)
+            half_bytes = tile_t * self.x_row_bytes
+            stage_base = x_base + stage * (half_bytes * self.k_halves)
+            pieces = [
+                (stage_base + h * half_bytes, x_addr + cutlass.Int64(k_tile * self.k_halves + h) * slab_bytes)
+                for h in range(self.k_halves)
+            ]
+            bulk_copies_to_shared(pieces, half_bytes, mbar_base + stage * 8)
 
     @cute.jit
     def decode_weights(self, tidx, w_base, stage, a_frag):
@@ -615,27 +607,24 @@ def compile_decode_activations(num_groups: int, options: str | None = None, chai
     return _compiled_cache[key]
 
 
+# The GEMM builds of the build report: every config the automatic choice runs
+_GEMM_BUILDS = (
+    ("sm90_swap_ab_gemm", SWAP_AB_CONFIG),
+    ("sm90_swap_ab_gemm_splitk2", SWAP_AB_SPLIT_K_CONFIG),
+    ("sm90_swap_ab_gemm_one_round", SWAP_AB_ONE_ROUND_CONFIG),
+    ("sm90_swap_ab_gemm_t112", SWAP_AB_T112_CONFIG),
+    ("sm90_swap_ab_gemm_t112_k128", SWAP_AB_T112_K128_CONFIG),
+    ("sm90_swap_ab_gemm_one_round_k128", SWAP_AB_ONE_ROUND_K128_CONFIG),
+    ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG),
+    ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG),
+)
+
+
 def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
     """The swap-AB kernels for the build report: (kernel name, arch, compile(G, options)): the
-    pre-pass and both GEMM configs the automatic choice picks."""
+    pre-pass, plain and chained, and every GEMM config the automatic choice runs."""
     return [
         ("sm90_decode_activations", SWAP_AB_CONFIG.arch, compile_decode_activations),
-        ("sm90_decode_activations_chained", SWAP_AB_CONFIG.arch,
-         lambda g, options: compile_decode_activations(g, options, chained=True)),
-        ("sm90_swap_ab_gemm", SWAP_AB_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_CONFIG)),
-        ("sm90_swap_ab_gemm_splitk2", SWAP_AB_SPLIT_K_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_SPLIT_K_CONFIG)),
-        ("sm90_swap_ab_gemm_one_round", SWAP_AB_ONE_ROUND_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_ONE_ROUND_CONFIG)),
-        ("sm90_swap_ab_gemm_t112", SWAP_AB_T112_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T112_CONFIG)),
-        ("sm90_swap_ab_gemm_t112_k128", SWAP_AB_T112_K128_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T112_K128_CONFIG)),
-        ("sm90_swap_ab_gemm_one_round_k128", SWAP_AB_ONE_ROUND_K128_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_ONE_ROUND_K128_CONFIG)),
-        ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_T192_CONFIG)),
-        ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG.arch,
-         lambda g, options: compile_swap_ab_gemm(g, options, SWAP_AB_VARIABLE_CONFIG)),
-    ]
+        ("sm90_decode_activations_chained", SWAP_AB_CONFIG.arch, functools.partial(compile_decode_activations,
+                                                                                    chained=True)),
+    ] + [(name, config.arch, functools.partial(compile_swap_ab_gemm, config=config)) for name, config in _GEMM_BUILDS]
