@@ -365,6 +365,17 @@ def prefetch_tensormap(desc_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
         nvvm.prefetch(desc_ptr.llvm_ptr, tensormap=True, loc=loc, ip=ip)
 
 
+def acquire_tensormap(desc_ptr: cute.Pointer) -> None:
+    """Make a descriptor that another kernel wrote (the init kernel) safe for this thread's
+    TMA: ``fence.proxy.tensormap::generic.acquire.gpu`` on its address, then
+    ``prefetch.tensormap``. A buffer evicted from the descriptor cache and allocated again
+    gets the same address with new contents; without the acquire a stale cached descriptor
+    could load from, or store to, the old tensors. Issued by each warp that uses the
+    descriptor, before its first use (an acquire orders only its own thread's accesses)."""
+    cpasync.fence_tma_desc_acquire(desc_ptr)
+    prefetch_tensormap(desc_ptr)
+
+
 def group_tensormap_gmem_ptrs(tensormap_manager, tensormaps: cute.Tensor, group_idx):
     """Global-memory pointers of the A, B, SFA, SFB descriptors of `group_idx` in
     `tensormaps` [G, 4, 16] (written by the init kernel, read by the GEMM kernel)."""
@@ -495,11 +506,8 @@ def init_tensormaps_kernel(
                 tensormap_sfb_smem_ptr,
             ),
         )
-
-        tensormap_manager.fence_tensormap_update(tensormap_a_gmem_ptr)
-        tensormap_manager.fence_tensormap_update(tensormap_b_gmem_ptr)
-        tensormap_manager.fence_tensormap_update(tensormap_sfa_gmem_ptr)
-        tensormap_manager.fence_tensormap_update(tensormap_sfb_gmem_ptr)
+        # No acquire here: it would order only this thread's own later accesses. The
+        # release above publishes the descriptors; the GEMM's TMA warp acquires them.
 
     cute.arch.barrier()
 
@@ -811,6 +819,9 @@ def gemm_kernel(
     # Mainloop (warp 0): num_ab_stage-deep TMA prefetch, SF smem -> TMEM, block-scaled UMMA
     #
     if warp_idx == 0:
+        # Descriptors written by the init kernel: acquired and fetched before the first copy
+        for tma_desc in (tma_desc_a, tma_desc_b, tma_desc_sfa, tma_desc_sfb):
+            acquire_tensormap(tma_desc)
         acc_empty = acc_producer.acquire_and_advance()
         tiled_mma.set(tcgen05.Field.ACCUMULATE, False)
 
@@ -1489,11 +1500,11 @@ class PersistentGemmSm100:
         if m > 0:
             for atom, smem_ptr in zip(atoms, smem_ptrs):
                 tensormap_manager.init_tensormap_from_atom(atom, smem_ptr, 0)
+            # Released to the tensormap proxy by update_tensormap; the GEMM's consuming warps
+            # acquire them (an acquire here would order only this thread's accesses)
             tensormap_manager.update_tensormap(
                 (mma_a, mma_b, mma_sfa, mma_sfb, mma_c), atoms, gmem_ptrs, 0, smem_ptrs
             )
-            for gmem_ptr in gmem_ptrs:
-                tensormap_manager.fence_tensormap_update(gmem_ptr)
 
     @cute.jit
     def __call__(
@@ -1738,6 +1749,10 @@ class PersistentGemmSm100:
             tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
             tile_idx = cluster_idx
             cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)  # no pair without a tile
+            # The first tile's A, B, SFA, SFB descriptors (written by the init kernel):
+            # acquired and fetched before the pipeline's first wait
+            for slot in cutlass.range_constexpr(4):
+                acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], slot))
             while tile_idx < num_tiles:
                 group_idx, mma_tile_m, mma_tile_n, k_tile_cnt = tile_row[0], tile_row[1], tile_row[2], tile_row[3]
                 # The next tile's row, one 16-byte load a whole tile ahead of its use
@@ -1775,11 +1790,12 @@ class PersistentGemmSm100:
                     peek_ab_empty_status = cutlass.Boolean(1)
                     if ab_producer_state.count < k_tile_cnt:
                         peek_ab_empty_status = ab_pipeline.producer_try_acquire(ab_producer_state)
-                if tile_idx < num_tiles:
-                    # Its row has arrived: fetch the next tile's descriptors while this tile's
-                    # last stages are still in flight
+                if tile_idx < num_tiles and tile_row[0] != group_idx:
+                    # A group change (a pair's groups never repeat: the tile list is
+                    # group-major): acquire and fetch the next group's descriptors while this
+                    # tile's last stages are still in flight
                     for slot in cutlass.range_constexpr(4):
-                        prefetch_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], slot))
+                        acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], slot))
             ab_pipeline.producer_tail(ab_producer_state)
 
         #
@@ -1881,6 +1897,10 @@ class PersistentGemmSm100:
             tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
             tile_idx = cluster_idx
             cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
+            if warp_idx == self.epilog_warp_id[0]:
+                # The one warp that stores C: the first tile's C descriptor, acquired and
+                # fetched before the first accumulator wait
+                acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
             while tile_idx < num_tiles:
                 group_idx, mma_tile_m, mma_tile_n = tile_row[0], tile_row[1], tile_row[2]
                 tile_idx += num_clusters
@@ -1916,8 +1936,8 @@ class PersistentGemmSm100:
                     self.epilog_sync_barrier.arrive_and_wait()
                 acc_consumer_state.advance()
                 num_subtiles_done += subtile_cnt
-                if warp_idx == self.epilog_warp_id[0] and tile_idx < num_tiles:
-                    prefetch_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
+                if warp_idx == self.epilog_warp_id[0] and tile_idx < num_tiles and tile_row[0] != group_idx:
+                    acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
 
             #
             # Free TMEM once both CTAs of the pair are done with it

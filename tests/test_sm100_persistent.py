@@ -142,11 +142,13 @@ def test_init_kernel_builds_without_local_memory(tmp_path):
     function = _only_kernel(build_report.read_cubin(cubin_path.read_bytes()))
     assert function.frame_bytes == 0 and 0 < function.registers <= 255
     ptx = ptx_path.read_text(errors="replace")
-    # Five descriptors per group: each gets its global address patched and is fenced for the
-    # tensormap proxy that the GEMM's TMA reads it through
+    # Five descriptors per group: each gets its global address patched and is released to the
+    # tensormap proxy that the GEMM's TMA reads it through; no acquire on the writer's side
+    # (it would order only the writing thread's own accesses: the GEMM's warps acquire)
     slots = submission.PERSISTENT_NUM_TENSORMAPS
     assert ptx.count("tensormap.replace.tile.global_address") == slots
-    assert len(re.findall(r"fence\.proxy\.tensormap::generic\.\w+\.gpu", ptx)) == slots
+    assert len(re.findall(r"tensormap\.cp_fenceproxy\.global\.shared::cta\.tensormap::generic\.release\.gpu", ptx)) == slots
+    assert "fence.proxy.tensormap::generic.acquire" not in ptx
     assert "tcgen05" not in ptx
 
 
@@ -162,8 +164,9 @@ def test_sass_per_k_tile(persistent_build):
     scale_copies = (K_TILE // MMA_INST_K) * (1 + max(tokens, 128) // 128)
     assert _count(opcodes, "UTCCP") == scale_copies
     assert opcodes["UTCCP.T.S.2CTA.4x32dp128bit"] == scale_copies
-    # Descriptor prefetches: the next tile's A, B, SFA, SFB (TMA warp) and C (epilogue)
-    assert opcodes["UTMACCTL.PF"] == 5
+    # Descriptor prefetches, each after its acquire: the first tile's and each new group's A,
+    # B, SFA, SFB (TMA warp) and C (the storing epilogue warp)
+    assert opcodes["UTMACCTL.PF"] == 2 * submission.PERSISTENT_NUM_TENSORMAPS
     # Tile-table rows come in 16-byte loads
     assert opcodes["LDG.E.128"] >= 1
     # TMA loads per stage: A, B (2-CTA), SFA, and SFB multicast to both CTAs of the pair
@@ -239,6 +242,39 @@ def test_ptx_tcgen05_in_two_cta_forms(persistent_build):
     assert mmas == {"tcgen05.mma.cta_group::2.kind::mxf4nvf4.block_scale.scale_vec::4X"}
     # Commits reach both CTAs of the pair
     assert all("multicast::cluster" in c for c in re.findall(r"tcgen05\.commit[\w.:]*", ptx))
+
+
+def test_ptx_consumers_acquire_each_descriptor_before_use(persistent_build):
+    ptx = persistent_build.ptx
+    acquire = "fence.proxy.tensormap::generic.acquire.gpu"
+    # A, B, SFA, SFB in the TMA warp and C in the storing epilogue warp, each twice: for the
+    # first tile before the first pipeline wait, and at each group change
+    assert ptx.count(acquire) == 2 * submission.PERSISTENT_NUM_TENSORMAPS
+    assert ptx.count("prefetch.tensormap") == ptx.count(acquire)
+    # Each prefetch follows its acquire on the same address register
+    pairs = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[(%rd\d+)\], 128;(?:\s*// [a-z ]+)*\s*"
+                       r"prefetch\.tensormap \[(%rd\d+)\];", ptx)
+    assert len(pairs) == 2 * submission.PERSISTENT_NUM_TENSORMAPS and all(a == b for a, b in pairs), pairs
+    # The first acquires come before the first mbarrier wait of any role
+    first_wait = min(ptx.find(op) for op in ("mbarrier.try_wait", "mbarrier.test_wait") if op in ptx)
+    assert ptx.find(acquire) < first_wait
+
+
+def test_per_tile_kernel_acquires_its_descriptors(tmp_path):
+    _, ptx_path = _compile_kept(lambda options: submission.compile_gemm(2, options), tmp_path)
+    ptx = ptx_path.read_text(errors="replace")
+    # warp 0's A, B, SFA, SFB before its first TMA load
+    acquire = "fence.proxy.tensormap::generic.acquire.gpu"
+    assert ptx.count(acquire) == submission.num_tensormaps
+    assert ptx.count("prefetch.tensormap") == submission.num_tensormaps
+    assert ptx.find(acquire) < ptx.find("cp.async.bulk.tensor")
+
+
+def test_per_tile_init_kernel_releases_without_acquiring(tmp_path):
+    _, ptx_path = _compile_kept(lambda options: submission.compile_init_tensormaps(2, options), tmp_path)
+    ptx = ptx_path.read_text(errors="replace")
+    assert ptx.count("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu") == submission.num_tensormaps
+    assert "fence.proxy.tensormap::generic.acquire" not in ptx
 
 
 def test_ptx_only_named_role_barriers(persistent_build):
