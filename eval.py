@@ -29,23 +29,48 @@ Additions:
     last one only) and exits 112 on failure;
   - test mode runs on the CPU too; the timing modes need CUDA and say so;
   - progress of the timing modes goes to stderr, one line per case;
-  - python eval.py compile [ARGS...] runs build_report.main(ARGS) (no GPU needed).
-Exit codes: 0 every case passed; 112 a case failed; 113 invalid case file; 2 the command
-cannot run as asked (bad option, missing file, no CUDA GPU for a timing mode, matplotlib
-missing for --plot), always as one line on stderr; compile mode returns build_report's code.
+  - the harness survives its submission, in every mode: a worker process that exits
+    (sys.exit, os._exit), aborts or faults fails the case it was running in one line (`the
+    submission's process exited with code 7`), the remaining cases are reported as not run
+    (`not run: ...`, status fail in the protocol, "not run" in --json), and the exit code is
+    112; a submission that does not import fails the first case once, the rest are not run;
+    a wrong output type (None, not g tensors) fails the case in one line;
+  - the test mode's closing line (`10 of 10 test cases passed (FILE)`), and on a machine
+    without a supported GPU the line naming examples/torch_submission.py, go to stderr and
+    to stdout (once where both are the same terminal);
+  - the whole command line and environment are checked before any work: output paths
+    (--json, --plot) must be writable files, --submission a .py file, POPCORN_SEED an
+    integer in 0..2**32-1 (numpy's seed range; utils.set_seed seeds numpy), POPCORN_FD an
+    open, writable file descriptor; a case seed must be below 2**64 (torch.manual_seed's
+    range), also once combined with POPCORN_SEED (else exit 113, naming the line);
+  - Ctrl-C ends the run with one line on stderr and exit code 130;
+  - python eval.py compile [ARGS...] runs build_report.main(ARGS) (no GPU needed), after
+    checking --groups (1..64, no duplicates), --modules (build_report's backends), --json
+    (a writable file) and --dump-dir (a writable folder); it prints a line per kernel built
+    on stderr.
+Exit codes: 0 every case passed; 112 a case failed (or did not run); 113 invalid case file;
+2 the command cannot run as asked (bad option, missing file, unwritable output path, bad
+POPCORN_SEED or POPCORN_FD, no CUDA GPU for a timing mode, matplotlib missing for --plot),
+always as one line on stderr; 130 interrupted (Ctrl-C); compile mode returns build_report's
+code.
 """
 
 import argparse
 import base64
+import collections
 import dataclasses
+import fcntl
 import importlib.util
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import random
 import re
+import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -121,6 +146,7 @@ class StdoutOutput(PopcornOutput):
 class TestCase:
     args: dict
     spec: str
+    line: int = 0  # its line in the case file (0: not from a file)
 
 
 def _combine(a: int, b: int) -> int:
@@ -131,6 +157,10 @@ def _combine(a: int, b: int) -> int:
 
 CASE_KEYS = ("m", "n", "k", "g", "seed")
 MAX_GROUPS = 64
+# torch.manual_seed (which generate_input calls with a case's seed) takes seeds below 2**64;
+# POPCORN_SEED also goes to utils.set_seed, whose numpy seed takes 0..2**32-1.
+CASE_SEED_LIMIT = 2**64
+POPCORN_SEED_LIMIT = 2**32
 K_MULTIPLE = 256
 CASE_FORMAT = "m: [M, ...]; n: [N, ...]; k: [K, ...]; g: G; seed: S"
 # key: value where value is a list [1, 2], a tuple (1, 2), an integer or a word (the
@@ -186,6 +216,9 @@ def parse_case(text: str) -> dict:
     g = int(parts["g"])
     if not _INTEGER.fullmatch(parts["seed"]) or int(parts["seed"]) < 0:
         raise CaseError(f"seed = {parts['seed']!r}; rule: seed is an integer >= 0")
+    if int(parts["seed"]) >= CASE_SEED_LIMIT:
+        raise CaseError(f"seed = {parts['seed']!r}; rule: seed < 2**64 (the range of "
+                        "torch.manual_seed, which seeds the input generator)")
     case = {key: _parse_sizes(key, parts[key], g) for key in ("m", "n", "k")}
     case.update(g=g, seed=int(parts["seed"]))
     return case
@@ -200,7 +233,7 @@ def read_test_cases(file_name: str) -> list[TestCase]:
         if not spec:
             continue  # blank line or comment
         try:
-            tests.append(TestCase(spec=spec, args=parse_case(spec)))
+            tests.append(TestCase(spec=spec, args=parse_case(spec), line=line_number))
         except CaseError as error:
             raise CaseError(f"{file_name}:{line_number}: {error}") from None
     if not tests:
@@ -224,7 +257,14 @@ def get_test_cases(file_name: str, seed: int | None) -> list[TestCase]:
 
     if seed is not None:
         for test in tests:
-            test.args["seed"] = _combine(test.args["seed"], seed)
+            combined = _combine(test.args["seed"], seed)
+            if combined >= CASE_SEED_LIMIT:
+                print(f"invalid test case file {file_name}:{test.line}: seed = "
+                      f"{test.args['seed']} combined with POPCORN_SEED = {seed} is {combined}; "
+                      "rule: the combined seed < 2**64 (the range of torch.manual_seed, which "
+                      "seeds the input generator)", file=sys.stderr)
+                sys.exit(113)
+            test.args["seed"] = combined
     return tests
 
 
@@ -303,7 +343,20 @@ def _load_custom_kernel():
         except BaseException:
             del sys.modules["submission"]
             raise
-    return module.custom_kernel
+    custom_kernel = getattr(module, "custom_kernel", None)
+    if not callable(custom_kernel):
+        raise TypeError(f"{Path(module.__file__).name} defines no function custom_kernel")
+    return custom_kernel
+
+
+def _import_submission() -> str | None:
+    """Worker: import the submission once, before the first case; None, or why not (one
+    line)."""
+    try:
+        _load_custom_kernel()
+    except Exception as E:  # noqa: BLE001 - reported once, as the first case's failure
+        return _one_line(f"could not import the submission: {_describe_error(E)}")
+    return None
 
 
 def _synchronize():
@@ -311,8 +364,41 @@ def _synchronize():
         torch.cuda.synchronize()
 
 
+def _one_line(text: str) -> str:
+    """A message fit for one `key: value` line of the protocol."""
+    return " ".join(str(text).split("\n")).strip()
+
+
 def _describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
+
+
+def output_problem(output, g: int) -> str | None:
+    """Why `output` is not what custom_kernel must return (a list or tuple of g tensors, C of
+    each group), or None; checked before the comparison, which assumes that form."""
+    if not isinstance(output, (list, tuple)):
+        what = "None" if output is None else f"a {type(output).__name__}"
+        return (f"custom_kernel returned {what}; expected a list of {g} "
+                f"tensor{'s' * (g != 1)} (C of each group)")
+    if len(output) != g:
+        return (f"custom_kernel returned {len(output)} output{'s' * (len(output) != 1)}; "
+                f"expected {g} tensor{'s' * (g != 1)} (C of each group)")
+    for index, item in enumerate(output):
+        if not isinstance(item, torch.Tensor):
+            return (f"custom_kernel's output {index} is {type(item).__name__}; expected a "
+                    f"tensor (C of group {index})")
+    return None
+
+
+def _match(expected, output) -> tuple[bool, str]:
+    """match_outputs, after the output's form is checked; never raises."""
+    problem = output_problem(output, len(expected))
+    if problem:
+        return False, problem
+    try:
+        return match_outputs(expected, output)
+    except Exception as E:  # noqa: BLE001 - e.g. an output of a dtype torch cannot compare
+        return False, _one_line(f"the output could not be compared: {_describe_error(E)}")
 
 
 def _run_single_test(test: TestCase):
@@ -334,8 +420,12 @@ def _run_single_test(test: TestCase):
 
 
 def check_output(data, output):
-    """The competition's check: reference on `data`, then rtol = atol = 1e-3."""
-    return match_outputs(ref_kernel(data), output)
+    """The competition's check: reference on `data`, then rtol = atol = 1e-3 (after the
+    output's form: a list of g tensors)."""
+    problem = output_problem(output, len(data[0]))
+    if problem:
+        return False, problem
+    return _match(ref_kernel(data), output)
 
 
 def _run_single_benchmark(
@@ -365,7 +455,7 @@ def _run_single_benchmark(
     # recheck below.
     expected = [ref_kernel(data) for data in check_copy]
     for index, output in enumerate(outputs):
-        good, message = match_outputs(expected[index], output)
+        good, message = _match(expected[index], output)
         if not good:
             return f"input {index}: {message}"
 
@@ -403,7 +493,7 @@ def _run_single_benchmark(
 
         if check_every_repeat:
             for index, output in zip(order, outputs):
-                good, message = match_outputs(expected[index], output)
+                good, message = _match(expected[index], output)
                 if not good:
                     return f"repeat {repeat}, input {index}: {message}"
 
@@ -478,6 +568,141 @@ def _dsl_version() -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# The submission's process
+# ---------------------------------------------------------------------------------------
+
+
+class SubmissionLost(Exception):
+    """The submission cannot go on: its process ended (exit, abort, fault) or it did not
+    import. The case in progress fails with this one-line message; the others do not run,
+    for the reason in `not_run`."""
+
+    def __init__(self, message: str, not_run: str):
+        super().__init__(message)
+        self.not_run = not_run
+
+
+class WorkerError(Exception):
+    """A function run in the submission's process raised (one line); the case fails, the
+    process goes on."""
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How the submission's process ended, in one line."""
+    if exitcode is None:
+        return "the submission's process stopped answering"
+    if exitcode >= 0:
+        return f"the submission's process exited with code {exitcode}"
+    try:
+        name = f" ({signal.Signals(-exitcode).name})"
+    except ValueError:
+        name = ""
+    return f"the submission's process was ended by signal {-exitcode}{name}"
+
+
+def _worker_loop(connection, submission_path: str) -> None:
+    """Body of the submission's process: runs (function, args) requests until None or EOF.
+
+    A function's exception is answered as one line; SystemExit (the submission's sys.exit)
+    ends the process with its code, as os._exit, an abort or a fault end it: the driver
+    sees the process end. Ctrl-C is the driver's to handle: this process ignores SIGINT and
+    is ended by the driver."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(submission_path)
+    while True:
+        try:
+            request = connection.recv()
+        except (EOFError, OSError):
+            return
+        if request is None:
+            return
+        function, args = request
+        try:
+            reply = ("ok", function(*args))
+        except SystemExit:
+            raise
+        except BaseException as error:  # noqa: BLE001 - answered as the case's failure
+            reply = ("error", _one_line(_describe_error(error)))
+        try:
+            connection.send(reply)
+        except Exception as error:  # noqa: BLE001 - e.g. a result that does not pickle
+            connection.send(("error", _one_line(f"the result could not be sent back: "
+                                                f"{_describe_error(error)}")))
+
+
+class Worker:
+    """The submission's process: one spawned process (as the competition's Pool(1)) that
+    runs this module's functions with `apply`, and notices when it ends: `apply` then raises
+    SubmissionLost saying how, instead of waiting for ever."""
+
+    def __init__(self, submission_path: str):
+        context = multiprocessing.get_context("spawn")
+        self._connection, child = context.Pipe()
+        self.process = context.Process(target=_worker_loop, args=(child, submission_path),
+                                       name="submission", daemon=True)
+        self.process.start()
+        child.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        self.close(wait=exc_type is None)
+        return False
+
+    def close(self, wait: bool = True) -> None:
+        """Ends the process: asked to stop (wait), else (Ctrl-C, an error) terminated."""
+        if wait and self.process.is_alive():
+            try:
+                self._connection.send(None)
+                self.process.join(10)
+            except OSError:
+                pass
+        for end in (self.process.terminate, self.process.kill):
+            if self.process.is_alive():
+                end()
+                self.process.join(2)
+        self._connection.close()
+
+    def _lost(self) -> SubmissionLost:
+        self.process.join(5)
+        return SubmissionLost(describe_exit(self.process.exitcode),
+                              "not run: the submission's process ended in an earlier case")
+
+    def apply(self, function, args=()):
+        """function(*args) in the submission's process; raises WorkerError (it raised) or
+        SubmissionLost (the process ended)."""
+        try:
+            self._connection.send((function, tuple(args)))
+        except (BrokenPipeError, ConnectionError):
+            raise self._lost() from None
+        ready = multiprocessing.connection.wait([self._connection, self.process.sentinel])
+        if self._connection not in ready:
+            raise self._lost()
+        try:
+            kind, value = self._connection.recv()
+        except (EOFError, OSError):
+            raise self._lost() from None
+        if kind == "error":
+            raise WorkerError(value)
+        return value
+
+
+def load_submission(pool) -> None:
+    """Imports the submission in its process before the first case; raises SubmissionLost
+    (reported once, as the first case's failure) when it does not import."""
+    not_run = "not run: the submission could not be imported"
+    try:
+        problem = pool.apply(_import_submission)
+    except SubmissionLost as lost:
+        raise SubmissionLost(f"could not import the submission: {lost}", not_run) from None
+    except WorkerError as error:
+        problem = f"could not import the submission: {error}"
+    if problem:
+        raise SubmissionLost(problem, not_run)
+
+
+# ---------------------------------------------------------------------------------------
 # Driver side
 # ---------------------------------------------------------------------------------------
 
@@ -485,6 +710,21 @@ def _dsl_version() -> str:
 def _progress(message: str) -> None:
     """One progress line on stderr (the protocol's lines go elsewhere)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def _same_file(first, second) -> bool:
+    try:
+        return os.path.sameopenfile(first.fileno(), second.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _announce(message: str) -> None:
+    """A line for the reader as well as the log: on stderr (with the progress) and on
+    stdout (with the results), once where the two are the same file (a terminal)."""
+    _progress(message)
+    if not _same_file(sys.stdout, sys.stderr):
+        print(message, file=sys.stdout, flush=True)
 
 
 def describe_case(args: dict) -> str:
@@ -501,29 +741,78 @@ def describe_case(args: dict) -> str:
             f" K={span(args.get('k'))}")
 
 
+class CaseFailure(str):
+    """A case that failed (where a mode's results have no other form for it); the text
+    says why."""
+
+
+class NotRun(CaseFailure):
+    """A case that did not run; the text says why (`not run: ...`)."""
+
+
+def stop_cases(logger, mode: str, tests: list[TestCase], results: list, failed_idx: int,
+               lost: SubmissionLost, spec_logged: bool, as_result=lambda text: text):
+    """The one way every mode ends when the submission is lost: case `failed_idx` fails
+    with the message, every other case without a result yet is not run; each is logged
+    (`{key}.{idx}.status: fail` and its error, key test or benchmark) and gets its result,
+    as_result(CaseFailure or NotRun); one progress line says what happened."""
+    key = "test" if mode == "test" else "benchmark"
+    not_run = 0
+    for idx in range(len(results), len(tests)):
+        if idx != failed_idx or not spec_logged:
+            logger.log(f"{key}.{idx}.spec", tests[idx].spec)
+        if idx == failed_idx:
+            text = CaseFailure(lost)
+        else:
+            text = NotRun(lost.not_run)
+            not_run += 1
+        logger.log(f"{key}.{idx}.status", "fail")
+        logger.log(f"{key}.{idx}.error", text)
+        results.append(as_result(text))
+    _progress(f"{mode}: case {failed_idx + 1} of {len(tests)} "
+              f"({describe_case(tests[failed_idx].args)}): FAILED: {lost}"
+              + (f"; {not_run} case{'s' * (not_run != 1)} not run" if not_run else ""))
+
+
 def run_testing(logger, pool, tests: list[TestCase]):
     """Returns (exit status, [(passed, message)] per case)."""
-    passed = True
     results = []
     logger.log("test-count", len(tests))
-    for idx, test in enumerate(tests):
-        logger.log(f"test.{idx}.spec", test.spec)
-        good, message = pool.apply(_run_single_test, (test,))
-        results.append((good, message))
-        if not good:
-            logger.log(f"test.{idx}.status", "fail")
-            logger.log(f"test.{idx}.error", message)
-            passed = False
-        else:
-            logger.log(f"test.{idx}.status", "pass")
-            if message:
-                logger.log(f"test.{idx}.message", message)
+    spec_logged = False
+    try:
+        load_submission(pool)
+        for idx, test in enumerate(tests):
+            logger.log(f"test.{idx}.spec", test.spec)
+            spec_logged = True
+            try:
+                good, message = pool.apply(_run_single_test, (test,))
+            except WorkerError as error:
+                good, message = False, str(error)
+            spec_logged = False
+            results.append((good, message))
+            if not good:
+                logger.log(f"test.{idx}.status", "fail")
+                logger.log(f"test.{idx}.error", message)
+            else:
+                logger.log(f"test.{idx}.status", "pass")
+                if message:
+                    logger.log(f"test.{idx}.message", message)
+    except SubmissionLost as lost:
+        stop_cases(logger, "test", tests, results, len(results), lost, spec_logged,
+                   as_result=lambda text: (False, text))
+    passed = all(good for good, _ in results)
     logger.log("check", "pass" if passed else "fail")
     return (0 if passed else 112), results
 
 
 def run_single_benchmark(pool, test, recheck, max_repeats, max_time_ns, hardened=False):
-    return pool.apply(_run_single_benchmark, (test, recheck, max_repeats, max_time_ns, hardened))
+    """One case's timing in the submission's process: BenchResult or the failure (str);
+    raises SubmissionLost."""
+    try:
+        return pool.apply(_run_single_benchmark,
+                          (test, recheck, max_repeats, max_time_ns, hardened))
+    except WorkerError as error:
+        return str(error)
 
 
 def _log_benchmark(logger, idx: int, result) -> bool:
@@ -545,57 +834,97 @@ def _report_progress(mode: str, idx: int, count: int, test: TestCase, result) ->
 
 
 def run_benchmarking(logger, pool, tests: list[TestCase], hardened: bool):
-    _progress(f"benchmark: warm-up on case 1 ({describe_case(tests[0].args)})")
-    run_single_benchmark(pool, tests[0], False, 100, 10e7, hardened)  # warm-up
     passed = True
     results = []
-    logger.log("benchmark-count", len(tests))
-    for idx, test in enumerate(tests):
-        logger.log(f"benchmark.{idx}.spec", test.spec)
-        result = run_single_benchmark(pool, test, False, 100, 10e9, hardened)
-        passed = _log_benchmark(logger, idx, result) and passed
-        results.append(result)
-        _report_progress("benchmark", idx, len(tests), test, result)
+    counted = spec_logged = False
+    try:
+        load_submission(pool)
+        _progress(f"benchmark: warm-up on case 1 ({describe_case(tests[0].args)})")
+        run_single_benchmark(pool, tests[0], False, 100, 10e7, hardened)  # warm-up
+        logger.log("benchmark-count", len(tests))
+        counted = True
+        for idx, test in enumerate(tests):
+            logger.log(f"benchmark.{idx}.spec", test.spec)
+            spec_logged = True
+            result = run_single_benchmark(pool, test, False, 100, 10e9, hardened)
+            spec_logged = False
+            passed = _log_benchmark(logger, idx, result) and passed
+            results.append(result)
+            _report_progress("benchmark", idx, len(tests), test, result)
+    except SubmissionLost as lost:
+        if not counted:
+            logger.log("benchmark-count", len(tests))
+        stop_cases(logger, "benchmark", tests, results, len(results), lost, spec_logged)
+        passed = False
     logger.log("check", "pass" if passed else "fail")
     return (0 if passed else 112), results
 
 
 def run_leaderboard(logger, pool, tests: list[TestCase], hardened: bool):
-    for idx, test in enumerate(tests):  # warm up every shape
-        _progress(f"leaderboard: warm-up {idx + 1} of {len(tests)} ({describe_case(test.args)})")
-        run_single_benchmark(pool, test, False, 50, 5e8, hardened)
-    logger.log("benchmark-count", len(tests))
     passed = True
     results = []
-    for idx, test in enumerate(tests):
-        result = run_single_benchmark(pool, test, True, 100, 30e9, hardened)
-        logger.log(f"benchmark.{idx}.spec", test.spec)
-        results.append(result)
-        _report_progress("leaderboard", idx, len(tests), test, result)
-        if not _log_benchmark(logger, idx, result):
-            passed = False
-            break
+    counted = False
+    idx = 0
+    try:
+        load_submission(pool)
+        for idx, test in enumerate(tests):  # warm up every shape
+            _progress(f"leaderboard: warm-up {idx + 1} of {len(tests)} "
+                      f"({describe_case(test.args)})")
+            run_single_benchmark(pool, test, False, 50, 5e8, hardened)
+        logger.log("benchmark-count", len(tests))
+        counted = True
+        for idx, test in enumerate(tests):
+            result = run_single_benchmark(pool, test, True, 100, 30e9, hardened)
+            logger.log(f"benchmark.{idx}.spec", test.spec)
+            results.append(result)
+            _report_progress("leaderboard", idx, len(tests), test, result)
+            if not _log_benchmark(logger, idx, result):
+                passed = False
+                break
+    except SubmissionLost as lost:
+        if not counted:
+            logger.log("benchmark-count", len(tests))
+        stop_cases(logger, "leaderboard", tests, results, idx, lost, False)
+        passed = False
     logger.log("check", "pass" if passed else "fail")
     return (0 if passed else 112), results
 
 
 def run_profiling(logger, pool, tests: list[TestCase]):
-    """Returns (0, [profiler table per case])."""
+    """Returns (exit status, [profiler table, or CaseFailure / NotRun, per case])."""
     use_ncu = os.getenv("POPCORN_NCU", "0") not in ("", "0")
     logger.log("benchmark-count", len(tests))
     reports = []
-    for idx, test in enumerate(tests):
-        logger.log(f"benchmark.{idx}.spec", test.spec)
-        worker = _run_single_profile_ncu if use_ncu else _run_single_profile_torch
-        report = pool.apply(worker, (test,))
-        reports.append(report)
-        logger.log(
-            f"benchmark.{idx}.report",
-            base64.b64encode(report.encode("utf-8"), b"+*").decode("utf-8"),
-        )
-        _progress(f"profile: case {idx + 1} of {len(tests)} ({describe_case(test.args)}) done")
-    logger.log("check", "pass")
-    return 0, reports
+    spec_logged = False
+    try:
+        load_submission(pool)
+        for idx, test in enumerate(tests):
+            logger.log(f"benchmark.{idx}.spec", test.spec)
+            spec_logged = True
+            worker = _run_single_profile_ncu if use_ncu else _run_single_profile_torch
+            try:
+                report = pool.apply(worker, (test,))
+            except WorkerError as error:
+                report = CaseFailure(error)
+            spec_logged = False
+            reports.append(report)
+            if isinstance(report, CaseFailure):
+                logger.log(f"benchmark.{idx}.status", "fail")
+                logger.log(f"benchmark.{idx}.error", report)
+                outcome = "FAILED"
+            else:
+                logger.log(
+                    f"benchmark.{idx}.report",
+                    base64.b64encode(report.encode("utf-8"), b"+*").decode("utf-8"),
+                )
+                outcome = "done"
+            _progress(f"profile: case {idx + 1} of {len(tests)} ({describe_case(test.args)}) "
+                      f"{outcome}")
+    except SubmissionLost as lost:
+        stop_cases(logger, "profile", tests, reports, len(reports), lost, spec_logged)
+    passed = not any(isinstance(report, CaseFailure) for report in reports)
+    logger.log("check", "pass" if passed else "fail")
+    return (0 if passed else 112), reports
 
 
 # ---------------------------------------------------------------------------------------
@@ -638,6 +967,8 @@ def build_report(mode: str, submission: str, machine: dict, tests, results,
                 sol_pct=(100.0 * metrics["sol_us"] / mean_us) if metrics["sol_us"] else None,
             )
         else:
+            if isinstance(result, NotRun):
+                case["status"] = "not run"
             case["error"] = str(result)
         cases.append(case)
     timed = [c for c in cases if "mean_us" in c]
@@ -679,7 +1010,10 @@ def format_report(report: dict) -> str:
         head = (f"{idx:<5} {case['g']!s:>2} {span(case['m']):>16} {span(case['n']):>10}"
                 f" {span(case['k']):>10}")
         if "error" in case:
-            lines.append(f"{head} FAILED: {case['error'][:400]}")
+            if case.get("status") == "not run":
+                lines.append(f"{head} NOT RUN: {case['error'].removeprefix('not run: ')[:400]}")
+            else:
+                lines.append(f"{head} FAILED: {case['error'][:400]}")
             continue
         sol = f"{case['sol_us']:.3f}" if case["sol_us"] else "-"
         pct = f"{case['sol_pct']:.1f}" if case["sol_pct"] else "-"
@@ -704,18 +1038,28 @@ def build_test_report(submission: str, machine: dict, tests, results) -> dict:
     """The data of a test run: each case's status (and error), the count passed."""
     cases = []
     for test, (good, message) in zip(tests, results):
-        case = {**_case_fields(test), "status": "pass" if good else "fail"}
+        status = "pass" if good else "not run" if isinstance(message, NotRun) else "fail"
+        case = {**_case_fields(test), "status": status}
         if message:
-            case["error" if not good else "message"] = message
+            case["error" if not good else "message"] = str(message)
         cases.append(case)
     passed = sum(1 for case in cases if case["status"] == "pass")
+    not_run = sum(1 for case in cases if case["status"] == "not run")
     return {"mode": "test", "submission": submission, "machine": machine, "cases": cases,
-            "passed": passed, "check": "pass" if passed == len(cases) else "fail"}
+            "passed": passed, "not_run": not_run,
+            "check": "pass" if passed == len(cases) else "fail"}
 
 
 def build_profile_report(submission: str, machine: dict, tests, reports) -> dict:
-    """The data of a profile run: each case's profiler table (empty under POPCORN_NCU)."""
-    cases = [{**_case_fields(test), "report": report} for test, report in zip(tests, reports)]
+    """The data of a profile run: each case's profiler table (empty under POPCORN_NCU), or
+    why it failed or did not run."""
+    cases = []
+    for test, report in zip(tests, reports):
+        if isinstance(report, CaseFailure):
+            status = "not run" if isinstance(report, NotRun) else "fail"
+            cases.append({**_case_fields(test), "status": status, "error": str(report)})
+        else:
+            cases.append({**_case_fields(test), "status": "pass", "report": report})
     return {"mode": "profile", "submission": submission, "machine": machine, "cases": cases}
 
 
@@ -806,20 +1150,50 @@ class UsageError(Exception):
     """The command cannot run as asked: reported as one line, exit 2."""
 
 
-def _check_compile_args(argv: list[str]) -> None:
-    """The one value build_report converts itself: --groups, comma-separated counts."""
-    for index, arg in enumerate(argv):
-        if arg == "--groups" and index + 1 < len(argv):
-            value = argv[index + 1]
-        elif arg.startswith("--groups="):
-            value = arg.split("=", 1)[1]
-        else:
-            continue
+class _CompileOptionParser(argparse.ArgumentParser):
+    """The options of build_report that eval.py checks before anything compiles (the
+    rest pass through to build_report untouched)."""
+
+    def error(self, message):
+        raise UsageError(f"compile: {message}")
+
+
+def _check_compile_args(argv: list[str], backend_modules=None) -> None:
+    """build_report's options, checked before anything compiles: --groups (distinct counts
+    in 1..MAX_GROUPS), --modules (names among `backend_modules`, when known), --json (a
+    writable file), --dump-dir (a writable folder); raises UsageError."""
+    parser = _CompileOptionParser(prog="compile", add_help=False)
+    for option in ("--groups", "--modules", "--json", "--dump-dir"):
+        parser.add_argument(option)
+    options, _rest = parser.parse_known_args(argv)
+    if options.groups is not None:
+        value = options.groups
         items = [item.strip() for item in value.split(",") if item.strip()]
         if not items or not all(item.isdigit() and 1 <= int(item) <= MAX_GROUPS
                                 for item in items):
             raise UsageError(f"compile: --groups {value!r}: expected comma-separated group "
                              f"counts between 1 and {MAX_GROUPS}, e.g. 1,2,8")
+        counts = collections.Counter(int(item) for item in items)
+        twice = sorted(count for count, times in counts.items() if times > 1)
+        if twice:
+            raise UsageError(f"compile: --groups {value!r}: {', '.join(map(str, twice))} given "
+                             f"more than once; expected distinct group counts between 1 and "
+                             f"{MAX_GROUPS}, e.g. 1,2,8")
+    if options.modules is not None and backend_modules is not None:
+        value = options.modules
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        allowed = ", ".join(backend_modules)
+        unknown = [name for name in names if name not in backend_modules]
+        if not names or unknown:
+            what = (f"unknown module{'s' * (len(unknown) != 1)} {', '.join(map(repr, unknown))}"
+                    if unknown else "no module named")
+            raise UsageError(f"compile: --modules {value!r}: {what}; the modules are "
+                             f"{allowed} (comma-separated)")
+        if len(set(names)) != len(names):
+            raise UsageError(f"compile: --modules {value!r}: a module named more than once; "
+                             f"the modules are {allowed} (comma-separated)")
+    check_output_file("compile: --json", options.json)
+    check_output_folder("compile: --dump-dir", options.dump_dir)
 
 
 def run_compile(argv: list[str]) -> int:
@@ -829,17 +1203,17 @@ def run_compile(argv: list[str]) -> int:
         print(f"compile mode needs {path} (it compiles the kernels for sm_100a and reports "
               "their resources); it does not exist yet.", file=sys.stderr)
         return 2
-    try:
-        _check_compile_args(argv)
-    except UsageError as error:
-        print(error, file=sys.stderr)
-        return 2
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     spec = importlib.util.spec_from_file_location("build_report", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules["build_report"] = module
     spec.loader.exec_module(module)
+    try:
+        _check_compile_args(argv, getattr(module, "BACKEND_MODULES", None))
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
     return int(module.main(list(argv)))
 
 
@@ -885,10 +1259,51 @@ def _display_path(path: Path) -> str:
         return str(path)
 
 
-def _check_output_path(option: str, value: str | None) -> None:
-    if value is not None and not Path(value).resolve().parent.is_dir():
-        raise UsageError(f"{option} {value}: the folder {Path(value).resolve().parent} "
-                         "does not exist")
+def check_output_file(option: str, value: str | None) -> None:
+    """`value` (an option's output file) can be written: not a folder, in an existing
+    folder, creatable there; raises UsageError. Leaves no file behind."""
+    if value is None:
+        return
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"{option} {value}: is a folder; expected a file name")
+    folder = path.resolve().parent
+    if not folder.exists():
+        raise UsageError(f"{option} {value}: the folder {folder} does not exist")
+    if not folder.is_dir():
+        raise UsageError(f"{option} {value}: {folder} is not a folder")
+    if path.exists() and not path.is_file():
+        return  # a device or a pipe (/dev/null, /dev/stdout): written as it is
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        raise UsageError(f"{option} {value}: cannot be written "
+                         f"({error.strerror or _describe_error(error)})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
+
+
+def check_output_folder(option: str, value: str | None) -> None:
+    """`value` (an option's output folder) is a folder that can be written, or one that can
+    be created (its nearest existing parent is a writable folder); raises UsageError."""
+    if value is None:
+        return
+    path = Path(value).resolve()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"{existing} is a file"
+        raise UsageError(f"{option} {value}: {where}; expected a folder")
+    try:
+        handle, name = tempfile.mkstemp(dir=existing, prefix=".eval-write-check-")
+        os.close(handle)
+        os.unlink(name)
+    except OSError as error:
+        raise UsageError(f"{option} {value}: cannot write in {existing} "
+                         f"({error.strerror or _describe_error(error)})") from None
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -905,10 +1320,14 @@ def check_options(args: argparse.Namespace) -> None:
         except ImportError:
             raise UsageError("--plot needs matplotlib, which is not installed: "
                              "pip install -e '.[plot]' (or pip install matplotlib)") from None
-    _check_output_path("--json", args.json_path)
-    _check_output_path("--plot", args.plot_path)
-    if args.submission is not None and not Path(args.submission).is_file():
-        raise UsageError(f"submission file not found: {Path(args.submission).resolve()}")
+    check_output_file("--json", args.json_path)
+    check_output_file("--plot", args.plot_path)
+    if args.submission is not None:
+        if Path(args.submission).suffix != ".py":
+            raise UsageError(f"--submission {args.submission}: expected a Python file (.py) "
+                             "that defines custom_kernel")
+        if not Path(args.submission).is_file():
+            raise UsageError(f"submission file not found: {Path(args.submission).resolve()}")
 
 
 def choose_submission(args: argparse.Namespace) -> Path:
@@ -925,7 +1344,7 @@ def choose_submission(args: argparse.Namespace) -> Path:
     if supported:
         return DEFAULT_SUBMISSION
     if args.mode == "test":
-        _progress(f"submission.py needs an NVIDIA B200 (sm_100) or H100/H200 (sm_90); here "
+        _announce(f"submission.py needs an NVIDIA B200 (sm_100) or H100/H200 (sm_90); here "
                   f"{gpu}, so {_display_path(TORCH_EXAMPLE)} runs instead, to show the "
                   "harness end to end (--submission submission.py runs submission.py anyway).")
         return TORCH_EXAMPLE
@@ -937,23 +1356,61 @@ def choose_submission(args: argparse.Namespace) -> Path:
 
 
 def _popcorn_seed() -> int | None:
+    """POPCORN_SEED (taken out of the environment, as the competition does), checked."""
     seed = os.environ.pop("POPCORN_SEED", None)
     if not seed:
         return None
+    rule = (f"expected an integer between 0 and {POPCORN_SEED_LIMIT - 1} (2**32 - 1, the "
+            "range of the numpy seed that utils.set_seed sets)")
     try:
-        return int(seed)
+        value = int(seed)
     except ValueError:
-        raise UsageError(f"POPCORN_SEED = {seed!r}: expected an integer") from None
+        raise UsageError(f"POPCORN_SEED = {seed!r}: {rule}") from None
+    if not 0 <= value < POPCORN_SEED_LIMIT:
+        raise UsageError(f"POPCORN_SEED = {seed!r}: {rule}")
+    return value
+
+
+def _popcorn_fd() -> int | None:
+    """POPCORN_FD, checked: the number of an open file descriptor open for writing."""
+    value = os.getenv("POPCORN_FD")
+    if not value:
+        return None
+    rule = "expected the number of an open file descriptor to write the results to"
+    try:
+        fd = int(value)
+        if fd < 0:
+            raise ValueError(value)
+    except ValueError:
+        raise UsageError(f"POPCORN_FD = {value!r}: {rule}") from None
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except (OSError, OverflowError, ValueError):
+        raise UsageError(f"POPCORN_FD = {value!r}: file descriptor {fd} is not open; "
+                         f"{rule}") from None
+    if flags & os.O_ACCMODE not in (os.O_WRONLY, os.O_RDWR):
+        raise UsageError(f"POPCORN_FD = {value!r}: file descriptor {fd} is not open for "
+                         f"writing; {rule}")
+    return fd
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "compile":
-        return run_compile(argv[1:])
-    args = parse_args(argv)
+    try:
+        if argv and argv[0] == "compile":
+            return run_compile(argv[1:])
+        return run(parse_args(argv))
+    except KeyboardInterrupt:
+        print("eval.py: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
+    """One mode, from the checked command line to the report; the exit status."""
     try:
         check_options(args)
         seed = _popcorn_seed()
+        fd = _popcorn_fd()
         default_file = DEFAULT_TEST_FILE if args.mode == "test" else DEFAULT_BENCHMARK_FILE
         tests = get_test_cases(args.file or str(default_file), seed)  # invalid: exit 113
         if args.mode in TIMING_MODES and not torch.cuda.is_available():
@@ -965,11 +1422,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     set_seed(seed or 42)
 
-    fd = os.getenv("POPCORN_FD")
-    logger = PopcornOutput(int(fd)) if fd else StdoutOutput()
-    mp_context = multiprocessing.get_context("spawn")
-    with logger, mp_context.Pool(1, initializer=_init_worker,
-                                 initargs=(str(submission),)) as pool:
+    logger = PopcornOutput(fd) if fd is not None else StdoutOutput()
+    with logger, Worker(str(submission)) as pool:
+        try:
+            machine = pool.apply(_describe_machine)
+        except (SubmissionLost, WorkerError):
+            machine = _describe_machine()  # the process did not start: this one's view
+            # (the cases then report how the submission's process ended)
         if args.mode == "test":
             status, results = run_testing(logger, pool, tests)
         elif args.mode == "profile":
@@ -977,12 +1436,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             runner = run_benchmarking if args.mode == "benchmark" else run_leaderboard
             status, results = runner(logger, pool, tests, args.hardened)
-        machine = pool.apply(_describe_machine)
 
     shown = _display_path(submission)
     if args.mode == "test":
         report = build_test_report(str(submission), machine, tests, results)
-        print(f"{report['passed']} of {len(tests)} test cases passed ({shown})", file=sys.stderr)
+        not_run = f", {report['not_run']} not run" if report["not_run"] else ""
+        _announce(f"{report['passed']} of {len(tests)} test cases passed{not_run} ({shown})")
     elif args.mode == "profile":
         report = build_profile_report(str(submission), machine, tests, results)
     else:
