@@ -63,11 +63,12 @@ machine, no GPU: builds every kernel for its target and prints its resources).
 import collections
 import contextlib
 import dataclasses
-import functools
 import itertools
 import operator
 import os
 import struct
+import sys
+import threading
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -2239,6 +2240,9 @@ def persistent_stage_bytes(tokens_per_tile: int) -> int:
     )
 
 
+# K extent of one k-tile of every sm_100 kernel (and the K multiple validate_inputs asks for)
+K_TILE = 256
+
 # sm_100 SMs a B200 has; the host reads the real count from the device when it has one
 B200_NUM_SMS = 148
 
@@ -2323,12 +2327,36 @@ def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = 
     return _compiled_persistent_cache[key]
 
 
-@functools.lru_cache(maxsize=256)
-def _persistent_config_for(problem_sizes: tuple, num_sms: int) -> PersistentGemmConfig | None:
-    # A miss asks three times (tile list, descriptors, tile shape): the rule plans once
-    if persistent_can_implement(problem_sizes) is not None:
-        return None
-    return PERSISTENT_CONFIGS[choose_tokens_per_tile(problem_sizes, num_sms)]
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """One named kernel config of a backend: a link of its fallback chain.
+
+    `name` is the registry name (SM100_CHOICES, nvfp4_hopper's); `config` what is baked into
+    the compiled code; `per_group_count`: compiled once per G (its identity includes G);
+    `host`: computed by torch ops (the chain's last link, also the self-check's oracle)."""
+
+    backend: str
+    name: str
+    config: Any = None
+    per_group_count: bool = False
+    host: bool = False
+
+    def kernel_key(self, num_groups: int) -> tuple:
+        """The identity of the compiled kernel: what a demotion and a self-check are keyed on."""
+        return (self.backend, self.name, self.config, num_groups if self.per_group_count else None)
+
+    def describe(self) -> str:
+        return self.name if self.config is None else f"{self.name} ({self.config})"
+
+
+# The sm_100 registry: every kernel the automatic choice can pick, by name
+SM100_CHOICES = {
+    **{f"persistent_t{tokens}": KernelChoice("sm100", f"persistent_t{tokens}", config)
+       for tokens, config in PERSISTENT_CONFIGS.items()},
+    "per_tile": KernelChoice("sm100", "per_tile", SM100_CONFIG, per_group_count=True),
+    # what the competition's reference runs on a B200: always correct there, only slow
+    "scaled_mm": KernelChoice("sm100", "scaled_mm", host=True),
+}
 
 
 class Sm100Plan:
@@ -2342,15 +2370,35 @@ class Sm100Plan:
         self.config = config
         self.num_clusters = num_clusters
 
+    def record_stream(self, stream) -> None:
+        pass
+
+
+def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None:
+    """How many clusters of `cluster_size` CTAs can be resident at once on `device` (the
+    examples' HardwareInfo().get_max_active_clusters); None off a GPU. More would run as a
+    second persistent wave. Asked once per device."""
+    if device.type != "cuda":
+        return None
+    key = (device.index, cluster_size)
+    count = _RESIDENT_CLUSTERS.get(key)
+    if count is None:
+        count = _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
+    return count
+
+
+_RESIDENT_CLUSTERS: dict = {}
+
 
 class Sm100Backend:
-    """Backend protocol implementation for B200 (sm_100a).
+    """The B200 (sm_100a) backend.
 
-    `kernel`: "persistent" (PersistentGemmSm100, where persistent_can_implement allows; the
-    per-tile kernel otherwise) or "per_tile" (the seed-structure kernel for every input set).
-    """
+    `kernel`: "persistent" (chain: PersistentGemmSm100 where persistent_can_implement allows,
+    then the per-tile kernel, then torch._scaled_mm) or "per_tile" (chain: the per-tile
+    kernel, then torch._scaled_mm)."""
 
     name = "sm100"
+    oracle = SM100_CHOICES["scaled_mm"]
 
     def __init__(self, kernel: str = SM100_KERNEL, num_sms: int = B200_NUM_SMS):
         if kernel not in SM100_KERNELS:
@@ -2367,42 +2415,58 @@ class Sm100Backend:
         """What, besides the device and the sizes, a plan of this backend depends on."""
         return (self.name, self.kernel, self.num_sms)
 
-    def persistent_config(self, problem_sizes) -> PersistentGemmConfig | None:
-        """The persistent kernel's config for this input set, or None for the per-tile kernel."""
-        if self.kernel != "persistent":
-            return None
-        return _persistent_config_for(tuple(map(tuple, problem_sizes)), self.num_sms)
+    def kernel_chain(self, problem_sizes) -> list[KernelChoice]:
+        """The kernels that can run these sizes, best first; the last always can."""
+        chain = []
+        if self.kernel == "persistent" and persistent_can_implement(problem_sizes) is None:
+            chain.append(SM100_CHOICES[f"persistent_t{choose_tokens_per_tile(problem_sizes, self.num_sms)}"])
+        return [*chain, SM100_CHOICES["per_tile"], SM100_CHOICES["scaled_mm"]]
 
     def can_implement(self, problem_sizes) -> None:
         """validate_inputs states every sm_100 constraint; input sets the persistent kernel
-        cannot run go to the per-tile kernel (persistent_config)."""
+        cannot run get a chain without it."""
 
-    def plan_tiles(self, problem_sizes) -> list[tuple[int, ...]]:
-        """Tile rows: (group, tile_m, tile_n) of 128x128 tiles for the per-tile kernel;
-        (group, MMA m tile, MMA n tile, k-tiles) for the persistent kernel."""
-        config = self.persistent_config(problem_sizes)
-        if config is None:
+    def compile(self, choice: KernelChoice, num_groups: int) -> None:
+        """Compile (cached) the kernels of `choice`; raises what the compiler raised."""
+        if choice.name == "per_tile":
+            compile_init_tensormaps(num_groups)
+            compile_gemm(num_groups)
+        elif not choice.host:
+            compile_persistent_init(choice.config)
+            compile_persistent_gemm(choice.config)
+
+    def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
+        """Tile rows of `choice` (the chain's first when None): (group, tile_m, tile_n) of
+        128x128 tiles for the per-tile kernel; (group, MMA m tile, MMA n tile, k-tiles) for
+        the persistent kernel."""
+        if choice is None:
+            choice = self.kernel_chain(problem_sizes)[0]
+        if choice.name == "per_tile":
             return plan_tiles(problem_sizes, SM100_CONFIG.mma_tiler_mnk[0], SM100_CONFIG.mma_tiler_mnk[1])
-        k_tiles = [size[2] // 256 for size in problem_sizes]
+        config = choice.config
+        k_tiles = [size[2] // K_TILE for size in problem_sizes]
         return [
             (g, n_tile, m_tile, k_tiles[g])
             for g, n_tile, m_tile in plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
         ]
 
     def prepare(self, plan: "Plan") -> Sm100Plan:
-        """Compile (cached) the kernels these sizes run; pairs: min(tiles, SMs / 2)."""
-        config = self.persistent_config(plan.problem_sizes)
-        if config is None:
-            compile_init_tensormaps(plan.num_groups)
-            compile_gemm(plan.num_groups)
-        else:
-            compile_persistent_init(config)
-            compile_persistent_gemm(config)
-        return Sm100Plan(config, min(plan.num_tiles, max(self.num_sms // 2, 1)))
+        """Compile (cached) the kernels of the plan's choice; CTA pairs: min(tiles, SMs / 2,
+        the device's resident 2-CTA clusters)."""
+        choice = plan.choice
+        self.compile(choice, plan.num_groups)
+        if choice.name == "per_tile":
+            return Sm100Plan(None, 0)
+        num_clusters = min(plan.num_tiles, max(self.num_sms // 2, 1))
+        resident = resident_clusters(plan.device)
+        if resident is not None:
+            num_clusters = min(num_clusters, resident)
+        return Sm100Plan(choice.config, max(num_clusters, 1))
 
-    def bind(self, plan: "Plan", binding: "Binding"):
-        """TMA descriptors of every group of this input set: reused, or built by an init
-        kernel on the current stream."""
+    def write_descriptors(self, plan: "Plan", binding: "Binding"):
+        """TMA descriptors of every group of this input set: reused, or written by an init
+        kernel on the current stream. Returns (descriptors, the event after their writing,
+        the stream that wrote them)."""
         config = plan.backend_plan.config
         if config is None:
             slots, num_slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB), num_tensormaps
@@ -2414,8 +2478,8 @@ class Sm100Backend:
             plan.problem_sizes,
             tuple(tuple(p[i] for i in slots) for p in binding.pointers),
         )
-        tensormaps = self._descriptors.get(descriptor_key)
-        if tensormaps is None:
+        written = self._descriptors.get(descriptor_key)
+        if written is None:
             init_fn = compile_init_tensormaps(plan.num_groups) if config is None else compile_persistent_init(config)
             tensormaps = torch.empty(
                 (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
@@ -2427,12 +2491,13 @@ class Sm100Backend:
                 cutlass.Int32(plan.num_groups),
                 _stream_for_current(),
             )
-            self._descriptors.put(descriptor_key, tensormaps)
-        return tensormaps
+            written = Written(tensormaps, plan.device)
+            self._descriptors.put(descriptor_key, written)
+        return written
 
     def launch_args(self, plan: "Plan", binding: "Binding", stream: cuda.CUstream):
         """(compiled GEMM, its arguments) for this input set on `stream`."""
-        config, tensormaps = plan.backend_plan.config, binding.bound
+        config, tensormaps = plan.backend_plan.config, binding.bound.value
         if config is not None:
             return compile_persistent_gemm(config), (
                 _gmem_ptr(cutlass.Int32, plan.tiles),
@@ -2575,71 +2640,92 @@ def input_key(data) -> tuple:
     return (*map(_data_ptr, _flatten(abc)), *map(_data_ptr, _flatten(sfasfb_reordered)))
 
 
-def backend_tiles(backend, problem_sizes) -> list[tuple[int, ...]]:
-    """The backend's own tile rows where it plans them (sm_100), else plan_tiles over its tile
-    shape."""
-    plan = getattr(backend, "plan_tiles", None)
-    if plan is not None:
-        return plan(problem_sizes)
-    return plan_tiles(problem_sizes, *backend.tile_shape(problem_sizes))
+class Written:
+    """A device buffer written on torch's current stream (a table copy or the init kernel),
+    with an event recorded right after the writing: a launch on another stream waits for it
+    first (order_before)."""
+
+    __slots__ = ("event", "stream", "value")
+
+    def __init__(self, value, device: torch.device):
+        self.value = value
+        self.event = self.stream = None
+        if device.type == "cuda":
+            self.stream = _stream_for_current()
+            self.event = _CudaEvent()
+            _check_cuda(cuda.cuEventRecord(self.event.event, self.stream)[0], "cuEventRecord")
+
+    def order_before(self, stream: cuda.CUstream) -> None:
+        """Make `stream`'s later work wait for the writing, unless it is the writing stream."""
+        if self.event is not None and stream is not self.stream:
+            _check_cuda(cuda.cuStreamWaitEvent(stream, self.event.event, 0)[0], "cuStreamWaitEvent")
 
 
 class Plan:
     """What every input set of one size set shares on one device and backend.
 
-    sizes int32 [G, 4]: (M, N, K, L) per group; tiles int32 [T, W]: the backend's tile rows
-    (W = 3: group, tile_m, tile_n in plan_tiles' order; the persistent sm_100 kernel's rows:
-    W = 4). backend_plan: what the backend's prepare(plan) made of them (the kernel config,
-    compiled kernels, a schedule and its scratch buffers). nbytes: device bytes held.
-    """
+    choice: the kernel of the backend's chain that runs these sizes (decided, and compiled,
+    before anything else is built: the tile rows are that kernel's); chain: the whole chain,
+    for a demotion to name the next link. sizes int32 [G, 4]: (M, N, K, L) per group; tiles
+    int32 [T, W]: the kernel's tile rows (none for a host computation). backend_plan: what
+    the backend's prepare(plan) made of them (the kernel config, a schedule and its scratch);
+    None for a host computation. nbytes: device bytes held."""
 
     __slots__ = (
-        "_device_buf", "_host_staging", "backend", "backend_plan", "device", "nbytes", "num_groups",
-        "num_tiles", "problem_sizes", "scratch_event", "scratch_stream", "sizes", "tile_rows", "tiles",
+        "_host_staging", "backend", "backend_plan", "chain", "choice", "device", "kernel_key", "nbytes",
+        "num_groups", "num_tiles", "problem_sizes", "scratch_event", "scratch_stream", "sizes", "tables",
+        "tile_rows", "tiles",
     )
 
-    def __init__(self, backend, problem_sizes, device):
+    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None):
         self.backend = backend
         self.device = torch.device(device)
         self.problem_sizes = tuple(tuple(int(v) for v in p) for p in problem_sizes)
         self.num_groups = len(self.problem_sizes)
-        self.tile_rows = backend_tiles(backend, self.problem_sizes)
+        if choice is None:  # a backend of one's choosing (bind_input_set): its first kernel
+            chain = backend.kernel_chain(self.problem_sizes)
+            choice = chain[0]
+        self.choice = choice
+        self.chain = tuple(chain) if chain is not None else (choice,)
+        self.kernel_key = choice.kernel_key(self.num_groups)
+        self.tile_rows = [] if choice.host else backend.plan_tiles(self.problem_sizes, choice)
         self.num_tiles = len(self.tile_rows)
-        self._device_buf, self._host_staging, (self.sizes, self.tiles) = upload_int_tables(
+        device_buf, self._host_staging, (self.sizes, self.tiles) = upload_int_tables(
             self.device, [("i", self.problem_sizes), ("i", self.tile_rows)]
         )
+        self.tables = Written(device_buf, self.device)
         # Launches of this plan on different streams are ordered when they share scratch
         self.scratch_event = None
         self.scratch_stream = None
-        self.backend_plan = backend.prepare(self)
-        self.nbytes = self._device_buf.numel() + getattr(self.backend_plan, "nbytes", 0)
+        self.backend_plan = None if choice.host else backend.prepare(self)
+        self.nbytes = device_buf.numel() + (0 if self.backend_plan is None else self.backend_plan.nbytes)
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Tell torch's allocator the plan's buffers are read on `stream` (memory freed on
         eviction is then not reused before that stream's work finished)."""
-        self._device_buf.record_stream(stream)
-        record = getattr(self.backend_plan, "record_stream", None)
-        if record is not None:
-            record(stream)
+        self.tables.value.record_stream(stream)
+        if self.backend_plan is not None:
+            self.backend_plan.record_stream(stream)
 
 
 class Binding:
     """One input set (its data pointers) bound to its plan: the pointer table the kernel
     reads (ptrs int64 [G, 5]: a, b, c, sfa_reordered, sfb_reordered), the backend's
-    per-pointer state (`bound`: the sm_100 TMA descriptors), and the launch prepared for the
-    stream it last ran on."""
+    per-pointer state (`bound`: the sm_100 TMA descriptors, a Written, or None), and the
+    launch prepared for the stream it last ran on (None: a host computation, which
+    custom_kernel runs on the input set itself)."""
 
     __slots__ = (
-        "_device_buf", "_host_staging", "bound", "direct_launches", "graph", "launch", "plan",
-        "pointers", "ptrs", "stream",
+        "_host_staging", "bound", "direct_launches", "graph", "launch", "plan", "pointers", "ptrs", "stream",
+        "table",
     )
 
     def __init__(self, plan: Plan, pointers):
         self.plan = plan
         self.pointers = tuple(tuple(int(v) for v in p) for p in pointers)
-        self._device_buf, self._host_staging, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
-        bind = getattr(plan.backend, "bind", None)
-        self.bound = bind(plan, self) if bind is not None else None
+        device_buf, self._host_staging, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
+        self.table = Written(device_buf, plan.device)
+        self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self)
         self.stream = None
         self.launch = None
         # GraphLaunch of this input set's launch; None: not recorded (yet); False: launched
@@ -2669,8 +2755,17 @@ class Binding:
 
         The first call of an input set launches directly; its second call records the launch
         as a CUDA graph and later calls replay it (1.6-1.8 µs of CPU on the H200 host against
-        4.6-6.1 µs for the prepared DSL call). An input set seen once never pays a capture."""
+        4.6-6.1 µs for the prepared DSL call). An input set seen once never pays a capture.
+        On a stream other than the one that wrote the tables or descriptors, the stream first
+        waits for that writing."""
         plan = self.plan
+        self.stream = stream
+        if plan.choice.host:
+            self.launch = None
+            return
+        for written in (plan.tables, self.table, self.bound):
+            if isinstance(written, Written):
+                written.order_before(stream)
         if self.graph is None and (self.direct_launches or not _GRAPH_LAUNCH):
             self.graph = False
             if _GRAPH_LAUNCH and _can_record(plan):
@@ -2690,19 +2785,17 @@ class Binding:
 
         else:
             launch = self._direct_launcher(stream)
-        if plan.device.type == "cuda" and getattr(plan.backend_plan, "shared_scratch", False):
+        if plan.device.type == "cuda" and plan.backend_plan.shared_scratch:
             launch = _ordered_on_scratch(plan, stream, launch)
         self.launch = launch
-        self.stream = stream
         if plan.device.type == "cuda":
             # Tables (and descriptors) written on another stream (a miss on S1, now launched
             # on S2): keep their memory alive for S2's work after an eviction.
             torch_stream = torch.cuda.current_stream(plan.device)
-            self._device_buf.record_stream(torch_stream)
+            self.table.value.record_stream(torch_stream)
             plan.record_stream(torch_stream)
-            record = getattr(self.bound, "record_stream", None)
-            if record is not None:
-                record(torch_stream)
+            if isinstance(self.bound, Written):
+                self.bound.value.record_stream(torch_stream)
 
     def run(self, stream: cuda.CUstream) -> None:
         if stream is not self.stream:
@@ -2713,7 +2806,7 @@ class Binding:
 def _can_record(plan: Plan) -> bool:
     """A CUDA device, something to launch, and a backend plan that allows graph replay (not
     the sm_90 swap-AB calls chained by programmatic dependent launch)."""
-    return plan.device.type == "cuda" and plan.num_tiles > 0 and getattr(plan.backend_plan, "graph_launch", True)
+    return plan.device.type == "cuda" and plan.num_tiles > 0 and plan.backend_plan.graph_launch
 
 
 class _CudaEvent:
@@ -2772,24 +2865,35 @@ def _device_context(device: torch.device):
     return torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def bind_input_set(data, backend) -> Binding:
-    """Validate one input set and bind it to a new plan for `backend`, outside every cache (a
-    test or benchmark entry for a backend of one's choosing). binding.run(stream) launches it
-    (directly on its first run, as a recorded graph from its second on)."""
+def bind_input_set(data, backend, kernel: str | None = None) -> Binding:
+    """Validate one input set and bind it to a new plan for `backend`, outside every cache and
+    without fallback (a test or benchmark entry for a backend of one's choosing): the
+    chain's first kernel, or the one named `kernel`. binding.run(stream) launches it
+    (directly on its first run, as a recorded graph from its second on); a host
+    computation's binding has no launch (run_with_backend runs it)."""
     problem_sizes = validate_inputs(data)
     backend.can_implement(problem_sizes)
     device = data[0][0][0].device
+    chain = backend.kernel_chain(problem_sizes)
+    if kernel is not None:
+        names = [choice.name for choice in chain]
+        if kernel not in names:
+            raise ValueError(f"kernel {kernel!r}: these sizes' chain on {backend.name} is {names}")
+        chain = chain[names.index(kernel):]
     with _device_context(device):
-        return Binding(Plan(backend, problem_sizes, device), pointers_of(data))
+        return Binding(Plan(backend, problem_sizes, device, chain[0], chain), pointers_of(data))
 
 
-def run_with_backend(data, backend) -> list[torch.Tensor]:
+def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Tensor]:
     """bind_input_set, then one direct launch on torch's current stream; the c list."""
-    binding = bind_input_set(data, backend)
+    binding = bind_input_set(data, backend, kernel)
+    outputs = [c for _, _, c in data[0]]
+    if binding.plan.choice.host:
+        return HOST_COMPUTATIONS[binding.plan.choice.name](data, outputs)
     binding.graph = False  # one launch: nothing to record
     with _device_context(binding.plan.device):
         binding.run(_stream_for_current())
-    return [c for _, _, c in data[0]]
+    return outputs
 
 
 # Input sets (bindings) by data pointers, plans by (device, sizes, backend), validated sizes by
@@ -2878,13 +2982,27 @@ def checked_problem_sizes(data) -> tuple[tuple[int, int, int, int], ...]:
     return problem_sizes
 
 
+def _drop_plans(predicate) -> None:
+    """Remove the plans that `predicate` selects, and their bindings (which would keep their
+    memory alive)."""
+    gone = [key for key, plan in _PLANS.entries.items() if predicate(plan)]
+    for key in gone:
+        _PLANS.nbytes -= _PLANS.entries.pop(key).nbytes
+    for binding_key in [k for k, b in _BINDINGS.entries.items() if predicate(b.plan)]:
+        del _BINDINGS.entries[binding_key]
+
+
 def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
-    """The cached plan of these sizes on `device` for `backend`, or a new one."""
+    """The cached plan of these sizes on `device` for `backend`, or a new one running the
+    first kernel of the backend's chain that is not demoted and compiles."""
     key = (str(device), problem_sizes, backend.plan_key)
     plan = _PLANS.get(key)
     if plan is None:
         backend.can_implement(problem_sizes)
-        plan = Plan(backend, problem_sizes, device)
+        chain = backend.kernel_chain(problem_sizes)
+        with _COMPILE_LOCK:
+            choice = choose_kernel(backend, chain, len(problem_sizes))
+        plan = Plan(backend, problem_sizes, device, choice, chain)
         evicted = _PLANS.put(key, plan)
         if evicted:
             # Their bindings would keep the evicted plans' memory alive: drop them too
@@ -2928,7 +3046,8 @@ def custom_kernel(data: input_t) -> output_t:
                 binding = None  # same buffers, other sizes: check and bind again
     except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
         binding = None
-    if binding is None:
+    first_use = binding is None
+    if first_use:
         binding = _bound_input_set(data)
     if _current_raw_stream is not None:
         stream = _STREAM_OBJECTS.get(_current_raw_stream(_cuda_get_device()))
@@ -2938,7 +3057,15 @@ def custom_kernel(data: input_t) -> output_t:
         stream = _stream_for_current()
     if stream is not binding.stream:
         binding.bind(stream)
-    binding.launch()
+    launch = binding.launch
+    if launch is None:  # a host computation (the chain's last link)
+        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
+    try:
+        launch()
+    except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
+        return _after_failed_launch(data, binding, error)
+    if first_use and binding.plan.kernel_key not in _SELF_CHECKED:
+        return first_use_check(data, binding)
     return list(map(_c_of_group, data[0]))
 
 
@@ -2971,3 +3098,220 @@ def _stream_for_current() -> cuda.CUstream:
             _STREAM_OBJECTS.clear()
         stream = _STREAM_OBJECTS[handle] = cuda.CUstream(handle)
     return stream
+
+
+# =============================================================================
+# Fallback chain and self-check (both backends)
+# =============================================================================
+# Every backend names a chain of kernels per size set, best first (kernel_chain): on sm_100
+# the persistent kernel, the per-tile kernel, torch._scaled_mm; on sm_90 the automatic
+# choice, the in-GEMM-decode kernel, the exact decode. A kernel that fails to compile, fails
+# its launch (with the context still usable) or disagrees with the oracle at its first use is
+# demoted for the rest of the process: one line on stderr, and its plans run the next link.
+# A hang cannot be caught in-process.
+def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """The value of environment switch `name`, one of `allowed` (`default` when unset);
+    ValueError naming the allowed values otherwise."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+    return value
+
+
+# NVFP4_SELF_CHECK=0: no first-use check (it costs one oracle computation and a comparison per
+# compiled kernel, at its first input set).
+SELF_CHECK = env_switch("NVFP4_SELF_CHECK", ("0", "1"), "1") == "1"
+SELF_CHECK_RTOL = SELF_CHECK_ATOL = 1e-3  # the competition's tolerance
+
+# kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle
+_DEMOTED: dict[tuple, str] = {}
+_SELF_CHECKED: set[tuple] = set()
+# Compilation (the DSL's session state is not thread-safe) and the demotion bookkeeping
+_COMPILE_LOCK = threading.RLock()
+
+
+def report(line: str) -> None:
+    """One line on stderr, prefixed with the project's name."""
+    print(f"nvfp4_group_gemm: {line}", file=sys.stderr, flush=True)
+
+
+def _next_usable(chain, num_groups: int, after: KernelChoice) -> str:
+    names = [c.name for c in chain[chain.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
+    return names[0] if names else "nothing (the next call raises)"
+
+
+def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why: str) -> None:
+    """Move `choice`'s compiled kernel down its chain for the rest of the process: record
+    why, drop the plans that run it (their size sets plan again on their next call), and
+    say so in one line."""
+    key = choice.kernel_key(num_groups)
+    with _COMPILE_LOCK:
+        _DEMOTED[key] = why
+        _drop_plans(lambda plan: plan.kernel_key == key)
+    report(f"{backend_name} kernel {choice.describe()}, G = {num_groups}: {why}; "
+           f"demoted for this process, next: {_next_usable(chain, num_groups, choice)}")
+
+
+def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
+    """The first link of `chain` that is not demoted and compiles; a compile failure
+    demotes its link."""
+    for choice in chain:
+        if choice.kernel_key(num_groups) in _DEMOTED:
+            continue
+        try:
+            backend.compile(choice, num_groups)
+        except Exception as error:  # noqa: BLE001 - any compile failure moves down the chain
+            demote(backend.name, choice, chain, num_groups, f"compile failed ({_one_line(error)})")
+            continue
+        return choice
+    raise RuntimeError(f"no kernel of the {backend.name} chain {[c.name for c in chain]} is left: "
+                       + "; ".join(f"{c.name}: {_DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}"
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _context_usable(device: torch.device) -> bool:
+    """After a failed launch: can the context still run work (a synchronous launch error),
+    or did a fault poison it (then nothing in-process can recover)?"""
+    if device.type != "cuda":
+        return True
+    if _capturing():
+        return False  # a capture cannot synchronize; the caller sees the error
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - a sticky error: the context is gone
+        return False
+    return True
+
+
+def _after_failed_launch(data, binding: Binding, error: Exception) -> list[torch.Tensor]:
+    """A launch raised: demote its kernel and compute the call again on the next link, if
+    the context is still usable; re-raise otherwise."""
+    plan = binding.plan
+    if not _context_usable(plan.device):
+        raise error
+    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({_one_line(error)})")
+    return custom_kernel(data)
+
+
+def count_mismatches(outputs, expected, rtol: float = SELF_CHECK_RTOL, atol: float = SELF_CHECK_ATOL):
+    """The competition's comparison (utils.verbose_allclose): |out - ref| > atol + rtol |ref|,
+    NaN and +-inf where only one side has them. Returns (mismatches, elements, the first
+    positions as (group, row, column), at most 3)."""
+    mismatches, elements, first = 0, 0, []
+    for g, (out, ref) in enumerate(zip(outputs, expected)):
+        out32, ref32 = out.float(), ref.float()
+        bad = (out32 - ref32).abs() > atol + rtol * ref32.abs()
+        bad |= torch.isnan(out32) ^ torch.isnan(ref32)
+        bad |= torch.isposinf(out32) ^ torch.isposinf(ref32)
+        bad |= torch.isneginf(out32) ^ torch.isneginf(ref32)
+        count = int(bad.sum())
+        elements += bad.numel()
+        if count and len(first) < 3:
+            first += [(g, *map(int, index[:2])) for index in bad.nonzero()[: 3 - len(first)].tolist()]
+        mismatches += count
+    return mismatches, elements, first
+
+
+def first_use_check(data, binding: Binding) -> list[torch.Tensor]:
+    """The first input set a compiled kernel runs is also computed by the backend's oracle
+    (torch._scaled_mm on sm_100, the exact decode on sm_90) and compared at the
+    competition's tolerance. A disagreement demotes the kernel and returns the oracle's
+    result. Skipped under graph capture (it synchronizes) and with NVFP4_SELF_CHECK=0."""
+    outputs = list(map(_c_of_group, data[0]))
+    plan = binding.plan
+    oracle = plan.backend.oracle
+    if not SELF_CHECK or plan.choice.host or _capturing():
+        return outputs
+    expected = HOST_COMPUTATIONS[oracle.name](data, [torch.empty_like(c) for c in outputs])
+    mismatches, elements, first = count_mismatches(outputs, expected)
+    _SELF_CHECKED.add(plan.kernel_key)
+    if mismatches:
+        for c, ref in zip(outputs, expected):
+            c.copy_(ref)
+        where = ", ".join(f"group {g} [{i}, {j}]" for g, i, j in first)
+        demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups,
+               f"self-check: {mismatches} of {elements} outputs differ from {oracle.name} (first: {where}); "
+               f"this call returns {oracle.name}'s result")
+    return outputs
+
+
+# ----------------------------------------------------------------------------- host computations
+def blocked_scales(reordered: torch.Tensor) -> torch.Tensor:
+    """The flat cuBLAS blocked scale buffer behind an official reordered scale tensor (a
+    (l, rest, rest_k, 32, 4, 4) contiguous tensor seen through a permute): a view."""
+    return reordered.permute(5, 2, 4, 0, 1, 3).reshape(-1)
+
+
+def plain_scales(reordered: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """[rows, K / 16] scales read back from an official reordered scale tensor (L = 1)."""
+    # (rest, rest_k, 32, 4, 4) -> (rest, 4, 32, rest_k, 4): row = rest*128 + 32*i4 + i32
+    blocks = reordered.permute(5, 2, 4, 0, 1, 3)[0].permute(0, 3, 2, 1, 4)
+    return blocks.reshape(blocks.shape[0] * 128, blocks.shape[3] * 4)[:rows, : k // sf_vec_size]
+
+
+def scaled_mm_group_gemm(data, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """torch._scaled_mm per group with the reordered (blocked) scales: the competition
+    reference's own computation on sm_100."""
+    abc, _, sfasfb_reordered, _ = data
+    for (a, b, _c), (sfa, sfb), out in zip(abc, sfasfb_reordered, outputs):
+        if a.shape[0] == 0:
+            continue
+        out[:, :, 0] = torch._scaled_mm(
+            a[:, :, 0], b[:, :, 0].transpose(0, 1), blocked_scales(sfa), blocked_scales(sfb),
+            bias=None, out_dtype=torch.float16,
+        )
+    return outputs
+
+
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_BYTE_VALUES: dict = {}
+
+
+def decode_fp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[R, K/2] packed e2m1 (low nibble first) times [R, K/16] e4m3 scales -> [R, K] float32,
+    exactly (2 + 4 significant bits)."""
+    lut = _BYTE_VALUES.get(packed.device)
+    if lut is None:
+        values = torch.tensor(_E2M1_VALUES, dtype=torch.float32)
+        codes = torch.arange(256)
+        lut = _BYTE_VALUES[packed.device] = torch.stack([values[codes & 15], values[codes >> 4]], 1).to(packed.device)
+    rows, half_k = packed.shape
+    decoded = lut[packed.view(torch.uint8).int()].reshape(rows, 2 * half_k)
+    return decoded * scales.float().repeat_interleave(sf_vec_size, dim=1)
+
+
+def exact_decode_group_gemm(data, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per group: decode A and B with their scales to float32 (exact), multiply in float32
+    (no TF32), round to fp16. The sm_90 oracle and last link; runs on any device."""
+    abc, _, sfasfb_reordered, _ = data
+    for (a, b, _c), (sfa, sfb), out in zip(abc, sfasfb_reordered, outputs):
+        m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
+        if m == 0:
+            continue
+        a_values = decode_fp4(a[:, :, 0], plain_scales(sfa, m, k))
+        b_values = decode_fp4(b[:, :, 0], plain_scales(sfb, n, k))
+        with _fp32_matmul():
+            out[:, :, 0] = (a_values @ b_values.transpose(0, 1)).to(torch.float16)
+    return outputs
+
+
+@contextlib.contextmanager
+def _fp32_matmul():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+# Host computations by registry name: each writes `outputs` and returns them
+HOST_COMPUTATIONS = {"scaled_mm": scaled_mm_group_gemm, "exact_decode": exact_decode_group_gemm}

@@ -167,6 +167,11 @@ class Sm90Backend:
 
     name = "sm90"
 
+    @property
+    def oracle(self):
+        """The exact decode: the self-check's oracle and every chain's last link."""
+        return _choice("exact_decode", host=True)
+
     def __init__(self, config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str = "swap_ab",
                  chain_calls: bool = True):
         if config is not None:
@@ -194,10 +199,31 @@ class Sm90Backend:
             return config
         return choose_config(problem_sizes, current_num_sms())
 
-    def compile(self, num_groups: int, config):
+    def kernel_chain(self, problem_sizes) -> list:
+        """The kernels that can run these sizes, best first (submission.KernelChoice): the
+        automatic choice (swap_ab unless NVFP4_SM90_KERNEL=in_gemm_decode), the in-GEMM-decode
+        kernel, the exact decode. A backend made with a config runs that config alone."""
+        if self.config is not None:
+            return [_choice(config_kind(self.config), self.config)]
+        chain = []
+        if self.kernel == "swap_ab":
+            chain.append(_choice("swap_ab", self.config_for(problem_sizes)))
+        chain.append(_choice("in_gemm_decode", choose_config(problem_sizes, current_num_sms())))
+        return [*chain, self.oracle]
+
+    def compile(self, choice, num_groups: int):
+        """Compile (cached) the kernels of `choice` (a KernelChoice, or a config as such)."""
+        if getattr(choice, "host", False):
+            return None
+        config = getattr(choice, "config", choice)
         if isinstance(config, SwapAbConfig):
+            compile_decode_activations(num_groups, chained=config.chain_calls)
             return compile_swap_ab_gemm(num_groups, config=config)
         return compile_gemm(num_groups, config=config)
+
+    def write_descriptors(self, plan, binding) -> None:
+        """No descriptors: the kernels read the pointer table."""
+        return
 
     def can_implement(self, problem_sizes) -> None:
         """can_implement, then what the size set's config needs of K (SwapAbConfig.k_multiple:
@@ -211,22 +237,26 @@ class Sm90Backend:
                     f"group {g}: K = {k}; the sm_90 config with {config.tile_k}-wide k-tiles needs K % {multiple} == 0"
                 )
 
-    def tile_shape(self, problem_sizes) -> tuple[int, int]:
-        """(rows along M, columns along N) of an output tile of the size set's config."""
-        config = self.config_for(problem_sizes)
+    def tile_shape(self, problem_sizes, choice=None) -> tuple[int, int]:
+        """(rows along M, columns along N) of an output tile of `choice`'s config (the
+        chain's first when None)."""
+        config = self._config_of(problem_sizes, choice)
         if isinstance(config, SwapAbConfig):
             return config.tile_tokens, config.tile_weights
         return config.tile_m, config.tile_n
 
-    def plan_tiles(self, problem_sizes) -> list[tuple[int, int, int]]:
+    def _config_of(self, problem_sizes, choice):
+        return self.kernel_chain(problem_sizes)[0].config if choice is None else choice.config
+
+    def plan_tiles(self, problem_sizes, choice=None) -> list[tuple[int, int, int]]:
         """(group, M tile, N tile) of every output tile; groups with M = 0 have none. Group
         first; then, for swap-AB, the N (weight) tile, so that the token tiles of one weight
         tile run side by side and share its reads in L2; otherwise the M tile, so that the
         tiles of one A tile do."""
-        config = self.config_for(problem_sizes)
+        config = self._config_of(problem_sizes, choice)
         if isinstance(config, SwapAbConfig) and config.variable_tokens:
             return variable_token_tiles(problem_sizes, config)
-        tile_m, tile_n = self.tile_shape(problem_sizes)
+        tile_m, tile_n = self.tile_shape(problem_sizes, choice)
         swap_ab = isinstance(config, SwapAbConfig)
         tiles = []
         for g, (m, n, _k, _l) in enumerate(problem_sizes):
@@ -240,10 +270,9 @@ class Sm90Backend:
     def prepare(self, plan) -> Sm90Plan:
         """Pick the size set's config, compile its kernel (cached) for its group count and,
         for stream-K, plan the workers' shares and allocate their buffers."""
-        config = self.config_for(plan.problem_sizes)
-        self.compile(plan.num_groups, config)
+        config = plan.choice.config
+        self.compile(plan.choice, plan.num_groups)
         if isinstance(config, SwapAbConfig):
-            compile_decode_activations(plan.num_groups, chained=config.chain_calls)
             return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device, config))
         stream_k = None
         if config.stream_k and plan.num_tiles > 0:
@@ -262,7 +291,7 @@ class Sm90Backend:
             return [
                 (compile_decode_activations(plan.num_groups, chained=backend_plan.config.chain_calls),
                  (ptrs, sizes, addresses, cutlass.Int32(activations.blocks_x), stream)),
-                (self.compile(plan.num_groups, backend_plan.config),
+                (self.compile(backend_plan.config, plan.num_groups),
                  (ptrs, sizes, _gmem_ptr(cutlass.Int32, plan.tiles), cutlass.Int32(plan.num_tiles), addresses,
                   stream)),
             ]
@@ -274,7 +303,7 @@ class Sm90Backend:
         else:
             work, num_workers = stream_k.work, stream_k.num_workers
             workspace, counters = stream_k.workspace, stream_k.counters
-        return self.compile(plan.num_groups, backend_plan.config), (
+        return self.compile(backend_plan.config, plan.num_groups), (
             _gmem_ptr(cutlass.Int64, binding.ptrs),
             _gmem_ptr(cutlass.Int32, plan.sizes),
             _gmem_ptr(cutlass.Int32, plan.tiles),
@@ -285,6 +314,19 @@ class Sm90Backend:
             _gmem_ptr(cutlass.Int32, counters),
             stream,
         )
+
+
+def config_kind(config) -> str:
+    """The kernel a config runs: swap_ab (SwapAbConfig) or in_gemm_decode (HopperGemmConfig)."""
+    return "swap_ab" if isinstance(config, SwapAbConfig) else "in_gemm_decode"
+
+
+def _choice(name: str, config=None, host: bool = False):
+    """A link of a chain: submission.KernelChoice (the runtime's type; imported here, at plan
+    time, since submission imports this package only on its first sm_90 use)."""
+    import submission
+
+    return submission.KernelChoice("sm90", name, config, per_group_count=not host, host=host)
 
 
 def make_backend(config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str | None = None,

@@ -55,16 +55,40 @@ def _pointers(g, base):
     return [tuple(base + 1000 * i + j for j in range(5)) for i in range(g)]
 
 
+class FakeBackendPlan:
+    """What the runtime reads of a backend's plan."""
+
+    nbytes = 0
+    shared_scratch = False
+    graph_launch = True
+
+    def __init__(self, plan=None):
+        self.plan = plan
+
+    def record_stream(self, stream):
+        pass
+
+
 class TableBackend:
-    """The least a plan needs of a backend: tile shape and prepare."""
+    """The least a plan needs of a backend: a one-link chain, its tiles and prepare."""
 
     name = "tables"
     plan_key = ("tables",)
+    oracle = submission.KernelChoice("tables", "exact_decode", host=True)
 
-    def tile_shape(self, problem_sizes):
-        return TILE, TILE
+    def kernel_chain(self, problem_sizes):
+        return [submission.KernelChoice("tables", "tables")]
+
+    def compile(self, choice, num_groups):
+        pass
+
+    def plan_tiles(self, problem_sizes, choice=None):
+        return submission.plan_tiles(problem_sizes, TILE, TILE)
 
     def prepare(self, plan):
+        return FakeBackendPlan(plan)
+
+    def write_descriptors(self, plan, binding):
         return None
 
 
@@ -83,7 +107,7 @@ def test_plan_and_binding_tables_contents_and_alignment():
     for table in (binding.ptrs, plan.sizes, plan.tiles):
         assert table.data_ptr() % 16 == 0
         assert table.is_contiguous()
-    assert plan.nbytes == plan._device_buf.numel() > 0
+    assert plan.nbytes == plan.tables.value.numel() > 0
 
 
 def test_upload_int_tables_rows_of_any_width():
@@ -198,6 +222,7 @@ class RecordingBackend:
 
     name = "recording"
     plan_key = ("recording",)
+    oracle = submission.KernelChoice("recording", "exact_decode", host=True)
     tile_m = 128
     tile_n = 128
 
@@ -207,14 +232,20 @@ class RecordingBackend:
     def can_implement(self, problem_sizes):
         self.checked.append(problem_sizes)
 
-    def tile_shape(self, problem_sizes):
-        return self.tile_m, self.tile_n
+    def kernel_chain(self, problem_sizes):
+        return [submission.KernelChoice("recording", "recording", per_group_count=True), self.oracle]
+
+    def compile(self, choice, num_groups):
+        pass
+
+    def plan_tiles(self, problem_sizes, choice=None):
+        return submission.plan_tiles(problem_sizes, self.tile_m, self.tile_n)
 
     def prepare(self, plan):
         self.prepared.append(plan)
-        return {"plan": plan}
+        return FakeBackendPlan(plan)
 
-    def bind(self, plan, binding):
+    def write_descriptors(self, plan, binding):
         self.bound.append(binding)
         return {"descriptors of": binding.pointers}
 
@@ -246,6 +277,7 @@ def recording_runtime(monkeypatch):
     monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
     monkeypatch.setattr(submission, "_SIGNATURES", submission.RuntimeCache(max_entries=256))
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
+    monkeypatch.setattr(submission, "SELF_CHECK", False)  # the fakes write nothing to check
     monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
     # the stream comes from _stream_for_current (custom_kernel's raw-handle fast path off)
     monkeypatch.setattr(submission, "_current_raw_stream", None)
@@ -416,7 +448,7 @@ def test_descriptors_rebuilt_only_when_a_pointer_they_hold_changes(sm100_backend
     num_slots = 5 if persistent else 4
     base = _pointers(2, 1 << 40)
     first = _bind_with(backend, base)
-    assert init_calls == [2] and tuple(first.bound.shape) == (2, num_slots, 16)
+    assert init_calls == [2] and tuple(first.bound.value.shape) == (2, num_slots, 16)
     assert (first.plan.backend_plan.config is not None) == persistent
 
     # Only C of group 1 differs: the per-tile kernel's descriptors do not hold C (no init

@@ -432,7 +432,7 @@ def test_tile_lists_cover_every_output_element_once(chunk):
         assert not [t for t in per_tile if sizes[t[0]][0] == 0]
         backend = submission.Sm100Backend("persistent", num_sms=num_sms)
         rule = submission.choose_tokens_per_tile(sizes, num_sms)
-        assert backend.persistent_config(sizes) is submission.PERSISTENT_CONFIGS[rule]
+        assert backend.kernel_chain(sizes)[0].config is submission.PERSISTENT_CONFIGS[rule]
         # The kernel's rows: the planner's entries with their group's k-tile count
         assert backend.plan_tiles(sizes) == kernel_rows(sizes, submission.plan_persistent_tiles(sizes, rule, MMA_M))
 
@@ -451,7 +451,7 @@ def test_fallback_sets_get_the_per_tile_list():
         sizes[g] = (m, n, k, l_)
         assert submission.persistent_can_implement(sizes) is not None
         backend = submission.Sm100Backend("persistent", num_sms=num_sms)
-        assert backend.persistent_config(sizes) is None
+        assert [c.name for c in backend.kernel_chain(sizes)] == ["per_tile", "scaled_mm"]
         tiles = backend.plan_tiles(sizes)
         assert tiles == submission.plan_tiles(sizes, *PER_TILE)
         assert submission.Sm100Backend("per_tile", num_sms=num_sms).plan_tiles(sizes) == tiles
