@@ -207,6 +207,51 @@ def decoded_group_gemm(a: torch.Tensor, b: torch.Tensor, sfa: torch.Tensor, sfb:
     return a_values @ b_values.transpose(0, 1)
 
 
+def exact_group_gemm(data) -> list[torch.Tensor]:
+    """Every group's C as the exact sum (float64 accumulation) rounded to fp16, [M, N, 1],
+    from the plain scales: the oracle for general e4m3 scales, where float32 is not exact."""
+    abc, sfs, _, _ = data
+    return [
+        decoded_group_gemm(a[:, :, 0], b[:, :, 0], sfa[:, :, 0], sfb[:, :, 0], accumulate_dtype=torch.float64)
+        .to(torch.float16).unsqueeze(-1)
+        for (a, b, _c), (sfa, sfb) in zip(abc, sfs)
+    ]
+
+
+def fp32_accumulation_bound(data) -> list[torch.Tensor]:
+    """Per output, the rounding error that fp32 accumulation may add to the exact sum: the
+    tensor cores add each 16-element k-slice's products into the fp32 accumulator, each of
+    those K/16 additions (and the slice's own sum) off by at most 2^-23 of a partial sum, and
+    every partial sum is at most sum_k |a_k b_k|. With the competition's scales every partial
+    sum is exact in fp32 (decoded_group_gemm); with general e4m3 scales it is not."""
+    abc, sfs, _, _ = data
+    bounds = []
+    for (a, b, _c), (sfa, sfb) in zip(abc, sfs):
+        k = a.shape[1] * 2
+        # |values|: the sign bits of both codes of a byte (0x88) and of the scale (0x80) cleared
+        abs_a = (a[:, :, 0].view(torch.uint8) & 0x77).view(torch.float4_e2m1fn_x2)
+        abs_b = (b[:, :, 0].view(torch.uint8) & 0x77).view(torch.float4_e2m1fn_x2)
+        abs_sfa = (sfa[:, :, 0].view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+        abs_sfb = (sfb[:, :, 0].view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+        abs_sum = decoded_group_gemm(abs_a, abs_b, abs_sfa, abs_sfb, accumulate_dtype=torch.float64)
+        bounds.append((k // 16 + 1) * 2.0**-23 * abs_sum.unsqueeze(-1))
+    return bounds
+
+
+def exact_mismatches(data, output) -> list[tuple[int, int, int]]:
+    """Per group (mismatches, elements, first flat index or -1) against the exact sum at
+    the competition's tolerance, widened by the fp32 accumulation bound; NaN anywhere counts."""
+    counts = []
+    for got, ref, bound in zip(output, exact_group_gemm(data), fp32_accumulation_bound(data)):
+        error = (got.double() - ref.double()).abs()
+        allowed = ATOL + RTOL * ref.double().abs() + bound.to(error.device)
+        bad = ~(error <= allowed)  # NaN errors are mismatches
+        bad |= torch.isinf(got) != torch.isinf(ref)
+        flat = bad.flatten().nonzero()
+        counts.append((int(bad.sum()), bad.numel(), int(flat[0]) if len(flat) else -1))
+    return counts
+
+
 def _uses_scaled_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
 

@@ -35,6 +35,8 @@ from reference import (
     create_reordered_scale_factor_tensor,
     decode_scaled,
     decoded_group_gemm,
+    exact_group_gemm,
+    fp32_accumulation_bound,
     generate_input,
     match_outputs,
 )
@@ -672,34 +674,8 @@ def _random_group_set(seed: int, general_scales: bool, k_step: int = 256):
     return abc, sfs, sfs_reordered, sizes
 
 
-def _exact_reference(data):
-    abc, sfs, _, _ = data
-    out = []
-    for (a, b, _c), (sfa, sfb) in zip(abc, sfs):
-        res = decoded_group_gemm(a[:, :, 0], b[:, :, 0], sfa[:, :, 0], sfb[:, :, 0],
-                                 accumulate_dtype=torch.float64)
-        out.append(res.to(torch.float16).unsqueeze(-1))
-    return out
-
-
-def _fp32_accumulation_bound(data) -> list[torch.Tensor]:
-    """Per output, the rounding error that fp32 accumulation may add to the exact sum: the
-    tensor cores add each 16-element k-slice's products into the fp32 accumulator, each of
-    those K/16 additions (and the slice's own sum) off by at most 2^-23 of a partial sum, and
-    every partial sum is at most sum_k |a_k b_k|. With the competition's scales every partial
-    sum is exact in fp32 (reference.decoded_group_gemm); with general e4m3 scales it is not."""
-    abc, sfs, _, _ = data
-    bounds = []
-    for (a, b, _c), (sfa, sfb) in zip(abc, sfs):
-        k = a.shape[1] * 2
-        # |values|: the sign bits of both codes of a byte (0x88) and of the scale (0x80) cleared
-        abs_a = (a[:, :, 0].view(torch.uint8) & 0x77).view(torch.float4_e2m1fn_x2)
-        abs_b = (b[:, :, 0].view(torch.uint8) & 0x77).view(torch.float4_e2m1fn_x2)
-        abs_sfa = (sfa[:, :, 0].view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
-        abs_sfb = (sfb[:, :, 0].view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
-        abs_sum = decoded_group_gemm(abs_a, abs_b, abs_sfa, abs_sfb, accumulate_dtype=torch.float64)
-        bounds.append((k // 16 + 1) * 2.0**-23 * abs_sum.unsqueeze(-1))
-    return bounds
+_exact_reference = exact_group_gemm
+_fp32_accumulation_bound = fp32_accumulation_bound
 
 
 def _match_exact_reference(data, out, general_scales: bool) -> tuple[bool, str]:

@@ -1,0 +1,295 @@
+"""``python eval.py selfcheck``: what every kernel of this GPU's chain does, in one command.
+
+On the GPU it finds, it runs every kernel the automatic choice can pick (sm_100: the
+persistent kernel at 128 and 256 tokens per tile, the per-tile kernel, torch._scaled_mm;
+sm_90: the automatic swap-AB choice, the in-GEMM-decode kernel, the exact decode), each
+forced, and custom_kernel itself (the automatic choice, its self-check and fallback), on the
+10 official tests, the 4 benchmarks and random group sets (all 16 fp4 codes, general e4m3
+scales). Every output is checked against the exact sum (float64) at the competition's
+tolerance; the benchmark shapes are timed with the leaderboard's method (L2 flushed, 15
+input sets per timed loop, CUDA events). It prints a progress line per kernel and case (the
+last line names a kernel that hangs), one table, and writes a JSON report to attach to a bug
+report. Exit 0: everything passed; 1: a kernel failed or disagreed; 2: no GPU, or bad
+arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import platform
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+TIMED_INPUT_SETS = 15  # the leaderboard's loop: 15 input sets per timed repeat
+
+
+def _fail_usage(message: str) -> int:
+    print(f"selfcheck: {message}", file=sys.stderr)
+    return 2
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="eval.py selfcheck", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default="selfcheck.json", help="report path (default selfcheck.json)")
+    parser.add_argument("--random", type=int, default=30, help="random group sets (default 30, at least 30 for a report)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed repeats per kernel and benchmark (default 20)")
+    parser.add_argument("--kernels", default=None, help="comma-separated kernel names to run (default all)")
+    parser.add_argument("--seed", type=int, default=2026)
+    return parser.parse_args(argv)
+
+
+def machine() -> dict:
+    from importlib import metadata
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        dsl = metadata.version("nvidia-cutlass-dsl")
+    except metadata.PackageNotFoundError:
+        dsl = None
+    return {
+        "device": props.name, "capability": f"{props.major}.{props.minor}", "sms": props.multi_processor_count,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "dsl": dsl, "python": platform.python_version(),
+    }
+
+
+def random_group_set(rng: random.Random, n_multiple: int, device="cuda"):
+    """G 1..8, M 0..512, N a multiple of `n_multiple` up to 1024, K 256..2048; every fp4 byte;
+    scales any finite e4m3 byte 0x00..0x46 (zero, subnormals, normals up to 3.5)."""
+    from reference import create_reordered_scale_factor_tensor
+
+    torch.manual_seed(rng.randrange(1 << 31))
+    abc, sfs, sfs_reordered, sizes = [], [], [], []
+    for _ in range(rng.randint(1, 8)):
+        m = rng.choice([0, 1, rng.randint(1, 512), rng.randint(1, 512)])
+        n = n_multiple * rng.randint(1, 1024 // n_multiple)
+        k = 256 * rng.randint(1, 8)
+        a = torch.randint(0, 256, (m, k // 2, 1), dtype=torch.uint8, device=device)
+        b = torch.randint(0, 256, (n, k // 2, 1), dtype=torch.uint8, device=device)
+        sfa = torch.randint(0, 0x47, (m, k // 16, 1), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        sfb = torch.randint(0, 0x47, (n, k // 16, 1), dtype=torch.uint8).view(torch.float8_e4m3fn)
+        c = torch.full((m, n, 1), float("nan"), dtype=torch.float16, device=device)
+        abc.append((a.view(torch.float4_e2m1fn_x2), b.view(torch.float4_e2m1fn_x2), c))
+        sfs.append((sfa.to(device), sfb.to(device)))
+        sfs_reordered.append((create_reordered_scale_factor_tensor(1, m, k, sfa, device=device),
+                              create_reordered_scale_factor_tensor(1, n, k, sfb, device=device)))
+        sizes.append((m, n, k, 1))
+    if all(m == 0 for m, *_ in sizes):
+        return random_group_set(rng, n_multiple, device)
+    return abc, sfs, sfs_reordered, sizes
+
+
+def cases(args, capability) -> list[tuple[str, str, object]]:
+    """(kind, label, input set or its generator arguments) of every case."""
+    import eval as harness
+
+    found = []
+    for kind, file in (("test", "tests.txt"), ("benchmark", "benchmarks.txt")):
+        for index, case in enumerate(harness.read_test_cases(str(HERE / "tests" / "cases" / file))):
+            found.append((kind, f"{kind} {index}", case.args))
+    rng = random.Random(args.seed)
+    n_multiple = 128 if capability[0] == 9 else 8  # sm_90: N % 128 == 0; sm_100 takes any multiple of 8
+    for index in range(args.random):
+        found.append(("random", f"random {index}", random_group_set(rng, n_multiple)))
+    return found
+
+
+def kernels_for(backend, sizes) -> list:
+    """Every kernel the automatic choice can pick for these sizes, forced one by one."""
+    import submission
+
+    if backend.name == "sm100":
+        names = ["per_tile", "scaled_mm"]
+        if submission.persistent_can_implement(sizes) is None:
+            names = ["persistent_t128", "persistent_t256", *names]
+        return [submission.SM100_CHOICES[name] for name in names]
+    return backend.kernel_chain(sizes)
+
+
+def run_forced(backend, choice, data):
+    """One launch of `choice` on `data` (no fallback, no self-check): the c list."""
+    import submission
+
+    sizes = submission.validate_inputs(data)
+    device = data[0][0][0].device
+    plan = submission.Plan(backend, sizes, device, choice, [choice])
+    outputs = [c for _, _, c in data[0]]
+    if choice.host:
+        return submission.HOST_COMPUTATIONS[choice.name](data, outputs), None
+    binding = submission.Binding(plan, submission.pointers_of(data))
+    binding.graph = False
+    binding.run(submission._stream_for_current())
+    return outputs, binding
+
+
+def check(data, outputs) -> dict:
+    from reference import exact_mismatches
+
+    counts = exact_mismatches(data, outputs)
+    mismatches = sum(c[0] for c in counts)
+    first = next(((g, flat) for g, (n, _e, flat) in enumerate(counts) if n), None)
+    return {"mismatches": mismatches, "elements": sum(c[1] for c in counts), "first": first}
+
+
+def time_kernel(run_one, count: int, repeats: int) -> float:
+    """Mean µs per call of run_one(0 .. count - 1): per repeat, the L2 flushed, then the
+    input sets run back to back between two CUDA events (the leaderboard's method)."""
+    from utils import clear_l2_cache_large
+
+    for index in range(count):  # first runs: compile, bind, record the graph
+        run_one(index)
+        run_one(index)
+    durations = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        clear_l2_cache_large()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for index in range(count):
+            run_one(index)
+        end.record()
+        torch.cuda.synchronize()
+        durations.append(start.elapsed_time(end) * 1000 / count)
+    return sum(durations) / len(durations)
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exit_:
+        return 2 if exit_.code else 0
+    if not torch.cuda.is_available():
+        return _fail_usage("needs a CUDA GPU (sm_100 B200 or sm_90 H100/H200); none is visible here")
+    if args.random < 0 or args.repeats < 1:
+        return _fail_usage("--random must be >= 0 and --repeats >= 1")
+    report_path = Path(args.json)
+    try:
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(report_path, "a"):
+            pass
+    except OSError as error:
+        return _fail_usage(f"--json {args.json}: cannot write there ({error.strerror or error})")
+
+    import submission
+    from reference import generate_input
+
+    capability = torch.cuda.get_device_capability()
+    if capability[0] != 10 and capability != (9, 0):
+        return _fail_usage(f"this GPU is sm_{capability[0]}{capability[1]}; the submission runs on sm_100 and sm_90")
+    backend = submission.select_backend(torch.cuda.current_device())
+    wanted = None if args.kernels is None else set(args.kernels.split(","))
+    info = machine()
+    print(f"selfcheck on {info['device']} (sm_{capability[0]}{capability[1]}, {info['sms']} SMs), torch {info['torch']}, "
+          f"DSL {info['dsl']}, backend {backend.name}", flush=True)
+
+    rows, timings = [], []
+    for kind, label, source in cases(args, capability):
+        data = generate_input(**source) if isinstance(source, dict) else source
+        sizes = [tuple(s) for s in data[3]]
+        for choice in [*kernels_for(backend, sizes), None]:
+            name = "custom_kernel" if choice is None else choice.name
+            if wanted is not None and name not in wanted:
+                continue
+            print(f"  {label:<12} {name:<16} ...", end="", flush=True)
+            row = {"case": label, "kind": kind, "kernel": name, "sizes": sizes}
+            if choice is not None and choice.config is not None:
+                row["config"] = str(choice.config)
+            stderr = io.StringIO()
+            try:
+                for _, _, c in data[0]:
+                    c.fill_(float("nan"))
+                with contextlib.redirect_stderr(stderr):
+                    if choice is None:
+                        outputs = submission.custom_kernel(data)
+                        binding = submission._BINDINGS.get(submission.input_key(data))
+                        row["ran"] = binding.plan.choice.name if binding is not None else None
+                    else:
+                        outputs, _ = run_forced(backend, choice, data)
+                    torch.cuda.synchronize()
+                row.update(check(data, outputs))
+                row["status"] = "pass" if row["mismatches"] == 0 else "MISMATCH"
+            except Exception as error:  # noqa: BLE001 - every failure is a row of the report
+                row.update(status="ERROR", error=_one_line(error))
+            if stderr.getvalue():
+                row["stderr"] = stderr.getvalue().splitlines()
+            rows.append(row)
+            detail = row.get("error") or (f"{row['mismatches']} of {row['elements']} differ, first {row['first']}"
+                                          if row["status"] == "MISMATCH" else row.get("ran", ""))
+            print(f"\r  {label:<12} {name:<16} {row['status']:<8} {detail}", flush=True)
+            if kind == "benchmark" and row["status"] == "pass":
+                timings.append(_time_row(backend, choice, source, label, name, args.repeats, generate_input))
+
+    report = {"machine": info, "rows": rows, "timings": timings,
+              "demoted": {str(key): why for key, why in submission._DEMOTED.items()},
+              "self_check": submission.SELF_CHECK}
+    report_path.write_text(json.dumps(report, indent=1, default=str))
+    failed = [row for row in rows if row["status"] != "pass"]
+    print(format_table(rows, timings))
+    if report["demoted"]:
+        print("custom_kernel demoted: " + "; ".join(report["demoted"].values()))
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed; report: {report_path} "
+          "(attach it to a bug report, with the output above)")
+    return 1 if failed else 0
+
+
+def _time_row(backend, choice, source, label, name, repeats, generate_input) -> dict:
+    import submission
+
+    row = {"case": label, "kernel": name}
+    try:
+        inputs = []
+        for index in range(TIMED_INPUT_SETS):
+            args = dict(source)
+            args["seed"] = args.get("seed", 0) + 42 * (index + 1)
+            inputs.append(generate_input(**args))
+        bindings = [None] * len(inputs)
+
+        def run_one(index):
+            data = inputs[index]
+            if choice is None:
+                submission.custom_kernel(data)
+            elif choice.host:
+                submission.HOST_COMPUTATIONS[choice.name](data, [c for _, _, c in data[0]])
+            elif bindings[index] is None:
+                _, bindings[index] = run_forced(backend, choice, data)
+            else:
+                bindings[index].run(submission._stream_for_current())
+
+        row["us"] = round(time_kernel(run_one, len(inputs), repeats), 2)
+    except Exception as error:  # noqa: BLE001
+        row["error"] = _one_line(error)
+    print(f"  {label:<12} {name:<16} {row.get('us', row.get('error'))} us", flush=True)
+    return row
+
+
+def format_table(rows, timings) -> str:
+    """One line per kernel: cases passed / run, and its µs on each benchmark shape."""
+    kernels = list(dict.fromkeys(row["kernel"] for row in rows))
+    benchmarks = sorted({t["case"] for t in timings}, key=lambda c: int(c.split()[-1]))
+    head = f"{'kernel':<16} {'passed':>9}  " + "  ".join(f"{b:>12}" for b in benchmarks) + "  geomean"
+    lines = [head, "-" * len(head)]
+    for kernel in kernels:
+        mine = [row for row in rows if row["kernel"] == kernel]
+        passed = sum(row["status"] == "pass" for row in mine)
+        us = {t["case"]: t.get("us") for t in timings if t["kernel"] == kernel}
+        cells = [f"{us[b]:>12.2f}" if us.get(b) is not None else f"{'-':>12}" for b in benchmarks]
+        values = [us[b] for b in benchmarks if us.get(b)]
+        geomean = math.exp(sum(map(math.log, values)) / len(values)) if len(values) == len(benchmarks) and values else None
+        lines.append(f"{kernel:<16} {passed:>4} / {len(mine):<3} " + "  ".join(cells)
+                     + (f"  {geomean:7.2f}" if geomean else "        -"))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
