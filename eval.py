@@ -1279,7 +1279,8 @@ def check_output_file(option: str, value: str | None) -> None:
         with open(path, "a"):
             pass
     except OSError as error:
-        raise UsageError(f"{option} {value}: cannot be written "
+        what = "cannot be written" if existed else "cannot be created"
+        raise UsageError(f"{option} {value}: {what} "
                          f"({error.strerror or _describe_error(error)})") from None
     if not existed:
         path.unlink(missing_ok=True)
@@ -1426,9 +1427,10 @@ def run(args: argparse.Namespace) -> int:
     with logger, Worker(str(submission)) as pool:
         try:
             machine = pool.apply(_describe_machine)
-        except (SubmissionLost, WorkerError):
-            machine = _describe_machine()  # the process did not start: this one's view
-            # (the cases then report how the submission's process ended)
+        except (SubmissionLost, WorkerError) as error:
+            # The process did not start; the first case reports how it ended
+            machine = {"torch": torch.__version__, "dsl": _dsl_version(),
+                       "device": f"unknown ({error})"}
         if args.mode == "test":
             status, results = run_testing(logger, pool, tests)
         elif args.mode == "profile":

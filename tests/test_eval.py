@@ -4,6 +4,8 @@ import importlib
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -406,6 +408,11 @@ def test_test_mode_without_a_supported_gpu_runs_the_torch_example(tmp_path):
     assert "so examples/torch_submission.py runs instead" in first
     assert "10 of 10 test cases passed (examples/torch_submission.py)" in rest
     assert "check: pass" in completed.stdout and "test.9.status: pass" in completed.stdout
+    # The reader's lines go to stdout too: the one naming the example first, the closing
+    # line last
+    out = completed.stdout.splitlines()
+    assert out[0] == first
+    assert out[-1] == "10 of 10 test cases passed (examples/torch_submission.py)"
     report = json.loads(report_path.read_text())
     assert report["mode"] == "test" and report["check"] == "pass" and report["passed"] == 10
     assert report["submission"] == str(TORCH_SUBMISSION)
@@ -519,6 +526,430 @@ def test_peers_shapes_option_selects_benchmark_shapes_in_order():
     for bad in ("", "0,,1", "-1", "0,1,2,3,0"):
         with pytest.raises(ValueError):
             peers.shape_list(bad)
+
+
+# ---------------------------------------------------------------------------------------
+# The harness survives its submission (tests/submissions/: one failure each)
+# ---------------------------------------------------------------------------------------
+
+SUBMISSIONS = REPO_ROOT / "tests" / "submissions"
+TWO_CASES = ("m: [40]; n: [64]; k: [256]; g: 1; seed: 1111\n"
+             "m: [40, 8]; n: [64, 64]; k: [256, 256]; g: 2; seed: 1111\n")
+LOST = "not run: the submission's process ended in an earlier case"
+NOT_IMPORTED = "not run: the submission could not be imported"
+
+
+def run_quick(*args, env_extra=None, timeout=60, **popen):
+    """eval.py without POPCORN_FD (the protocol's lines on stdout), killed after `timeout`
+    seconds: a hang fails the test instead of stalling it."""
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("POPCORN_FD", "POPCORN_SEED")}
+    env.update(env_extra or {})
+    popen.setdefault("capture_output", True)
+    return subprocess.run([sys.executable, "eval.py", *args], check=False, cwd=REPO_ROOT,
+                          env=env, text=True, timeout=timeout, **popen)
+
+
+def protocol(stdout: str) -> dict:
+    return dict(line.split(": ", 1) for line in stdout.splitlines()
+                if re.match(r"^[\w.-]+: ", line))
+
+
+@pytest.mark.parametrize(("name", "message", "not_run"), [
+    ("exits_in_kernel", "the submission's process exited with code 3", LOST),
+    ("hard_exit", "the submission's process exited with code 7", LOST),
+    ("aborts", "the submission's process was ended by signal 6 (SIGABRT)", LOST),
+    ("faults", "the submission's process was ended by signal 11 (SIGSEGV)", LOST),
+    ("exits_at_import",
+     "could not import the submission: the submission's process exited with code 1",
+     NOT_IMPORTED),
+])
+def test_a_submission_that_ends_its_process_fails_the_case_in_one_line(tmp_path, name,
+                                                                       message, not_run):
+    cases = tmp_path / "two.txt"
+    cases.write_text(TWO_CASES)
+    report_path = tmp_path / "report.json"
+    completed = run_quick("test", str(cases), "--submission", str(SUBMISSIONS / f"{name}.py"),
+                          "--json", str(report_path))
+    assert completed.returncode == 112, completed.stderr
+    lines = protocol(completed.stdout)
+    assert lines["test-count"] == "2" and lines["check"] == "fail"
+    assert (lines["test.0.status"], lines["test.0.error"]) == ("fail", message)
+    assert (lines["test.1.status"], lines["test.1.error"]) == ("fail", not_run)
+    closing = f"0 of 2 test cases passed, 1 not run (tests/submissions/{name}.py)"
+    assert completed.stdout.splitlines()[-1] == closing
+    assert completed.stderr.splitlines() == [
+        f"test: case 1 of 2 (G=1 M=40 N=64 K=256): FAILED: {message}; 1 case not run",
+        closing, f"results written to {report_path}"]
+    report = json.loads(report_path.read_text())
+    assert [case["status"] for case in report["cases"]] == ["fail", "not run"]
+    assert report["cases"][0]["error"] == message and report["not_run"] == 1
+
+
+@pytest.mark.parametrize(("name", "errors"), [
+    ("returns_none", [("custom_kernel returned None; expected a list of 1 tensor (C of each "
+                      "group)"),
+                      ("custom_kernel returned None; expected a list of 2 tensors (C of each "
+                      "group)")]),
+    ("returns_wrong_items", [("custom_kernel's output 0 is list; expected a tensor (C of group "
+                             "0)")] * 2),
+])
+def test_a_wrong_output_type_fails_the_case_in_one_line(tmp_path, name, errors):
+    cases = tmp_path / "two.txt"
+    cases.write_text(TWO_CASES)
+    completed = run_quick("test", str(cases), "--submission", str(SUBMISSIONS / f"{name}.py"))
+    assert completed.returncode == 112
+    lines = protocol(completed.stdout)
+    assert [lines["test.0.error"], lines["test.1.error"]] == errors  # both cases ran
+    assert completed.stderr == f"0 of 2 test cases passed (tests/submissions/{name}.py)\n"
+
+
+def test_output_problem_names_what_custom_kernel_returned():
+    c = torch.zeros(2, 2)
+    assert harness.output_problem([c, c], 2) is None
+    assert harness.output_problem((c,), 1) is None
+    assert harness.output_problem(c, 1) == ("custom_kernel returned a Tensor; expected a list "
+                                            "of 1 tensor (C of each group)")
+    assert harness.output_problem([c], 3) == ("custom_kernel returned 1 output; expected 3 "
+                                              "tensors (C of each group)")
+    assert harness.output_problem([c, "x"], 2) == ("custom_kernel's output 1 is str; expected "
+                                                   "a tensor (C of group 1)")
+    good, message = harness._match([c], [torch.zeros(2, 2, dtype=torch.bool)])
+    assert not good and message.startswith("the output could not be compared: RuntimeError")
+
+
+def test_an_import_error_is_reported_once(tmp_path):
+    cases = tmp_path / "three.txt"
+    cases.write_text(TWO_CASES + ONE_CASE)
+    completed = run_quick("test", str(cases), "--submission", str(SUBMISSIONS / "import_error.py"))
+    assert completed.returncode == 112
+    lines = protocol(completed.stdout)
+    assert lines["test.0.error"] == ("could not import the submission: ModuleNotFoundError: "
+                                     "No module named 'nvfp4_module_that_does_not_exist'")
+    assert lines["test.1.error"] == lines["test.2.error"] == NOT_IMPORTED
+    assert completed.stdout.count("ModuleNotFoundError") == 1
+    assert completed.stderr.count("ModuleNotFoundError") == 1  # the progress line
+    assert "Traceback" not in completed.stderr
+
+
+class DyingPool:
+    """A pool whose process ends in the `dies_at`-th call of a case function (warm-ups
+    count): before it, each call gives a passing result of its kind."""
+
+    def __init__(self, dies_at: int, import_fails: bool = False):
+        self.calls, self.dies_at, self.import_fails = 0, dies_at, import_fails
+
+    def apply(self, function, args=()):
+        if function is harness._import_submission:
+            if self.import_fails:
+                raise harness.SubmissionLost("the submission's process exited with code 1",
+                                             "not run: x")
+            return None
+        self.calls += 1
+        if self.calls == self.dies_at:
+            raise harness.SubmissionLost("the submission's process exited with code 7", LOST)
+        if function is harness._run_single_test:
+            return True, ""
+        if function is harness._run_single_benchmark:
+            return harness.BenchResult(harness.calculate_stats([1e3, 2e3]), 1e3)
+        return "profiler table"
+
+
+THREE_TESTS = [harness.TestCase(args={"m": (8,), "n": (64,), "k": (256,), "g": 1, "seed": i},
+                                spec=f"case {i}") for i in range(3)]
+
+
+@pytest.mark.parametrize(("mode", "dies_at", "failed", "not_run"), [
+    ("test", 2, 1, [2]),
+    ("benchmark", 1, 0, [1, 2]),  # the warm-up on case 0
+    ("benchmark", 3, 1, [2]),  # the warm-up, case 0, then case 1
+    ("leaderboard", 2, 1, [0, 2]),  # the warm-up of case 1: no case was timed
+    ("leaderboard", 5, 1, [2]),  # three warm-ups, case 0, then case 1
+    ("profile", 2, 1, [2]),
+])
+def test_every_mode_ends_the_same_way_when_the_submission_is_lost(capsys, mode, dies_at,
+                                                                  failed, not_run):
+    runner = {"test": harness.run_testing, "profile": harness.run_profiling,
+              "benchmark": harness.run_benchmarking, "leaderboard": harness.run_leaderboard}
+    args = (harness.StdoutOutput(), DyingPool(dies_at), THREE_TESTS)
+    if mode in ("benchmark", "leaderboard"):
+        args += (False,)
+    status, results = runner[mode](*args)
+    assert status == 112 and len(results) == 3
+    captured = capsys.readouterr()
+    lines = protocol(captured.out)
+    key = "test" if mode == "test" else "benchmark"
+    assert lines[f"{key}.{failed}.error"] == "the submission's process exited with code 7"
+    assert lines["check"] == "fail"
+    assert captured.out.count(": the submission's process exited with code 7") == 1
+    for idx in range(3):
+        assert lines[f"{key}.{idx}.spec"] == f"case {idx}"
+        assert captured.out.count(f"{key}.{idx}.spec: ") == 1
+    assert [idx for idx in range(3) if lines.get(f"{key}.{idx}.error") == LOST] == not_run
+    ran = [idx for idx in range(3) if idx != failed and idx not in not_run]
+    assert all(f"{key}.{idx}.status: fail" not in captured.out for idx in ran)
+    assert captured.err.splitlines()[-1] == (
+        f"{mode}: case {failed + 1} of 3 (G=1 M=8 N=64 K=256): FAILED: the submission's "
+        f"process exited with code 7; {len(not_run)} case{'s' * (len(not_run) != 1)} not run")
+    # The reports: the failed case and the ones not run, as such
+    machine = {"device": "cpu"}
+    if mode == "test":
+        report = harness.build_test_report("s.py", machine, THREE_TESTS, results)
+    elif mode == "profile":
+        report = harness.build_profile_report("s.py", machine, THREE_TESTS, results)
+    else:
+        report = harness.build_report(mode, "s.py", machine, THREE_TESTS, results, False)
+        table = harness.format_report(report)
+        assert "FAILED: the submission's process exited with code 7" in table
+        assert table.count("NOT RUN: the submission's process ended in an earlier case") == \
+            len(not_run)
+    statuses = [case.get("status", "pass" if "error" not in case else "fail")
+                for case in report["cases"]]
+    assert [i for i, status in enumerate(statuses) if status == "not run"] == not_run
+    assert statuses[failed] == "fail"
+
+
+def test_every_mode_reports_an_import_failure_once(capsys):
+    status, results = harness.run_benchmarking(harness.StdoutOutput(),
+                                               DyingPool(0, import_fails=True), THREE_TESTS,
+                                               False)
+    assert status == 112
+    out = capsys.readouterr().out
+    assert out.count("could not import the submission") == 1
+    assert [str(r) for r in results] == [
+        "could not import the submission: the submission's process exited with code 1",
+        "not run: the submission could not be imported",
+        "not run: the submission could not be imported"]
+
+
+@pytest.mark.parametrize(("mode", "name", "message", "table"), [
+    ("benchmark", "hard_exit", "the submission's process exited with code 7", True),
+    ("leaderboard", "exits_in_kernel", "the submission's process exited with code 3", True),
+    ("profile", "exits_at_import",
+     "could not import the submission: the submission's process exited with code 1", False),
+])
+def test_the_timing_modes_survive_the_submissions_process(monkeypatch, capsys, tmp_path, mode,
+                                                          name, message, table):
+    # The timing modes need CUDA; the submission's process dies before its first CUDA call,
+    # so with the driver told that CUDA is there, the whole path runs on a CPU.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("POPCORN_FD", raising=False)
+    cases = tmp_path / "two.txt"
+    cases.write_text(TWO_CASES)
+    report_path = tmp_path / "report.json"
+    started = time.perf_counter()
+    status = harness.main([mode, str(cases), "--submission", str(SUBMISSIONS / f"{name}.py"),
+                           "--json", str(report_path)])
+    assert status == 112 and time.perf_counter() - started < 60
+    captured = capsys.readouterr()
+    lines = protocol(captured.out)
+    assert lines["benchmark.0.error"] == message and lines["check"] == "fail"
+    assert lines["benchmark.1.error"].startswith("not run: ")
+    assert f"{mode}: case 1 of 2 (G=1 M=40 N=64 K=256): FAILED: {message}; 1 case not run" \
+        in captured.err.splitlines()
+    report = json.loads(report_path.read_text())
+    assert report["cases"][1]["status"] == "not run"
+    if table:
+        assert f" FAILED: {message}" in captured.out and " NOT RUN: " in captured.out
+
+
+def test_the_worker_answers_errors_in_one_line_and_notices_its_end():
+    with harness.Worker(str(TORCH_SUBMISSION)) as worker:
+        assert worker.apply(harness._describe_machine)["torch"] == torch.__version__
+        with pytest.raises(harness.WorkerError) as raised:
+            worker.apply(divmod, (1, 0))
+        assert str(raised.value) == "ZeroDivisionError: integer division or modulo by zero"
+        assert worker.apply(harness._import_submission) is None  # still alive
+        for _ in range(2):  # the end, then every later call, without waiting
+            with pytest.raises(harness.SubmissionLost) as raised:
+                worker.apply(os._exit, (5,))
+            assert str(raised.value) == "the submission's process exited with code 5"
+    assert not worker.process.is_alive()
+
+
+def test_describe_exit():
+    assert harness.describe_exit(0) == "the submission's process exited with code 0"
+    assert harness.describe_exit(-9) == "the submission's process was ended by signal 9 (SIGKILL)"
+    assert harness.describe_exit(-200) == "the submission's process was ended by signal 200"
+
+
+def test_ctrl_c_prints_one_line_exits_130_and_ends_the_submissions_process(tmp_path):
+    cases = tmp_path / "one.txt"
+    cases.write_text(ONE_CASE)
+    ready = tmp_path / "ready"
+    env = {key: value for key, value in os.environ.items() if key != "POPCORN_FD"}
+    env["EVAL_TEST_READY"] = str(ready)
+    # A session of its own: SIGINT goes to the whole group, as Ctrl-C in a terminal does.
+    process = subprocess.Popen(
+        [sys.executable, "eval.py", "test", str(cases), "--submission",
+         str(SUBMISSIONS / "sleeps.py")], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert ready.exists(), process.communicate(timeout=10)
+        worker_pid = int(ready.read_text())
+        os.killpg(process.pid, signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130
+    assert stderr == "eval.py: interrupted (Ctrl-C)\n"
+    assert "test.0.status" not in stdout
+    with pytest.raises(ProcessLookupError):
+        os.kill(worker_pid, 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Every input checked before any work
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["test", "--json", "/proc/x.json"], {},
+     "--json /proc/x.json: cannot be created ("),
+    (["test", "--json", str(REPO_ROOT / "tests")], {},
+     f"--json {REPO_ROOT / 'tests'}: is a folder; expected a file name"),
+    (["test", "--json", str(REPO_ROOT / "eval.py" / "r.json")], {},
+     f"--json {REPO_ROOT / 'eval.py' / 'r.json'}: {REPO_ROOT / 'eval.py'} is not a folder"),
+    (["benchmark", "--plot", "/proc/x.png"], {}, "--plot /proc/x.png: cannot be created ("),
+    (["test", "--submission", "README.md"], {},
+     "--submission README.md: expected a Python file (.py) that defines custom_kernel"),
+    (["test"], {"POPCORN_SEED": "-5"},
+     ("POPCORN_SEED = '-5': expected an integer between 0 and 4294967295 (2**32 - 1, the range "
+     "of the numpy seed that utils.set_seed sets)")),
+    (["test"], {"POPCORN_SEED": "4294967296"},
+     "POPCORN_SEED = '4294967296': expected an integer between 0 and 4294967295"),
+    (["test"], {"POPCORN_FD": "abc"},
+     ("POPCORN_FD = 'abc': expected the number of an open file descriptor to write the results "
+     "to")),
+    (["test"], {"POPCORN_FD": "99"},
+     ("POPCORN_FD = '99': file descriptor 99 is not open; expected the number of an open file "
+     "descriptor")),
+    (["test"], {"POPCORN_FD": "-1"}, "POPCORN_FD = '-1': expected the number of an open file"),
+    (["compile", "--groups", "2,2"], {},
+     ("compile: --groups '2,2': 2 given more than once; expected distinct group counts between "
+     "1 and 64, e.g. 1,2,8")),
+    (["compile", "--groups=1,8,1,8"], {}, "compile: --groups '1,8,1,8': 1, 8 given more than"),
+    (["compile", "--modules", "nvfp4_hoper"], {},
+     ("compile: --modules 'nvfp4_hoper': unknown module 'nvfp4_hoper'; the modules are "
+     "submission, nvfp4_hopper (comma-separated)")),
+    (["compile", "--modules", "submission,,"], {}, None),  # valid: checked, then refused below
+    (["compile", "--modules", ","], {},
+     "compile: --modules ',': no module named; the modules are submission, nvfp4_hopper"),
+    (["compile", "--modules", "submission,submission"], {},
+     "compile: --modules 'submission,submission': a module named more than once"),
+    (["compile", "--json", "/proc/x.json"], {},
+     "compile: --json /proc/x.json: cannot be created ("),
+    (["compile", "--json", "/nonexistent-folder/r.json"], {},
+     ("compile: --json /nonexistent-folder/r.json: the folder /nonexistent-folder does not "
+     "exist")),
+    (["compile", "--json", str(REPO_ROOT)], {}, f"compile: --json {REPO_ROOT}: is a folder"),
+    (["compile", "--dump-dir", "/proc/x/y"], {},
+     "compile: --dump-dir /proc/x/y: cannot write in /proc ("),
+    (["compile", "--dump-dir", str(REPO_ROOT / "eval.py")], {},
+     f"compile: --dump-dir {REPO_ROOT / 'eval.py'}: is a file; expected a folder"),
+    (["compile", "--dump-dir", str(REPO_ROOT / "eval.py" / "x")], {},
+     f"compile: --dump-dir {REPO_ROOT / 'eval.py' / 'x'}: {REPO_ROOT / 'eval.py'} is a file"),
+])
+def test_every_input_is_checked_before_any_work(monkeypatch, capsys, argv, env, message):
+    if message is None:  # a valid --modules list, with an output path refused after it
+        argv = [*argv, "--json", "/proc/x.json"]
+        message = "compile: --json /proc/x.json: cannot be created ("
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if "POPCORN_FD" not in env:
+        monkeypatch.delenv("POPCORN_FD", raising=False)
+    if env.get("POPCORN_FD") == "99":
+        with pytest.raises(OSError):
+            os.fstat(99)  # not open here either
+    try:
+        status = harness.main(argv)
+    except SystemExit as exit_info:  # argparse
+        status = exit_info.code
+    assert status == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(message) and captured.err.count("\n") == 1, captured.err
+    assert captured.out == ""  # nothing ran, nothing compiled
+
+
+def test_output_paths_are_checked_and_leave_nothing_behind(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("POPCORN_FD", raising=False)
+    target = tmp_path / "report.json"
+    harness.check_output_file("--json", str(target))  # writable: no error, no file left
+    assert not target.exists()
+    target.write_text("kept")
+    harness.check_output_file("--json", str(target))  # an existing file is not truncated
+    assert target.read_text() == "kept"
+    harness.check_output_file("--json", "/dev/null")
+    harness.check_output_folder("--dump-dir", str(tmp_path / "new" / "deeper"))
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == [target]
+
+
+def test_output_paths_in_a_folder_without_write_permission_are_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root writes anyway
+            pytest.skip("running as root: a folder without write permission is writable")
+        with pytest.raises(harness.UsageError, match=r"--json .*/locked/r.json: cannot be "
+                                                     r"created \(Permission denied\)"):
+            harness.check_output_file("--json", str(locked / "r.json"))
+        with pytest.raises(harness.UsageError, match=r"cannot write in .*/locked \(Permission"):
+            harness.check_output_folder("--dump-dir", str(locked / "dumps"))
+    finally:
+        locked.chmod(0o700)
+
+
+def test_popcorn_fd_must_be_open_for_writing(monkeypatch, capsys):
+    read_end, write_end = os.pipe()
+    try:
+        monkeypatch.setenv("POPCORN_FD", str(read_end))
+        assert harness.main(["test"]) == 2
+        assert capsys.readouterr().err == (
+            f"POPCORN_FD = '{read_end}': file descriptor {read_end} is not open for writing; "
+            "expected the number of an open file descriptor to write the results to\n")
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+def test_case_seeds_beyond_the_generators_range_are_a_case_file_error(tmp_path, capsys):
+    path = tmp_path / "cases.txt"
+    largest = 2**64 - 1
+    path.write_text(f"{GOOD}\nm: [40]; n: [64]; k: [256]; g: 1; seed: {largest}\n")
+    assert harness.get_test_cases(str(path), None)[1].args["seed"] == largest
+    # Combined with POPCORN_SEED, the second case's seed leaves the range: exit 113, that line
+    with pytest.raises(SystemExit) as exit_info:
+        harness.get_test_cases(str(path), 5)
+    assert exit_info.value.code == 113
+    combined = harness._combine(largest, 5)
+    assert capsys.readouterr().err == (
+        f"invalid test case file {path}:2: seed = {largest} combined with POPCORN_SEED = 5 is "
+        f"{combined}; rule: the combined seed < 2**64 (the range of torch.manual_seed, which "
+        "seeds the input generator)\n")
+    # Through eval.py: before anything runs
+    completed = run_quick("test", str(path), "--submission", str(TORCH_SUBMISSION),
+                          env_extra={"POPCORN_SEED": "5"})
+    assert completed.returncode == 113 and completed.stdout == ""
+    assert completed.stderr.startswith(f"invalid test case file {path}:2: seed = ")
+
+
+def test_the_closing_line_goes_to_stdout_too_and_once_to_a_terminal(tmp_path):
+    cases = tmp_path / "one.txt"
+    cases.write_text(ONE_CASE)
+    closing = "1 of 1 test cases passed (examples/torch_submission.py)"
+    completed = run_quick("test", str(cases), "--submission", str(TORCH_SUBMISSION))
+    assert completed.returncode == 0
+    assert completed.stdout.splitlines()[-2:] == ["check: pass", closing]
+    assert completed.stderr.splitlines() == [closing]
+    # stdout and stderr the same file (as a terminal is): the line once
+    together = run_quick("test", str(cases), "--submission", str(TORCH_SUBMISSION),
+                         capture_output=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert together.stdout.splitlines().count(closing) == 1
 
 
 # ---------------------------------------------------------------------------------------
