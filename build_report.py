@@ -35,7 +35,10 @@ How it builds: ``build_all`` runs the builds in a child Python process. There th
 compiles without loading the module onto a GPU (no GPU or libcuda needed) and returns the
 compiled function; the file cache is off so each build writes its cubin and PTX. A target
 that fails (an exception, no cubin, or the process dying) becomes a failed row with its
-reason; the other targets still build, and the exit code is 1.
+reason; the other targets still build, and the exit code is 1. While they run, ``main`` prints
+one line per finished build on stderr (``build 3 of 16: sm100_gemm G=2 (sm_100a): 4.21 s``);
+the table (stdout) fits in 120 columns: a row of figures per kernel, then its MMA
+instructions and its kernel symbol on lines of their own.
 
 Options: ``--groups 1,2,8`` (group counts to build), ``--modules submission,nvfp4_hopper``
 (backends), ``--dump-dir DIR`` (keep artifacts there), ``--json PATH`` (also write the rows
@@ -57,6 +60,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -547,16 +551,69 @@ def _tail(text: str, lines: int = 12) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=()) -> list[KernelReport]:
+def _first_line(text: str | None, width: int) -> str:
+    lines = (text or "").strip().splitlines()
+    return _short(lines[0] if lines else "", width)
+
+
+def progress_line(position: int, total: int, reports: list[KernelReport]) -> str:
+    """One line per finished build: `build 3 of 16: sm100_gemm G=2 (sm_100a): 4.21 s`, or
+    its failure's first line; at most TABLE_WIDTH columns."""
+    first = reports[0]
+    head = f"build {position} of {total}: {first.target} G={first.num_groups} ({first.arch}): "
+    failed = [r for r in reports if r.failed]
+    if failed:
+        return head + "FAILED: " + _first_line(failed[0].error, max(20, TABLE_WIDTH - len(head) - 8))
+    kernels = f", {len(reports)} kernels" if len(reports) > 1 else ""
+    return _short(f"{head}{first.compile_s:.2f} s{kernels}", TABLE_WIDTH)
+
+
+def _follow(path: Path, offset: int) -> tuple[list[dict], int]:
+    """The complete JSON lines of `path` from byte `offset` on, and the offset after them."""
+    if not path.exists():
+        return [], offset
+    with open(path, "rb") as results:
+        results.seek(offset)
+        data = results.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    records = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+    return records, offset + len(complete)
+
+
+def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=(),
+              progress=None) -> list[KernelReport]:
     """Build every target of `modules` for every group count in a child process; one
     KernelReport per kernel built, or a failed one per target that did not build. `paths`:
-    extra import paths for the backends."""
+    extra import paths for the backends. `progress(line)`, when given, gets one line as each
+    build finishes (progress_line), and one when the builds are listed."""
     dump_root = Path(dump_root).resolve()  # the build process runs in the repository root
     dump_root.mkdir(parents=True, exist_ok=True)
     plan: list | None = None
     done: dict[int, list[KernelReport]] = {}
     extra: list[KernelReport] = []
     skip = 0
+
+    def tell(line: str) -> None:
+        if progress is not None:
+            progress(line)
+
+    def take(record: dict) -> None:
+        nonlocal plan
+        if "plan" in record:
+            if plan is None:
+                plan = record["plan"]
+                tell(_short(f"{len(plan)} build{'s' * (len(plan) != 1)} to run ({', '.join(modules)}; "
+                            f"group counts {', '.join(map(str, num_groups_list))})", TABLE_WIDTH))
+        elif record["index"] is None:
+            reports = [KernelReport(**r) for r in record["reports"]]
+            extra.extend(reports)
+            for report in reports:
+                tell(_short(f"{report.target}: FAILED: {_first_line(report.error, TABLE_WIDTH)}",
+                            TABLE_WIDTH))
+        else:
+            done[record["index"]] = [KernelReport(**r) for r in record["reports"]]
+            tell(progress_line(record["index"] + 1, len(plan or ()), done[record["index"]]))
+
     while True:
         with tempfile.TemporaryDirectory(prefix="nvfp4_build_run_") as run_dir:
             results_path = Path(run_dir) / "results.jsonl"
@@ -565,30 +622,36 @@ def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=(
                 "modules": list(modules), "groups": list(num_groups_list), "dump_root": str(dump_root),
                 "results": str(results_path), "skip": skip, "paths": [str(Path(p).resolve()) for p in paths],
             }
+            offset = 0
             with open(log_path, "w+b") as log:
-                process = subprocess.run(
+                process = subprocess.Popen(
                     [sys.executable, str(Path(__file__).resolve()), "--build-process", json.dumps(spec)],
                     cwd=REPO_ROOT, env=_build_process_env(), stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=subprocess.STDOUT, check=False,
+                    stdout=log, stderr=subprocess.STDOUT,
                 )
+                try:
+                    while process.poll() is None:
+                        records, offset = _follow(results_path, offset)
+                        for record in records:
+                            take(record)
+                        time.sleep(0.1)
+                except BaseException:  # Ctrl-C: the build process goes with this one
+                    process.kill()
+                    process.wait()
+                    raise
+                records, offset = _follow(results_path, offset)
+                for record in records:
+                    take(record)
                 log.seek(0)
                 output = log.read().decode(errors="replace")
-            records = []
-            if results_path.exists():
-                records = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
-        for record in records:
-            if "plan" in record:
-                plan = plan if plan is not None else record["plan"]
-            elif record["index"] is None:
-                extra += [KernelReport(**r) for r in record["reports"]]
-            else:
-                done[record["index"]] = [KernelReport(**r) for r in record["reports"]]
         how = f"exit status {process.returncode}" if process.returncode >= 0 else f"signal {-process.returncode}"
         if plan is None:
             extra.append(failed_report(
                 ",".join(modules), "?", 0,
                 f"the build process ended ({how}) before listing the targets\n{_tail(output)}",
             ))
+            tell(_short(f"build: FAILED: the build process ended ({how}) before listing the targets",
+                        TABLE_WIDTH))
             break
         pending = [i for i in range(skip, len(plan)) if i not in done]
         if not pending:
@@ -598,6 +661,7 @@ def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=(
         done[pending[0]] = [failed_report(
             kernel_name, arch, num_groups, f"the build process died ({how})\n{_tail(output)}"
         )]
+        tell(progress_line(pending[0] + 1, len(plan), done[pending[0]]))
         skip = pending[0] + 1
     reports = list(extra)
     for index in sorted(done):
@@ -628,30 +692,43 @@ def _short(name: str, width: int = 28) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
+# The report's rows (table, progress) fit in this many columns
+TABLE_WIDTH = 120
+TARGET_WIDTH = (24, 40)  # the target column: at least, at most (longer names are cut)
+
+
 def format_table(reports: list[KernelReport]) -> str:
-    width = max([24] + [len(r.target) for r in reports])
+    """One row of figures per kernel, then its `mma:` instructions (wrapped) and its
+    `kernel:` symbol (cut to fit); a failed build: its reason's first lines. Every line
+    <= TABLE_WIDTH."""
+    width = min(max([TARGET_WIDTH[0]] + [len(r.target) for r in reports]), TARGET_WIDTH[1])
     header = (
         f"{'target':<{width}} {'G':>2} {'arch':<8} {'regs':>4} {'spill':>6} {'stack':>5} "
-        f"{'smem B':>7} {'(static+dyn)':>14} {'thr':>4} {'compile s':>9}  mma / kernel"
+        f"{'smem B':>7} {'(static+dyn)':>14} {'thr':>4} {'compile s':>9}"
     )
     lines = [header, "-" * len(header)]
+    indent = " " * 4
     for r in reports:
+        target = _short(r.target, width)
         if r.failed:
             reason = r.error.strip().splitlines() if r.error else [""]
-            lines.append(f"{r.target:<{width}} {r.num_groups:>2} {r.arch:<8} FAILED: {_short(reason[0], 140)}")
-            lines += [f"{'':<{width}}    {_short(line, 140)}" for line in reason[1:6]]
+            head = f"{target:<{width}} {r.num_groups:>2} {r.arch:<8} FAILED: "
+            lines.append(head + _short(reason[0], TABLE_WIDTH - len(head)))
+            lines += [indent + _short(line, TABLE_WIDTH - len(indent)) for line in reason[1:6]]
             continue
         spill = "0" if r.spill_bytes_max == 0 else f"<={r.spill_bytes_max}"
         smem = "?" if r.smem_bytes is None else str(r.smem_bytes)
         dynamic = "?" if r.dynamic_smem_bytes is None else str(r.dynamic_smem_bytes)
         split = f"({r.static_smem_bytes}+{dynamic})"
         threads = "?" if r.threads is None else str(r.threads)
-        mma = ", ".join(r.mma) if r.mma else "no MMA"
         lines.append(
-            f"{r.target:<{width}} {r.num_groups:>2} {r.arch:<8} {r.registers!s:>4} {spill:>6} "
-            f"{r.stack_bytes!s:>5} {smem:>7} {split:>14} {threads:>4} {r.compile_s:>9.2f}  {mma}"
+            f"{target:<{width}} {r.num_groups:>2} {r.arch:<8} {r.registers!s:>4} {spill:>6} "
+            f"{r.stack_bytes!s:>5} {smem:>7} {split:>14} {threads:>4} {r.compile_s:>9.2f}"
         )
-        lines.append(f"{'':<{width}}    kernel {_short(r.kernel or '', 90)}")
+        mma = ", ".join(r.mma) if r.mma else "none"
+        lines += textwrap.wrap(mma, TABLE_WIDTH, initial_indent=f"{indent}mma: ",
+                               subsequent_indent=indent * 2, break_on_hyphens=False)
+        lines.append(f"{indent}kernel: {_short(r.kernel or '', TABLE_WIDTH - len(indent) - 8)}")
     return "\n".join(lines)
 
 
@@ -695,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             dump_root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nvfp4_build_")))
         print(f"nvidia-cutlass-dsl {dsl_version()}, python {sys.version.split()[0]}", flush=True)
-        reports = build_all(num_groups_list, dump_root, modules)
+        reports = build_all(num_groups_list, dump_root, modules,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
         print(format_table(reports))
         failed = [r for r in reports if r.failed]
         bad = [(r, problems(r)) for r in reports if not r.failed and problems(r)]
@@ -705,11 +783,14 @@ def main(argv: list[str] | None = None) -> int:
         if sources:
             print("dynamic shared memory: " + "; ".join(sources))
         built = len(reports) - len(failed)
+        arches_by_limit: dict[int, list[str]] = {}
+        for arch, limit in MAX_SMEM_PER_BLOCK_OPTIN.items():
+            arches_by_limit.setdefault(limit, []).append(arch)
         print(
             f"{built} kernel builds, {len(failed)} failed; limits: <= {MAX_REGISTERS_PER_THREAD} "
             "registers, 0 spill bytes, shared memory <= "
-            + ", ".join(f"{a}: {v} B" for a, v in MAX_SMEM_PER_BLOCK_OPTIN.items())
-            + ". Compiled only: nothing here was run on a GPU."
+            + ", ".join(f"{v} B ({', '.join(a)})" for v, a in arches_by_limit.items())
+            + ".\nCompiled only: nothing here was run on a GPU."
         )
         if args.json:
             Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))

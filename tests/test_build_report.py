@@ -7,9 +7,11 @@ the build process, so every path of the report runs in a fraction of a second pe
 """
 
 import json
+import re
 import struct
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -337,6 +339,70 @@ def test_main_lists_failed_rows_and_exits_1(fake_backends, monkeypatch, capsys, 
     assert [(r["target"], r["error"] is None) for r in rows] == [
         ("good", True), ("raises", False), ("dies", False), ("after", True)
     ]
+
+
+def test_main_prints_a_line_per_build_on_stderr(fake_backends, monkeypatch, capsys):
+    monkeypatch.setenv("PYTHONPATH", str(fake_backends))
+    assert build_report.main(["--modules", "report_fake_backend", "--groups", "1"]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0] == "4 builds to run (report_fake_backend; group counts 1)"
+    assert re.fullmatch(r"build 1 of 4: good G=1 \(sm_100a\): \d+\.\d\d s", lines[1]), lines[1]
+    assert lines[2].startswith("build 2 of 4: raises G=1 (sm_90a): FAILED: no cubin was produced: "
+                               "AttributeError: module 'cutlass.cute.arch' has no")
+    assert max(len(line) for line in lines) <= 120
+    assert lines[3] == "build 3 of 4: dies G=1 (sm_100a): FAILED: the build process died (exit status 3)"
+    assert re.fullmatch(r"build 4 of 4: after G=1 \(sm_100a\): \d+\.\d\d s", lines[4]), lines[4]
+    assert len(lines) == 5 and "build 1 of 4" not in captured.out  # the table stays on stdout
+
+
+SLOW_BACKEND = """
+import time
+from report_fake_backend import _good
+
+def _slow(num_groups, options):
+    time.sleep(1.5)
+    return _good(num_groups, options)
+
+def compile_targets():
+    return [("first", "sm_100a", _good), ("slow", "sm_100a", _slow)]
+"""
+
+
+def test_build_all_reports_each_build_as_it_finishes(fake_backends, tmp_path_factory):
+    (fake_backends / "report_slow_backend.py").write_text(SLOW_BACKEND)
+    heard = []
+    reports = build_report.build_all((1,), tmp_path_factory.mktemp("dump"), modules=("report_slow_backend",),
+                                     paths=(fake_backends,),
+                                     progress=lambda line: heard.append((time.monotonic(), line)))
+    finished = time.monotonic()
+    assert [r.target for r in reports] == ["first", "slow"] and not any(r.failed for r in reports)
+    assert [line.split(":")[0] for _, line in heard] == [
+        "2 builds to run (report_slow_backend; group counts 1)", "build 1 of 2", "build 2 of 2"]
+    assert heard[1][0] < finished - 1.0  # the first build's line came while the slow one ran
+
+
+def test_the_table_fits_in_120_columns():
+    good = build_report.KernelReport(
+        target="sm90_swap_ab_gemm_one_round_k128_with_a_much_longer_name_than_any", arch="sm_90a",
+        num_groups=64, kernel="kernel_cutlass_" + "x" * 300, sm_version=90, registers=168, frame_bytes=0,
+        spill_bytes_max=0, stack_bytes=0, static_smem_bytes=1024, dynamic_smem_bytes=230_000,
+        smem_bytes=231_024, smem_limit_bytes=232_448, compile_s=123.45,
+        mma=[f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16" for n in (8, 16, 64, 128, 256)],
+        ptx_target="sm_90a", cubin_path=None, ptx_path=None, threads=384,
+    )
+    failed = build_report.failed_report("sm100_persistent_gemm_t256", "sm_100a", 8,
+                                        "no cubin was produced: " + "E" * 300 + "\n" + "line 2 " * 40)
+    table = build_report.format_table([good, failed])
+    lines = table.splitlines()
+    assert max(len(line) for line in lines) <= 120, table
+    assert lines[2].startswith("sm90_swap_ab_gemm_one_round_k128_with... 64 sm_90a    168      0")
+    mma = " ".join(line.strip() for line in lines if line.startswith(("    mma: ", "        ")))
+    assert all(instruction in mma for instruction in good.mma)  # wrapped, none cut
+    assert any(line.startswith("    kernel: kernel_cutlass_xxx") and line.endswith("...") for line in lines)
+    assert any(line.startswith("sm100_persistent_gemm_t256                8 sm_100a  FAILED: no cubin was produced: EEE")
+               for line in lines)
+    assert "    line 2 line 2" in table
 
 
 def test_main_exits_0_when_every_target_builds_within_limits(fake_backends, monkeypatch, capsys):
