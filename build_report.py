@@ -222,6 +222,21 @@ def read_ptx(text: str) -> tuple[str | None, dict[str, PtxEntry]]:
     return (target.group(1) if target else None), entries
 
 
+# TMA descriptor fences and prefetches in a kernel's PTX: the writer releases each descriptor it
+# wrote; a consumer acquires each descriptor another kernel wrote before its first use, then
+# prefetches it
+_TENSORMAP_OPS = {
+    "acquire": re.compile(r"fence\.proxy\.tensormap::generic\.acquire"),
+    "release": re.compile(r"tensormap\.cp_fenceproxy[\w.:]*\.release"),
+    "prefetch": re.compile(r"prefetch\.tensormap"),
+}
+
+
+def tensormap_fences(ptx_text: str) -> dict[str, int]:
+    """Counts of descriptor acquires, releases and prefetches in `ptx_text`."""
+    return {name: len(pattern.findall(ptx_text)) for name, pattern in _TENSORMAP_OPS.items()}
+
+
 def mma_instructions(ptx_text: str, arch: str) -> list[str]:
     pattern = MMA_PATTERNS.get(arch)
     return sorted(set(pattern.findall(ptx_text))) if pattern else []
@@ -365,6 +380,7 @@ class KernelReport:
     cubin_path: str | None
     ptx_path: str | None
     threads: int | None = None
+    tensormap: dict | None = None  # tensormap_fences of its PTX entry
     dynamic_smem_source: str | None = None  # where dynamic_smem_bytes comes from, or why not
     error: str | None = None  # set on a failed build: why; every figure is None then
 
@@ -472,6 +488,7 @@ def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_
                 cubin_path=str(cubins[0]),
                 ptx_path=str(ptx_paths[0]) if ptx_paths else None,
                 threads=entry.threads if entry else None,
+                tensormap=tensormap_fences(entry.text if entry else ptx_text),
                 dynamic_smem_source=row_source,
             )
         )
@@ -728,6 +745,8 @@ def format_table(reports: list[KernelReport]) -> str:
         mma = ", ".join(r.mma) if r.mma else "none"
         lines += textwrap.wrap(mma, TABLE_WIDTH, initial_indent=f"{indent}mma: ",
                                subsequent_indent=indent * 2, break_on_hyphens=False)
+        if r.tensormap and any(r.tensormap.values()):
+            lines.append(f"{indent}descriptors: " + ", ".join(f"{n} {op}" for op, n in r.tensormap.items()))
         lines.append(f"{indent}kernel: {_short(r.kernel or '', TABLE_WIDTH - len(indent) - 8)}")
     return "\n".join(lines)
 

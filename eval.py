@@ -47,7 +47,11 @@ Additions:
   - python eval.py compile [ARGS...] runs build_report.main(ARGS) (no GPU needed), after
     checking --groups (1..64, no duplicates), --modules (build_report's backends), --json
     (a writable file) and --dump-dir (a writable folder); it prints a line per kernel built
-    on stderr.
+    on stderr;
+  - python eval.py selfcheck [--json PATH] [--random N] [--repeats R] [--kernels A,B] runs
+    selfcheck.main: every kernel this GPU's chain can pick, forced, and custom_kernel, on the
+    tests, the benchmarks and N random group sets, checked against the exact sum, timed on
+    the benchmark shapes; one table and a JSON report (exit 2 without a GPU).
 Exit codes: 0 every case passed; 112 a case failed (or did not run); 113 invalid case file;
 2 the command cannot run as asked (bad option, missing file, unwritable output path, bad
 POPCORN_SEED or POPCORN_FD, no CUDA GPU for a timing mode, matplotlib missing for --plot),
@@ -1400,6 +1404,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] == "compile":
             return run_compile(argv[1:])
+        if argv and argv[0] == "selfcheck":
+            import selfcheck  # every kernel this GPU's chain can pick, checked and timed
+
+            return selfcheck.main(argv[1:])
         return run(parse_args(argv))
     except KeyboardInterrupt:
         print("eval.py: interrupted (Ctrl-C)", file=sys.stderr, flush=True)

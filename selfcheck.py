@@ -36,14 +36,35 @@ def _fail_usage(message: str) -> int:
     return 2
 
 
+KERNEL_NAMES = ("persistent_t128", "persistent_t256", "per_tile", "scaled_mm",  # sm_100
+                "swap_ab", "in_gemm_decode", "exact_decode",  # sm_90
+                "custom_kernel")  # the automatic choice, with its self-check and fallback
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+class UsageError(Exception):
+    pass
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="eval.py selfcheck", description=__doc__.split("\n\n")[0])
+    parser = _OneLineParser(prog="eval.py selfcheck", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="selfcheck.json", help="report path (default selfcheck.json)")
     parser.add_argument("--random", type=int, default=30, help="random group sets (default 30, at least 30 for a report)")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per kernel and benchmark (default 20)")
     parser.add_argument("--kernels", default=None, help="comma-separated kernel names to run (default all)")
     parser.add_argument("--seed", type=int, default=2026)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.random < 0 or args.repeats < 1:
+        raise UsageError("--random must be >= 0 and --repeats >= 1")
+    if args.kernels is not None:
+        unknown = sorted(set(args.kernels.split(",")) - set(KERNEL_NAMES))
+        if unknown:
+            raise UsageError(f"--kernels: unknown {', '.join(unknown)}; allowed: {', '.join(KERNEL_NAMES)}")
+    return args
 
 
 def machine() -> dict:
@@ -167,12 +188,12 @@ def _one_line(error: BaseException) -> str:
 def main(argv=None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-    except SystemExit as exit_:
+    except UsageError as error:
+        return _fail_usage(str(error))
+    except SystemExit as exit_:  # --help
         return 2 if exit_.code else 0
     if not torch.cuda.is_available():
         return _fail_usage("needs a CUDA GPU (sm_100 B200 or sm_90 H100/H200); none is visible here")
-    if args.random < 0 or args.repeats < 1:
-        return _fail_usage("--random must be >= 0 and --repeats >= 1")
     report_path = Path(args.json)
     try:
         report_path.parent.mkdir(parents=True, exist_ok=True)

@@ -435,3 +435,11 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, message, capsys):
     assert raised.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_tensormap_fences_are_counted_per_kernel():
+    ptx = ("tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned [%rd1], [%r1], 128;\n"
+           "fence.proxy.tensormap::generic.acquire.gpu [%rd2], 128;\nprefetch.tensormap [%rd2];\n"
+           "fence.proxy.tensormap::generic.acquire.gpu [%rd3], 128;\nprefetch.tensormap [%rd3];\n")
+    assert build_report.tensormap_fences(ptx) == {"acquire": 2, "release": 1, "prefetch": 2}
+    assert build_report.tensormap_fences("mov.u32 %r1, 0;") == {"acquire": 0, "release": 0, "prefetch": 0}

@@ -1,0 +1,67 @@
+"""selfcheck.py on a CPU: its one-line refusals, the kernels it runs per backend, its random
+group sets and its table. Its GPU run is `python eval.py selfcheck` on the H200 (README)."""
+
+import random
+
+import pytest
+import torch
+
+import selfcheck
+import submission
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "selfcheck: needs a CUDA GPU (sm_100 B200 or sm_90 H100/H200); none is visible here"),
+    (["--random", "-1"], "selfcheck: --random must be >= 0 and --repeats >= 1"),
+    (["--kernels", "per_tile,persistnt"], "selfcheck: --kernels: unknown persistnt; allowed: persistent_t128,"),
+    (["--bogus"], "selfcheck: unrecognized arguments: --bogus"),
+])
+def test_refusals_are_one_line_and_exit_2(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert selfcheck.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message)
+
+
+def test_eval_dispatches_selfcheck(monkeypatch, capsys):
+    import eval as harness
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert harness.main(["selfcheck"]) == 2
+    assert "selfcheck: needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_sm100_kernels_are_every_link_the_automatic_choice_can_pick():
+    backend = submission.Sm100Backend("persistent")
+    names = [c.name for c in selfcheck.kernels_for(backend, [(128, 256, 512, 1)])]
+    assert names == ["persistent_t128", "persistent_t256", "per_tile", "scaled_mm"]
+    # N % 8 != 0: the persistent kernel cannot run these sizes
+    assert [c.name for c in selfcheck.kernels_for(backend, [(128, 100, 512, 1)])] == ["per_tile", "scaled_mm"]
+    assert set(selfcheck.KERNEL_NAMES) >= set(submission.SM100_CHOICES)
+
+
+def test_random_group_sets_hold_every_code_and_general_scales():
+    rng = random.Random(3)
+    codes, scales = set(), set()
+    for _ in range(4):
+        abc, sfs, _sfs_reordered, sizes = selfcheck.random_group_set(rng, 8, device="cpu")
+        assert any(m for m, *_ in sizes) and all(n % 8 == 0 and k % 256 == 0 for _, n, k, _ in sizes)
+        for (a, b, c), (sfa, _sfb) in zip(abc, sfs):
+            raw = a.view(torch.uint8)
+            codes |= set((raw & 15).flatten().tolist()) | set((raw >> 4).flatten().tolist())
+            scales |= set(sfa.view(torch.uint8).flatten().tolist())
+            assert bool(c.isnan().all())  # every output starts as NaN: an unwritten one fails
+    assert codes == set(range(16))
+    assert 0 in scales and max(scales) == 0x46 and len(scales) > 60  # zero, subnormals, normals
+
+
+def test_table_lists_every_kernel_with_its_figures():
+    rows = [{"kernel": "swap_ab", "status": "pass"}, {"kernel": "swap_ab", "status": "MISMATCH"},
+            {"kernel": "exact_decode", "status": "pass"}]
+    timings = [{"case": "benchmark 0", "kernel": "swap_ab", "us": 100.0},
+               {"case": "benchmark 1", "kernel": "swap_ab", "us": 25.0},
+               {"case": "benchmark 0", "kernel": "exact_decode", "error": "boom"}]
+    lines = selfcheck.format_table(rows, timings).splitlines()
+    assert lines[0].split() == ["kernel", "passed", "benchmark", "0", "benchmark", "1", "geomean"]
+    assert lines[2].split() == ["swap_ab", "1", "/", "2", "100.00", "25.00", "50.00"]
+    assert lines[3].split() == ["exact_decode", "1", "/", "1", "-", "-", "-"]
