@@ -3130,6 +3130,19 @@ _SELF_CHECKED: set[tuple] = set()
 _COMPILE_LOCK = threading.RLock()
 
 
+def reset_runtime() -> None:
+    """Forget every input set, plan, validated signature, backend, demotion and self-check
+    result (compiled kernels stay): the process as it was before its first call, for tests
+    and for a caller that changed an environment switch."""
+    with _COMPILE_LOCK:
+        for cache in (_BINDINGS, _PLANS, _SIGNATURES):
+            cache.clear()
+        _BACKEND_BY_DEVICE.clear()
+        _DEMOTED.clear()
+        _SELF_CHECKED.clear()
+        _RESIDENT_CLUSTERS.clear()
+
+
 def report(line: str) -> None:
     """One line on stderr, prefixed with the project's name."""
     print(f"nvfp4_group_gemm: {line}", file=sys.stderr, flush=True)
