@@ -2426,6 +2426,19 @@ class Sm100Backend:
         """validate_inputs states every sm_100 constraint; input sets the persistent kernel
         cannot run get a chain without it."""
 
+    def family_choices(self, groups: int, n: int, k: int) -> list[KernelChoice]:
+        """Every kernel the automatic choice can pick for `groups` groups of this N and K,
+        whatever their M (warmup compiles them): both token tiles of the persistent kernel
+        where it runs (N % 8 == 0), else the per-tile kernel."""
+        sizes = [(128, n, k, 1)] * groups
+        if self.kernel == "persistent" and persistent_can_implement(sizes) is None:
+            return [SM100_CHOICES["persistent_t128"], SM100_CHOICES["persistent_t256"]]
+        return [SM100_CHOICES["per_tile"]]
+
+    def prepare_device(self, device: torch.device) -> None:
+        """What a first plan on `device` would otherwise ask the driver: its resident clusters."""
+        resident_clusters(device)
+
     def compile(self, choice: KernelChoice, num_groups: int) -> None:
         """Compile (cached) the kernels of `choice`; raises what the compiler raised."""
         if choice.name == "per_tile":
@@ -2750,18 +2763,29 @@ class Binding:
         launch_in_order.keepalive = launchers
         return launch_in_order
 
-    def bind(self, stream: cuda.CUstream) -> None:
+    def prepare_launch(self, stream: cuda.CUstream) -> None:
         """Prepare the launch for `stream` (torch's current stream).
 
         The first call of an input set launches directly; its second call records the launch
         as a CUDA graph and later calls replay it (1.6-1.8 µs of CPU on the H200 host against
         4.6-6.1 µs for the prepared DSL call). An input set seen once never pays a capture.
         On a stream other than the one that wrote the tables or descriptors, the stream first
-        waits for that writing."""
+        waits for that writing.
+
+        Inside a caller's CUDA graph capture the launch goes straight into the caller's graph:
+        no graph of our own, no waits on events recorded outside the capture (the writing
+        happened in an eager call before it, and torch.cuda.graph synchronizes first), no
+        scratch ordering across streams; the binding is kept alive beyond the LRU bound
+        (_CAPTURED) since the caller's graph reads its tables at every replay."""
         plan = self.plan
         self.stream = stream
         if plan.choice.host:
             self.launch = None
+            return
+        if _capturing():
+            self.launch = self._direct_launcher(stream)
+            self.stream = None  # after the capture, the next call prepares its own launch again
+            _CAPTURED.put((plan.problem_sizes, self.pointers), self)
             return
         for written in (plan.tables, self.table, self.bound):
             if isinstance(written, Written):
@@ -2799,7 +2823,7 @@ class Binding:
 
     def run(self, stream: cuda.CUstream) -> None:
         if stream is not self.stream:
-            self.bind(stream)
+            self.prepare_launch(stream)
         self.launch()
 
 
@@ -2901,6 +2925,9 @@ def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Ten
 # 32 plans and 1 GiB at most; a binding holds its pointer table, so an evicted plan's bindings
 # go with it.
 _BINDINGS = RuntimeCache(max_entries=64)
+# Bindings whose launch a caller's CUDA graph captured: kept beyond _BINDINGS' bound, since the
+# graph reads their tables (and descriptors) at every replay
+_CAPTURED = RuntimeCache(max_entries=256)
 _PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
 _SIGNATURES = RuntimeCache(max_entries=256)
 _BACKEND_BY_DEVICE: dict = {}
@@ -3000,9 +3027,9 @@ def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
     if plan is None:
         backend.can_implement(problem_sizes)
         chain = backend.kernel_chain(problem_sizes)
-        with _COMPILE_LOCK:
+        with _RUNTIME_LOCK:
             choice = choose_kernel(backend, chain, len(problem_sizes))
-        plan = Plan(backend, problem_sizes, device, choice, chain)
+            plan = Plan(backend, problem_sizes, device, choice, chain)
         evicted = _PLANS.put(key, plan)
         if evicted:
             # Their bindings would keep the evicted plans' memory alive: drop them too
@@ -3014,16 +3041,30 @@ def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
 
 def _bound_input_set(data) -> Binding:
     """The validating path: checked sizes, then the cached binding of these pointers or a new
-    one on the plan of these sizes."""
+    one on the plan of these sizes. One thread at a time (compilation and the caches)."""
     problem_sizes = checked_problem_sizes(data)
     key = input_key(data)
-    binding = _BINDINGS.get(key)
-    if binding is None or binding.plan.problem_sizes != problem_sizes:
-        device = data[0][0][0].device
-        with _device_context(device):
-            plan = get_plan(select_backend(device.index), problem_sizes, device)
-            binding = Binding(plan, pointers_of(data))
-        _BINDINGS.put(key, binding)
+    with _RUNTIME_LOCK:
+        binding = _BINDINGS.get(key)
+        if binding is None or binding.plan.problem_sizes != problem_sizes:
+            if _capturing():
+                raise RuntimeError(
+                    "custom_kernel: this input set (these sizes and tensors) has not run outside a CUDA "
+                    "graph capture yet; call custom_kernel once eagerly with the same tensors before "
+                    "capturing (a first call plans, may compile, and writes tables, which a capture cannot)"
+                )
+            device = data[0][0][0].device
+            try:
+                with _device_context(device):
+                    plan = get_plan(select_backend(device.index), problem_sizes, device)
+                    binding = Binding(plan, pointers_of(data))
+            except torch.OutOfMemoryError as error:
+                raise torch.OutOfMemoryError(
+                    f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
+                    f"{list(problem_sizes)}; nothing was cached, a later call builds it again "
+                    f"({_one_line(error)})"
+                ) from error
+            _BINDINGS.put(key, binding)
     return binding
 
 
@@ -3056,7 +3097,8 @@ def custom_kernel(data: input_t) -> output_t:
     if stream is None:
         stream = _stream_for_current()
     if stream is not binding.stream:
-        binding.bind(stream)
+        with _RUNTIME_LOCK:
+            binding.prepare_launch(stream)
     launch = binding.launch
     if launch is None:  # a host computation (the chain's last link)
         return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
@@ -3126,21 +3168,55 @@ SELF_CHECK_RTOL = SELF_CHECK_ATOL = 1e-3  # the competition's tolerance
 # kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle
 _DEMOTED: dict[tuple, str] = {}
 _SELF_CHECKED: set[tuple] = set()
-# Compilation (the DSL's session state is not thread-safe) and the demotion bookkeeping
-_COMPILE_LOCK = threading.RLock()
+# One thread at a time through compilation (the DSL's session state is not thread-safe), the
+# caches' misses, the preparation of launches (the private capture stream) and demotions; a
+# hit on a prepared launch takes no lock
+_RUNTIME_LOCK = threading.RLock()
 
 
 def reset_runtime() -> None:
     """Forget every input set, plan, validated signature, backend, demotion and self-check
     result (compiled kernels stay): the process as it was before its first call, for tests
     and for a caller that changed an environment switch."""
-    with _COMPILE_LOCK:
-        for cache in (_BINDINGS, _PLANS, _SIGNATURES):
+    with _RUNTIME_LOCK:
+        for cache in (_BINDINGS, _PLANS, _SIGNATURES, _CAPTURED):
             cache.clear()
         _BACKEND_BY_DEVICE.clear()
         _DEMOTED.clear()
         _SELF_CHECKED.clear()
         _RESIDENT_CLUSTERS.clear()
+
+
+def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
+    """Compile every kernel the automatic choice can pick for `groups` groups of N = n and
+    K = k, whatever their M, on `device` (the current CUDA device when None), so that no later
+    call of that family compiles: a serving engine calls it once per (G, N, K) at start-up.
+    Returns the kernels compiled (a compile failure demotes the kernel, as in a call)."""
+    for field, value, valid, rule in (
+        ("groups", groups, lambda v: 1 <= v <= MAX_GROUPS, f"an int, 1 <= groups <= {MAX_GROUPS}"),
+        ("n", n, lambda v: v >= 1, "an int >= 1"),
+        ("k", k, lambda v: v >= K_TILE and v % K_TILE == 0, f"an int, a positive multiple of {K_TILE}"),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"warmup: {field} = {value!r}; rule: {rule}")
+        if not valid(value):
+            raise ValueError(f"warmup: {field} = {value!r}; rule: {rule}")
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    backend = select_backend(device.index)
+    compiled = []
+    with _RUNTIME_LOCK, _device_context(device):
+        backend.prepare_device(device)
+        choices = backend.family_choices(groups, n, k)
+        for choice in choices:
+            if choice.kernel_key(groups) in _DEMOTED:
+                continue
+            try:
+                backend.compile(choice, groups)
+            except Exception as error:  # noqa: BLE001 - as in a call: the kernel moves down its chain
+                demote(backend.name, choice, choices, groups, f"compile failed ({_one_line(error)})")
+                continue
+            compiled.append(choice.describe())
+    return compiled
 
 
 def report(line: str) -> None:
@@ -3158,7 +3234,7 @@ def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why:
     why, drop the plans that run it (their size sets plan again on their next call), and
     say so in one line."""
     key = choice.kernel_key(num_groups)
-    with _COMPILE_LOCK:
+    with _RUNTIME_LOCK:
         _DEMOTED[key] = why
         _drop_plans(lambda plan: plan.kernel_key == key)
     report(f"{backend_name} kernel {choice.describe()}, G = {num_groups}: {why}; "
@@ -3328,3 +3404,58 @@ def _fp32_matmul():
 
 # Host computations by registry name: each writes `outputs` and returns them
 HOST_COMPUTATIONS = {"scaled_mm": scaled_mm_group_gemm, "exact_decode": exact_decode_group_gemm}
+
+
+# =============================================================================
+# The torch op: custom_kernel as torch.ops.nvfp4_group_gemm.grouped_gemm
+# =============================================================================
+# Registered with torch.library so that torch.compile(fullgraph=True) traces a function that
+# calls it without a graph break: it mutates the c tensors and returns nothing, its fake
+# implementation does nothing (the outputs exist already). On CUDA tensors it is
+# custom_kernel; on CPU tensors (tracing, tests) the exact decode.
+def _op_input_set(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes):
+    groups = len(a)
+    return (
+        list(zip(a, b, c)), list(zip(sfa, sfb)), list(zip(sfa_reordered, sfb_reordered)),
+        [tuple(problem_sizes[4 * g : 4 * g + 4]) for g in range(groups)],
+    )
+
+
+def _grouped_gemm_cuda(a: list[torch.Tensor], b: list[torch.Tensor], c: list[torch.Tensor],
+                       sfa: list[torch.Tensor], sfb: list[torch.Tensor], sfa_reordered: list[torch.Tensor],
+                       sfb_reordered: list[torch.Tensor], problem_sizes: list[int]) -> None:
+    custom_kernel(_op_input_set(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes))
+
+
+def _grouped_gemm_cpu(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes) -> None:
+    data = _op_input_set(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes)
+    exact_decode_group_gemm(data, list(c))
+
+
+def _register_op():
+    """torch.ops.nvfp4_group_gemm.grouped_gemm, once per process (a second import of this file
+    under another module name finds it registered)."""
+    try:
+        op = torch.library.custom_op("nvfp4_group_gemm::grouped_gemm", mutates_args=("c",),
+                                     device_types="cuda")(_grouped_gemm_cuda)
+    except RuntimeError:  # registered by an earlier import of this file
+        return torch.ops.nvfp4_group_gemm.grouped_gemm
+    op.register_kernel("cpu")(_grouped_gemm_cpu)
+    op.register_fake(lambda *args: None)
+    return op
+
+
+grouped_gemm_op = _register_op()
+
+
+def grouped_gemm(data: input_t) -> output_t:
+    """custom_kernel through the torch op (the same input and result): what a
+    torch.compile'd model calls."""
+    abc, sfasfb, sfasfb_reordered, problem_sizes = data
+    grouped_gemm_op(
+        [a for a, _, _ in abc], [b for _, b, _ in abc], [c for _, _, c in abc],
+        [sfa for sfa, _ in sfasfb], [sfb for _, sfb in sfasfb],
+        [sfa for sfa, _ in sfasfb_reordered], [sfb for _, sfb in sfasfb_reordered],
+        [int(v) for size in problem_sizes for v in size],
+    )
+    return [c for _, _, c in abc]

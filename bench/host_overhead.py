@@ -14,6 +14,12 @@ the same run, and their ratio. Needs a CUDA GPU the submission supports.
 With ``--fresh N`` it also times N calls per shape on pointers the runtime has never seen
 (clones of the shape's first input set: known sizes, new tensors), each alone.
 
+With ``--moe N`` it times N calls of a MoE step per family (G, N, K): every call new per-group
+M (sum 1024, split at random), new activation and output tensors, the same weights, each call
+alone; it first calls ``submission.warmup`` for the family where the submission has one (so
+no call compiles) and counts the calls that took over 100 ms (a compile) all the same.
+``--profile`` adds a cProfile of those calls (the top functions by own time).
+
 Exit codes: 0 done; 2 cannot run as asked (no CUDA GPU, a missing file, a bad option), as
 one line on stderr; 113 an invalid case file (eval.py's rules).
 """
@@ -60,7 +66,8 @@ non_negative_int.__name__ = "non-negative integer"
 
 
 def load_custom_kernel(path: Path):
-    spec = importlib.util.spec_from_file_location("submission_under_test", path)
+    # under its own name: the sm_90 backend imports `submission` for the runtime's types
+    spec = importlib.util.spec_from_file_location("submission", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -118,6 +125,56 @@ def fresh_pointer_us(custom_kernel, data, count: int) -> list[float]:
     return figures
 
 
+MOE_FAMILIES = ((8, 4096, 7168), (8, 7168, 2048), (2, 4096, 7168))
+MOE_TOKENS = 1024
+
+
+def moe_inputs(groups: int, n: int, k: int, count: int, seed: int = 5) -> list:
+    """`count` MoE steps of one family: the same weights (b, sfb) in every step; per step a
+    random split of MOE_TOKENS tokens over the groups and fresh a, sfa, c tensors."""
+    import random
+
+    rng = random.Random(seed)
+    weights = generate_input(m=(1,) * groups, n=(n,) * groups, k=(k,) * groups, g=groups, seed=seed)
+    steps = []
+    for step in range(count):
+        cuts = sorted(rng.sample(range(1, MOE_TOKENS), groups - 1))
+        ms = tuple(b - a for a, b in zip((0, *cuts), (*cuts, MOE_TOKENS)))
+        data = generate_input(m=ms, n=(n,) * groups, k=(k,) * groups, g=groups, seed=seed + 1 + step)
+        abc = [(a, wb, c) for (a, _b, c), (_a, wb, _c) in zip(data[0], weights[0])]
+        sfs = [(sfa, wsfb) for (sfa, _s), (_sa, wsfb) in zip(data[1], weights[1])]
+        sfs_r = [(sfa, wsfb) for (sfa, _s), (_sa, wsfb) in zip(data[2], weights[2])]
+        steps.append((abc, sfs, sfs_r, data[3]))
+    return steps
+
+
+def moe_step_us(module, family, count: int, profile: bool):
+    """Host µs of `count` MoE steps of `family`, each alone (synchronized before), and how
+    many took over 100 ms; with `profile`, the cProfile stats of those calls."""
+    groups, n, k = family
+    warmup = getattr(module, "warmup", None)
+    if warmup is not None:
+        warmup(n, k, groups)
+    steps = moe_inputs(groups, n, k, count)
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    figures = []
+    for data in steps:
+        torch.cuda.synchronize()
+        if profiler is not None:
+            profiler.enable()
+        start = time.perf_counter()
+        module.custom_kernel(data)
+        figures.append((time.perf_counter() - start) * 1e6)
+        if profiler is not None:
+            profiler.disable()
+    torch.cuda.synchronize()
+    return figures, sum(f > 1e5 for f in figures), profiler
+
+
 def breakdown(module, groups: int, iterations: int = 2000) -> None:
     """CPU µs of each step of a hit, on a G-group input set with tiny kernels (so the GPU
     never backs the launch queue up): key, cache lookup, stream lookup, launch, whole call."""
@@ -162,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", type=non_negative_int, default=0, metavar="N",
                         help="also time N calls per shape on pointers never seen before "
                              "(same sizes, one call each, synchronized): the eager pattern")
+    parser.add_argument("--moe", type=non_negative_int, default=0, metavar="N",
+                        help="also time N MoE steps per family (new per-group M every call, new "
+                             "activations, the same weights), each alone")
+    parser.add_argument("--profile", action="store_true", help="with --moe: a cProfile of the MoE steps")
     options = parser.parse_args(argv)
     if not options.submission.is_file():
         print(f"submission file not found: {options.submission.resolve()}", file=sys.stderr)
@@ -225,11 +286,30 @@ def main(argv: list[str] | None = None) -> int:
         # trade CPU for device time (README, sm_90a section)
         print("sm_90: calls chained by programmatic dependent launch, two direct launches each; "
               "NVFP4_SM90_CHAIN_CALLS=0 times the graph replay")
+    bare_us = statistics.median(cpu_us_per_call(bare_launch, [None] * 15, 20))
     if fresh:
-        print(f"calls on new pointers of known sizes, {options.fresh} per shape, each alone:")
-        print(f"{'case':<5}{'G':>3}{'median µs':>11}{'best µs':>10}")
+        print(f"calls on new pointers of known sizes, {options.fresh} per shape, each alone "
+              f"(bare launch {bare_us:.2f} µs in this run):")
+        print(f"{'case':<5}{'G':>3}{'median µs':>11}{'best µs':>10}{'ratio':>8}")
         for index, groups, figures in fresh:
-            print(f"{index:<5}{groups:>3}{statistics.median(figures):>11.1f}{min(figures):>10.1f}")
+            median = statistics.median(figures)
+            print(f"{index:<5}{groups:>3}{median:>11.1f}{min(figures):>10.1f}{median / bare_us:>8.2f}")
+    if options.moe:
+        print(f"MoE steps, {options.moe} per family (sum M = {MOE_TOKENS} split at random every call, "
+              f"new activations, the same weights), each alone (bare launch {bare_us:.2f} µs):")
+        print(f"{'G':>3}{'N':>6}{'K':>6}{'median µs':>11}{'best µs':>10}{'ratio':>8}{'compiled':>10}")
+        for family in MOE_FAMILIES:
+            figures, compiled, profiler = moe_step_us(module, family, options.moe, options.profile)
+            median = statistics.median(figures)
+            print(f"{family[0]:>3}{family[1]:>6}{family[2]:>6}{median:>11.1f}{min(figures):>10.1f}"
+                  f"{median / bare_us:>8.2f}{compiled:>10}")
+            if profiler is not None:
+                import io
+                import pstats
+
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+                print(text.getvalue())
     return 0
 
 

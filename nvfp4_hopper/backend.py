@@ -13,17 +13,26 @@ from cutlass.cute.runtime import make_ptr
 
 from .config import (
     CTAS_PER_SM,
+    SM90_CONFIG,
+    SPLIT_K_CONFIG,
+    STREAM_K_CONFIG,
     SWAP_AB_HALF_K,
+    SWAP_AB_ONE_ROUND_CONFIG,
+    SWAP_AB_SPLIT_K_CONFIG,
+    SWAP_AB_T112_CONFIG,
+    WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
     SwapAbConfig,
     can_implement,
 )
 from .kernel import compile_gemm
 from .schedules import (
+    SWAP_AB_CANDIDATES,
     StreamKPlan,
     choose_config,
     choose_swap_ab_config,
     variable_token_tiles,
+    with_wide_k_tiles,
 )
 from .swap_ab import (
     DECODE_THREADS,
@@ -224,6 +233,29 @@ class Sm90Backend:
     def write_descriptors(self, plan, binding) -> None:
         """No descriptors: the kernels read the pointer table."""
         return
+
+    def family_choices(self, groups: int, n: int, k: int) -> list:
+        """Every kernel the automatic choice can pick for `groups` groups of this N and K,
+        whatever their M (submission.warmup compiles them): every swap-AB config
+        choose_swap_ab_config can return (with 128-wide k-tiles where K % 512 == 0, unchained
+        where the backend does not chain), or every config choose_config can return."""
+        if self.config is not None:
+            return [_choice(config_kind(self.config), self.config)]
+        sizes = [(128, n, k, 1)] * groups
+        if self.kernel == "swap_ab":
+            configs = [with_wide_k_tiles(sizes, config) for config in
+                       (SWAP_AB_SPLIT_K_CONFIG, *SWAP_AB_CANDIDATES, SWAP_AB_T112_CONFIG, SWAP_AB_ONE_ROUND_CONFIG)]
+            if not self.chain_calls:
+                configs = [dataclasses.replace(c, chain_calls=False) if c.chain_calls else c for c in configs]
+            return [_choice("swap_ab", config) for config in dict.fromkeys(configs)]
+        configs = [SM90_CONFIG, SPLIT_K_CONFIG, STREAM_K_CONFIG]
+        if n % 256 == 0:
+            configs.append(WIDE_SPLIT_K_CONFIG)
+        return [_choice("in_gemm_decode", config) for config in configs]
+
+    def prepare_device(self, device) -> None:
+        """What a first plan would otherwise ask the driver: the SM count."""
+        current_num_sms()
 
     def can_implement(self, problem_sizes) -> None:
         """can_implement, then what the size set's config needs of K (SwapAbConfig.k_multiple:
