@@ -61,8 +61,8 @@ sets whose tiles fill the CTA slots badly otherwise run split-K over a 2-CTA clu
 
 In both, the decode places two codes per register with 7 integer instructions per 8 codes
 (see ptx._place_word_ptx), and no unit is saturated: the warps mostly wait on instruction
-latencies (Nsight Compute figures in kernel.py at the main loop's barrier, and for swap-AB in
-docs/EXPERIMENTS.md).
+latencies (Nsight Compute: docs/EXPERIMENTS.md, E55 for in_gemm_decode, and for swap-AB
+"Where the swap-AB time goes").
 
 Why cp.async and not TMA for the packed operands: the per-group base pointers arrive at run
 time in the pointer table, so TMA would need one descriptor per group written on the device
@@ -81,8 +81,9 @@ Constraints (checked by submission.validate_inputs and by ``can_implement`` here
 Modules: config (SwapAbConfig, HopperGemmConfig, the configs, can_implement), ptx (inline-PTX
 helpers and the decode), swap_ab (Sm90DecodeActivations, Sm90SwapAbGemm, their compilation),
 kernel (Sm90Nvfp4GroupedGemm, compile_gemm), schedules (the automatic choices, split-K,
-stream-K), backend (Sm90Backend, make_backend, ActivationBuffer). Options measured and removed are listed in
-docs/EXPERIMENTS.md, each with a one-line note at its decision point here.
+stream-K), backend (Sm90Backend, make_backend, ActivationBuffer). Options measured are listed in
+docs/EXPERIMENTS.md with their figures, each under an id (E1, E2, ...) that a one-line note at its
+decision point here names: ``(EXPERIMENTS E19)``.
 
 Standalone use of one config on an H200: ``submission.run_with_backend(data, make_backend(config))``.
 """

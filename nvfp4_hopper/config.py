@@ -13,8 +13,8 @@ SF_ATOM_BYTES = 512
 # Stream-K segment row: (tile, first k-tile, k-tile count, part, parts of the tile, first
 # workspace slot of the tile)
 SEGMENT_FIELDS = 6
-# Rows per tile: two warpgroups of 64 (one m64 wgmma each). 256-row tiles (four warpgroups,
-# one CTA per SM, B's decode shared by twice the rows): slower, removed; docs/EXPERIMENTS.md.
+# Rows per tile: two warpgroups of 64 (one m64 wgmma each).
+# 256-row tiles (four warpgroups, B's decode shared by twice the rows): slower (EXPERIMENTS E37).
 TILE_M = 128
 # CTAs of a 128x128-tile config one SM holds: at most 128 registers x 256 threads and 70.7 KB
 # of shared memory each (tests/test_hopper.py checks the builds' registers)
@@ -27,31 +27,22 @@ class HopperGemmConfig:
 
     # 128 or 256 (whole 128-row scale atoms). 256 takes 239 registers: one CTA per SM
     # (ctas_per_sm); the automatic choice runs it with split-K only (schedules.choose_config).
-    # 128x64 tiles (half an atom per B tile, two CTAs per SM for the G = 2 shapes): slower,
-    # removed; docs/EXPERIMENTS.md.
+    # 128x64 tiles (two CTAs per SM for the G = 2 shapes): slower (EXPERIMENTS E36).
     tile_n: int = 128
     tile_k: int = 64  # one 128-byte swizzle atom of fp16 per row; 4 scale blocks
-    # cp.async prefetch depth of packed data (9 KB per stage). H200 device µs, shapes 0-3:
-    # 3 stages 221.1/135.0/58.9/30.5, 4 stages 207.0/129.1/54.5/28.7, 6 stages
-    # 215.0/132.9/57.5/29.5.
+    # cp.async prefetch depth of packed data (9 KB per stage).
+    # 4 stages: faster than 3 or 6 (EXPERIMENTS E44).
     # A row's packed bytes of one k-tile are 32 (one sector), so a warp's 16-byte cp.async
-    # spans 16 rows and costs 16 shared-memory wavefronts where 4 would carry its 512 bytes
-    # (Nsight Compute, shape 2 split-K: 3.9x the ideal, most of the kernel's excess
-    # wavefronts). Tried and removed (commit ef8e037): 2 k-tiles per raw stage (64 contiguous
-    # bytes per row). Exact, but slower: H200 device µs, shapes 0-3, split-K where the
-    # default picks it, 3 stages of 2: 219.7/138.2/49.5/24.6, 2 stages of 2:
-    # 211.4/134.8/47.6/24.0, vs 199.1/117.6/47.1/23.3 (4 k-tiles per stage: 152 registers).
+    # spans 16 rows and costs 16 shared-memory wavefronts where 4 would carry its 512 bytes.
+    # 2 k-tiles per raw stage (64 contiguous bytes per row): slower (EXPERIMENTS E49).
     raw_stages: int = 4
-    # Warp specialization (warpgroups that decode into mbarrier-handed stages, others that
-    # only run wgmma): slower, removed; docs/EXPERIMENTS.md.
+    # Warp specialization (decoding warpgroups, wgmma-only warpgroups): slower (EXPERIMENTS E33).
     # A is decoded straight into the wgmma A fragment (register A; see decode_a_registers).
-    # A decoded into shared memory like B (wgmma reading both from there): slower, removed;
-    # docs/EXPERIMENTS.md.
+    # A decoded into shared memory like B: slower (EXPERIMENTS E35).
     # CTAs sharing one output tile along K (a cluster of split_k CTAs along grid x): 1, or 2
     # (each CTA runs half the k-tiles; the fp32 partial sums meet through DSMEM, see
-    # reduce_split_k). The default backend picks 2 per input set (split_k_pays). On shape 2
-    # (120 tiles, one CTA per SM unsplit) Nsight Compute at 1.8 GHz: 53.1 vs 48.7 µs, 1.99 vs
-    # 3.48 warps per scheduler, issue slots 46% vs 50% busy.
+    # reduce_split_k). The default backend picks 2 per input set (split_k_pays).
+    # Split-K on shape 2: more warps per scheduler, faster (EXPERIMENTS E42).
     split_k: int = 1
     # True: stream-K. The grid is CTAS_PER_SM CTAs per SM ("workers", all resident at once);
     # the host cuts the input set's k-tiles, all tiles in table order, into one contiguous
@@ -60,13 +51,8 @@ class HopperGemmConfig:
     # a global fp32 workspace: each part stores its sums there, and the last part to arrive
     # (a per-tile counter) adds all parts in k order and stores the tile. Fixes what tile
     # counts that are not a multiple of the CTA slots leave idle (shape 2: 144 full and 96
-    # half split-K CTAs on 264 slots). Needs split_k = 1. On shape 2 it is
-    # slower than split-K (53.6 vs 47.1 µs): the split-K partition run through this kernel
-    # took 47.6 µs with each part storing its own sums (no workspace, wrong sums) and 49.6
-    # with the workspace; balanced shares without the workspace, 48.8. Nsight Compute, SM
-    # active cycles min/avg/max: split-K 49.1K/69.5K/79.9K, balanced shares 67.4K/74.0K/84.8K:
-    # SMs run equal shares at speeds up to 25% apart, so the longest SM barely moves, while
-    # segment changes add 6% cycles.
+    # half split-K CTAs on 264 slots). Needs split_k = 1.
+    # Shape 2: slower than split-K, SMs run equal shares at unequal speeds (EXPERIMENTS E43).
     stream_k: bool = False
     arch: str = "sm_90a"
 
@@ -175,27 +161,28 @@ class SwapAbConfig:
 
     # Tokens per tile (wgmma N): a multiple of 16 up to 256. Accumulators take
     # tile_tokens / 2 registers per thread. The automatic choice runs 112, 128, 192 and variable
-    # tiles (tile_tokens 256, below); fixed 64 (3 CTAs per SM) and 256 (one) measured slower on
-    # every benchmark shape; docs/EXPERIMENTS.md.
+    # tiles (tile_tokens 256, below).
+    # Fixed 64 (3 CTAs per SM) and 256 (one): slower on every shape (EXPERIMENTS E27, E29).
     tile_tokens: int = 128
     # Token stages (a k-tile's fp16 token rows, one bulk copy each, completing on the stage's
     # mbarrier); the token rows are copied stages - 2 k-tiles ahead (the stage of k-tile k - 1
-    # may still be read by its wgmma when k-tile k + stages - 2 is issued). 5 measured slower
-    # (with cp.async token copies); docs/EXPERIMENTS.md.
+    # may still be read by its wgmma when k-tile k + stages - 2 is issued).
+    # 5 stages (with the cp.async token copies of then): slower (EXPERIMENTS E28).
     stages: int = 4
     # CTAs sharing one output tile along K (a cluster along grid x), as HopperGemmConfig
     split_k: int = 1
-    # One register A fragment: the decode of k-tile k waits for wgmma k - 1. Two (the decode of
-    # k + 1 while wgmma k reads the other): no faster, twice measured; docs/EXPERIMENTS.md.
+    # One register A fragment: the decode of k-tile k waits for wgmma k - 1.
+    # Two (the decode of k + 1 beside wgmma k): no faster, twice (EXPERIMENTS E26, E4).
     # Weight stages (packed rows and scale atom of a k-tile, cp.async), apart from the token
     # stages: a weight stage is free once decoded, so the weights are copied weight_stages - 1
-    # k-tiles ahead (3 measured faster than 2 with variable token tiles, 7 no faster).
+    # k-tiles ahead.
+    # 3 ahead: faster than 2 with variable token tiles; 7: no faster (EXPERIMENTS E3).
     weight_stages: int = 4
     # Programmatic dependent launch after the pre-pass: the GEMM's CTAs start, and copy their
     # first weight stages, while the pre-pass finishes (griddepcontrol.wait before the first
     # token rows). With ctas_per_sm = 1 the launch asks for more than half an SM's shared
-    # memory, so that the early CTAs spread one per SM (with two allowed, some SMs took two
-    # tiles and others none: much slower); docs/EXPERIMENTS.md.
+    # memory, so that the early CTAs spread one per SM.
+    # With two CTAs per SM allowed, some SMs took two tiles, others none: slower (EXPERIMENTS E5, E6).
     pdl: bool = False
     # CTAs per SM the build is held to (ptxas's register bound: 65536 / (256 x this))
     ctas_per_sm: int = 2
@@ -216,8 +203,8 @@ class SwapAbConfig:
     k_halves: int = 1
     arch: str = "sm_90a"
 
-    # Weight rows per tile (wgmma M): two warpgroups of 64. 256 rows (four warpgroups, one CTA
-    # per SM, each token row read once per 256 weight rows): slower; docs/EXPERIMENTS.md.
+    # Weight rows per tile (wgmma M): two warpgroups of 64.
+    # 256 rows (four warpgroups, one CTA per SM): slower (EXPERIMENTS E25).
     tile_weights = TILE_M
 
     @property
@@ -332,8 +319,8 @@ SWAP_AB_T192_CONFIG = SwapAbConfig(tile_tokens=192, ctas_per_sm=1)
 SWAP_AB_VARIABLE_CONFIG = SwapAbConfig(tile_tokens=256, ctas_per_sm=1, variable_tokens=True, pdl=True,
                                        chain_calls=True)
 # 128-token tiles where they are one round (no more tiles than SMs): one CTA per SM, launched as
-# the pre-pass's programmatic dependent (2 CTAs per SM with that launch left some SMs two tiles
-# and others none: 69.0 µs on shape 2 against 43.8; docs/EXPERIMENTS.md)
+# the pre-pass's programmatic dependent.
+# 2 CTAs per SM with that launch: some SMs two tiles, others none: slower (EXPERIMENTS E5, E6).
 SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True, chain_calls=True)
 # 112 tokens per tile, one round of one CTA per SM: where M in 112-token tiles pads less than in
 # 128-token tiles and the tiles still number no more than the SMs (benchmark shape 2: M = 192 and

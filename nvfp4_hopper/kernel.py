@@ -349,8 +349,7 @@ class Sm90Nvfp4GroupedGemm:
     def summing_rank(self, warp_group_idx):
         """Split-K: the cluster rank that sums and stores the rows of warpgroup
         `warp_group_idx` (plain Python: traced inline), so that the two epilogues run in
-        parallel. Rank 0 summing and storing the whole tile: slower, removed;
-        docs/EXPERIMENTS.md."""
+        parallel. Rank 0 summing and storing the whole tile: slower (EXPERIMENTS E38)."""
         return warp_group_idx % self.config.split_k
 
     def mma_k_tile(self, tiled_mma, accumulators, a_frag, tCrB, b_stage, num_k_blocks):
@@ -380,8 +379,7 @@ class Sm90Nvfp4GroupedGemm:
         wgmma's fp32 fragment holds, per row and 8-column block, columns 2t and 2t + 1 as
         consecutive values (value mode (2, 2, N/8): column pair, row + 8, block): one 32-bit
         store per pair; N is even, so a pair is all in or all out of the matrix. Paired stores
-        halve the epilogue's conversions, predicates and stores (the epilogue was 12% of shape
-        2's warp stall samples with one 16-bit store per value)."""
+        halve the epilogue's conversions, predicates and stores (EXPERIMENTS E45)."""
         cC = cute.local_tile(
             cute.make_identity_tensor((m, n)), (self.tile_m, self.tile_n), (tile_row, tile_col)
         )
@@ -541,32 +539,18 @@ class Sm90Nvfp4GroupedGemm:
                               sfa_addr, sfb_addr, m, n, m0, n0, row_bytes, rest_k)
                 cute.arch.cp_async_wait_group(self.raw_stages - 1)
                 # raw k_tile visible to all; every warpgroup has retired wgmma k_tile - 2.
-                # Tried and removed: each warp copying exactly what its lanes decode (4-byte
-                # cp.async for the scales), a warp sync here instead and 3 fp16 B stages.
-                # Exact, but slower: H200 device µs, shapes 0-3, 215.9/121.9/55.8/26.3 vs
-                # 208.1/118.0/52.7/25.2 (split-K: 209.2/137.2/48.9/24.8 vs
-                # 199.3/131.1/46.8/23.8).
-                # Also tried and removed (commit ea7d79a), exact on the H200 but no faster:
-                # one barrier per k-tile (wgmma k issued right after it, then the decode
-                # of k + 1; the wait for wgmma k before the A decode frees the B stage):
-                # 205.9/117.7/52.6/25.5 unsplit, 202.4/132.6/47.6/23.9 split-K, vs
-                # 207.2/117.9/53.0/24.8 and 199.7/131.4/46.7/23.9; on top, one wgmma
-                # commit group per k16 step with the A decode of step s waiting only for
-                # step s: 210.6/122.5/53.6/25.2 unsplit. Nsight Compute (shape 2 split-K)
-                # finds no saturated unit: issue slots 43%, ALU 34%, L1/shared 60%, 3.4
-                # warps per scheduler of which 1.0 eligible; warp stalls spread over
-                # fixed-latency dependencies 19%, barrier 11%, math pipe 10%, shared and
-                # global scoreboards 9% each.
+                # Warp-local copies, a warp sync here and 3 B stages: slower (EXPERIMENTS E46).
+                # One barrier per k-tile, wgmma k right after it: no faster (EXPERIMENTS E47).
+                # On top of that, a wgmma commit group per k16 step: slower (EXPERIMENTS E48).
+                # No unit is saturated here: the warps wait on latencies (EXPERIMENTS E55).
                 cute.arch.sync_threads()
                 raw_stage = k_tile % self.raw_stages
                 self.decode_stage(tidx, raw_base, raw_stage, sB_base, mma_stage)
-                # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (9% of shape 2's
-                # stall samples in Nsight Compute); issuing the prefetch after it instead of
-                # first measured slower on the H200: 217.8/131.2/59.3/29.4 vs
-                # 207.5/129.2/54.6/28.1 µs device time, shapes 0-3.
+                # ptxas emits this as MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (EXPERIMENTS E55).
+                # The prefetch issued after this fence instead of first: slower (EXPERIMENTS E50).
                 fence_proxy_async_shared_cta()
-                # the one A fragment is still read by wgmma k_tile - 1. Two A fragments (decode
-                # k + 1 while wgmma k reads the other): slower, removed; docs/EXPERIMENTS.md.
+                # the one A fragment is still read by wgmma k_tile - 1.
+                # Two A fragments (decode k + 1 beside wgmma k): slower (EXPERIMENTS E39).
                 cute.nvgpu.warpgroup.wait_group(0)
                 self.decode_a_registers(tidx, raw_base, raw_stage, a_frag)
                 cute.arch.sync_threads()

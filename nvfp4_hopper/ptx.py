@@ -286,12 +286,11 @@ def load_u32_shared(smem: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
 # (a and b never both have a bit at a kept position, and no other code reaches one). That
 # is 7 integer-pipe instructions per 8 codes (2 masks, 1 right shift, 4 lop3; ptxas may put
 # the left shifts on the multiply pipe) where placing each pair with prmt + shift + lop3 took
-# 15: the decode's integer work bounds the kernel (on the H200, skipping the B decode made
-# it 23% faster). Multiplying a register by its block's scale s (fp16x2) gives v * s * 2^-14,
-# exact (>= 2^-24, the smallest fp16 subnormal; wgmma takes fp16 subnormals exactly: the
-# random tests with subnormal scales pass on the H200); the epilogue scales by 2^28 (both
-# operands). Two multiplies (by 2^14, then by s: v * s, no rescale) were slower, removed;
-# docs/EXPERIMENTS.md.
+# 15: the decode's integer work bounds the kernel (EXPERIMENTS E54). Multiplying a register
+# by its block's scale s (fp16x2) gives v * s * 2^-14, exact (>= 2^-24, the smallest fp16
+# subnormal; wgmma takes fp16 subnormals exactly: the random tests with subnormal scales pass
+# on the H200); the epilogue scales by 2^28 (both operands).
+# Two multiplies (by 2^14, then by s: v * s, no rescale): slower (EXPERIMENTS E34).
 #
 # K permutation. A dot product is invariant under one permutation of K applied to both
 # operands. Within each 16-element scale block (one k16 wgmma step, so that every product of

@@ -36,10 +36,9 @@ def swap_ab_tiles(problem_sizes, config: SwapAbConfig = SWAP_AB_CONFIG) -> int:
 
 
 # µs per k-tile (64 K) of one SM for a tile of t tokens: a fixed part (barrier, copies, the
-# weight decode) and a part per token (wgmma N), fitted on the H200 to bench/peers.py --configs
-# device times less the pre-pass: 128 tokens 0.55 (163 µs for 352 tiles x 112 k-tiles, shape 0;
-# 100.7 for 728 x 32, shape 1; 36.7 for 120 x 64, shape 2), 192 tokens 0.72 (92 µs for 504 x 32,
-# shape 1). An SM runs its tiles one after another (or two at a time at the same throughput).
+# weight decode) and a part per token (wgmma N). An SM runs its tiles one after another (or two
+# at a time at the same throughput).
+# Fitted on the H200 to device times less the pre-pass (EXPERIMENTS E32).
 SWAP_AB_K_TILE_FIXED_US = 0.21
 SWAP_AB_K_TILE_US_PER_TOKEN = 0.17 / 64
 
@@ -102,14 +101,8 @@ def variable_token_tiles(problem_sizes, config: SwapAbConfig) -> list[tuple[int,
     return sorted(rows, key=lambda row: (-cost(row), row[0], row[2], row[1]))
 
 
-# H200 device µs (bench/peers.py --configs and scratch runs, same run each): split-K pays only
-# where the unsplit tiles leave most SMs idle: G=1 M=40 N=4096 K=7168 38.8 vs 65.5 unsplit;
-# G=4 M=8..32 N=2048 K=4096 27.8 vs 42.5. With a tile per SM already, two half-K CTAs per
-# SM are slower (benchmark shape 3, 128 tiles: 23.1 vs 21.5; shape 1 122.7 vs 107.0).
-# Benchmark shapes 0-3, variable / 128 / 192 tokens: 147.9 / 90.5 / 47.5 / 23.8, 174.7 / 107.0 /
-# 43.5 / 21.6, 209.9 / 97.6 / 48.2 / 23.4 (model plus pre-pass: 152 / 81 / 51 / 21, 195 / 111 /
-# 40 / 17, 252 / 98 / 51 / 21: the same winner per shape). 256-token tiles lost on all four
-# (docs/EXPERIMENTS.md).
+# The model picks the measured winner of these on every benchmark shape (EXPERIMENTS E32).
+# 256-token tiles: slower on all four benchmark shapes (EXPERIMENTS E29).
 SWAP_AB_CANDIDATES = (SWAP_AB_CONFIG, SWAP_AB_T192_CONFIG, SWAP_AB_VARIABLE_CONFIG)
 
 
@@ -120,21 +113,22 @@ def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     swap_ab_time_model puts first (128 on a tie), 128-token tiles as one round of one CTA per
     SM, launched as the pre-pass's dependent, where they number no more than the SMs.
     112-token tiles win where M pads less in them (benchmark shape 2: 2 + 3 tiles of 112 for
-    M = 192 and 320). One round of 112- or 128-token tiles runs 128-wide k-tiles where every
-    K allows (with_wide_k_tiles: benchmark shapes 2 and 3)."""
+    M = 192 and 320; EXPERIMENTS E12). One round of 112- or 128-token tiles runs 128-wide
+    k-tiles where every K allows (with_wide_k_tiles: benchmark shapes 2 and 3)."""
     return _chosen_swap_ab_config(tuple(map(tuple, problem_sizes)), num_sms)
 
 
 @functools.lru_cache(maxsize=256)
 def _chosen_swap_ab_config(problem_sizes: tuple, num_sms: int) -> SwapAbConfig:
     # A plan miss asks three times (tile shape, tile table, prepare); the model walks every tile
-    # of three candidates (0.15-0.9 ms on the benchmark shapes): it runs once
+    # of three candidates: it runs once (its host cost: EXPERIMENTS E32)
     tiles = swap_ab_tiles(problem_sizes)
+    # Split-K only where the unsplit tiles leave most SMs idle: slower elsewhere (EXPERIMENTS E31).
     if 2 * tiles <= num_sms:
         return SWAP_AB_SPLIT_K_CONFIG
     candidates = SWAP_AB_CANDIDATES
     if swap_ab_tiles(problem_sizes, SWAP_AB_T112_CONFIG) <= num_sms:
-        # one CTA per SM: a candidate where its tiles make one round (measured only there)
+        # a candidate only where its tiles make one round of one CTA per SM (EXPERIMENTS E12)
         candidates += (SWAP_AB_T112_CONFIG,)
     config = min(candidates, key=lambda config: swap_ab_time_model(problem_sizes, config, num_sms))
     if config == SWAP_AB_CONFIG and tiles <= num_sms:
@@ -142,10 +136,9 @@ def _chosen_swap_ab_config(problem_sizes: tuple, num_sms: int) -> SwapAbConfig:
     return with_wide_k_tiles(problem_sizes, config)
 
 
-# One round of 112- or 128-token tiles with 128-wide k-tiles: H200 device µs, bench/breakdown.py
-# (the call; the GEMM alone), one run: shape 2, 112 tokens 31.17; 27.88 against 34.63; 31.16
-# (64-wide), shape 3, 128 tokens 16.67; 14.25 against 17.12; 15.09. The time model's k-tile
-# costs are those of 64-wide k-tiles: it chooses the tile shape, then this the k-tile width.
+# One round of 112- or 128-token tiles with 128-wide k-tiles: faster (EXPERIMENTS E14).
+# The time model's k-tile costs are those of 64-wide k-tiles: it chooses the tile shape, then
+# this the k-tile width.
 WIDE_K_TILE_CONFIGS = {
     SWAP_AB_T112_CONFIG: SWAP_AB_T112_K128_CONFIG,
     SWAP_AB_ONE_ROUND_CONFIG: SWAP_AB_ONE_ROUND_K128_CONFIG,
@@ -190,9 +183,7 @@ def choose_config(problem_sizes, num_sms: int) -> HopperGemmConfig:
     return SM90_CONFIG
 
 
-# H200 device µs, shapes 0-3 (bench/peers.py --configs, one run): split-K with 128x256 tiles
-# 189.3/133.7/43.9/23.5, with 128x128 tiles 199.6/131.5/47.0/23.5; the choice before it
-# (stream-K, whole tiles, 128x128 split-K, 128x128 split-K) 184.7/115.7/47.1/23.6.
+# Split-K with 128x256 tiles: faster than 128x128 on shape 2, a tie on 3 (EXPERIMENTS E41).
 def wide_split_k_fits(problem_sizes, num_sms: int) -> bool:
     """Whether split-K runs with 128x256 tiles: every N is a multiple of 256 (no partial
     tiles) and the split 128x256 CTAs (2 per tile) fit one wave of their CTA slots (one per
@@ -204,17 +195,14 @@ def wide_split_k_fits(problem_sizes, num_sms: int) -> bool:
     return WIDE_SPLIT_K_CONFIG.split_k * num_tiles <= num_sms * WIDE_SPLIT_K_CONFIG.ctas_per_sm
 
 
-# Tile order within the tile table (plan_tiles) does not move split-K: H200 device µs, shape 2
-# / 3, full tiles first 46.3 / 23.4, half tiles first 46.3 / 23.5, alternating 46.2 / 23.4,
-# vs 46.8 / 23.3 in plan_tiles' order.
+# Tile order within the tile table (plan_tiles) does not move split-K (EXPERIMENTS E51).
 def split_k_pays(num_tiles: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) -> bool:
     """Whether split-K over 2 CTAs shortens an input set's schedule, in a wave model: whole
     tiles take ceil(T / slots) waves, half tiles ceil(2T / slots) waves half as long.
 
     Split when that is at most 0.8 of the unsplit time. On the benchmark shapes (352, 728,
     120, 128 tiles on 132 SMs) it picks split-K for shapes 0, 2 and 3 (1.5 vs 2, 0.5 vs 1,
-    0.5 vs 1 waves) and not for shape 1 (3 vs 3). H200 device µs, shapes 0-3, split-K vs
-    not: 201.7/136.3/48.8/24.2 vs 207.2/117.8/53.0/24.9 (bench/peers.py --configs)."""
+    0.5 vs 1 waves) and not for shape 1 (3 vs 3). Split-K vs not: EXPERIMENTS E42."""
     slots = num_sms * ctas_per_sm
     whole_waves = -(-num_tiles // slots)
     half_waves = -(-2 * num_tiles // slots) / 2
@@ -225,17 +213,15 @@ def split_k_pays(num_tiles: int, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) -
 # there, so that no worker pays a segment's fixed cost (below) for a sliver of work.
 STREAM_K_MIN_SEGMENT = 4
 # What a segment costs beyond its k-tiles, in k-tiles of one CTA: its pipeline fill, the
-# tile lookup and the workspace round trip. Fitted on the H200 to the two benchmark shapes
-# with more tiles than CTA slots: stream-K vs the default, device µs, 184.7 vs 199.4 (shape
-# 0: shares of 150 k-tiles, 2.0 segments per worker, against 3 waves of 56) and 128.9 vs
-# 115.5 (shape 1: 92 k-tiles, 3.5 segments, against 3 waves of 32).
+# tile lookup and the workspace round trip.
+# Fitted on the H200 to the two benchmark shapes with more tiles than CTA slots (EXPERIMENTS E43).
 STREAM_K_SEGMENT_COST = 3
 
 
 def plan_stream_k(tile_k_tiles, max_workers: int, min_segment: int = STREAM_K_MIN_SEGMENT):
     """Cut the k-tiles of all tiles, in table order, into one contiguous share per worker, the
-    shares as equal as cuts on even k-tiles allow (every k-tile costs the same: the planned
-    shares measured fastest that way, whatever rows a tile has).
+    shares as equal as cuts on even k-tiles allow (every k-tile costs the same, whatever rows a
+    tile has: fastest so, EXPERIMENTS E43).
 
     Cuts fall on even k-tiles (the main loop runs k-tile pairs) and at least min_segment
     k-tiles from a tile's edges. Workers: max_workers, fewer when a share would be shorter
@@ -305,8 +291,8 @@ def stream_k_pays(tile_k_tiles, num_sms: int, ctas_per_sm: int = CTAS_PER_SM) ->
     tiles) in a k-tile model: the default takes ceil(CTAs / slots) waves of its CTAs' k-tiles;
     stream-K, the longest share plus STREAM_K_SEGMENT_COST per segment of an average worker.
     Pick it at 0.95 of the default or less. Only input sets with more tiles than CTA slots
-    qualify (fewer: split-K fills one wave, and stream-K measured slower on both such
-    benchmark shapes)."""
+    qualify (fewer: split-K fills one wave; stream-K slower on both such benchmark shapes,
+    EXPERIMENTS E43)."""
     slots = num_sms * ctas_per_sm
     num_tiles = len(tile_k_tiles)
     if num_tiles <= slots:

@@ -157,18 +157,17 @@ class Sm90DecodeActivations:
         slab_bytes = mActs[group, 1]
         if cutlass.const_expr(self.chained):
             # launched as the previous kernel's programmatic dependent (SwapAbConfig.chain_calls):
-            # everything before it in the stream is complete past here, the activations included
-            # (L2 prefetches of the activations before it: no faster; docs/EXPERIMENTS.md)
+            # everything before it in the stream is complete past here, the activations included.
+            # L2 prefetches of the activations before the wait: no faster (EXPERIMENTS E23).
             cute.arch.griddepcontrol_wait()
         # a GEMM launched as this grid's programmatic dependent may start now: it reads what
         # this grid writes only after its griddepcontrol.wait, and what came before this grid
-        # (weights) only once this point is passed (no effect on other launches). (Triggering
-        # before the wait instead, so that the GEMM's launch and weight prologue overlap the
-        # kernel before: no faster; docs/EXPERIMENTS.md)
+        # (weights) only once this point is passed (no effect on other launches).
+        # Triggering before the wait instead: no faster (EXPERIMENTS E17).
         cute.arch.griddepcontrol_launch_dependents()
-        # one 16-element block per thread (a k-tile of a row per thread, 8 stores of 16 bytes
-        # each: slower; two blocks per thread, 256 apart, half the CTAs: slower;
-        # docs/EXPERIMENTS.md)
+        # one 16-element block per thread.
+        # A k-tile of a row per thread (8 stores of 16 bytes): slower (EXPERIMENTS E20).
+        # Two blocks per thread, 256 apart, half the CTAs: slower (EXPERIMENTS E18).
         blocks_per_row = k // SF_VEC_SIZE
         item = bidx * DECODE_THREADS + tidx
         if item < m * blocks_per_row:
@@ -285,8 +284,7 @@ class Sm90SwapAbGemm:
                 row = chunk // 2
                 part = chunk % 2
                 src = b_addr + cutlass.Int64(n0 + row) * b_row_bytes + half_k_tile * self.w_row_bytes + part * 16
-                # (chunks swapped in rows with row % 8 >= 4, so that the decode's loads hit 16
-                # banks instead of 8: no faster; docs/EXPERIMENTS.md)
+                # Chunks swapped where row % 8 >= 4 (16 banks per load): no faster (EXPERIMENTS E19).
                 cp_async_16B(w_half + row * self.w_row_bytes + part * 16, src, 16)
             # the weights' scale atom: 512 contiguous bytes per 128 rows and half k-tile
             if tidx < SF_ATOM_BYTES // 16:
@@ -299,9 +297,9 @@ class Sm90SwapAbGemm:
         # the tile's fp16 token rows of this k-tile: per 64-wide half one contiguous run of its
         # group's slab, already swizzled by the pre-pass, into the stage's half (the K-major
         # swizzled stage holds the tile's rows of each half in turn); bulk copies by one
-        # thread, completing on the stage's mbarrier (cp.async took 16-byte copies and their
-        # address arithmetic from every thread; multicast of each half to a 2-CTA cluster of
-        # two weight tiles: slower)
+        # thread, completing on the stage's mbarrier.
+        # Bulk copies instead of every thread's 16-byte cp.async: faster (EXPERIMENTS E2).
+        # Multicast of each half to a 2-CTA cluster of two weight tiles: slower (EXPERIMENTS E10).
         if tidx == 0:
             half_bytes = tile_t * self.x_row_bytes
             stage_base = x_base + stage * (half_bytes * self.k_halves)
@@ -391,8 +389,7 @@ class Sm90SwapAbGemm:
         # overwrite, is free; every warpgroup has retired wgmma k_tile - 2 (before its decode of
         # k_tile - 1), so the token stage the bulk copy below overwrites is free.
         cute.arch.cp_async_wait_group(weights_ahead - 1)
-        # (without it, weight stages each warp's own and token stages refilled by the last warp
-        # to release them: slower; docs/EXPERIMENTS.md)
+        # Without it (weight stages per warp, token stages freed by the last warp): slower (EXPERIMENTS E8).
         cute.arch.sync_threads()
         next_weights = k_tile + weights_ahead
         if next_weights < k_tile_cnt:
@@ -460,21 +457,19 @@ class Sm90SwapAbGemm:
                 self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
             cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.config.pdl):
-            # launched as the pre-pass's dependent: its token rows are complete past here (the
-            # CTAs decoding the activations themselves, waiting on each other through counters
-            # instead: slower; an L2 prefetch of all the tile's weights before this: slower;
-            # waiting per slab on counters the pre-pass's CTAs add to, not for its completion:
-            # slower; docs/EXPERIMENTS.md)
+            # launched as the pre-pass's dependent: its token rows are complete past here.
+            # The CTAs decoding the activations themselves, through counters: slower (EXPERIMENTS E21).
+            # An L2 prefetch of all the tile's weights before this: slower (EXPERIMENTS E22).
+            # Waiting per slab on the pre-pass's counters instead: slower (EXPERIMENTS E16).
             cute.arch.griddepcontrol_wait()
         for s in cutlass.range_constexpr(tokens_ahead):
             if s < k_tile_cnt:
                 self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
 
-        # Main loop (one A fragment: two, the decode of k-tile k + 1 while wgmma k reads the
-        # other, measured no faster; the two warpgroups taking turns at wgmma, each decoding
-        # while the other's runs (named barriers, per-warpgroup weight stages, token stages
-        # freed by mbarriers): slower; a second warpgroup pair in the CTA on half the k-tiles:
-        # no faster; docs/EXPERIMENTS.md)
+        # Main loop, one A fragment.
+        # Two (the decode of k-tile k + 1 beside wgmma k): no faster (EXPERIMENTS E4, E26).
+        # Warpgroups taking turns at wgmma (one decodes while the other's runs): slower (EXPERIMENTS E24).
+        # A second warpgroup pair in the CTA on half the k-tiles: no faster (EXPERIMENTS E9).
         step_args = (tile_t, tiled_mma, tidx, w_base, x_base, mbar_base)
         tile_args = (b_addr, sfb_addr, x_addr, slab_bytes, n0, b_row_bytes, rest_k, a_frag, tCrB, accumulators)
         weight_stages = self.config.weight_stages
@@ -547,12 +542,11 @@ class Sm90SwapAbGemm:
     def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0):
         """Split-K's epilogue (its summing rank's token stages hold the partial sums): the fp32
         sums of (weight row, token) -> fp16 C[token, weight row], one 2-byte store each,
-        predicated on M (N is a multiple of the weight tile). (Without split-K, these stores
-        took 4.2 / 6.0 / 1.0 / 1.5 µs more than store_tile_staged on the benchmark shapes;
-        docs/EXPERIMENTS.md.)"""
+        predicated on M (N is a multiple of the weight tile). Without split-K, slower than
+        store_tile_staged (EXPERIMENTS E15)."""
         tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_w, tile_t)))
-        # both operands carry 2^-14 (the decode's one multiply): exact rescale. (Predicated
-        # stores instead of the branch: within the spread, registers up to 254; EXPERIMENTS.)
+        # both operands carry 2^-14 (the decode's one multiply): exact rescale.
+        # Predicated stores instead of the branch: within the spread (EXPERIMENTS E11).
         acc_scale = cutlass.Float32(2.0**28)
         for i in cutlass.range_constexpr(cute.size(accumulators)):
             coord = tCcC[i]
