@@ -61,6 +61,7 @@ machine, no GPU: builds every kernel for its target and prints its resources).
 """
 
 import collections
+import collections.abc
 import contextlib
 import dataclasses
 import itertools
@@ -2349,6 +2350,29 @@ class KernelChoice:
         return self.name if self.config is None else f"{self.name} ({self.config})"
 
 
+class KernelChain(collections.abc.Sequence):
+    """A backend's chain for one size set, each link made on first access: choosing a
+    fallback link's config can cost more than the first link's, and a call with new sizes
+    (a MoE step) should pay only for the link it runs."""
+
+    __slots__ = ("_links", "_makers")
+
+    def __init__(self, makers: list[Callable[[], KernelChoice]]):
+        self._makers = makers
+        self._links: list[KernelChoice | None] = [None] * len(makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        link = self._links[index]
+        if link is None:
+            link = self._links[index] = self._makers[index]()
+        return link
+
+
 # The sm_100 registry: every kernel the automatic choice can pick, by name
 SM100_CHOICES = {
     **{f"persistent_t{tokens}": KernelChoice("sm100", f"persistent_t{tokens}", config)
@@ -2699,7 +2723,7 @@ class Plan:
             chain = backend.kernel_chain(self.problem_sizes)
             choice = chain[0]
         self.choice = choice
-        self.chain = tuple(chain) if chain is not None else (choice,)
+        self.chain = chain if chain is not None else (choice,)
         self.kernel_key = choice.kernel_key(self.num_groups)
         self.tile_rows = [] if choice.host else backend.plan_tiles(self.problem_sizes, choice)
         self.num_tiles = len(self.tile_rows)
@@ -3225,7 +3249,8 @@ def report(line: str) -> None:
 
 
 def _next_usable(chain, num_groups: int, after: KernelChoice) -> str:
-    names = [c.name for c in chain[chain.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
+    later = list(chain)
+    names = [c.name for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
     return names[0] if names else "nothing (the next call raises)"
 
 

@@ -214,11 +214,15 @@ class Sm90Backend:
         kernel, the exact decode. A backend made with a config runs that config alone."""
         if self.config is not None:
             return [_choice(config_kind(self.config), self.config)]
-        chain = []
+        import submission
+
+        links = []
         if self.kernel == "swap_ab":
-            chain.append(_choice("swap_ab", self.config_for(problem_sizes)))
-        chain.append(_choice("in_gemm_decode", choose_config(problem_sizes, current_num_sms())))
-        return [*chain, self.oracle]
+            links.append(lambda: _choice("swap_ab", self.config_for(problem_sizes)))
+        # the in-GEMM-decode config (a stream-K plan's cost) is chosen only if that link is reached
+        links += [lambda: _choice("in_gemm_decode", choose_config(problem_sizes, current_num_sms())),
+                  lambda: self.oracle]
+        return submission.KernelChain(links)
 
     def compile(self, choice, num_groups: int):
         """Compile (cached) the kernels of `choice` (a KernelChoice, or a config as such)."""

@@ -62,14 +62,57 @@ def swap_ab_tile_costs(problem_sizes, config: SwapAbConfig) -> list[float]:
     ]
 
 
+def swap_ab_cost_runs(problem_sizes, config: SwapAbConfig) -> list[tuple[float, int]]:
+    """swap_ab_tile_costs as runs (cost, count) of equal consecutive costs, from the sizes
+    alone (no tile list): per group for whole tiles; by class, longest first, for variable
+    token tiles (variable_token_tiles' order, whose ties within a cost do not move a
+    schedule)."""
+    if not config.variable_tokens:
+        return [
+            (k // config.tile_k * swap_ab_k_tile_us(config.tile_tokens),
+             -(-m // config.tile_tokens) * -(-n // config.tile_weights))
+            for m, n, k, _l in problem_sizes if m
+        ]
+    step = TOKEN_CLASS_STEP
+    counts: dict[float, int] = {}
+    for m, n, k, _l in problem_sizes:
+        if m == 0:
+            continue
+        count = -(-m // config.tile_tokens)
+        per_tile = -(-m // count)
+        size = -(-per_tile // step) * step
+        weight_tiles = -(-n // config.tile_weights)
+        full, rest = divmod(m, size)
+        for tokens, tiles in ((size, full), (-(-rest // step) * step, 1 if rest else 0)):
+            if tiles:
+                cost = k // config.tile_k * swap_ab_k_tile_us(tokens)
+                counts[cost] = counts.get(cost, 0) + tiles * weight_tiles
+    return sorted(counts.items(), key=lambda run: -run[0])
+
+
+def list_schedule_makespan(runs, num_sms: int) -> float:
+    """The busiest SM's total when jobs, in order, each go to the SM that frees first, for
+    jobs given as runs (cost, count): the same schedule as one heap step per job (equal jobs
+    of a run go to the SMs free earliest, a block of SMs free at the same time at once), in
+    steps per run rather than per job. Buckets [free time, SMs]."""
+    buckets = [(0.0, num_sms)]
+    for cost, count in runs:
+        while count:
+            free_at, sms = heapq.heappop(buckets)
+            taken = min(sms, count)
+            heapq.heappush(buckets, (free_at + cost, taken))
+            if sms > taken:
+                heapq.heappush(buckets, (free_at, sms - taken))
+            count -= taken
+    return max(free_at for free_at, _ in buckets)
+
+
 def swap_ab_time_model(problem_sizes, config: SwapAbConfig, num_sms: int) -> float:
     """Modelled GEMM µs of a size set in `config` (whole tiles): the tiles, in launch order,
     each to the SM that frees first (the hardware's in-order dispatch); the busiest SM's
-    total."""
-    loads = [0.0] * num_sms
-    for cost in swap_ab_tile_costs(problem_sizes, config):
-        heapq.heappush(loads, heapq.heappop(loads) + cost)
-    return max(loads)
+    total. In steps per run of equal tiles (list_schedule_makespan): a new size set's plan
+    pays it on every call of a MoE step."""
+    return list_schedule_makespan(swap_ab_cost_runs(problem_sizes, config), num_sms)
 
 
 # Variable token tiles: a group's M in ceil(M / 256) tiles of equal size rounded up to 64 tokens
