@@ -2106,6 +2106,18 @@ def _installed_dsl_version() -> str | None:
 _DSL_VERSION = _installed_dsl_version()
 
 
+def _executor(compiled):
+    """compiled.to(None) once per device: the executor (its module loaded in the device's
+    context) is the same for every input set, and building one is most of a new binding's
+    launch preparation. Kept on the compiled function itself, per device index."""
+    executors = compiled.__dict__.setdefault("_nvfp4_executors", {})
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    executor = executors.get(device)
+    if executor is None:
+        executor = executors[device] = compiled.to(None)
+    return executor
+
+
 def make_launcher(compiled, *args) -> Callable[[], None]:
     """Return a no-argument callable that runs ``compiled(*args)``.
 
@@ -2115,7 +2127,7 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
     if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION and not _FORCE_PLAIN_LAUNCH:
         try:
             exe_args, adapted_args = compiled.generate_execution_args(*args)
-            executor = compiled.to(None)
+            executor = _executor(compiled)
             packed_args = executor._get_invoke_packed_args(list(exe_args))
             capi_func = executor.jit_module.capi_func
             cuda_result = executor.cuda_result
