@@ -111,6 +111,54 @@ def _create_fp4_tensors(l, mn, k, device="cuda"):
     return ref_i8.permute(1, 2, 0).view(torch.float4_e2m1fn_x2)
 
 
+# torch.manual_seed, which generate_input calls with its seed, takes 0..2**64-1.
+SEED_LIMIT = 2**64
+
+
+def _generator_fail(field, value, rule):
+    raise ValueError(f"generate_input: {field} = {value!r}; rule: {rule}")
+
+
+def _generator_int(field, value, rule) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        _generator_fail(field, value, rule)
+    return operator.index(value)
+
+
+def _check_generator_args(m, n, k, g, seed):
+    """generate_input's arguments as plain ints: (m, n, k, g, seed); a ValueError naming the
+    argument, its value and the rule for the first one that breaks the task's contract (the
+    rules validate_reference_inputs applies to the sizes it generates)."""
+    g_rule = f"g is an integer, 1 <= g <= {MAX_GROUPS} (the number of groups)"
+    g = _generator_int("g", g, g_rule)
+    if not 1 <= g <= MAX_GROUPS:
+        _generator_fail("g", g, g_rule)
+    columns = []
+    for name, values, minimum, rule in (
+        ("m", m, 0, "M is an integer >= 0"),
+        ("n", n, 1, "N is an integer >= 1"),
+        ("k", k, K_MULTIPLE, f"K is a positive multiple of {K_MULTIPLE} (the task's contract)"),
+    ):
+        if not isinstance(values, (tuple, list)):
+            _generator_fail(f"type({name})", type(values).__name__,
+                            f"{name} is a tuple or list of g integers, one per group")
+        if len(values) != g:
+            _generator_fail(f"len({name})", len(values),
+                            f"{name} holds g = {g} values, one per group")
+        column = []
+        for group, value in enumerate(values):
+            value = _generator_int(f"{name}[{group}]", value, rule)
+            if value < minimum or (name == "k" and value % K_MULTIPLE != 0):
+                _generator_fail(f"{name}[{group}]", value, rule)
+            column.append(value)
+        columns.append(column)
+    seed_rule = "seed is an integer in 0..2**64-1 (the range of torch.manual_seed)"
+    seed = _generator_int("seed", seed, seed_rule)
+    if not 0 <= seed < SEED_LIMIT:
+        _generator_fail("seed", seed, seed_rule)
+    return (*columns, g, seed)
+
+
 def generate_input(m: tuple, n: tuple, k: tuple, g: int, seed: int, device=None):
     """Inputs for one grouped problem, as the competition generates them.
 
@@ -120,7 +168,12 @@ def generate_input(m: tuple, n: tuple, k: tuple, g: int, seed: int, device=None)
       sfa_reordered [32, 4, ceil(M/128), 4, K/64, 1], sfb_reordered likewise with N;
       problem size (M, N, K, 1).
     `device`: where a, b, c and the reordered scales live; default CUDA when available.
+    The arguments are checked first, before the RNG is seeded: g an integer 1..64; m, n and
+    k tuples or lists of g integers with M >= 0, N >= 1, K a positive multiple of 256; seed an
+    integer in 0..2**64-1. A bad one raises ValueError
+    `generate_input: {field} = {value!r}; rule: {rule}`.
     """
+    m, n, k, g, seed = _check_generator_args(m, n, k, g, seed)
     device = torch.device(device) if device is not None else _default_device()
     torch.manual_seed(seed)
 

@@ -5,10 +5,16 @@ the benchmark table, not a fast kernel. Reads the reordered (blocked) scale tens
 real kernel does, so it also exercises that layout:
     python eval.py test --submission examples/torch_submission.py
     python eval.py benchmark --submission examples/torch_submission.py
+
+Its input is checked before anything is computed or written, with the reference's rules
+(`reference.validate_reference_inputs`) and, for the reordered scales it reads, their dtype,
+shape and device: a bad input raises ValueError / TypeError naming the group, the field, the
+value and the rule, and leaves every output untouched.
 """
 
 import torch
 
+from reference import validate_reference_inputs
 from task import input_t, output_t
 
 SF_VEC_SIZE = 16
@@ -46,8 +52,40 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values * scales.repeat_interleave(SF_VEC_SIZE, dim=1)
 
 
+def _fail(group, field, value, rule, error=ValueError):
+    raise error(f"group {group}: {field} = {value!r}; rule: {rule}")
+
+
+def validate_inputs(data) -> list[tuple[int, int, int, int]]:
+    """The reference's checks (`validate_reference_inputs`), then those of the reordered
+    scales: 2-tuples of float8_e4m3fn [32, 4, ceil(MN/128), 4, ceil(K/64), 1] tensors on a's
+    device. Returns the problem sizes as int 4-tuples."""
+    sizes = validate_reference_inputs(data)
+    abc_tensors, _, sfasfb_reordered_tensors, _ = data
+    for g, ((m, n, k, l), abc, pair) in enumerate(zip(sizes, abc_tensors, sfasfb_reordered_tensors)):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            _fail(g, "sfasfb_reordered[g]", type(pair).__name__,
+                  "expected a 2-tuple (sfa_reordered, sfb_reordered)", TypeError)
+        device = abc[0].device
+        for field, tensor, rows, named in (("sfa_reordered", pair[0], m, "M"),
+                                           ("sfb_reordered", pair[1], n, "N")):
+            if not isinstance(tensor, torch.Tensor):
+                _fail(g, f"type({field})", type(tensor).__name__, "expected a torch.Tensor", TypeError)
+            if tensor.dtype != torch.float8_e4m3fn:
+                _fail(g, f"{field}.dtype", tensor.dtype,
+                      "expected torch.float8_e4m3fn (one fp8 e4m3 scale per 16 K elements)", TypeError)
+            shape = (32, 4, -(-rows // 128), 4, -(-k // (4 * SF_VEC_SIZE)), l)
+            if tuple(tensor.shape) != shape:
+                _fail(g, f"{field}.shape", tuple(tensor.shape),
+                      f"expected {shape} ({field} is [32, 4, ceil({named}/128), 4, ceil(K/64), L])")
+            if tensor.device != device:
+                _fail(g, f"{field}.device", str(tensor.device), f"expected {device} like a")
+    return sizes
+
+
 def custom_kernel(data: input_t) -> output_t:
-    abc_tensors, _, sfasfb_reordered_tensors, problem_sizes = data
+    problem_sizes = validate_inputs(data)
+    abc_tensors, _, sfasfb_reordered_tensors, _ = data
     outputs = []
     for (a, b, c), (sfa_r, sfb_r), (m, n, _k, _l) in zip(
         abc_tensors, sfasfb_reordered_tensors, problem_sizes

@@ -1,10 +1,34 @@
-"""Shared pytest set-up: one summary line that says how many tests were skipped for lack of a
-GPU (the CPU suite skips every test that needs a Hopper or Blackwell GPU, with a reason)."""
+"""Shared pytest set-up: the runtime's caches reset around every test, and one summary line
+that says how many tests were skipped for lack of a GPU (the CPU suite skips every test that
+needs a Hopper or Blackwell GPU, with a reason)."""
 
 import re
+import sys
+
+import pytest
 
 # A skip reason that names one of these is a missing-GPU skip.
 GPU_REASON = re.compile(r"\b(GPU|CUDA|sm_\d+)", re.IGNORECASE)
+
+
+def _reset_runtime() -> None:
+    # Only a submission some test already imported: a test that never imports it does not pay
+    # for the import (a fresh import has empty caches anyway).
+    submission = sys.modules.get("submission")
+    reset = getattr(submission, "reset_runtime", None)
+    if reset is not None:
+        reset()
+
+
+@pytest.fixture(autouse=True)
+def fresh_runtime():
+    """Every test starts and ends with the runtime as a fresh process has it
+    (`submission.reset_runtime()`: no input set, plan, signature, backend, demotion or
+    self-check result of another test; compiled kernels kept). A test that installs its own
+    backend or cache (monkeypatch) gets the originals back, emptied, after it."""
+    _reset_runtime()
+    yield
+    _reset_runtime()
 
 
 def skip_reason(report) -> str:

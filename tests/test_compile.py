@@ -12,12 +12,9 @@ fixture.
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import build_report
 import submission

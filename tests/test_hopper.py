@@ -8,16 +8,12 @@ builds. CUDA on an sm_90 GPU: the kernel against the exact decode reference.
 import contextlib
 import dataclasses
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+from helpers import BENCHMARK_SIZES
 from hopper_emulation import (
     e4m3_value,
     emulate_decode_word,
@@ -382,14 +378,6 @@ def test_split_k_kernel_reduces_through_the_cluster(sm90_builds, num_groups):
 # ---------------------------------------------------------------------------------------
 # CPU: tile shape of a backend, and the kernel each state launches
 # ---------------------------------------------------------------------------------------
-BENCHMARK_SIZES = {
-    0: list(zip([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8, [1] * 8)),
-    1: list(zip([40, 76, 168, 72, 164, 148, 196, 160], [7168] * 8, [2048] * 8, [1] * 8)),
-    2: list(zip([192, 320], [3072] * 2, [4096] * 2, [1] * 2)),
-    3: list(zip([128, 384], [4096] * 2, [1536] * 2, [1] * 2)),
-}
-
-
 def test_split_k_pays_where_half_tiles_fill_the_slots_better():
     # the benchmark shapes' tile counts on 132 SMs x 2 CTAs: split for shapes 0, 2 and 3
     assert [hopper.split_k_pays(t, 132) for t in (352, 728, 120, 128)] == [True, False, True, True]
@@ -831,15 +819,12 @@ def test_stream_k_state_relaunches_exactly(case):
 
 @requires_sm90
 @pytest.mark.parametrize("case", [1, 2, 3])
-def test_chained_calls_back_to_back_exactly(monkeypatch, case):
+def test_chained_calls_back_to_back_exactly(case):
     """Chained calls (SwapAbConfig.chain_calls, what custom_kernel runs on the benchmark
     shapes): four input sets of one plan, each call's pre-pass launched while the call before
     it still runs, three rounds queued with no synchronization. Every pre-pass overwrites the
     plan's one activation buffer only after the GEMM before it completed, so every output is
     exact."""
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
-    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
-    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
     sizes = BENCHMARK_SIZES[case]
     m, n, k = (tuple(column) for column in list(zip(*sizes))[:3])
     sets = [generate_input(m, n, k, len(m), seed=seed) for seed in (7001, 7002, 7003, 7004)]
@@ -866,9 +851,6 @@ def test_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch, kernel):
     activations; in_gemm_decode's stream-K workspace and counters); launched alternately on
     two streams, each launch waits for the other stream's, so every output is exact."""
     monkeypatch.setenv("NVFP4_SM90_KERNEL", kernel)
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
-    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
-    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
     sizes = BENCHMARK_SIZES[0]
     m, n, k = (tuple(column) for column in list(zip(*sizes))[:3])
     sets = [generate_input(m, n, k, len(m), seed=seed) for seed in (3333, 4444)]

@@ -9,8 +9,6 @@ prepared path does the conversion and packing once and calls the entry point its
 """
 
 import importlib.metadata
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -18,8 +16,6 @@ import cutlass
 import pytest
 from cutlass import cute
 from cutlass.cute.runtime import make_ptr
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import submission
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import INVALID_INPUTS, small_input
 
 from reference import (
     check_implementation,
@@ -131,6 +132,70 @@ def test_generate_input_contract_on_cpu():
     assert not torch.equal(a0, other[0][0][0].view(torch.uint8))
 
 
+GOOD_ARGS = {"m": (40, 0), "n": (64, 128), "k": (256, 512), "g": 2, "seed": 1111}
+
+G_RULE = "g is an integer, 1 <= g <= 64 (the number of groups)"
+K_RULE = "K is a positive multiple of 256 (the task's contract)"
+SEED_RULE = "seed is an integer in 0..2**64-1 (the range of torch.manual_seed)"
+
+
+def _length_rule(name):
+    return f"{name} holds g = 2 values, one per group"
+
+
+def _type_rule(name):
+    return f"{name} is a tuple or list of g integers, one per group"
+
+
+# argument edits -> (field = value, rule) of the ValueError generate_input raises before it seeds
+BAD_GENERATOR_ARGS = {
+    "m shorter than g": ({"m": (40,)}, "len(m) = 1", _length_rule("m")),
+    "n longer than g": ({"n": (64, 128, 256)}, "len(n) = 3", _length_rule("n")),
+    "k shorter than g": ({"k": [256]}, "len(k) = 1", _length_rule("k")),
+    "k not a sequence": ({"k": 256}, "type(k) = 'int'", _type_rule("k")),
+    "m as a string": ({"m": "40"}, "type(m) = 'str'", _type_rule("m")),
+    "g = 0": ({"g": 0, "m": (), "n": (), "k": ()}, "g = 0", G_RULE),
+    "g = 65": ({"g": 65}, "g = 65", G_RULE),
+    "g a float": ({"g": 2.0}, "g = 2.0", G_RULE),
+    "g a bool": ({"g": True}, "g = True", G_RULE),
+    "M < 0": ({"m": (40, -1)}, "m[1] = -1", "M is an integer >= 0"),
+    "M a float": ({"m": (40.0, 0)}, "m[0] = 40.0", "M is an integer >= 0"),
+    "N = 0": ({"n": (0, 128)}, "n[0] = 0", "N is an integer >= 1"),
+    "K = 100": ({"k": (256, 100)}, "k[1] = 100", K_RULE),
+    "K = 384": ({"k": (384, 512)}, "k[0] = 384", K_RULE),
+    "K = 0": ({"k": (256, 0)}, "k[1] = 0", K_RULE),
+    "K = -256": ({"k": (-256, 512)}, "k[0] = -256", K_RULE),
+    "seed = -1": ({"seed": -1}, "seed = -1", SEED_RULE),
+    "seed = 2**64": ({"seed": 2**64}, f"seed = {2**64}", SEED_RULE),
+    "seed a string": ({"seed": "1111"}, "seed = '1111'", SEED_RULE),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_GENERATOR_ARGS))
+def test_generate_input_rejects_arguments_outside_the_contract(name):
+    edits, field_value, rule = BAD_GENERATOR_ARGS[name]
+    torch.manual_seed(5)
+    expected_draw = torch.rand(4)
+    torch.manual_seed(5)
+    with pytest.raises(ValueError) as info:
+        generate_input(**{**GOOD_ARGS, **edits}, device="cpu")
+    assert str(info.value) == f"generate_input: {field_value}; rule: {rule}"
+    assert torch.equal(torch.rand(4), expected_draw), "the RNG was seeded or drawn before the error"
+
+
+def test_generate_input_accepts_the_contracts_edges():
+    # M = 0, lists, numpy-style integers (__index__), g = 64, the largest seed
+    data = generate_input([0, 1], [1, 8], [256, 7168], 2, seed=2**64 - 1, device="cpu")
+    assert data[3] == [(0, 1, 256, 1), (1, 8, 7168, 1)]
+    assert data[0][0][2].shape == (0, 1, 1)
+    data = generate_input((8,) * 64, (64,) * 64, (256,) * 64, 64, seed=0, device="cpu")
+    assert len(data[3]) == 64
+    index = type("Index", (), {"__index__": lambda self: 256})()
+    assert generate_input((8,), (64,), (index,), 1, seed=3, device="cpu")[3] == [(8, 64, 256, 1)]
+    for sizes in generate_input(**GOOD_ARGS, device="cpu")[3]:
+        assert all(type(v) is int for v in sizes)
+
+
 def test_ref_kernel_matches_independent_float64():
     m, n, k = (1, 40, 72, 129), (64, 200, 128, 72), (256, 256, 512, 256)
     data = generate_input(m, n, k, 4, seed=3, device="cpu")
@@ -213,66 +278,10 @@ def test_check_implementation_accepts_exact_and_reports_mismatches():
 # ---------------------------------------------------------------------------------------
 
 
-def _small_input():
-    return generate_input((40, 72), (64, 128), (256, 512), 2, seed=31, device="cpu")
-
-
-def _replace(data, group, field, tensor):
-    abc, sfasfb, sfasfb_reordered, sizes = ([list(x) for x in data[0]], [list(x) for x in data[1]],
-                                           list(data[2]), list(data[3]))
-    if field in ("a", "b", "c"):
-        abc[group]["abc".index(field)] = tensor
-    else:
-        sfasfb[group][("sfa", "sfb").index(field)] = tensor
-    return ([tuple(x) for x in abc], [tuple(x) for x in sfasfb], sfasfb_reordered, sizes)
-
-
-def _with_sizes(data, group, size):
-    sizes = list(data[3])
-    sizes[group] = size
-    return (data[0], data[1], data[2], sizes)
-
-
-INVALID_INPUTS = {
-    "L = 2": (lambda d: _with_sizes(d, 1, (72, 128, 512, 2)), ValueError,
-              "group 1: L = 2; rule: L must be 1 (one batch per group)"),
-    "lists disagree": (lambda d: (d[0][:1], d[1], d[2], d[3]), ValueError,
-                       "input: len(abc) = 1; rule: expected G = len(problem_sizes) = 2"),
-    "more problem sizes": (lambda d: (d[0], d[1], d[2], d[3] + [(8, 64, 256, 1)]), ValueError,
-                           "input: len(abc) = 2; rule: expected G = len(problem_sizes) = 3"),
-    "no group": (lambda d: ([], [], [], []), ValueError,
-                 "input: len(problem_sizes) = 0; rule: expected 1 <= G <= 64"),
-    "3-tuple": (lambda d: (d[0], d[1], d[3]), TypeError,
-                ("input: len(data) = 3; rule: expected the 4-tuple (abc, sfasfb, "
-                "sfasfb_reordered, problem_sizes)")),
-    "K not a multiple of 256": (lambda d: _with_sizes(d, 1, (72, 128, 384, 1)), ValueError,
-                                ("group 1: K = 384; rule: K must be a positive multiple of 256 "
-                                "(the task's contract)")),
-    "N = 0": (lambda d: _with_sizes(d, 1, (72, 0, 512, 1)), ValueError,
-              "group 1: N = 0; rule: N must be >= 1"),
-    "M < 0": (lambda d: _with_sizes(d, 1, (-1, 128, 512, 1)), ValueError,
-              "group 1: M = -1; rule: M must be >= 0"),
-    "M as a float": (lambda d: _with_sizes(d, 1, (72.0, 128, 512, 1)), TypeError,
-                     "group 1: problem_sizes[g].M = 72.0; rule: expected an integer"),
-    "sizes disagree with a": (lambda d: _with_sizes(d, 1, (73, 128, 512, 1)), ValueError,
-                              ("group 1: a.shape = (72, 256, 1); rule: expected (73, 256, 1) "
-                              "(a is [M, K/2, L])")),
-    "sfb shape": (lambda d: _replace(d, 1, "sfb", d[1][1][1][:64]), ValueError,
-                  ("group 1: sfb.shape = (64, 32, 1); rule: expected (128, 32, 1) "
-                  "(sfb is [N, K/16, L])")),
-    "c dtype": (lambda d: _replace(d, 1, "c", d[0][1][2].float()), TypeError,
-                "group 1: c.dtype = torch.float32; rule: expected torch.float16 (fp16 output)"),
-    "a not a tensor": (lambda d: _replace(d, 1, "a", [1, 2]), TypeError,
-                       "group 1: type(a) = 'list'; rule: expected a torch.Tensor"),
-    "b on another device": (lambda d: _replace(d, 1, "b", d[0][1][1].to("meta")), ValueError,
-                            "group 1: b.device = 'meta'; rule: expected cpu like group 0's a"),
-}
-
-
 @pytest.mark.parametrize("name", list(INVALID_INPUTS))
 def test_ref_kernel_rejects_invalid_input_before_writing(name):
     mutate, error, message = INVALID_INPUTS[name]
-    data = _small_input()
+    data = small_input()
     before = [c.clone() for _, _, c in data[0]]
     bad = mutate(data)
     with pytest.raises(error) as info:
@@ -303,7 +312,7 @@ SHARED_RULES = ["L = 2", "lists disagree", "more problem sizes", "no group", "3-
 def test_reference_and_submission_say_the_same(name):
     submission = pytest.importorskip("submission", reason="needs the CuTe DSL")
     mutate, error, _ = INVALID_INPUTS[name]
-    bad = mutate(_small_input())
+    bad = mutate(small_input())
     with pytest.raises(error) as from_reference:
         ref_kernel(bad)
     with pytest.raises(error) as from_submission:

@@ -2,15 +2,9 @@
 bounded caches, keys, validation tiers, and the hit/miss behaviour of custom_kernel with a
 recording backend."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from test_validation import make_inputs
+from helpers import make_inputs
 
 import submission
 
@@ -273,9 +267,6 @@ def recording_runtime(monkeypatch):
 
     monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
     monkeypatch.setattr(submission, "_same_device_and_aligned", lambda data: True)
-    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
-    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
-    monkeypatch.setattr(submission, "_SIGNATURES", submission.RuntimeCache(max_entries=256))
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
     monkeypatch.setattr(submission, "SELF_CHECK", False)  # the fakes write nothing to check
     monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))

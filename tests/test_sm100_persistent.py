@@ -16,15 +16,12 @@ appears once in the SASS: whole-kernel counts are per-k-tile counts.
 import collections
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import cuda.bindings.driver as cuda
 import cutlass
 import pytest
 from cutlass import cute
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import build_report
 import submission

@@ -17,16 +17,10 @@ import dataclasses
 import inspect
 import random
 import re
-import sys
 from bisect import bisect_left
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from cutlass import pipeline
 from pipeline_model import (
     K_TILE,

@@ -9,19 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import BENCHMARK_SIZES
 
 import build_report
 import nvfp4_hopper as hopper
 import submission
 from nvfp4_hopper import swap_ab
 from reference import create_reordered_scale_factor_tensor
-
-BENCHMARK_SIZES = {
-    0: list(zip([80, 176, 128, 72, 64, 248, 96, 160], [4096] * 8, [7168] * 8, [1] * 8)),
-    1: list(zip([40, 76, 168, 72, 164, 148, 196, 160], [7168] * 8, [2048] * 8, [1] * 8)),
-    2: list(zip([192, 320], [3072] * 2, [4096] * 2, [1] * 2)),
-    3: list(zip([128, 384], [4096] * 2, [1536] * 2, [1] * 2)),
-}
 
 
 @pytest.mark.parametrize("m,k", [(40, 256), (128, 512), (200, 768), (384, 1536)])

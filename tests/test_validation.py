@@ -7,40 +7,12 @@ and the rule, before any launch, with the output tensors left untouched.
 import pickle
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import fp4_operand, make_inputs, reordered_scales, replace_tensor
 
 import submission
-
-
-def _fp4(rows, k):
-    raw = torch.randint(0, 256, (1, rows, k // 2), dtype=torch.uint8) & 0b1011_1011
-    return raw.permute(1, 2, 0).view(torch.float4_e2m1fn_x2)
-
-
-def _reordered_scales(mn, k):
-    rest_mn = (mn + 127) // 128
-    rest_k = (k // 16 + 3) // 4
-    base = torch.randint(1, 3, (1, rest_mn, rest_k, 32, 4, 4), dtype=torch.int8).to(torch.float8_e4m3fn)
-    return base.permute(3, 4, 1, 5, 2, 0)
-
-
-def make_inputs(problem_sizes):
-    """CPU tensors laid out exactly like the official generator's (reference.generate_input)."""
-    abc, sfasfb, sfasfb_reordered = [], [], []
-    for m, n, k, _l in problem_sizes:
-        c = torch.randn((1, m, n), dtype=torch.float16).permute(1, 2, 0)
-        abc.append((_fp4(m, k), _fp4(n, k), c))
-        sfa = torch.randint(1, 3, (1, m, k // 16), dtype=torch.int8).to(torch.float8_e4m3fn).permute(1, 2, 0)
-        sfb = torch.randint(1, 3, (1, n, k // 16), dtype=torch.int8).to(torch.float8_e4m3fn).permute(1, 2, 0)
-        sfasfb.append((sfa, sfb))
-        sfasfb_reordered.append((_reordered_scales(m, k), _reordered_scales(n, k)))
-    return (abc, sfasfb, sfasfb_reordered, [tuple(p) for p in problem_sizes])
-
 
 SIZES = [(128, 256, 512, 1), (40, 384, 256, 1), (129, 128, 768, 1)]
 
@@ -110,17 +82,6 @@ def test_too_many_groups():
     _expect_error(data, ValueError, "len(problem_sizes)", "65", "1 <= G <= 64")
 
 
-def _replace(data, group, field, tensor):
-    abc = [list(t) for t in data[0]]
-    reordered = [list(t) for t in data[2]]
-    index = {"a": 0, "b": 1, "c": 2}
-    if field in index:
-        abc[group][index[field]] = tensor
-    else:
-        reordered[group][0 if field == "sfa_reordered" else 1] = tensor
-    return ([tuple(t) for t in abc], data[1], [tuple(t) for t in reordered], data[3])
-
-
 @pytest.mark.parametrize(
     ("group", "field", "make_bad", "error", "fragments"),
     [
@@ -130,26 +91,26 @@ def _replace(data, group, field, tensor):
          ["b.dtype", "torch.float16", "float4_e2m1fn_x2"]),
         (0, "c", lambda m, n, k: torch.zeros((m, n, 1), dtype=torch.float32), TypeError,
          ["c.dtype", "torch.float32", "torch.float16"]),
-        (1, "sfa_reordered", lambda m, n, k: _reordered_scales(m, k).view(torch.uint8), TypeError,
+        (1, "sfa_reordered", lambda m, n, k: reordered_scales(m, k).view(torch.uint8), TypeError,
          ["sfa_reordered.dtype", "torch.uint8", "float8_e4m3fn"]),
-        (1, "a", lambda m, n, k: _fp4(m + 1, k), ValueError,
+        (1, "a", lambda m, n, k: fp4_operand(m + 1, k), ValueError,
          ["a.shape", "(41, 128, 1)", "expected (40, 128, 1)"]),
-        (2, "b", lambda m, n, k: _fp4(n, 2 * k), ValueError,
+        (2, "b", lambda m, n, k: fp4_operand(n, 2 * k), ValueError,
          ["b.shape", "(128, 768, 1)", "expected (128, 384, 1)"]),
         (0, "c", lambda m, n, k: torch.zeros((n, m, 1), dtype=torch.float16), ValueError,
          ["c.shape", "(256, 128, 1)", "expected (128, 256, 1)"]),
-        (2, "sfb_reordered", lambda m, n, k: _reordered_scales(n + 128, k), ValueError,
+        (2, "sfb_reordered", lambda m, n, k: reordered_scales(n + 128, k), ValueError,
          ["sfb_reordered.shape", "(32, 4, 2, 4, 12, 1)", "expected (32, 4, 1, 4, 12, 1)"]),
-        (0, "sfa_reordered", lambda m, n, k: _reordered_scales(m, 2 * k), ValueError,
+        (0, "sfa_reordered", lambda m, n, k: reordered_scales(m, 2 * k), ValueError,
          ["sfa_reordered.shape", "(32, 4, 1, 4, 16, 1)", "expected (32, 4, 1, 4, 8, 1)"]),
         # Transposed storage: right shape, K not unit-stride
-        (0, "a", lambda m, n, k: _fp4(m, k).permute(1, 0, 2).contiguous().permute(1, 0, 2), ValueError,
+        (0, "a", lambda m, n, k: fp4_operand(m, k).permute(1, 0, 2).contiguous().permute(1, 0, 2), ValueError,
          ["a.stride()", "(1, 128, 1)", "mode 0 must have stride 256"]),
         # c as a column slice of a wider tensor: row stride is not N
         (1, "c", lambda m, n, k: torch.zeros((m, 2 * n, 1), dtype=torch.float16)[:, :n], ValueError,
          ["group 1", "c.stride()", "(768, 1, 1)", "mode 0 must have stride 384"]),
         # Reordered scales made contiguous in their permuted shape: not the official strides
-        (2, "sfa_reordered", lambda m, n, k: _reordered_scales(m, k).contiguous(), ValueError,
+        (2, "sfa_reordered", lambda m, n, k: reordered_scales(m, k).contiguous(), ValueError,
          ["sfa_reordered.stride()", "official reordered scale layout"]),
         # Misaligned base address: a view starting 16 bytes into a buffer
         (0, "a", lambda m, n, k: torch.zeros(m * k // 2 + 16, dtype=torch.uint8)[16:]
@@ -163,7 +124,7 @@ def test_tensor_rules(group, field, make_bad, error, fragments):
     data = make_inputs(SIZES)
     m, n, k, _ = SIZES[group]
     bad = make_bad(m, n, k)
-    message = _expect_error(_replace(data, group, field, bad), error, f"group {group}", *fragments)
+    message = _expect_error(replace_tensor(data, group, field, bad), error, f"group {group}", *fragments)
     assert "rule:" in message
 
 
@@ -190,7 +151,6 @@ def test_plain_scale_tensors_are_not_read():
 
 
 def test_unsupported_gpu_message(monkeypatch):
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100")
     with pytest.raises(RuntimeError) as info:
@@ -201,7 +161,6 @@ def test_unsupported_gpu_message(monkeypatch):
 
 
 def test_missing_hopper_backend_message(monkeypatch):
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     monkeypatch.setitem(sys.modules, "nvfp4_hopper", None)  # import nvfp4_hopper -> ImportError
     with pytest.raises(RuntimeError, match=r"sm_90.*nvfp4_hopper package, which could not be imported"):
@@ -210,7 +169,6 @@ def test_missing_hopper_backend_message(monkeypatch):
 
 
 def test_sm100_capability_selects_the_blackwell_backend(monkeypatch):
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (10, 0))
     monkeypatch.setattr(
         torch.cuda, "get_device_properties", lambda index=None: types.SimpleNamespace(multi_processor_count=148)
