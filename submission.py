@@ -89,6 +89,7 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from task import input_t, output_t
 
+
 # =============================================================================
 # Which sm_100a kernel runs
 # =============================================================================
@@ -100,52 +101,47 @@ from task import input_t, output_t
 # Both are compiled for sm_100a and checked on a CPU (SASS, PTX, a protocol model); neither has
 # run here. If the default fails on a B200, set this to "per_tile" (or run with the
 # environment variable NVFP4_SM100_KERNEL=per_tile).
+def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """The value of environment switch `name`, one of `allowed` (`default` when unset);
+    ValueError naming the allowed values otherwise. Every NVFP4_* switch is read through it."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+    return value
+
+
 SM100_KERNELS = ("persistent", "per_tile")
-SM100_KERNEL = os.environ.get("NVFP4_SM100_KERNEL", "persistent")
+SM100_KERNEL = env_switch("NVFP4_SM100_KERNEL", SM100_KERNELS, "persistent")
 
 
 # =============================================================================
-# Configuration
+# Constants
 # =============================================================================
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """Python-time configuration of the sm_100a kernels (everything here is baked into the code)."""
-
-    # NVFP4 UMMA requires M-mode 128 for a single CTA (cta_group::1)
-    mma_tiler_mnk: tuple[int, int, int] = (128, 128, 256)
-    # K of one tcgen05.mma.kind::mxf4nvf4 instruction
-    mma_inst_shape_k: int = 64
-    # One float8 scale per 16 fp4 values along K
-    sf_vec_size: int = 16
-    threads_per_cta: int = 128
-    num_acc_stage: int = 1
-    # Two smem stages: 2 x 36 KiB (A 16 KiB + B 16 KiB + SFA 2 KiB + SFB 2 KiB). More stages
-    # are a later change together with a smaller TMEM/SMEM footprint.
-    num_ab_stage: int = 2
-    # Must be a power of two, a multiple of 32 and <= 512
-    num_tmem_alloc_cols: int = 512
-    # TMA descriptors: A, B, SFA, SFB, 128 bytes each
-    num_tensormaps: int = 4
-    bytes_per_tensormap: int = 128
-    arch: str = "sm_100a"
-
-
-SM100_CONFIG = GemmConfig()
+# K extent of one k-tile of every sm_100 kernel (and the K multiple validate_inputs asks for)
+K_TILE = 256
+SM100_ARCH = "sm_100a"
 
 ab_dtype = cutlass.Float4E2M1FN
 sf_dtype = cutlass.Float8E4M3FN
 c_dtype = cutlass.Float16
+# One float8 scale per 16 fp4 values along K
+sf_vec_size = 16
+# TMA descriptors are 128 bytes each
+bytes_per_tensormap = 128
 
-# Kernel-side aliases of the configuration (the kernels below read these at trace time)
-mma_tiler_mnk = SM100_CONFIG.mma_tiler_mnk
-mma_inst_shape_k = SM100_CONFIG.mma_inst_shape_k
-sf_vec_size = SM100_CONFIG.sf_vec_size
-threads_per_cta = SM100_CONFIG.threads_per_cta
-num_acc_stage = SM100_CONFIG.num_acc_stage
-num_ab_stage = SM100_CONFIG.num_ab_stage
-num_tmem_alloc_cols = SM100_CONFIG.num_tmem_alloc_cols
-num_tensormaps = SM100_CONFIG.num_tensormaps
-bytes_per_tensormap = SM100_CONFIG.bytes_per_tensormap
+# The per-tile kernel's constants (its device code reads them at trace time)
+# NVFP4 UMMA requires M-mode 128 for a single CTA (cta_group::1)
+mma_tiler_mnk = (128, 128, K_TILE)
+# K of one tcgen05.mma.kind::mxf4nvf4 instruction
+mma_inst_shape_k = 64
+threads_per_cta = 128
+num_acc_stage = 1
+# Two smem stages: 2 x 36 KiB (A 16 KiB + B 16 KiB + SFA 2 KiB + SFB 2 KiB)
+num_ab_stage = 2
+# A power of two, a multiple of 32 and <= 512
+num_tmem_alloc_cols = 512
+# Its descriptors: A, B, SFA, SFB
+num_tensormaps = 4
 
 # Columns of the per-group pointer table (Binding.ptrs)
 PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB = range(5)
@@ -1748,9 +1744,8 @@ class PersistentGemmSm100:
         #
         if warp_idx == self.tma_warp_id:
             ab_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
-            tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
             tile_idx = cluster_idx
-            cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)  # no pair without a tile
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx)  # no pair without a tile
             # The first tile's A, B, SFA, SFB descriptors (written by the init kernel):
             # acquired and fetched before the pipeline's first wait
             for slot in cutlass.range_constexpr(4):
@@ -1758,9 +1753,7 @@ class PersistentGemmSm100:
             while tile_idx < num_tiles:
                 group_idx, mma_tile_m, mma_tile_n, k_tile_cnt = tile_row[0], tile_row[1], tile_row[2], tile_row[3]
                 # The next tile's row, one 16-byte load a whole tile ahead of its use
-                tile_idx += num_clusters
-                if tile_idx < num_tiles:
-                    cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
+                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, num_tiles, num_clusters)
                 desc_a = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 0)
                 desc_b = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 1)
                 desc_sfa = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 2)
@@ -1818,14 +1811,11 @@ class PersistentGemmSm100:
 
             ab_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stage)
             acc_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
-            tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
             tile_idx = cluster_idx
-            cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx)
             while tile_idx < num_tiles:
                 k_tile_cnt = tile_row[3]
-                tile_idx += num_clusters
-                if tile_idx < num_tiles:
-                    cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
+                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, num_tiles, num_clusters)
                 # (MMA, MMA_M, MMA_N)
                 tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
 
@@ -1896,18 +1886,15 @@ class PersistentGemmSm100:
             )
             acc_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
             num_subtiles_done = cutlass.Int32(0)
-            tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
             tile_idx = cluster_idx
-            cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx)
             if warp_idx == self.epilog_warp_id[0]:
                 # The one warp that stores C: the first tile's C descriptor, acquired and
                 # fetched before the first accumulator wait
                 acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
             while tile_idx < num_tiles:
                 group_idx, mma_tile_m, mma_tile_n = tile_row[0], tile_row[1], tile_row[2]
-                tile_idx += num_clusters
-                if tile_idx < num_tiles:
-                    cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
+                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, num_tiles, num_clusters)
                 desc_c = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 4)
                 # ((ATOM_V, REST_V), EPI_M * EPI_N)
                 bSG_gC = cute.group_modes(bSG_gC_partitioned[(None, None, None, mma_tile_m, mma_tile_n, 0)], 1, 3)
@@ -1954,6 +1941,24 @@ class PersistentGemmSm100:
             c_pipeline.producer_tail()
 
     # ------------------------------------------------------------------ device helpers
+    # The static persistent tile walk of every role: a pair runs tiles cluster_idx,
+    # cluster_idx + num_clusters, ... of the tile table
+    @cute.jit
+    def _first_tile(self, tensor_of_tiles: cute.Tensor, cluster_idx):
+        """The pair's first tile row, in registers (every pair has one: clusters <= tiles)."""
+        tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
+        cute.autovec_copy(tensor_of_tiles[(cluster_idx, None)], tile_row)
+        return tile_row
+
+    @cute.jit
+    def _next_tile(self, tensor_of_tiles: cute.Tensor, tile_row: cute.Tensor, tile_idx, num_tiles, num_clusters):
+        """The pair's next tile index; its row (one 16-byte load) into tile_row when there is
+        one, a whole tile ahead of its use."""
+        tile_idx += num_clusters
+        if tile_idx < num_tiles:
+            cute.autovec_copy(tensor_of_tiles[(tile_idx, None)], tile_row)
+        return tile_idx
+
     def _scale_tmem_tensors(
         self, tiled_mma, acc_tmem_ptr, tCtAcc_base, sfa_smem_layout_staged, sfb_smem_layout_staged
     ):
@@ -2029,52 +2034,43 @@ def _fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
-# Compile caches: the key is everything baked into the code (G, config, target arch).
-_compiled_init_cache: dict = {}
-_compiled_gemm_cache: dict = {}
+# Every sm_100 build, by what is baked into its code: the kernel, G or the config, the options
+_COMPILED: dict = {}
+
+
+def compile_once(key: tuple, fn, *args, options: str | None = None):
+    """cute.compile(fn, *args) once per `key` (the options are part of it); the DSL's options
+    are passed only where given."""
+    key = (*key, options)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _COMPILED[key] = cute.compile(fn, *args, **({"options": options} if options else {}))
+    return compiled
 
 
 def compile_init_tensormaps(num_groups: int, options: str | None = None):
-    """The per-tile kernel's descriptor init (it reads SM100_CONFIG's module constants)."""
-    key = (num_groups, options)
-    if key not in _compiled_init_cache:
-        compiled = cute.compile(
-            init_tensormaps_jit,
-            _fake_ptr(cutlass.Int64),
-            _fake_ptr(cutlass.Int32),
-            _fake_ptr(cutlass.Int64),
-            cutlass.Int32(num_groups),
-            cuda.CUstream(0),
-            **({"options": options} if options else {}),
-        )
-        _compiled_init_cache[key] = compiled
-    return _compiled_init_cache[key]
+    """The per-tile kernel's descriptor init (its constants are the module's PER_TILE_*)."""
+    return compile_once(
+        ("per_tile_init", num_groups), init_tensormaps_jit,
+        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
+        cutlass.Int32(num_groups), cuda.CUstream(0), options=options,
+    )
 
 
 def compile_gemm(num_groups: int, options: str | None = None):
-    """The per-tile GEMM (it reads SM100_CONFIG's module constants)."""
-    key = (num_groups, options)
-    if key not in _compiled_gemm_cache:
-        compiled = cute.compile(
-            gemm_jit,
-            _fake_ptr(cutlass.Int64),
-            _fake_ptr(cutlass.Int32),
-            _fake_ptr(cutlass.Int32),
-            _fake_ptr(cutlass.Int64),
-            cutlass.Int32(1),
-            cutlass.Int32(num_groups),
-            cuda.CUstream(0),
-            **({"options": options} if options else {}),
-        )
-        _compiled_gemm_cache[key] = compiled
-    return _compiled_gemm_cache[key]
+    """The per-tile GEMM (its constants are the module's)."""
+    return compile_once(
+        ("per_tile_gemm", num_groups), gemm_jit,
+        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
+        cutlass.Int32(1), cutlass.Int32(num_groups), cuda.CUstream(0), options=options,
+    )
 
 
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
     """Kernels of this backend for the build report: (kernel name, arch, compile(G, options))."""
     targets = [
-        ("sm100_init_tensormaps", SM100_CONFIG.arch, compile_init_tensormaps),
-        ("sm100_gemm", SM100_CONFIG.arch, compile_gemm),
+        ("sm100_init_tensormaps", SM100_ARCH, compile_init_tensormaps),
+        ("sm100_gemm", SM100_ARCH, compile_gemm),
     ]
     for tokens, config in PERSISTENT_CONFIGS.items():
         # One build serves every G (G is a runtime value there); the report lists it per G
@@ -2093,7 +2089,7 @@ def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]
 # Checked against the pinned DSL version; anything else falls back to the plain call.
 # NVFP4_PLAIN_LAUNCH=1 forces the plain call (to compare, or to rule the fast path out).
 _PREPARED_LAUNCH_DSL_VERSION = "4.3.5"
-_FORCE_PLAIN_LAUNCH = os.environ.get("NVFP4_PLAIN_LAUNCH", "0") not in ("", "0")
+_FORCE_PLAIN_LAUNCH = env_switch("NVFP4_PLAIN_LAUNCH", ("0", "1"), "0") == "1"
 
 
 def _installed_dsl_version() -> str | None:
@@ -2152,7 +2148,7 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
 # holds the kernel's parameters by value; nothing of the DSL is touched beyond the call it
 # records.
 # NVFP4_GRAPH_LAUNCH=0 launches the prepared call directly (to compare, or to rule graphs out).
-_GRAPH_LAUNCH = os.environ.get("NVFP4_GRAPH_LAUNCH", "1") not in ("", "0")
+_GRAPH_LAUNCH = env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
 _CAPTURE_STREAMS: dict = {}
 
 
@@ -2243,8 +2239,8 @@ def persistent_stage_bytes(tokens_per_tile: int) -> int:
     """Bytes one k-tile stage brings into each CTA of the pair (the kernel's
     num_tma_load_bytes / 2): 128 N rows of the problem's B, half the token rows of its A,
     both scale tiles (the tokens' scales whole, multicast), K tile 256 = 128 bytes a row."""
-    k_bytes = 256 // 2
-    sf_bytes_per_row = 256 // sf_vec_size
+    k_bytes = K_TILE // 2
+    sf_bytes_per_row = K_TILE // sf_vec_size
     return (
         128 * k_bytes
         + tokens_per_tile // 2 * k_bytes
@@ -2252,9 +2248,6 @@ def persistent_stage_bytes(tokens_per_tile: int) -> int:
         + max(tokens_per_tile, 128) * sf_bytes_per_row
     )
 
-
-# K extent of one k-tile of every sm_100 kernel (and the K multiple validate_inputs asks for)
-K_TILE = 256
 
 # sm_100 SMs a B200 has; the host reads the real count from the device when it has one
 B200_NUM_SMS = 148
@@ -2271,7 +2264,7 @@ def persistent_k_tile_us(tokens_per_tile: int) -> float:
     """Modelled µs of one k-tile of a CTA of the pair: its stage's bytes at the per-SM stream
     rate or its MMAs (128 N rows x tokens x 256 K), whichever is longer."""
     load_us = persistent_stage_bytes(tokens_per_tile) / SM100_STREAM_BYTES_PER_US
-    mma_us = 2 * 128 * tokens_per_tile * 256 / SM100_MMA_FLOP_PER_US
+    mma_us = 2 * 128 * tokens_per_tile * K_TILE / SM100_MMA_FLOP_PER_US
     return max(load_us, mma_us)
 
 
@@ -2293,7 +2286,7 @@ def choose_tokens_per_tile(problem_sizes, num_sms: int = B200_NUM_SMS) -> int:
         tiles = plan_persistent_tiles(problem_sizes, tokens_per_tile)
         k_tiles_per_pair = [0] * num_clusters
         for index, (g, _n_tile, _m_tile) in enumerate(tiles):
-            k_tiles_per_pair[index % num_clusters] += problem_sizes[g][2] // 256
+            k_tiles_per_pair[index % num_clusters] += problem_sizes[g][2] // K_TILE
         cost = max(k_tiles_per_pair) * persistent_k_tile_us(tokens_per_tile)
         if best is None or cost < best[0]:
             best = (cost, tokens_per_tile)
@@ -2303,41 +2296,23 @@ def choose_tokens_per_tile(problem_sizes, num_sms: int = B200_NUM_SMS) -> int:
 persistent_can_implement = PersistentGemmSm100.can_implement
 
 
-_compiled_persistent_cache: dict = {}
-
-
 def compile_persistent_init(config: PersistentGemmConfig, options: str | None = None):
     """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
-    key = ("init", config, options)
-    if key not in _compiled_persistent_cache:
-        _compiled_persistent_cache[key] = cute.compile(
-            PersistentGemmSm100(config).init_tensormaps,
-            _fake_ptr(cutlass.Int64),
-            _fake_ptr(cutlass.Int32),
-            _fake_ptr(cutlass.Int64),
-            cutlass.Int32(1),
-            cuda.CUstream(0),
-            **({"options": options} if options else {}),
-        )
-    return _compiled_persistent_cache[key]
+    return compile_once(
+        ("persistent_init", config), PersistentGemmSm100(config).init_tensormaps,
+        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
+        cutlass.Int32(1), cuda.CUstream(0), options=options,
+    )
 
 
 def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = None):
     """The persistent GEMM for `config`; G, the tile count and the cluster count are runtime
     values, so one build serves every input set of that config."""
-    key = ("gemm", config, options)
-    if key not in _compiled_persistent_cache:
-        _compiled_persistent_cache[key] = cute.compile(
-            PersistentGemmSm100(config),
-            _fake_ptr(cutlass.Int32),
-            _fake_ptr(cutlass.Int64),
-            cutlass.Int32(1),
-            cutlass.Int32(1),
-            cutlass.Int32(1),
-            cuda.CUstream(0),
-            **({"options": options} if options else {}),
-        )
-    return _compiled_persistent_cache[key]
+    return compile_once(
+        ("persistent_gemm", config), PersistentGemmSm100(config),
+        _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
+        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0), options=options,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2389,7 +2364,7 @@ class KernelChain(collections.abc.Sequence):
 SM100_CHOICES = {
     **{f"persistent_t{tokens}": KernelChoice("sm100", f"persistent_t{tokens}", config)
        for tokens, config in PERSISTENT_CONFIGS.items()},
-    "per_tile": KernelChoice("sm100", "per_tile", SM100_CONFIG, per_group_count=True),
+    "per_tile": KernelChoice("sm100", "per_tile", per_group_count=True),
     # what the competition's reference runs on a B200: always correct there, only slow
     "scaled_mm": KernelChoice("sm100", "scaled_mm", host=True),
 }
@@ -2491,7 +2466,7 @@ class Sm100Backend:
         if choice is None:
             choice = self.kernel_chain(problem_sizes)[0]
         if choice.name == "per_tile":
-            return plan_tiles(problem_sizes, SM100_CONFIG.mma_tiler_mnk[0], SM100_CONFIG.mma_tiler_mnk[1])
+            return plan_tiles(problem_sizes, mma_tiler_mnk[0], mma_tiler_mnk[1])
         config = choice.config
         k_tiles = [size[2] // K_TILE for size in problem_sizes]
         return [
@@ -3187,15 +3162,6 @@ def _stream_for_current() -> cuda.CUstream:
 # its launch (with the context still usable) or disagrees with the oracle at its first use is
 # demoted for the rest of the process: one line on stderr, and its plans run the next link.
 # A hang cannot be caught in-process.
-def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
-    """The value of environment switch `name`, one of `allowed` (`default` when unset);
-    ValueError naming the allowed values otherwise."""
-    value = os.environ.get(name, default)
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
-    return value
-
-
 # NVFP4_SELF_CHECK=0: no first-use check (it costs one oracle computation and a comparison per
 # compiled kernel, at its first input set).
 SELF_CHECK = env_switch("NVFP4_SELF_CHECK", ("0", "1"), "1") == "1"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -145,10 +144,9 @@ SM90_KERNELS = ("swap_ab", "in_gemm_decode")
 
 def default_kernel() -> str:
     """NVFP4_SM90_KERNEL (swap_ab when unset); ValueError naming the allowed values."""
-    kernel = os.environ.get("NVFP4_SM90_KERNEL", "swap_ab")
-    if kernel not in SM90_KERNELS:
-        raise ValueError(f"NVFP4_SM90_KERNEL={kernel!r}: must be one of {', '.join(SM90_KERNELS)}")
-    return kernel
+    import submission  # its env_switch reads every NVFP4_* switch
+
+    return submission.env_switch("NVFP4_SM90_KERNEL", SM90_KERNELS, "swap_ab")
 
 
 def default_chain_calls() -> bool:
@@ -156,10 +154,9 @@ def default_chain_calls() -> bool:
     (SwapAbConfig.chain_calls: the least device time, each call launched directly); "0"
     replays each input set's launches as a CUDA graph instead (about a third of the CPU per
     call, the pre-pass no longer overlapping the kernel before it). ValueError otherwise."""
-    value = os.environ.get("NVFP4_SM90_CHAIN_CALLS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"NVFP4_SM90_CHAIN_CALLS={value!r}: must be 0 or 1")
-    return value == "1"
+    import submission
+
+    return submission.env_switch("NVFP4_SM90_CHAIN_CALLS", ("0", "1"), "1") == "1"
 
 
 class Sm90Backend:

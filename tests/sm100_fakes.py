@@ -78,12 +78,8 @@ def sm100_runtime(monkeypatch):
     # the CPU stands in for the B200: sm_100's chain with the exact decode as its oracle
     backend = submission.Sm100Backend("persistent")
     monkeypatch.setattr(type(backend), "oracle", submission.KernelChoice("sm100", "exact_decode", host=True))
+    # the caches, demotions and checks start empty (conftest resets them around every test)
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
-    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
-    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
-    monkeypatch.setattr(submission, "_SIGNATURES", submission.RuntimeCache(max_entries=256))
-    monkeypatch.setattr(submission, "_DEMOTED", {})
-    monkeypatch.setattr(submission, "_SELF_CHECKED", set())
     monkeypatch.setattr(submission, "SELF_CHECK", True)
     real_validate = submission.validate_inputs
 

@@ -86,11 +86,11 @@ def test_init_kernels_have_no_mma(sm100_builds, target):
 def test_gemm_shared_memory_matches_the_config(sm100_builds):
     # num_ab_stage x (A 128x256 fp4 + B 128x256 fp4 + SFA 128x16 fp8 + SFB 128x16 fp8) must fit
     # in the dynamic shared memory the DSL reserved for the GEMM (plus barriers, < 1 KiB).
-    cfg = submission.SM100_CONFIG
-    tile_m, tile_n, tile_k = cfg.mma_tiler_mnk
-    per_stage = (tile_m + tile_n) * tile_k // 2 + (tile_m + tile_n) * tile_k // cfg.sf_vec_size
+    tile_m, tile_n, tile_k = submission.mma_tiler_mnk
+    per_stage = (tile_m + tile_n) * tile_k // 2 + (tile_m + tile_n) * tile_k // submission.sf_vec_size
     dynamic = sm100_builds[("sm100_gemm", 1)].dynamic_smem_bytes
-    assert cfg.num_ab_stage * per_stage <= dynamic < cfg.num_ab_stage * per_stage + 1024
+    stages = submission.num_ab_stage
+    assert stages * per_stage <= dynamic < stages * per_stage + 1024
 
 
 @pytest.mark.parametrize("tokens", sorted(getattr(submission, "PERSISTENT_CONFIGS", {})))

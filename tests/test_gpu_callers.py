@@ -73,9 +73,9 @@ def test_custom_kernel_inside_a_callers_cuda_graph(chain_calls, monkeypatch):
 def test_an_unseen_input_set_under_capture_is_one_clear_error():
     data = generate_input(**SIZES, seed=31)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="call custom_kernel once eagerly with the same tensors"):
-        with torch.cuda.graph(graph):
-            submission.custom_kernel(data)
+    with (pytest.raises(RuntimeError, match="call custom_kernel once eagerly with the same tensors"),
+          torch.cuda.graph(graph)):
+        submission.custom_kernel(data)
     # the process is fine afterwards
     out = submission.custom_kernel(data)
     torch.cuda.synchronize()

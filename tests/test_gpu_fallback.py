@@ -23,12 +23,9 @@ def _expected(data):
 
 
 @pytest.fixture
-def fresh_runtime(monkeypatch):
-    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=64))
-    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=32, max_bytes=1 << 30))
-    monkeypatch.setattr(submission, "_SIGNATURES", submission.RuntimeCache(max_entries=256))
-    monkeypatch.setattr(submission, "_DEMOTED", {})
-    monkeypatch.setattr(submission, "_SELF_CHECKED", set())
+def self_check_on(monkeypatch):
+    """The self-check on whatever NVFP4_SELF_CHECK says (the runtime's caches, demotions and
+    checks are reset around every test by conftest)."""
     monkeypatch.setattr(submission, "SELF_CHECK", True)
 
 
@@ -59,7 +56,7 @@ def _corrupting_backend():
     return CorruptingBackend(kernel="swap_ab")
 
 
-def test_self_check_demotes_a_wrong_kernel_on_the_gpu(fresh_runtime, monkeypatch, capfd):
+def test_self_check_demotes_a_wrong_kernel_on_the_gpu(self_check_on, monkeypatch, capfd):
     backend = _corrupting_backend()
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {torch.cuda.current_device(): backend})
     data = generate_input(**SIZES, seed=11)
@@ -88,7 +85,7 @@ def test_self_check_demotes_a_wrong_kernel_on_the_gpu(fresh_runtime, monkeypatch
     assert all(torch.equal(o, w) for o, w in zip(out, want))
 
 
-def test_a_launch_error_falls_back_on_the_gpu(fresh_runtime, monkeypatch, capfd):
+def test_a_launch_error_falls_back_on_the_gpu(self_check_on, monkeypatch, capfd):
     """A launch that fails synchronously (context still usable) moves down to the next link."""
     import nvfp4_hopper as hopper
 
@@ -112,7 +109,7 @@ def test_a_launch_error_falls_back_on_the_gpu(fresh_runtime, monkeypatch, capfd)
     assert binding.plan.choice.name == "in_gemm_decode"
 
 
-def test_the_default_chain_passes_its_self_check(fresh_runtime, monkeypatch, capfd):
+def test_the_default_chain_passes_its_self_check(self_check_on, monkeypatch, capfd):
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
     data = generate_input(**SIZES, seed=13)
     want = _expected(data)

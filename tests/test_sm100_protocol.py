@@ -39,7 +39,7 @@ import submission
 
 TOKEN_TILES = (128, 256)
 MMA_M = 256
-PER_TILE = submission.SM100_CONFIG.mma_tiler_mnk[:2]
+PER_TILE = submission.mma_tiler_mnk[:2]
 SM_COUNTS = (148, 4, 6, 16)
 NUM_SETS = 304
 NUM_CHUNKS = 8
@@ -204,7 +204,8 @@ def _code(obj) -> str:
 KERNEL_PROTOCOL = [
     # warps walk rows cluster_idx, + num_clusters, ...; the even CTA of a pair leads
     "mma_tile_coord_v=bidx%2", "is_leader_cta=mma_tile_coord_v==0", "cluster_idx=bidx//2",
-    "num_clusters=grid_dim_x//2", "tile_idx+=num_clusters",
+    "num_clusters=grid_dim_x//2", "tile_idx=cluster_idx",
+    "tile_idx=self._next_tile(tensor_of_tiles,tile_row,tile_idx,num_tiles,num_clusters)",
     # ab_full: one arrival plus both CTAs' bytes; ab_empty: one arrival (1 + 1 - 1 multicast
     # CTAs of a (2, 1) cluster), the MMA warp's commit to both CTAs
     ("producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),consumer_group=pipeline.CooperativeGroup("
@@ -252,6 +253,9 @@ def test_model_assumptions_are_the_kernels():
     code = _code(submission.PersistentGemmSm100.kernel)
     assert [line for line in KERNEL_PROTOCOL if line not in code] == []
     assert [line for fn, line in DSL_PROTOCOL if line not in _code(fn)] == []
+    # the one tile walk every role takes
+    assert "tile_idx+=num_clusters" in _code(submission.PersistentGemmSm100._next_tile)
+    assert code.count("self._next_tile(") == 3 and code.count("self._first_tile(") == 3
 
 
 def test_mbarrier_follows_ptx():

@@ -328,7 +328,7 @@ def test_chained_calls_by_environment(monkeypatch):
     assert unchained.plan_key != chained.plan_key
     assert hopper.make_backend(hopper.SWAP_AB_T112_CONFIG).config_for(sizes).chain_calls
     monkeypatch.setenv("NVFP4_SM90_CHAIN_CALLS", "yes")
-    with pytest.raises(ValueError, match="NVFP4_SM90_CHAIN_CALLS='yes': must be 0 or 1"):
+    with pytest.raises(ValueError, match="NVFP4_SM90_CHAIN_CALLS='yes': must be one of 0, 1"):
         hopper.make_backend()
 
 
