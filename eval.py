@@ -115,7 +115,9 @@ class PopcornOutput:
     """`key: value` lines to the file descriptor named by POPCORN_FD."""
 
     def __init__(self, fd: int):
-        self.file = os.fdopen(fd, "w")
+        # A duplicate: closing it at the end leaves the caller's descriptor (which may be
+        # stdout) open
+        self.file = os.fdopen(os.dup(fd), "w")
         os.set_inheritable(fd, False)
 
     def __enter__(self):

@@ -1133,3 +1133,14 @@ def test_the_package_installs_no_top_level_modules(tmp_path):
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA")))
     assert b"Requires-Dist: nvidia-cutlass-dsl==4.3.5" in metadata
     assert b"Provides-Extra: plot" in metadata
+
+
+def test_popcorn_fd_may_be_stdout():
+    """POPCORN_FD=1: the results go to stdout, which stays open for the closing lines."""
+    env = dict(os.environ, POPCORN_FD="1")
+    env.pop("POPCORN_SEED", None)
+    completed = subprocess.run([sys.executable, "eval.py", "test"], check=False, cwd=REPO_ROOT, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in completed.stderr and "Bad file descriptor" not in completed.stderr
+    assert "test-count: 10" in completed.stdout and "check: " in completed.stdout
+    assert completed.returncode in (0, 112)  # a CPU machine runs submission.py under the protocol: 112
