@@ -2028,7 +2028,7 @@ class PersistentGemmSm100:
 
 
 # =============================================================================
-# Host code (Python): compile caches, prepared launches, the sm_100 backend
+# Host code (Python): compile caches, the sm_100 backend
 # =============================================================================
 def _fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
@@ -2081,135 +2081,6 @@ def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]
              lambda g, options, config=config: compile_persistent_gemm(config, options)),
         ]
     return targets
-
-
-# The only place that reaches into DSL internals. A compiled-function call converts its
-# arguments on every call (30-65 us of CPU for 5 pointers + 2 ints with DSL 4.3.5); building
-# the packed argument array once and calling the entry point directly costs one C call.
-# Checked against the pinned DSL version; anything else falls back to the plain call.
-# NVFP4_PLAIN_LAUNCH=1 forces the plain call (to compare, or to rule the fast path out).
-_PREPARED_LAUNCH_DSL_VERSION = "4.3.5"
-_FORCE_PLAIN_LAUNCH = env_switch("NVFP4_PLAIN_LAUNCH", ("0", "1"), "0") == "1"
-
-
-def _installed_dsl_version() -> str | None:
-    try:
-        return package_version("nvidia-cutlass-dsl")
-    except PackageNotFoundError:
-        return None
-
-
-_DSL_VERSION = _installed_dsl_version()
-
-
-def _executor(compiled):
-    """compiled.to(None) once per device: the executor (its module loaded in the device's
-    context) is the same for every input set, and building one is most of a new binding's
-    launch preparation. Kept on the compiled function itself, per device index."""
-    executors = compiled.__dict__.setdefault("_nvfp4_executors", {})
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
-    executor = executors.get(device)
-    if executor is None:
-        executor = executors[device] = compiled.to(None)
-    return executor
-
-
-def make_launcher(compiled, *args) -> Callable[[], None]:
-    """Return a no-argument callable that runs ``compiled(*args)``.
-
-    ``args`` must be DSL objects (cute Pointers, cutlass.Int32, cuda.CUstream) that stay
-    alive as long as the launcher: the packed arguments point into them.
-    """
-    if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION and not _FORCE_PLAIN_LAUNCH:
-        try:
-            exe_args, adapted_args = compiled.generate_execution_args(*args)
-            executor = _executor(compiled)
-            packed_args = executor._get_invoke_packed_args(list(exe_args))
-            capi_func = executor.jit_module.capi_func
-            cuda_result = executor.cuda_result
-        except Exception:  # noqa: BLE001 - any change in DSL internals selects the plain call
-            return lambda: compiled(*args)
-        keepalive = (compiled, args, exe_args, adapted_args, executor)
-
-        def launch():
-            capi_func(packed_args)
-            if cuda_result is not None and cuda_result.value != 0:
-                raise RuntimeError(f"kernel launch failed: CUresult {cuda_result.value}")
-
-        launch.keepalive = keepalive
-        return launch
-    return lambda: compiled(*args)
-
-
-# A prepared launch recorded once per input set as a CUDA graph and replayed with
-# cuGraphLaunch: 1.8 µs of CPU per call on the H200 host, against 4.6-6.1 µs for the prepared
-# DSL call (whose host code builds the launch config and launches through the runtime on every
-# call) and 7.2-9.0 µs for a bare torch launch (medians of two rounds of one run). The graph
-# holds the kernel's parameters by value; nothing of the DSL is touched beyond the call it
-# records.
-# NVFP4_GRAPH_LAUNCH=0 launches the prepared call directly (to compare, or to rule graphs out).
-_GRAPH_LAUNCH = env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
-_CAPTURE_STREAMS: dict = {}
-
-
-def _check_cuda(result, what: str) -> None:
-    if result != cuda.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what} failed: {result!r}")
-
-
-class GraphLaunch:
-    """One launch recorded as an executable CUDA graph; replayable on any stream.
-
-    A replay is ordered after earlier work on its stream and after earlier replays of the
-    same graph (CUDA's rule for cuGraphLaunch). Destroying it while a replay is pending is
-    safe: the driver frees the graph when that replay completes.
-    """
-
-    __slots__ = ("graph_exec",)
-
-    def __init__(self, record: Callable[[cuda.CUstream], Callable[[], None]], device: torch.device):
-        """Capture what `record(stream)()` launches on a private stream of `device`."""
-        self.graph_exec = None
-        with torch.cuda.device(device):
-            capture_stream = _CAPTURE_STREAMS.get(device.index)
-            if capture_stream is None:
-                capture_stream = _CAPTURE_STREAMS[device.index] = torch.cuda.Stream(device)
-            stream = cuda.CUstream(capture_stream.cuda_stream)
-            launch = record(stream)
-            # Thread-local: CUDA calls of other threads are not captured and not disturbed
-            mode = cuda.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-            _check_cuda(cuda.cuStreamBeginCapture(stream, mode)[0], "cuStreamBeginCapture")
-            try:
-                launch()
-            finally:
-                # Always leave capture mode, also when the launch raised
-                result, graph = cuda.cuStreamEndCapture(stream)
-            _check_cuda(result, "cuStreamEndCapture")
-            try:
-                result, graph_exec = cuda.cuGraphInstantiate(graph, 0)
-                _check_cuda(result, "cuGraphInstantiate")
-            finally:
-                cuda.cuGraphDestroy(graph)  # the executable graph does not need it
-        self.graph_exec = graph_exec
-
-    def launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
-        graph_launch = cuda.cuGraphLaunch
-        graph_exec = self.graph_exec
-
-        def launch():
-            result = graph_launch(graph_exec, stream)[0]
-            if result:  # CUresult is an IntEnum, CUDA_SUCCESS == 0
-                raise RuntimeError(f"cuGraphLaunch failed: {result!r}")
-
-        launch.keepalive = self
-        return launch
-
-    def __del__(self):
-        if self.graph_exec is not None:
-            try:
-                cuda.cuGraphExecDestroy(self.graph_exec)
-            except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
-                pass
 
 
 def _gmem_ptr(dtype, tensor: torch.Tensor):
@@ -2545,6 +2416,132 @@ class Sm100Backend:
 # =============================================================================
 # Shared host runtime (both backends)
 # =============================================================================
+# The only place that reaches into DSL internals: the packed argument array is built once and
+# the entry point called directly, one C call instead of the DSL's argument conversion on
+# every call (EXPERIMENTS E56). Checked against the pinned DSL version; anything else falls
+# back to the plain call.
+# NVFP4_PLAIN_LAUNCH=1 forces the plain call (to compare, or to rule the fast path out).
+_PREPARED_LAUNCH_DSL_VERSION = "4.3.5"
+_FORCE_PLAIN_LAUNCH = env_switch("NVFP4_PLAIN_LAUNCH", ("0", "1"), "0") == "1"
+
+
+def _installed_dsl_version() -> str | None:
+    try:
+        return package_version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:
+        return None
+
+
+_DSL_VERSION = _installed_dsl_version()
+
+
+def _executor(compiled):
+    """compiled.to(None) once per device: the executor (its module loaded in the device's
+    context) is the same for every input set, and building one is most of a new binding's
+    launch preparation. Kept on the compiled function itself, per device index."""
+    executors = compiled.__dict__.setdefault("_nvfp4_executors", {})
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    executor = executors.get(device)
+    if executor is None:
+        executor = executors[device] = compiled.to(None)
+    return executor
+
+
+def make_launcher(compiled, *args) -> Callable[[], None]:
+    """Return a no-argument callable that runs ``compiled(*args)``.
+
+    ``args`` must be DSL objects (cute Pointers, cutlass.Int32, cuda.CUstream) that stay
+    alive as long as the launcher: the packed arguments point into them.
+    """
+    if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION and not _FORCE_PLAIN_LAUNCH:
+        try:
+            exe_args, adapted_args = compiled.generate_execution_args(*args)
+            executor = _executor(compiled)
+            packed_args = executor._get_invoke_packed_args(list(exe_args))
+            capi_func = executor.jit_module.capi_func
+            cuda_result = executor.cuda_result
+        except Exception:  # noqa: BLE001 - any change in DSL internals selects the plain call
+            return lambda: compiled(*args)
+        keepalive = (compiled, args, exe_args, adapted_args, executor)
+
+        def launch():
+            capi_func(packed_args)
+            if cuda_result is not None and cuda_result.value != 0:
+                raise RuntimeError(f"kernel launch failed: CUresult {cuda_result.value}")
+
+        launch.keepalive = keepalive
+        return launch
+    return lambda: compiled(*args)
+
+
+# A prepared launch recorded once per input set as a CUDA graph and replayed with
+# cuGraphLaunch: a third of the prepared DSL call's CPU (EXPERIMENTS E57). The graph holds the
+# kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
+# NVFP4_GRAPH_LAUNCH=0 launches the prepared call directly (to compare, or to rule graphs out).
+_GRAPH_LAUNCH = env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
+_CAPTURE_STREAMS: dict = {}
+
+
+def _check_cuda(result, what: str) -> None:
+    if result != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {result!r}")
+
+
+class GraphLaunch:
+    """One launch recorded as an executable CUDA graph; replayable on any stream.
+
+    A replay is ordered after earlier work on its stream and after earlier replays of the
+    same graph (CUDA's rule for cuGraphLaunch). Destroying it while a replay is pending is
+    safe: the driver frees the graph when that replay completes.
+    """
+
+    __slots__ = ("graph_exec",)
+
+    def __init__(self, record: Callable[[cuda.CUstream], Callable[[], None]], device: torch.device):
+        """Capture what `record(stream)()` launches on a private stream of `device`."""
+        self.graph_exec = None
+        with torch.cuda.device(device):
+            capture_stream = _CAPTURE_STREAMS.get(device.index)
+            if capture_stream is None:
+                capture_stream = _CAPTURE_STREAMS[device.index] = torch.cuda.Stream(device)
+            stream = cuda.CUstream(capture_stream.cuda_stream)
+            launch = record(stream)
+            # Thread-local: CUDA calls of other threads are not captured and not disturbed
+            mode = cuda.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            _check_cuda(cuda.cuStreamBeginCapture(stream, mode)[0], "cuStreamBeginCapture")
+            try:
+                launch()
+            finally:
+                # Always leave capture mode, also when the launch raised
+                result, graph = cuda.cuStreamEndCapture(stream)
+            _check_cuda(result, "cuStreamEndCapture")
+            try:
+                result, graph_exec = cuda.cuGraphInstantiate(graph, 0)
+                _check_cuda(result, "cuGraphInstantiate")
+            finally:
+                cuda.cuGraphDestroy(graph)  # the executable graph does not need it
+        self.graph_exec = graph_exec
+
+    def launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
+        graph_launch = cuda.cuGraphLaunch
+        graph_exec = self.graph_exec
+
+        def launch():
+            result = graph_launch(graph_exec, stream)[0]
+            if result:  # CUresult is an IntEnum, CUDA_SUCCESS == 0
+                raise RuntimeError(f"cuGraphLaunch failed: {result!r}")
+
+        launch.keepalive = self
+        return launch
+
+    def __del__(self):
+        if self.graph_exec is not None:
+            try:
+                cuda.cuGraphExecDestroy(self.graph_exec)
+            except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
+                pass
+
+
 def plan_tiles(problem_sizes, tile_m: int, tile_n: int) -> list[tuple[int, int, int]]:
     """(group, tile_m, tile_n) of every output tile; groups with M = 0 have none.
 
@@ -2579,8 +2576,8 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor, list[
         itemsize = struct.calcsize(code)
         layout.append((offset, code, len(rows), width, itemsize))
         offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
-    # Packed in Python and handed to torch as one buffer: one torch op per table cost about
-    # twice the CPU (144 -> 69 µs for G = 8, benchmark shape 0, on a CPU here).
+    # Packed in Python and handed to torch as one buffer: half the CPU of one torch op per
+    # table (EXPERIMENTS E58)
     staging = bytearray(offset)
     for (start, code, count, width, _), (_, rows) in zip(layout, tables):
         struct.pack_into(f"<{count * width}{code}", staging, start, *_flatten(rows))
@@ -2643,8 +2640,8 @@ class RuntimeCache:
         self.nbytes = 0
 
 
-# const_data_ptr: the same address as data_ptr, without the mutable-data bookkeeping (12%
-# less per call on a CPU: the key reads 5G pointers on every call)
+# const_data_ptr: the same address as data_ptr, without the mutable-data bookkeeping (the key
+# reads 5G pointers on every call; EXPERIMENTS E59)
 _data_ptr = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
 _flatten = itertools.chain.from_iterable
 
@@ -2778,8 +2775,8 @@ class Binding:
         """Prepare the launch for `stream` (torch's current stream).
 
         The first call of an input set launches directly; its second call records the launch
-        as a CUDA graph and later calls replay it (1.6-1.8 µs of CPU on the H200 host against
-        4.6-6.1 µs for the prepared DSL call). An input set seen once never pays a capture.
+        as a CUDA graph and later calls replay it (EXPERIMENTS E57). An input set seen once
+        never pays a capture.
         On a stream other than the one that wrote the tables or descriptors, the stream first
         waits for that writing.
 

@@ -259,11 +259,14 @@ class Sm90Backend:
         current_num_sms()
 
     def can_implement(self, problem_sizes) -> None:
-        """can_implement, then what the size set's config needs of K (SwapAbConfig.k_multiple:
-        an explicit config with 128-wide k-tiles takes K % 512 == 0 only)."""
+        """can_implement, then what an explicit config needs of K (SwapAbConfig.k_multiple: one
+        with 128-wide k-tiles takes K % 512 == 0 only; the automatic choice picks those only
+        where every K allows)."""
         can_implement(problem_sizes)
-        config = self.config_for(problem_sizes)
-        multiple = getattr(config, "k_multiple", 256)
+        config = self.config
+        if not isinstance(config, SwapAbConfig):
+            return
+        multiple = config.k_multiple
         for g, (_m, _n, k, _l) in enumerate(problem_sizes):
             if k % multiple:
                 raise ValueError(

@@ -158,13 +158,7 @@ def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     112-token tiles win where M pads less in them (benchmark shape 2: 2 + 3 tiles of 112 for
     M = 192 and 320; EXPERIMENTS E12). One round of 112- or 128-token tiles runs 128-wide
     k-tiles where every K allows (with_wide_k_tiles: benchmark shapes 2 and 3)."""
-    return _chosen_swap_ab_config(tuple(map(tuple, problem_sizes)), num_sms)
-
-
-@functools.lru_cache(maxsize=256)
-def _chosen_swap_ab_config(problem_sizes: tuple, num_sms: int) -> SwapAbConfig:
-    # A plan miss asks three times (tile shape, tile table, prepare); the model walks every tile
-    # of three candidates: it runs once (its host cost: EXPERIMENTS E32)
+    # Asked once per plan, by the chain's first link (its host cost: EXPERIMENTS E32, E60)
     tiles = swap_ab_tiles(problem_sizes)
     # Split-K only where the unsplit tiles leave most SMs idle: slower elsewhere (EXPERIMENTS E31).
     if 2 * tiles <= num_sms:
