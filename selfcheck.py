@@ -145,7 +145,7 @@ def run_forced(backend, choice, data):
     if choice.host:
         return submission.HOST_COMPUTATIONS[choice.name](data, outputs), None
     binding = submission.Binding(plan, submission.pointers_of(data))
-    binding.graph = False
+    binding.mode = submission.LaunchMode.DIRECT
     binding.run(submission._stream_for_current())
     return outputs, binding
 
@@ -222,7 +222,9 @@ def main(argv=None) -> int:
             name = "custom_kernel" if choice is None else choice.name
             if wanted is not None and name not in wanted:
                 continue
-            print(f"  {label:<12} {name:<16} ...", end="", flush=True)
+            # before the run: the last line names the kernel and case that hang (overwritten by
+            # the result on a terminal)
+            print(f"  {label:<12} {name:<16} ...", end="\r" if sys.stdout.isatty() else "\n", flush=True)
             row = {"case": label, "kind": kind, "kernel": name, "sizes": sizes}
             if choice is not None and choice.config is not None:
                 row["config"] = str(choice.config)
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
             rows.append(row)
             detail = row.get("error") or (f"{row['mismatches']} of {row['elements']} differ, first {row['first']}"
                                           if row["status"] == "MISMATCH" else row.get("ran", ""))
-            print(f"\r  {label:<12} {name:<16} {row['status']:<8} {detail}", flush=True)
+            print(f"  {label:<12} {name:<16} {row['status']:<8} {detail}", flush=True)
             if kind == "benchmark" and row["status"] == "pass":
                 timings.append(_time_row(backend, choice, source, label, name, args.repeats, generate_input))
 

@@ -64,12 +64,14 @@ import collections
 import collections.abc
 import contextlib
 import dataclasses
+import enum
 import itertools
 import operator
 import os
 import struct
 import sys
 import threading
+import typing
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -2038,32 +2040,33 @@ def _fake_ptr(dtype):
 _COMPILED: dict = {}
 
 
-def compile_once(key: tuple, fn, *args, options: str | None = None):
-    """cute.compile(fn, *args) once per `key` (the options are part of it); the DSL's options
-    are passed only where given."""
+def compile_once(key: tuple, make: Callable[[], tuple], options: str | None = None, context=contextlib.nullcontext):
+    """cute.compile once per `key` (the options are part of it), of the function and example
+    arguments `make()` returns (called only on a miss), inside `context()`; the DSL's options
+    are passed only where given. Every build of both backends goes through here."""
     key = (*key, options)
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = _COMPILED[key] = cute.compile(fn, *args, **({"options": options} if options else {}))
+        fn, args = make()
+        with context():
+            compiled = _COMPILED[key] = cute.compile(fn, *args, **({"options": options} if options else {}))
     return compiled
 
 
 def compile_init_tensormaps(num_groups: int, options: str | None = None):
-    """The per-tile kernel's descriptor init (its constants are the module's PER_TILE_*)."""
-    return compile_once(
-        ("per_tile_init", num_groups), init_tensormaps_jit,
+    """The per-tile kernel's descriptor init (its constants are the module's)."""
+    return compile_once(("per_tile_init", num_groups), lambda: (init_tensormaps_jit, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
-        cutlass.Int32(num_groups), cuda.CUstream(0), options=options,
-    )
+        cutlass.Int32(num_groups), cuda.CUstream(0),
+    )), options)
 
 
 def compile_gemm(num_groups: int, options: str | None = None):
     """The per-tile GEMM (its constants are the module's)."""
-    return compile_once(
-        ("per_tile_gemm", num_groups), gemm_jit,
+    return compile_once(("per_tile_gemm", num_groups), lambda: (gemm_jit, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(num_groups), cuda.CUstream(0), options=options,
-    )
+        cutlass.Int32(1), cutlass.Int32(num_groups), cuda.CUstream(0),
+    )), options)
 
 
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
@@ -2169,21 +2172,19 @@ persistent_can_implement = PersistentGemmSm100.can_implement
 
 def compile_persistent_init(config: PersistentGemmConfig, options: str | None = None):
     """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
-    return compile_once(
-        ("persistent_init", config), PersistentGemmSm100(config).init_tensormaps,
+    return compile_once(("persistent_init", config), lambda: (PersistentGemmSm100(config).init_tensormaps, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
-        cutlass.Int32(1), cuda.CUstream(0), options=options,
-    )
+        cutlass.Int32(1), cuda.CUstream(0),
+    )), options)
 
 
 def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = None):
     """The persistent GEMM for `config`; G, the tile count and the cluster count are runtime
     values, so one build serves every input set of that config."""
-    return compile_once(
-        ("persistent_gemm", config), PersistentGemmSm100(config),
+    return compile_once(("persistent_gemm", config), lambda: (PersistentGemmSm100(config), (
         _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0), options=options,
-    )
+        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0),
+    )), options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2247,6 +2248,8 @@ class Sm100Plan:
 
     __slots__ = ("config", "num_clusters")
     nbytes = 0  # no device buffers beyond the runtime's tables
+    shared_scratch = False  # nothing shared between input sets that a stream change must order
+    graph_launch = True
 
     def __init__(self, config, num_clusters):
         self.config = config
@@ -2661,6 +2664,55 @@ def input_key(data) -> tuple:
     return (*map(_data_ptr, _flatten(abc)), *map(_data_ptr, _flatten(sfasfb_reordered)))
 
 
+@typing.runtime_checkable
+class BackendPlan(typing.Protocol):
+    """What a backend's prepare(plan) returns: the runtime reads these and nothing else."""
+
+    nbytes: int  # device bytes it holds beyond the runtime's tables (the plan cache's bound)
+    shared_scratch: bool  # its input sets share scratch: launches on two streams are ordered
+    graph_launch: bool  # its launches may be recorded as a CUDA graph and replayed
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Its buffers are read on `stream` (freed memory is not reused before that work)."""
+
+
+@typing.runtime_checkable
+class Backend(typing.Protocol):
+    """A device family's kernels, as the shared runtime drives them: Sm100Backend here,
+    nvfp4_hopper.Sm90Backend on Hopper."""
+
+    name: str
+    plan_key: tuple  # what a plan depends on besides the device and the sizes
+    oracle: KernelChoice  # the self-check's reference computation (a host computation)
+
+    def can_implement(self, problem_sizes) -> None:
+        """Raise ValueError (group, field, value, rule) for sizes it cannot run at all."""
+
+    def kernel_chain(self, problem_sizes) -> collections.abc.Sequence[KernelChoice]:
+        """The kernels that can run these sizes, best first; the last is a host computation."""
+
+    def family_choices(self, groups: int, n: int, k: int) -> list[KernelChoice]:
+        """Every first link the automatic choice can pick for this (G, N, K), any M."""
+
+    def prepare_device(self, device: torch.device) -> None:
+        """Ask the driver now what a first plan on `device` would ask it."""
+
+    def compile(self, choice: KernelChoice, num_groups: int) -> None:
+        """Compile (cached) the kernels of `choice`; raise what the compiler raised."""
+
+    def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
+        """The tile rows of `choice` (its table, in launch order)."""
+
+    def prepare(self, plan: "Plan") -> BackendPlan:
+        """Its part of the plan, for plan.choice (compiled by then)."""
+
+    def write_descriptors(self, plan: "Plan", binding: "Binding") -> "Written | None":
+        """Per-pointer device state of an input set (TMA descriptors), or None."""
+
+    def launch_args(self, plan: "Plan", binding: "Binding", stream: cuda.CUstream):
+        """(compiled, its arguments), or a list of them launched in order, for `stream`."""
+
+
 class Written:
     """A device buffer written on torch's current stream (a table copy or the init kernel),
     with an event recorded right after the writing: a launch on another stream waits for it
@@ -2729,15 +2781,25 @@ class Plan:
             self.backend_plan.record_stream(stream)
 
 
+class LaunchMode(enum.Enum):
+    """How a binding's calls launch (Binding.mode)."""
+
+    HOST = "host computation"  # the chain's last link: custom_kernel computes it with torch ops
+    NOTHING = "nothing to launch"  # every group has M = 0 (a 0-CTA grid is invalid)
+    FIRST_DIRECT = "direct, then recorded"  # the first call launches directly, the second records
+    GRAPH = "graph replay"  # the recorded CUDA graph (Binding.graph), on any stream
+    DIRECT = "direct"  # every call: graphs off, a plan that does not allow them, or a failed record
+
+
 class Binding:
     """One input set (its data pointers) bound to its plan: the pointer table the kernel
     reads (ptrs int64 [G, 5]: a, b, c, sfa_reordered, sfb_reordered), the backend's
-    per-pointer state (`bound`: the sm_100 TMA descriptors, a Written, or None), and the
-    launch prepared for the stream it last ran on (None: a host computation, which
-    custom_kernel runs on the input set itself)."""
+    per-pointer state (`bound`: the sm_100 TMA descriptors, a Written, or None), its launch
+    mode, and the launch prepared for the stream it last ran on (None: a host computation,
+    which custom_kernel runs on the input set itself)."""
 
     __slots__ = (
-        "_host_staging", "bound", "direct_launches", "graph", "launch", "plan", "pointers", "ptrs", "stream",
+        "_host_staging", "bound", "graph", "launch", "launched", "mode", "plan", "pointers", "ptrs", "stream",
         "table",
     )
 
@@ -2749,14 +2811,18 @@ class Binding:
         self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self)
         self.stream = None
         self.launch = None
-        # GraphLaunch of this input set's launch; None: not recorded (yet); False: launched
-        # directly (graphs off, nothing to launch, or the capture failed)
-        self.graph = None
-        self.direct_launches = 0
+        self.graph: GraphLaunch | None = None
+        self.launched = False  # a direct launch has run (FIRST_DIRECT records at the next call)
+        if plan.choice.host:
+            self.mode = LaunchMode.HOST
+        elif plan.num_tiles == 0:
+            self.mode = LaunchMode.NOTHING
+        elif _GRAPH_LAUNCH and _can_record(plan):
+            self.mode = LaunchMode.FIRST_DIRECT
+        else:
+            self.mode = LaunchMode.DIRECT
 
     def _direct_launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
-        if self.plan.num_tiles == 0:
-            return _no_launch  # every group has M = 0 (a 0-CTA grid is invalid)
         launches = self.plan.backend.launch_args(self.plan, self, stream)
         if not isinstance(launches, list):  # one (compiled, args) pair
             compiled, args = launches
@@ -2787,8 +2853,11 @@ class Binding:
         (_CAPTURED) since the caller's graph reads its tables at every replay."""
         plan = self.plan
         self.stream = stream
-        if plan.choice.host:
+        if self.mode is LaunchMode.HOST:
             self.launch = None
+            return
+        if self.mode is LaunchMode.NOTHING:
+            self.launch = _no_launch
             return
         if _capturing():
             self.launch = self._direct_launcher(stream)
@@ -2798,22 +2867,21 @@ class Binding:
         for written in (plan.tables, self.table, self.bound):
             if isinstance(written, Written):
                 written.order_before(stream)
-        if self.graph is None and (self.direct_launches or not _GRAPH_LAUNCH):
-            self.graph = False
-            if _GRAPH_LAUNCH and _can_record(plan):
-                try:
-                    self.graph = GraphLaunch(self._direct_launcher, plan.device)
-                except Exception:  # noqa: BLE001 - the direct launch reports any real error
-                    self.graph = False
-        if self.graph:
+        if self.mode is LaunchMode.FIRST_DIRECT and self.launched:
+            try:
+                self.graph = GraphLaunch(self._direct_launcher, plan.device)
+                self.mode = LaunchMode.GRAPH
+            except Exception:  # noqa: BLE001 - the direct launch reports any real error
+                self.mode = LaunchMode.DIRECT
+        if self.mode is LaunchMode.GRAPH:
             launch = self.graph.launcher(stream)
-        elif self.graph is None:
+        elif self.mode is LaunchMode.FIRST_DIRECT:
             direct = self._direct_launcher(stream)
 
             def launch():
                 direct()
-                self.direct_launches += 1
-                self.stream = None  # the next call binds again: it records the graph
+                self.launched = True
+                self.stream = None  # the next call prepares again: it records the graph
 
         else:
             launch = self._direct_launcher(stream)
@@ -2922,7 +2990,7 @@ def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Ten
     outputs = [c for _, _, c in data[0]]
     if binding.plan.choice.host:
         return HOST_COMPUTATIONS[binding.plan.choice.name](data, outputs)
-    binding.graph = False  # one launch: nothing to record
+    binding.mode = LaunchMode.DIRECT  # one launch: nothing to record
     with _device_context(binding.plan.device):
         binding.run(_stream_for_current())
     return outputs

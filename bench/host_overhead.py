@@ -188,7 +188,7 @@ def breakdown(module, groups: int, iterations: int = 2000) -> None:
         "input_key": lambda: module.input_key(data),
         "cache get": lambda: module._BINDINGS.get(key),
         "stream lookup": module._stream_for_current,
-        "graph replay" if getattr(binding, "graph", False) else "prepared launch": binding.launch,
+        binding.mode.value: binding.launch,
         "custom_kernel": lambda: module.custom_kernel(data),
         "bare add_": lambda: bare_tensor.add_(1),
     }

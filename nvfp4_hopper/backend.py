@@ -221,15 +221,10 @@ class Sm90Backend:
                   lambda: self.oracle]
         return submission.KernelChain(links)
 
-    def compile(self, choice, num_groups: int):
-        """Compile (cached) the kernels of `choice` (a KernelChoice, or a config as such)."""
-        if getattr(choice, "host", False):
-            return None
-        config = getattr(choice, "config", choice)
-        if isinstance(config, SwapAbConfig):
-            compile_decode_activations(num_groups, chained=config.chain_calls)
-            return compile_swap_ab_gemm(num_groups, config=config)
-        return compile_gemm(num_groups, config=config)
+    def compile(self, choice, num_groups: int) -> None:
+        """Compile (cached) the kernels of `choice` (a submission.KernelChoice)."""
+        if not choice.host:
+            _compiled_gemm(choice.config, num_groups)
 
     def write_descriptors(self, plan, binding) -> None:
         """No descriptors: the kernels read the pointer table."""
@@ -327,7 +322,7 @@ class Sm90Backend:
             return [
                 (compile_decode_activations(plan.num_groups, chained=backend_plan.config.chain_calls),
                  (ptrs, sizes, addresses, cutlass.Int32(activations.blocks_x), stream)),
-                (self.compile(backend_plan.config, plan.num_groups),
+                (_compiled_gemm(backend_plan.config, plan.num_groups),
                  (ptrs, sizes, _gmem_ptr(cutlass.Int32, plan.tiles), cutlass.Int32(plan.num_tiles), addresses,
                   stream)),
             ]
@@ -339,7 +334,7 @@ class Sm90Backend:
         else:
             work, num_workers = stream_k.work, stream_k.num_workers
             workspace, counters = stream_k.workspace, stream_k.counters
-        return self.compile(backend_plan.config, plan.num_groups), (
+        return _compiled_gemm(backend_plan.config, plan.num_groups), (
             _gmem_ptr(cutlass.Int64, binding.ptrs),
             _gmem_ptr(cutlass.Int32, plan.sizes),
             _gmem_ptr(cutlass.Int32, plan.tiles),
@@ -350,6 +345,15 @@ class Sm90Backend:
             _gmem_ptr(cutlass.Int32, counters),
             stream,
         )
+
+
+def _compiled_gemm(config, num_groups: int):
+    """The GEMM of `config` for `num_groups` groups, compiled once (cached by its compiler);
+    for swap-AB, its activation pre-pass too."""
+    if isinstance(config, SwapAbConfig):
+        compile_decode_activations(num_groups, chained=config.chain_calls)
+        return compile_swap_ab_gemm(num_groups, config=config)
+    return compile_gemm(num_groups, config=config)
 
 
 def config_kind(config) -> str:

@@ -612,7 +612,6 @@ def _fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
-_compiled_cache: dict = {}
 # Shared memory per SM of sm_90 GPUs (228 KB), for the compile below on a machine without one
 SM90_SMEM_PER_SM = 233472
 
@@ -645,24 +644,13 @@ def smem_per_sm_known_without_gpu():
 
 def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemmConfig = SM90_CONFIG):
     """Compile (cached) the sm_90a kernel; the key is everything baked in."""
-    key = (num_groups, config, options)
-    if key not in _compiled_cache:
-        kernel = Sm90Nvfp4GroupedGemm(config, num_groups)
-        with smem_per_sm_known_without_gpu():
-            _compiled_cache[key] = cute.compile(
-                kernel,
-                _fake_ptr(cutlass.Int64),
-                _fake_ptr(cutlass.Int32),
-                _fake_ptr(cutlass.Int32),
-                cutlass.Int32(1),
-                _fake_ptr(cutlass.Int32),
-                cutlass.Int32(1),
-                _fake_ptr(cutlass.Float32),
-                _fake_ptr(cutlass.Int32),
-                cuda.CUstream(0),
-                **({"options": options} if options else {}),
-            )
-    return _compiled_cache[key]
+    import submission  # its compile_once holds every build
+
+    return submission.compile_once(("sm90_gemm", num_groups, config), lambda: (Sm90Nvfp4GroupedGemm(config, num_groups), (
+        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), cutlass.Int32(1),
+        _fake_ptr(cutlass.Int32), cutlass.Int32(1), _fake_ptr(cutlass.Float32), _fake_ptr(cutlass.Int32),
+        cuda.CUstream(0),
+    )), options, context=smem_per_sm_known_without_gpu)
 
 
 def _compile_split_k(num_groups: int, options: str | None = None):

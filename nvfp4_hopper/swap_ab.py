@@ -562,43 +562,26 @@ def _fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
-_compiled_cache: dict = {}
-
-
 def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig = SWAP_AB_CONFIG):
     """Compile (cached) the swap-AB GEMM; the key is everything baked in."""
-    key = ("gemm", num_groups, config, options)
-    if key not in _compiled_cache:
-        kernel = Sm90SwapAbGemm(config, num_groups)
-        with smem_per_sm_known_without_gpu():
-            _compiled_cache[key] = cute.compile(
-                kernel,
-                _fake_ptr(cutlass.Int64),
-                _fake_ptr(cutlass.Int32),
-                _fake_ptr(cutlass.Int32),
-                cutlass.Int32(1),
-                _fake_ptr(cutlass.Int64),
-                cuda.CUstream(0),
-                **({"options": options} if options else {}),
-            )
-    return _compiled_cache[key]
+    import submission  # its compile_once holds every build
+
+    return submission.compile_once(("sm90_swap_ab_gemm", num_groups, config), lambda: (Sm90SwapAbGemm(config, num_groups), (
+        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), cutlass.Int32(1),
+        _fake_ptr(cutlass.Int64), cuda.CUstream(0),
+    )), options, context=smem_per_sm_known_without_gpu)
 
 
 def compile_decode_activations(num_groups: int, options: str | None = None, chained: bool = False):
     """Compile (cached) the activation pre-pass for num_groups groups (chained: launched as the
     previous kernel's programmatic dependent, SwapAbConfig.chain_calls)."""
-    key = ("decode", num_groups, options, chained)
-    if key not in _compiled_cache:
-        _compiled_cache[key] = cute.compile(
-            Sm90DecodeActivations(num_groups, chained),
-            _fake_ptr(cutlass.Int64),
-            _fake_ptr(cutlass.Int32),
-            _fake_ptr(cutlass.Int64),
-            cutlass.Int32(1),
-            cuda.CUstream(0),
-            **({"options": options} if options else {}),
-        )
-    return _compiled_cache[key]
+    import submission
+
+    return submission.compile_once(("sm90_decode_activations", num_groups, chained), lambda: (
+        Sm90DecodeActivations(num_groups, chained),
+        (_fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64), cutlass.Int32(1),
+         cuda.CUstream(0)),
+    ), options)
 
 
 # The GEMM builds of the build report: every config the automatic choice runs

@@ -9,14 +9,11 @@ the build process, so every path of the report runs in a fraction of a second pe
 import json
 import re
 import struct
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import build_report
 

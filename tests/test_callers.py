@@ -2,14 +2,14 @@
 sm_100 path, its kernels faked), an allocation failure while building a plan or a binding,
 the warm-up entry, and the torch op under torch.compile(fullgraph=True)."""
 
+import helpers
 import pytest
-import sm100_fakes
 import torch
-from sm100_fakes import assert_exact, expected, official_inputs
+from helpers import assert_exact, expected, official_inputs
 
 import submission
 
-sm100_runtime = pytest.fixture(sm100_fakes.sm100_runtime)
+sm100_runtime = pytest.fixture(helpers.sm100_runtime)
 SIZES = ((128, 256, 512, 1), (40, 256, 256, 1))
 
 

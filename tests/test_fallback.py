@@ -3,15 +3,15 @@ compilers and kernels replaced by fakes (a compile that raises, a launch that ra
 kernel that writes a wrong result), the sm_90-style oracle (the exact decode) real. Also the
 order of launches across streams and the resident-cluster limit, through stubs."""
 
+import helpers
 import pytest
-import sm100_fakes
 import torch
-from sm100_fakes import assert_exact, expected, official_inputs
+from helpers import assert_exact, expected, official_inputs
 
 import reference
 import submission
 
-sm100_runtime = pytest.fixture(sm100_fakes.sm100_runtime)
+sm100_runtime = pytest.fixture(helpers.sm100_runtime)
 
 SIZES_PERSISTENT = ((128, 256, 512, 1), (40, 256, 256, 1))  # N % 8 == 0: persistent_t128 first
 SIZES_PER_TILE = ((64, 100, 256, 1),)  # N % 8 != 0: the chain starts at the per-tile kernel
@@ -229,7 +229,7 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
     plan.tables.event, plan.tables.stream = FakeEvent(), "stream-A"
     binding = submission.Binding(plan, [(1, 2, 3, 4, 5)])
     binding.table.event, binding.table.stream = FakeEvent(), "stream-A"
-    binding.graph = False
+    binding.mode = submission.LaunchMode.DIRECT
     binding.run("stream-A")  # tables written here: only the descriptors (stream-D) are waited for
     assert waits == [("stream-A", "event")]
     waits.clear()

@@ -146,7 +146,7 @@ def test_hit_replays_the_recorded_graph_on_any_stream():
     expected = ref_kernel(_clone(data))
     submission.custom_kernel(data)
     state = _state_of(data)
-    assert state.graph is None and state.direct_launches == 1
+    assert state.mode is submission.LaunchMode.FIRST_DIRECT and state.launched
     submission.custom_kernel(data)
     assert isinstance(state.graph, submission.GraphLaunch)
     graph = state.graph
@@ -165,7 +165,7 @@ def test_direct_launch_when_graphs_are_off(monkeypatch):
     data = generate_input(**SIZES, seed=78)
     expected = ref_kernel(_clone(data))
     submission.custom_kernel(data)
-    assert _state_of(data).graph is False
+    assert _state_of(data).mode is submission.LaunchMode.DIRECT
     _zero_outputs(data)
     good, message = match_outputs(expected, submission.custom_kernel(data))
     assert good, message
@@ -202,7 +202,7 @@ def test_failed_capture_leaves_capture_mode_and_falls_back(monkeypatch):
     _zero_outputs(data)
     out = submission.custom_kernel(data)  # the capture fails: launched directly again
     torch.cuda.synchronize()
-    assert _state_of(data).graph is False
+    assert _state_of(data).mode is submission.LaunchMode.DIRECT
     good, message = match_outputs(expected, out)
     assert good, message
 

@@ -282,9 +282,9 @@ def test_hit_is_one_launch_and_no_validation(recording_runtime):
     outputs = [submission.custom_kernel(data) for _ in range(5)]
     assert validations == [1]
     assert len(backend.checked) == 1 and len(backend.prepared) == 1 and len(backend.bound) == 1
-    # Launch arguments: the first call's, then once more when the second call would record
-    # the graph (none on the CPU: launched directly from then on)
-    assert backend.args == ["stream-0", "stream-0"]
+    # Launch arguments prepared once: a plan whose launch cannot be recorded (CPU tensors)
+    # launches directly from its first call on (LaunchMode.DIRECT)
+    assert backend.args == ["stream-0"]
     assert len(backend.launches) == 5 and all(s == "stream-0" for _, _, s in backend.launches)
     assert all(p is backend.prepared[0] for p, _, _ in backend.launches)
     for out in outputs:
@@ -352,10 +352,10 @@ def test_binding_records_its_graph_on_the_second_call(recording_runtime, monkeyp
     data = make_inputs([(40, 384, 512, 1)])
     submission.custom_kernel(data)
     binding = submission._BINDINGS.get(submission.input_key(data))
-    assert captured == [] and binding.graph is None and binding.direct_launches == 1
+    assert captured == [] and binding.mode is submission.LaunchMode.FIRST_DIRECT and binding.launched
     for _ in range(3):
         submission.custom_kernel(data)
-    assert len(captured) == 1 and binding.graph
+    assert len(captured) == 1 and binding.mode is submission.LaunchMode.GRAPH
     assert [entry[0] == "graph" for entry in backend.launches] == [False, True, True, True]
 
 
@@ -622,3 +622,17 @@ def test_launches_sharing_scratch_wait_only_when_the_stream_changes(monkeypatch)
     plan.scratch_stream = "gone"
     launches["s2"]()
     assert calls == [("record", "gone"), ("sync",), ("launch", "s2")]
+
+
+def test_both_backends_and_their_plans_meet_the_protocols(monkeypatch):
+    import nvfp4_hopper as hopper
+
+    monkeypatch.setattr(hopper.backend, "current_num_sms", lambda: 132)
+    for backend in (submission.Sm100Backend("persistent"), submission.Sm100Backend("per_tile"),
+                    hopper.make_backend(), hopper.make_backend(kernel="in_gemm_decode")):
+        assert isinstance(backend, submission.Backend), backend
+        assert isinstance(backend.oracle, submission.KernelChoice) and backend.oracle.host
+        chain = backend.kernel_chain([(128, 256, 512, 1)])
+        assert chain[-1].host and all(not c.host for c in list(chain)[:-1])
+    assert isinstance(submission.Sm100Plan(None, 1), submission.BackendPlan)
+    assert isinstance(hopper.backend.Sm90Plan(hopper.SWAP_AB_CONFIG), submission.BackendPlan)
