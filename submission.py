@@ -2200,13 +2200,17 @@ class KernelChoice:
     config: Any = None
     per_group_count: bool = False
     host: bool = False
+    label: str | None = dataclasses.field(default=None, compare=False)  # the config's registry name
+
 
     def kernel_key(self, num_groups: int) -> tuple:
         """The identity of the compiled kernel: what a demotion and a self-check are keyed on."""
         return (self.backend, self.name, self.config, num_groups if self.per_group_count else None)
 
     def describe(self) -> str:
-        return self.name if self.config is None else f"{self.name} ({self.config})"
+        if self.config is None:
+            return self.name
+        return f"{self.name} ({self.label or self.config})"
 
 
 class KernelChain(collections.abc.Sequence):

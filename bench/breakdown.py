@@ -9,12 +9,11 @@ kernel, so device time only) of:
     GEMM      the GEMM alone (reading the activations the last pre-pass left)
     floor     one trivial kernel per call (a 1-element fill): the launch floor
 
-    python bench/breakdown.py [--repeats 10] [--shapes 2,3] [--configs "auto,swap t128 pdl"]
+    python bench/breakdown.py [--repeats 10] [--shapes 2,3] [--configs "auto,swap_ab_one_round"]
 
 Exit codes: 0 done; 2 cannot run as asked (no sm_90 GPU, a bad option), one line on stderr.
 """
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -38,18 +37,11 @@ from reference import ref_kernel
 def config_table():
     import nvfp4_hopper as hopper
 
-    return {
-        "auto": None,
-        "swap t128 pdl": hopper.SWAP_AB_ONE_ROUND_CONFIG,
-        "swap t112 pdl": hopper.SWAP_AB_T112_CONFIG,
-        "swap t112 k128": hopper.SWAP_AB_T112_K128_CONFIG,
-        "swap t128 k128": hopper.SWAP_AB_ONE_ROUND_K128_CONFIG,
-        "swap variable": hopper.SWAP_AB_VARIABLE_CONFIG,
-        "swap t128": hopper.SWAP_AB_CONFIG,
-        "var unchained": dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, chain_calls=False),
-        "swap t112 unchained": dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, chain_calls=False),
-        "swap t128 unchained": dataclasses.replace(hopper.SWAP_AB_ONE_ROUND_CONFIG, chain_calls=False),
-    }
+    labels = ["swap_ab_one_round", "swap_ab_t112", "swap_ab_t112_k128", "swap_ab_one_round_k128", "swap_ab_variable",
+              "swap_ab_t128", "swap_ab_variable:chain_calls=False", "swap_ab_t112:chain_calls=False",
+              "swap_ab_one_round:chain_calls=False"]
+    # the automatic choice, then registry names and variants (hopper.config_name)
+    return {"auto": None, **{label: hopper.config_named(label) for label in labels}}
 
 
 def breakdown(repeats, shapes, names):
@@ -93,7 +85,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--shapes", type=shape_list, default=list(range(len(BENCHMARKS))), metavar="I,J")
     parser.add_argument("--configs", default="auto", metavar="NAMES",
-                        help="comma-separated swap-AB configs, e.g. 'auto,swap t128 pdl'")
+                        help="comma-separated swap-AB configs, e.g. 'auto,swap_ab_one_round' (nvfp4_hopper.CONFIGS names, or a name:field=value variant)")
     args = parser.parse_args(argv)
     names = [x.strip() for x in args.configs.split(",") if x.strip()]
     unknown = [name for name in names if name not in config_table()]

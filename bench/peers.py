@@ -17,7 +17,7 @@ mean and best µs of each, their ratio, TFLOP/s on the real (unpadded) work, and
 of the bf16 dense roofline (790 TFLOP/s, measured on the H200).
 
     python bench/peers.py [--repeats 30] [--json PATH] [--plot PATH]
-    python bench/peers.py --configs ["swap t128,auto"]        # sm_90 configs, device time
+    python bench/peers.py --configs ["swap_ab_t128,auto"]        # sm_90 configs, device time
     python bench/peers.py --shapes 2,3 ...                    # a subset of the four shapes
 
 --json writes the rows, --plot a PNG (needs matplotlib: pip install -e '.[plot]'): per shape,
@@ -27,7 +27,6 @@ off sm_90, matplotlib missing for --plot, a bad option), as one line on stderr.
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import statistics
@@ -111,30 +110,17 @@ def compare_configs(repeats, names=None, shapes=None):
 
     # column -> (config, kernel): a config runs as given; None runs the automatic choice of
     # `kernel` (None: the default backend's kernel, what custom_kernel runs)
-    configs = {
-        "whole tiles": (hopper.SM90_CONFIG, None),
-        "split 2": (hopper.SPLIT_K_CONFIG, None),
-        "n256 split 2": (hopper.WIDE_SPLIT_K_CONFIG, None),
-        "stream k": (hopper.STREAM_K_CONFIG, None),
-        "in-gemm auto": (None, "in_gemm_decode"),
-        "swap t128": (hopper.SWAP_AB_CONFIG, None),
-        "swap split 2": (hopper.SWAP_AB_SPLIT_K_CONFIG, None),
-        "swap t192": (hopper.SwapAbConfig(tile_tokens=192, ctas_per_sm=1), None),
-        "swap t256": (hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1), None),
-        "swap variable": (hopper.SWAP_AB_VARIABLE_CONFIG, None),
-        "swap w3": (hopper.SwapAbConfig(weight_stages=3), None),
-        "var w3": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=3), None),
-        "var w8": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, weight_stages=8), None),
-        "swap t128 pdl": (hopper.SwapAbConfig(ctas_per_sm=1, pdl=True), None),
-        "swap t112 pdl": (hopper.SWAP_AB_T112_CONFIG, None),
-        "var pdl": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, pdl=True), None),
-        "var unchained": (dataclasses.replace(hopper.SWAP_AB_VARIABLE_CONFIG, chain_calls=False), None),
-        "swap t112 unchained": (dataclasses.replace(hopper.SWAP_AB_T112_CONFIG, chain_calls=False), None),
-        "swap t128 chained": (hopper.SWAP_AB_ONE_ROUND_CONFIG, None),
-        "swap t112 k128": (hopper.SWAP_AB_T112_K128_CONFIG, None),
-        "swap t128 k128": (hopper.SWAP_AB_ONE_ROUND_K128_CONFIG, None),
-        "auto": (None, None),
-    }
+    # every registered config, a few variants (named by hopper.config_name), and the two
+    # automatic choices
+    variants = [
+        "swap_ab_t192:tile_tokens=256", "swap_ab_t128:weight_stages=3", "swap_ab_variable:weight_stages=3",
+        "swap_ab_variable:weight_stages=8", "swap_ab_one_round:chain_calls=False",
+        "swap_ab_variable:chain_calls=False", "swap_ab_t112:chain_calls=False",
+    ]
+    configs = {name: (config, None) for name, config in hopper.CONFIGS.items()}
+    configs.update({label: (hopper.config_named(label), None) for label in variants})
+    configs["in_gemm_decode auto"] = (None, "in_gemm_decode")
+    configs["auto"] = (None, None)
     if names:
         unknown = set(names) - set(configs)
         if unknown:
@@ -247,7 +233,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--configs", nargs="?", const="", default=None, metavar="NAMES",
                         help="compare sm_90 kernel configurations (device time only); "
-                        "optional comma-separated subset, e.g. 'swap t128,auto'")
+                        "optional comma-separated subset, e.g. 'swap_ab_t128,auto' (nvfp4_hopper.CONFIGS names)")
     parser.add_argument("--shapes", type=shape_list, default=list(range(len(BENCHMARKS))), metavar="I,J",
                         help="benchmark shapes to run, by index (default: all four)")
     parser.add_argument("--json", dest="json_path", help="write the rows here")

@@ -99,6 +99,7 @@ from .backend import (
     make_backend,
 )
 from .config import (
+    CONFIGS,
     CTAS_PER_SM,
     MAX_GROUPS,
     SEGMENT_FIELDS,
@@ -122,6 +123,8 @@ from .config import (
     HopperGemmConfig,
     SwapAbConfig,
     can_implement,
+    config_name,
+    config_named,
 )
 from .kernel import (
     Sm90Nvfp4GroupedGemm,
@@ -176,6 +179,7 @@ def compile_targets():
 
 __all__ = [
     "CHUNK_REGISTERS",
+    "CONFIGS",
     "CTAS_PER_SM",
     "FRAGMENT_REGISTERS",
     "LOGICAL_COLUMN",
@@ -222,6 +226,8 @@ __all__ = [
     "compile_gemm",
     "compile_swap_ab_gemm",
     "compile_targets",
+    "config_name",
+    "config_named",
     "current_num_sms",
     "default_chain_calls",
     "default_kernel",

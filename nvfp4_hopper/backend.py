@@ -23,6 +23,7 @@ from .config import (
     HopperGemmConfig,
     SwapAbConfig,
     can_implement,
+    config_name,
 )
 from .kernel import compile_gemm
 from .schedules import (
@@ -366,7 +367,8 @@ def _choice(name: str, config=None, host: bool = False):
     time, since submission imports this package only on its first sm_90 use)."""
     import submission
 
-    return submission.KernelChoice("sm90", name, config, per_group_count=not host, host=host)
+    return submission.KernelChoice("sm90", name, config, per_group_count=not host, host=host,
+                                   label=None if config is None else config_name(config))
 
 
 def make_backend(config: HopperGemmConfig | SwapAbConfig | None = None, kernel: str | None = None,

@@ -329,3 +329,54 @@ SWAP_AB_T112_CONFIG = SwapAbConfig(tile_tokens=112, ctas_per_sm=1, pdl=True, cha
 # The 112-token and one-round 128-token configs with 128-wide k-tiles (two 64-wide halves)
 SWAP_AB_T112_K128_CONFIG = dataclasses.replace(SWAP_AB_T112_CONFIG, k_halves=2)
 SWAP_AB_ONE_ROUND_K128_CONFIG = dataclasses.replace(SWAP_AB_ONE_ROUND_CONFIG, k_halves=2)
+
+
+# The registry: every named config of the sm_90 backend. Build targets (sm90_<name>), bench
+# columns, test ids and docs take their names from here; a variant is named by its nearest
+# registered config and the fields that differ (config_name, config_named).
+CONFIGS = {
+    "in_gemm_decode": SM90_CONFIG,
+    "in_gemm_decode_split_k": SPLIT_K_CONFIG,
+    "in_gemm_decode_stream_k": STREAM_K_CONFIG,
+    "in_gemm_decode_n256_split_k": WIDE_SPLIT_K_CONFIG,
+    "swap_ab_t128": SWAP_AB_CONFIG,
+    "swap_ab_split_k": SWAP_AB_SPLIT_K_CONFIG,
+    "swap_ab_t192": SWAP_AB_T192_CONFIG,
+    "swap_ab_variable": SWAP_AB_VARIABLE_CONFIG,
+    "swap_ab_one_round": SWAP_AB_ONE_ROUND_CONFIG,
+    "swap_ab_t112": SWAP_AB_T112_CONFIG,
+    "swap_ab_t112_k128": SWAP_AB_T112_K128_CONFIG,
+    "swap_ab_one_round_k128": SWAP_AB_ONE_ROUND_K128_CONFIG,
+}
+
+
+def _differing_fields(base, config) -> dict:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if getattr(config, f.name) != getattr(base, f.name)}
+
+
+def config_name(config) -> str:
+    """The registry name of `config`; for a variant, its nearest registered config of the same
+    kind and the fields that differ: "swap_ab_t112:chain_calls=False" (":" before each field)."""
+    for name, registered in CONFIGS.items():
+        if registered == config:
+            return name
+    same_kind = [(name, _differing_fields(registered, config)) for name, registered in CONFIGS.items()
+                 if type(registered) is type(config)]
+    name, fields = min(same_kind, key=lambda item: len(item[1]))
+    return name + "".join(f":{field}={value}" for field, value in fields.items())
+
+
+def config_named(label: str):
+    """The config a label names: a registry name, then optionally ":field=value" per field
+    (ints and True / False); ValueError naming the registry otherwise."""
+    name, _, overrides = label.partition(":")
+    if name not in CONFIGS:
+        raise ValueError(f"config {label!r}: {name!r} is not one of {', '.join(CONFIGS)}")
+    changes = {}
+    for item in filter(None, overrides.split(":")):
+        field, _, value = item.partition("=")
+        if field not in {f.name for f in dataclasses.fields(CONFIGS[name])}:
+            raise ValueError(f"config {label!r}: {name} has no field {field!r}")
+        changes[field] = {"True": True, "False": False}.get(value) if value in ("True", "False") else int(value)
+    return dataclasses.replace(CONFIGS[name], **changes)

@@ -4,6 +4,7 @@ compile_targets for build_report)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,15 +15,13 @@ from cutlass import cute, utils
 from cutlass.cute.runtime import make_ptr
 
 from .config import (
+    CONFIGS,
     CTAS_PER_SM,
     SEGMENT_FIELDS,
     SF_ATOM_BYTES,
     SF_ATOM_ROWS,
     SF_VEC_SIZE,
     SM90_CONFIG,
-    SPLIT_K_CONFIG,
-    STREAM_K_CONFIG,
-    WIDE_SPLIT_K_CONFIG,
     HopperGemmConfig,
 )
 from .ptx import (
@@ -653,27 +652,14 @@ def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemm
     )), options, context=smem_per_sm_known_without_gpu)
 
 
-def _compile_split_k(num_groups: int, options: str | None = None):
-    return compile_gemm(num_groups, options, config=SPLIT_K_CONFIG)
-
-
-def _compile_stream_k(num_groups: int, options: str | None = None):
-    return compile_gemm(num_groups, options, config=STREAM_K_CONFIG)
-
-
-def _compile_wide_split_k(num_groups: int, options: str | None = None):
-    return compile_gemm(num_groups, options, config=WIDE_SPLIT_K_CONFIG)
-
-
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
-    """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)):
-    every config the default backend picks: whole 128x128 tiles, split-K over 2 CTAs with
-    128x128 and with 128x256 tiles, stream-K."""
+    """Kernels of this backend for the build report: (sm90_<registry name>, arch,
+    compile(G, options)): every in-GEMM-decode config of the registry (config.CONFIGS), which
+    are those the default backend picks: whole 128x128 tiles, split-K over 2 CTAs with 128x128
+    and with 128x256 tiles, stream-K."""
     return [
-        ("sm90_nvfp4_gemm", SM90_CONFIG.arch, compile_gemm),
-        ("sm90_nvfp4_gemm_splitk2", SPLIT_K_CONFIG.arch, _compile_split_k),
-        ("sm90_nvfp4_gemm_streamk", STREAM_K_CONFIG.arch, _compile_stream_k),
-        ("sm90_nvfp4_gemm_n256_splitk2", WIDE_SPLIT_K_CONFIG.arch, _compile_wide_split_k),
+        (f"sm90_{name}", config.arch, functools.partial(compile_gemm, config=config))
+        for name, config in CONFIGS.items() if isinstance(config, HopperGemmConfig)
     ]
 
 

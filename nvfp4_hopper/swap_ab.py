@@ -37,18 +37,12 @@ from cutlass import cute, utils
 from cutlass.cute.runtime import make_ptr
 
 from .config import (
+    CONFIGS,
     SF_ATOM_BYTES,
     SF_ATOM_ROWS,
     SF_VEC_SIZE,
     SWAP_AB_CONFIG,
     SWAP_AB_HALF_K,
-    SWAP_AB_ONE_ROUND_CONFIG,
-    SWAP_AB_ONE_ROUND_K128_CONFIG,
-    SWAP_AB_SPLIT_K_CONFIG,
-    SWAP_AB_T112_CONFIG,
-    SWAP_AB_T112_K128_CONFIG,
-    SWAP_AB_T192_CONFIG,
-    SWAP_AB_VARIABLE_CONFIG,
     SwapAbConfig,
 )
 from .kernel import (
@@ -585,16 +579,7 @@ def compile_decode_activations(num_groups: int, options: str | None = None, chai
 
 
 # The GEMM builds of the build report: every config the automatic choice runs
-_GEMM_BUILDS = (
-    ("sm90_swap_ab_gemm", SWAP_AB_CONFIG),
-    ("sm90_swap_ab_gemm_splitk2", SWAP_AB_SPLIT_K_CONFIG),
-    ("sm90_swap_ab_gemm_one_round", SWAP_AB_ONE_ROUND_CONFIG),
-    ("sm90_swap_ab_gemm_t112", SWAP_AB_T112_CONFIG),
-    ("sm90_swap_ab_gemm_t112_k128", SWAP_AB_T112_K128_CONFIG),
-    ("sm90_swap_ab_gemm_one_round_k128", SWAP_AB_ONE_ROUND_K128_CONFIG),
-    ("sm90_swap_ab_gemm_t192", SWAP_AB_T192_CONFIG),
-    ("sm90_swap_ab_gemm_variable", SWAP_AB_VARIABLE_CONFIG),
-)
+_GEMM_BUILDS = tuple((f"sm90_{name}", config) for name, config in CONFIGS.items() if isinstance(config, SwapAbConfig))
 
 
 def swap_ab_compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:

@@ -299,22 +299,16 @@ def test_compiles_for_sm90a_on_any_machine(config):
 
 def test_compile_targets_list_what_the_backend_runs():
     targets = {name: arch for name, arch, _ in hopper.compile_targets()}
+    # the two pre-passes, then one build per registered config, named after it
     assert targets == {
         "sm90_decode_activations": "sm_90a",
         "sm90_decode_activations_chained": "sm_90a",
-        "sm90_swap_ab_gemm": "sm_90a",
-        "sm90_swap_ab_gemm_splitk2": "sm_90a",
-        "sm90_swap_ab_gemm_t112": "sm_90a",
-        "sm90_swap_ab_gemm_t112_k128": "sm_90a",
-        "sm90_swap_ab_gemm_one_round_k128": "sm_90a",
-        "sm90_swap_ab_gemm_t192": "sm_90a",
-        "sm90_swap_ab_gemm_variable": "sm_90a",
-        "sm90_swap_ab_gemm_one_round": "sm_90a",
-        "sm90_nvfp4_gemm": "sm_90a",
-        "sm90_nvfp4_gemm_splitk2": "sm_90a",
-        "sm90_nvfp4_gemm_streamk": "sm_90a",
-        "sm90_nvfp4_gemm_n256_splitk2": "sm_90a",
+        **{f"sm90_{name}": "sm_90a" for name in hopper.CONFIGS},
     }
+    # every config the automatic choice can return is registered
+    for groups, n, k in ((8, 4096, 7168), (2, 3072, 4096), (1, 128, 256)):
+        for choice in hopper.make_backend().family_choices(groups, n, k):
+            assert hopper.config_name(choice.config) in hopper.CONFIGS
 
 
 SM90_SMEM_LIMIT = 232_448  # 227 KB opt-in per block, compute capability 9.0
@@ -329,10 +323,10 @@ def sm90_builds(tmp_path_factory):
 
 @pytest.mark.parametrize("num_groups", [1, 2, 8])
 @pytest.mark.parametrize("target,config,mma", [
-    ("sm90_nvfp4_gemm", hopper.SM90_CONFIG, "m64n128k16"),
-    ("sm90_nvfp4_gemm_splitk2", hopper.SPLIT_K_CONFIG, "m64n128k16"),
-    ("sm90_nvfp4_gemm_streamk", hopper.STREAM_K_CONFIG, "m64n128k16"),
-    ("sm90_nvfp4_gemm_n256_splitk2", hopper.WIDE_SPLIT_K_CONFIG, "m64n256k16"),
+    ("sm90_in_gemm_decode", hopper.SM90_CONFIG, "m64n128k16"),
+    ("sm90_in_gemm_decode_split_k", hopper.SPLIT_K_CONFIG, "m64n128k16"),
+    ("sm90_in_gemm_decode_stream_k", hopper.STREAM_K_CONFIG, "m64n128k16"),
+    ("sm90_in_gemm_decode_n256_split_k", hopper.WIDE_SPLIT_K_CONFIG, "m64n256k16"),
 ])
 def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups):
     report = sm90_builds[(target, num_groups)]
@@ -356,11 +350,11 @@ def test_stream_k_kernel_meets_through_a_global_workspace(sm90_builds, num_group
     fences around one atomic arrival per part; two CTAs per SM are requested from ptxas
     (.minnctapersm 2: the segment loop would otherwise take 169 registers, one CTA per SM).
     The default kernel has none of it."""
-    ptx = Path(sm90_builds[("sm90_nvfp4_gemm_streamk", num_groups)].ptx_path).read_text(errors="replace")
+    ptx = Path(sm90_builds[("sm90_in_gemm_decode_stream_k", num_groups)].ptx_path).read_text(errors="replace")
     for instruction in ("st.global.v4.f32", "ld.global.cg.v4.f32", "fence.acq_rel.gpu", "atom.global.add.u32"):
         assert instruction in ptx, instruction
     assert ".minnctapersm 2" in ptx and ".reqntid 256, 1, 1" in ptx
-    default_ptx = Path(sm90_builds[("sm90_nvfp4_gemm", num_groups)].ptx_path).read_text(errors="replace")
+    default_ptx = Path(sm90_builds[("sm90_in_gemm_decode", num_groups)].ptx_path).read_text(errors="replace")
     assert "atom.global" not in default_ptx and ".minnctapersm" not in default_ptx
 
 
@@ -368,10 +362,10 @@ def test_stream_k_kernel_meets_through_a_global_workspace(sm90_builds, num_group
 def test_split_k_kernel_reduces_through_the_cluster(sm90_builds, num_groups):
     """Partial sums reach the summing rank through distributed shared memory (mapa to a
     rank computed at run time), fenced by cluster barriers; the default kernel has neither."""
-    split_ptx = Path(sm90_builds[("sm90_nvfp4_gemm_splitk2", num_groups)].ptx_path).read_text()
+    split_ptx = Path(sm90_builds[("sm90_in_gemm_decode_split_k", num_groups)].ptx_path).read_text()
     assert "mapa.shared::cluster.u32" in split_ptx and "st.shared::cluster.v4.f32" in split_ptx
     assert "barrier.cluster.arrive" in split_ptx and "barrier.cluster.wait" in split_ptx
-    default_ptx = Path(sm90_builds[("sm90_nvfp4_gemm", num_groups)].ptx_path).read_text()
+    default_ptx = Path(sm90_builds[("sm90_in_gemm_decode", num_groups)].ptx_path).read_text()
     assert "shared::cluster" not in default_ptx and "barrier.cluster" not in default_ptx
 
 
@@ -716,14 +710,14 @@ def test_fp32_accumulation_bound_accepts_rounding_and_rejects_a_wrong_product():
 
 
 CONFIG_CASES = (
-    [("default", seed) for seed in range(60)]
-    + [("tile_n_256", seed) for seed in range(200, 208)]
-    + [("split_k_2", seed) for seed in range(700, 740)]
+    [("in_gemm_decode", seed) for seed in range(60)]
+    + [("in_gemm_decode:tile_n=256", seed) for seed in range(200, 208)]
+    + [("in_gemm_decode_split_k", seed) for seed in range(700, 740)]
     + [("auto", seed) for seed in range(1000, 1016)]
-    + [("stream_k", seed) for seed in range(1200, 1240)]
-    + [("tile_n_256_split_k_2", seed) for seed in range(1300, 1332)]
-    + [("swap_ab", seed) for seed in range(1400, 1440)]
-    + [("swap_ab_split_k_2", seed) for seed in range(1500, 1530)]
+    + [("in_gemm_decode_stream_k", seed) for seed in range(1200, 1240)]
+    + [("in_gemm_decode_n256_split_k", seed) for seed in range(1300, 1332)]
+    + [("swap_ab_t128", seed) for seed in range(1400, 1440)]
+    + [("swap_ab_split_k", seed) for seed in range(1500, 1530)]
     + [("swap_ab_t192", seed) for seed in range(1600, 1630)]
     + [("swap_ab_variable", seed) for seed in range(1800, 1840)]
     + [("swap_ab_one_round", seed) for seed in range(1900, 1930)]
@@ -731,22 +725,10 @@ CONFIG_CASES = (
     + [("swap_ab_t112_k128", seed) for seed in range(2400, 2430)]
     + [("swap_ab_one_round_k128", seed) for seed in range(2500, 2530)]
 )
-CONFIGS = {
-    "default": hopper.SM90_CONFIG,
-    "tile_n_256": hopper.HopperGemmConfig(tile_n=256),
-    "split_k_2": hopper.SPLIT_K_CONFIG,
-    "auto": None,  # what custom_kernel runs: make_backend(), the config choose_swap_ab_config picks
-    "stream_k": hopper.STREAM_K_CONFIG,
-    "tile_n_256_split_k_2": hopper.WIDE_SPLIT_K_CONFIG,
-    "swap_ab": hopper.SWAP_AB_CONFIG,
-    "swap_ab_split_k_2": hopper.SWAP_AB_SPLIT_K_CONFIG,
-    "swap_ab_t192": hopper.SWAP_AB_T192_CONFIG,
-    "swap_ab_one_round": hopper.SWAP_AB_ONE_ROUND_CONFIG,
-    "swap_ab_variable": hopper.SWAP_AB_VARIABLE_CONFIG,
-    "swap_ab_t112": hopper.SWAP_AB_T112_CONFIG,
-    "swap_ab_t112_k128": hopper.SWAP_AB_T112_K128_CONFIG,
-    "swap_ab_one_round_k128": hopper.SWAP_AB_ONE_ROUND_K128_CONFIG,
-}
+# Test ids are registry names (nvfp4_hopper.CONFIGS) or name:field=value variants; "auto" is what
+# custom_kernel runs: make_backend(), the config choose_swap_ab_config picks
+CONFIGS = {label: None if label == "auto" else hopper.config_named(label)
+           for label in dict.fromkeys(label for label, _ in CONFIG_CASES)}
 
 
 @requires_sm90
@@ -767,8 +749,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
 @requires_sm90
 @pytest.mark.parametrize(
     "config_name",
-    ["default", "split_k_2", "tile_n_256_split_k_2", "stream_k", "auto", "swap_ab", "swap_ab_split_k_2", "swap_ab_t192",
-     "swap_ab_variable", "swap_ab_one_round", "swap_ab_t112", "swap_ab_t112_k128", "swap_ab_one_round_k128"],
+    ["auto", *(name for name in hopper.CONFIGS)],
 )
 @pytest.mark.parametrize("case", ["bench0", "bench1", "bench2", "bench3"])
 def test_benchmark_shapes_match_exact_reference(case, config_name):

@@ -353,14 +353,14 @@ def swap_ab_builds(tmp_path_factory):
 
 @pytest.mark.parametrize("num_groups", [1, 8])
 @pytest.mark.parametrize("target,config,mma", [
-    ("sm90_swap_ab_gemm", hopper.SWAP_AB_CONFIG, "m64n128k16"),
-    ("sm90_swap_ab_gemm_splitk2", hopper.SWAP_AB_SPLIT_K_CONFIG, "m64n128k16"),
-    ("sm90_swap_ab_gemm_one_round", hopper.SWAP_AB_ONE_ROUND_CONFIG, "m64n128k16"),
-    ("sm90_swap_ab_gemm_t112", hopper.SWAP_AB_T112_CONFIG, "m64n112k16"),
-    ("sm90_swap_ab_gemm_t112_k128", hopper.SWAP_AB_T112_K128_CONFIG, "m64n112k16"),
-    ("sm90_swap_ab_gemm_one_round_k128", hopper.SWAP_AB_ONE_ROUND_K128_CONFIG, "m64n128k16"),
-    ("sm90_swap_ab_gemm_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
-    ("sm90_swap_ab_gemm_variable", hopper.SWAP_AB_VARIABLE_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_t128", hopper.SWAP_AB_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_split_k", hopper.SWAP_AB_SPLIT_K_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_one_round", hopper.SWAP_AB_ONE_ROUND_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_t112", hopper.SWAP_AB_T112_CONFIG, "m64n112k16"),
+    ("sm90_swap_ab_t112_k128", hopper.SWAP_AB_T112_K128_CONFIG, "m64n112k16"),
+    ("sm90_swap_ab_one_round_k128", hopper.SWAP_AB_ONE_ROUND_K128_CONFIG, "m64n128k16"),
+    ("sm90_swap_ab_t192", hopper.SWAP_AB_T192_CONFIG, "m64n192k16"),
+    ("sm90_swap_ab_variable", hopper.SWAP_AB_VARIABLE_CONFIG, "m64n128k16"),
 ])
 def test_swap_ab_gemm_builds_within_limits(swap_ab_builds, target, config, mma, num_groups):
     report = swap_ab_builds[(target, num_groups)]
