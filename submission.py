@@ -2352,20 +2352,20 @@ class Sm100Backend:
             for g, n_tile, m_tile in plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
         ]
 
-    def prepare(self, plan: "Plan") -> Sm100Plan:
-        """Compile (cached) the kernels of the plan's choice; CTA pairs: min(tiles, SMs / 2,
+    def prepare(self, spec: "PlanSpec") -> Sm100Plan:
+        """Compile (cached) the kernels of the spec's choice; CTA pairs: min(tiles, SMs / 2,
         the device's resident 2-CTA clusters)."""
-        choice = plan.choice
-        self.compile(choice, plan.num_groups)
+        choice = spec.choice
+        self.compile(choice, spec.num_groups)
         if choice.name == "per_tile":
             return Sm100Plan(None, 0)
-        num_clusters = min(plan.num_tiles, max(self.num_sms // 2, 1))
-        resident = resident_clusters(plan.device)
+        num_clusters = min(spec.num_tiles, max(self.num_sms // 2, 1))
+        resident = resident_clusters(spec.device)
         if resident is not None:
             num_clusters = min(num_clusters, resident)
         return Sm100Plan(choice.config, max(num_clusters, 1))
 
-    def write_descriptors(self, plan: "Plan", binding: "Binding"):
+    def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor):
         """TMA descriptors of every group of this input set: reused, or written by an init
         kernel on the current stream. Returns (descriptors, the event after their writing,
         the stream that wrote them)."""
@@ -2378,7 +2378,7 @@ class Sm100Backend:
             str(plan.device),
             config,
             plan.problem_sizes,
-            tuple(tuple(p[i] for i in slots) for p in binding.pointers),
+            tuple(tuple(p[i] for i in slots) for p in pointers),
         )
         written = self._descriptors.get(descriptor_key)
         if written is None:
@@ -2387,7 +2387,7 @@ class Sm100Backend:
                 (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
             )
             init_fn(
-                _gmem_ptr(cutlass.Int64, binding.ptrs),
+                _gmem_ptr(cutlass.Int64, ptrs),
                 _gmem_ptr(cutlass.Int32, plan.sizes),
                 _gmem_ptr(cutlass.Int64, tensormaps),
                 cutlass.Int32(plan.num_groups),
@@ -2707,11 +2707,12 @@ class Backend(typing.Protocol):
     def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
         """The tile rows of `choice` (its table, in launch order)."""
 
-    def prepare(self, plan: "Plan") -> BackendPlan:
-        """Its part of the plan, for plan.choice (compiled by then)."""
+    def prepare(self, spec: "PlanSpec") -> BackendPlan:
+        """Its part of a plan, for spec.choice (compiled by then)."""
 
-    def write_descriptors(self, plan: "Plan", binding: "Binding") -> "Written | None":
-        """Per-pointer device state of an input set (TMA descriptors), or None."""
+    def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor) -> "Written | None":
+        """Per-pointer device state of an input set (TMA descriptors), or None: `pointers`
+        per group (a, b, c, sfa, sfb), `ptrs` their device table."""
 
     def launch_args(self, plan: "Plan", binding: "Binding", stream: cuda.CUstream):
         """(compiled, its arguments), or a list of them launched in order, for `stream`."""
@@ -2738,6 +2739,25 @@ class Written:
             _check_cuda(cuda.cuStreamWaitEvent(stream, self.event.event, 0)[0], "cuStreamWaitEvent")
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+    """What a backend's prepare() is given: everything a plan is before its backend part,
+    complete (the kernel chosen, its tile rows)."""
+
+    choice: KernelChoice
+    problem_sizes: tuple[tuple[int, int, int, int], ...]
+    device: torch.device
+    tile_rows: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.problem_sizes)
+
+    @property
+    def num_tiles(self) -> int:
+        return len(self.tile_rows)
+
+
 class Plan:
     """What every input set of one size set shares on one device and backend.
 
@@ -2750,7 +2770,7 @@ class Plan:
 
     __slots__ = (
         "_host_staging", "backend", "backend_plan", "chain", "choice", "device", "kernel_key", "nbytes",
-        "num_groups", "num_tiles", "problem_sizes", "scratch_event", "scratch_stream", "sizes", "tables",
+        "num_groups", "num_tiles", "problem_sizes", "scratch_event", "scratch_stream", "sizes", "spec", "tables",
         "tile_rows", "tiles",
     )
 
@@ -2765,8 +2785,9 @@ class Plan:
         self.choice = choice
         self.chain = chain if chain is not None else (choice,)
         self.kernel_key = choice.kernel_key(self.num_groups)
-        self.tile_rows = [] if choice.host else backend.plan_tiles(self.problem_sizes, choice)
+        self.tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
         self.num_tiles = len(self.tile_rows)
+        self.spec = PlanSpec(choice, self.problem_sizes, self.device, self.tile_rows)
         device_buf, self._host_staging, (self.sizes, self.tiles) = upload_int_tables(
             self.device, [("i", self.problem_sizes), ("i", self.tile_rows)]
         )
@@ -2774,7 +2795,7 @@ class Plan:
         # Launches of this plan on different streams are ordered when they share scratch
         self.scratch_event = None
         self.scratch_stream = None
-        self.backend_plan = None if choice.host else backend.prepare(self)
+        self.backend_plan = None if choice.host else backend.prepare(self.spec)
         self.nbytes = device_buf.numel() + (0 if self.backend_plan is None else self.backend_plan.nbytes)
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
@@ -2812,7 +2833,7 @@ class Binding:
         self.pointers = tuple(tuple(int(v) for v in p) for p in pointers)
         device_buf, self._host_staging, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
         self.table = Written(device_buf, plan.device)
-        self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self)
+        self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
         self.stream = None
         self.launch = None
         self.graph: GraphLaunch | None = None

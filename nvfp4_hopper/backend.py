@@ -227,7 +227,7 @@ class Sm90Backend:
         if not choice.host:
             _compiled_gemm(choice.config, num_groups)
 
-    def write_descriptors(self, plan, binding) -> None:
+    def write_descriptors(self, plan, pointers, ptrs) -> None:
         """No descriptors: the kernels read the pointer table."""
         return
 
@@ -299,16 +299,16 @@ class Sm90Backend:
                 tiles += [(g, tm, tn) for tm in m_tiles for tn in n_tiles]
         return tiles
 
-    def prepare(self, plan) -> Sm90Plan:
-        """Pick the size set's config, compile its kernel (cached) for its group count and,
-        for stream-K, plan the workers' shares and allocate their buffers."""
-        config = plan.choice.config
-        self.compile(plan.choice, plan.num_groups)
+    def prepare(self, spec) -> Sm90Plan:
+        """Compile (cached) the spec's kernel (submission.PlanSpec: its choice, sizes, device and
+        tile rows) and, for stream-K, plan the workers' shares and allocate their buffers."""
+        config = spec.choice.config
+        self.compile(spec.choice, spec.num_groups)
         if isinstance(config, SwapAbConfig):
-            return Sm90Plan(config, activations=ActivationBuffer(plan.problem_sizes, plan.device, config))
+            return Sm90Plan(config, activations=ActivationBuffer(spec.problem_sizes, spec.device, config))
         stream_k = None
-        if config.stream_k and plan.num_tiles > 0:
-            stream_k = StreamKPlan(plan, config, current_num_sms() * CTAS_PER_SM)
+        if config.stream_k and spec.num_tiles > 0:
+            stream_k = StreamKPlan(spec, config, current_num_sms() * CTAS_PER_SM)
         return Sm90Plan(config, stream_k)
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):

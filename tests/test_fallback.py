@@ -209,7 +209,7 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
         def plan_tiles(self, sizes, choice=None):
             return submission.plan_tiles(sizes, 128, 128)
 
-        def prepare(self, plan):
+        def prepare(self, spec):
             class BackendPlan:
                 nbytes, shared_scratch, graph_launch = 0, False, True
 
@@ -217,7 +217,7 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
                     pass
             return BackendPlan()
 
-        def write_descriptors(self, plan, binding):
+        def write_descriptors(self, plan, pointers, ptrs):
             descriptors = submission.Written(torch.zeros(1), torch.device("cpu"))
             descriptors.event, descriptors.stream = FakeEvent(), "stream-D"
             return descriptors

@@ -79,10 +79,10 @@ class TableBackend:
     def plan_tiles(self, problem_sizes, choice=None):
         return submission.plan_tiles(problem_sizes, TILE, TILE)
 
-    def prepare(self, plan):
-        return FakeBackendPlan(plan)
+    def prepare(self, spec):
+        return FakeBackendPlan(spec)
 
-    def write_descriptors(self, plan, binding):
+    def write_descriptors(self, plan, pointers, ptrs):
         return None
 
 
@@ -235,13 +235,13 @@ class RecordingBackend:
     def plan_tiles(self, problem_sizes, choice=None):
         return submission.plan_tiles(problem_sizes, self.tile_m, self.tile_n)
 
-    def prepare(self, plan):
-        self.prepared.append(plan)
-        return FakeBackendPlan(plan)
+    def prepare(self, spec):
+        self.prepared.append(spec)
+        return FakeBackendPlan(spec)
 
-    def write_descriptors(self, plan, binding):
-        self.bound.append(binding)
-        return {"descriptors of": binding.pointers}
+    def write_descriptors(self, plan, pointers, ptrs):
+        self.bound.append(pointers)
+        return {"descriptors of": pointers}
 
     def launch_args(self, plan, binding, stream):
         self.args.append(stream)
@@ -286,7 +286,7 @@ def test_hit_is_one_launch_and_no_validation(recording_runtime):
     # launches directly from its first call on (LaunchMode.DIRECT)
     assert backend.args == ["stream-0"]
     assert len(backend.launches) == 5 and all(s == "stream-0" for _, _, s in backend.launches)
-    assert all(p is backend.prepared[0] for p, _, _ in backend.launches)
+    assert all(p.spec is backend.prepared[0] for p, _, _ in backend.launches)
     for out in outputs:
         assert len(out) == 2 and out[0] is data[0][0][2] and out[1] is data[0][1][2]
 
@@ -301,7 +301,8 @@ def test_new_pointers_of_known_sizes_share_the_plan_and_skip_the_full_rules(reco
     assert result[1] is new_c
     # Same signature: no second run of the full rules, no second plan, a second binding
     assert validations == [1] and len(backend.prepared) == 1 and len(backend.checked) == 1
-    first, second = backend.bound
+    assert len(backend.bound) == 2
+    first, second = submission._BINDINGS.entries.values()  # least recently used first
     assert first.plan is second.plan
     assert first.ptrs[1, submission.PTR_C].item() == data[0][1][2].data_ptr()
     assert second.ptrs[1, submission.PTR_C].item() == new_c.data_ptr()
