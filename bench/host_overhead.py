@@ -27,6 +27,7 @@ one line on stderr; 113 an invalid case file (eval.py's rules).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import statistics
 import sys
@@ -175,6 +176,42 @@ def moe_step_us(module, family, count: int, profile: bool):
     return figures, sum(f > 1e5 for f in figures), profiler
 
 
+def moe_phases(module, family, count: int) -> None:
+    """Host µs of each phase of a new-size call (submission.py's runtime only), median of
+    `count` MoE steps of `family`: validation, the chain, the compile lookups, the plan, the
+    binding, the launch preparation and the launch, each run as custom_kernel's miss runs it."""
+    groups, n, k = family
+    module.warmup(n, k, groups)
+    device = torch.device("cuda", torch.cuda.current_device())
+    phases: dict[str, list[float]] = {}
+    for data in moe_inputs(groups, n, k, count, seed=9):
+        torch.cuda.synchronize()
+        marks = [("start", time.perf_counter())]
+        sizes = module.checked_problem_sizes(data)
+        marks.append(("validation", time.perf_counter()))
+        backend = module.select_backend(device.index)
+        chain = backend.kernel_chain(sizes)
+        chain[0]  # the first link's config is chosen here
+        marks.append(("chain (first link)", time.perf_counter()))
+        choice = module.choose_kernel(backend, chain, len(sizes))
+        marks.append(("compile lookups", time.perf_counter()))
+        plan = module.Plan(backend, sizes, device, choice, chain)
+        marks.append(("plan", time.perf_counter()))
+        binding = module.Binding(plan, module.pointers_of(data))
+        marks.append(("binding", time.perf_counter()))
+        binding.prepare_launch(module._stream_for_current())
+        marks.append(("launch preparation", time.perf_counter()))
+        binding.launch()
+        marks.append(("launch", time.perf_counter()))
+        for (_, before), (name, after) in itertools.pairwise(marks):
+            phases.setdefault(name, []).append((after - before) * 1e6)
+        phases.setdefault("total", []).append((marks[-1][1] - marks[0][1]) * 1e6)
+    torch.cuda.synchronize()
+    print(f"new-size call by phase, G={groups} N={n} K={k}, median of {count} steps (µs):")
+    for name, figures in phases.items():
+        print(f"  {name:<22}{statistics.median(figures):9.1f}")
+
+
 def breakdown(module, groups: int, iterations: int = 2000) -> None:
     """CPU µs of each step of a hit, on a G-group input set with tiny kernels (so the GPU
     never backs the launch queue up): key, cache lookup, stream lookup, launch, whole call."""
@@ -223,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time N MoE steps per family (new per-group M every call, new "
                              "activations, the same weights), each alone")
     parser.add_argument("--profile", action="store_true", help="with --moe: a cProfile of the MoE steps")
+    parser.add_argument("--phases", action="store_true",
+                        help="with --moe: a new-size call's host time by phase (submission.py's runtime only)")
     options = parser.parse_args(argv)
     if not options.submission.is_file():
         print(f"submission file not found: {options.submission.resolve()}", file=sys.stderr)
@@ -303,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
             median = statistics.median(figures)
             print(f"{family[0]:>3}{family[1]:>6}{family[2]:>6}{median:>11.1f}{min(figures):>10.1f}"
                   f"{median / bare_us:>8.2f}{compiled:>10}")
+            if options.phases:
+                moe_phases(module, family, options.moe)
             if profiler is not None:
                 import io
                 import pstats
