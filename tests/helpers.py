@@ -113,6 +113,38 @@ INVALID_INPUTS = {
 }
 
 
+# ----------------------------------------------------------------------------- runtime on a CPU
+def supported_gpu() -> bool:
+    """A GPU the submission has a backend for: sm_100 or sm_90."""
+    if not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability()
+    return major == 10 or (major, minor) == (9, 0)
+
+
+def runtime_on_cpu(monkeypatch, backend, validations: list | None = None) -> None:
+    """custom_kernel on CPU tensors with `backend`: validation's CUDA-device rule the only one
+    waived (in the full rules and the pointer checks; each full validation appended to
+    `validations`), the stream from _stream_for_current ("stream-0")."""
+    real_validate = submission.validate_inputs
+
+    def validate_except_device(data):
+        if validations is not None:
+            validations.append(1)
+        try:
+            return real_validate(data)
+        except ValueError as exc:
+            if "must be on a CUDA device" not in str(exc):
+                raise
+            return tuple(tuple(int(v) for v in p) for p in data[3])
+
+    monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
+    monkeypatch.setattr(submission, "_same_device_and_aligned", lambda data: True)
+    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
+    monkeypatch.setattr(submission, "_current_raw_stream", None)
+    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-0")
+
+
 # ----------------------------------------------------------------------------- sm_100 stand-ins
 def official_inputs(sizes, seed=7):
     """CPU input set from the reference generator (plain and reordered scales agree)."""
@@ -185,22 +217,8 @@ def sm100_runtime(monkeypatch):
     backend = submission.Sm100Backend("persistent")
     monkeypatch.setattr(type(backend), "oracle", submission.KernelChoice("sm100", "exact_decode", host=True))
     # the caches, demotions and checks start empty (conftest resets them around every test)
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
     monkeypatch.setattr(submission, "SELF_CHECK", True)
-    real_validate = submission.validate_inputs
-
-    def validate_except_device(data):
-        try:
-            return real_validate(data)
-        except ValueError as exc:
-            if "must be on a CUDA device" not in str(exc):
-                raise
-            return tuple(tuple(int(v) for v in p) for p in data[3])
-
-    monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
-    monkeypatch.setattr(submission, "_same_device_and_aligned", lambda data: True)
-    monkeypatch.setattr(submission, "_current_raw_stream", None)
-    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-0")
+    runtime_on_cpu(monkeypatch, backend)
 
     def run(data):
         fakes.data = data

@@ -6,19 +6,12 @@ import threading
 
 import pytest
 import torch
+from helpers import supported_gpu
 
 import submission
 from reference import generate_input, ref_kernel
 
-
-def _supported_gpu() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    major, minor = torch.cuda.get_device_capability()
-    return major == 10 or (major, minor) == (9, 0)
-
-
-pytestmark = pytest.mark.skipif(not _supported_gpu(), reason="needs an sm_100 or sm_90 GPU")
+pytestmark = pytest.mark.skipif(not supported_gpu(), reason="needs an sm_100 or sm_90 GPU")
 
 SIZES = {"m": (40, 129, 0, 200), "n": (128, 384, 256, 256), "k": (256, 512, 256, 768), "g": 4}
 

@@ -11,19 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import supported_gpu
 
 import submission
 from reference import generate_input, match_outputs, ref_kernel
 
-
-def _supported_gpu() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    major, minor = torch.cuda.get_device_capability()
-    return major == 10 or (major, minor) == (9, 0)
-
-
-pytestmark = pytest.mark.skipif(not _supported_gpu(), reason="needs an sm_100 or sm_90 GPU")
+pytestmark = pytest.mark.skipif(not supported_gpu(), reason="needs an sm_100 or sm_90 GPU")
 
 # N a multiple of 128 (the sm_90 kernel's constraint), M with residues, a group of M = 0
 SIZES = {"m": (40, 129, 0), "n": (128, 384, 256), "k": (256, 512, 256), "g": 3}

@@ -4,7 +4,7 @@ recording backend."""
 
 import pytest
 import torch
-from helpers import make_inputs
+from helpers import make_inputs, runtime_on_cpu
 
 import submission
 
@@ -254,25 +254,9 @@ def recording_runtime(monkeypatch):
     CUDA-device rule the only one waived (in the full rules and the pointer checks)."""
     backend = RecordingBackend()
     calls = []
-    real_validate = submission.validate_inputs
-
-    def validate_except_device(data):
-        calls.append(1)
-        try:
-            return real_validate(data)
-        except ValueError as exc:
-            if "must be on a CUDA device" not in str(exc):
-                raise
-            return tuple(tuple(int(v) for v in p) for p in data[3])
-
-    monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
-    monkeypatch.setattr(submission, "_same_device_and_aligned", lambda data: True)
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
+    runtime_on_cpu(monkeypatch, backend, calls)
     monkeypatch.setattr(submission, "SELF_CHECK", False)  # the fakes write nothing to check
     monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
-    # the stream comes from _stream_for_current (custom_kernel's raw-handle fast path off)
-    monkeypatch.setattr(submission, "_current_raw_stream", None)
-    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-0")
     return backend, calls
 
 
