@@ -2270,10 +2270,14 @@ def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None
     if device.type != "cuda":
         return None
     key = (device.index, cluster_size)
-    count = _RESIDENT_CLUSTERS.get(key)
-    if count is None:
-        count = _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
-    return count
+    if key not in _RESIDENT_CLUSTERS:
+        try:
+            _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
+        except Exception as error:  # noqa: BLE001 - a failed query must not fail the call
+            report(f"the resident {cluster_size}-CTA cluster query failed ({_one_line(error)}); "
+                   "the persistent kernel runs one cluster per two SMs")
+            _RESIDENT_CLUSTERS[key] = None
+    return _RESIDENT_CLUSTERS[key]
 
 
 _RESIDENT_CLUSTERS: dict = {}
@@ -3140,6 +3144,23 @@ def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
     return plan
 
 
+def _new_binding(backend, problem_sizes, device, data) -> Binding:
+    """A binding on the plan of these sizes. Writing its descriptors launches the chosen
+    kernel's init kernel: a failure there that leaves the context usable demotes that kernel,
+    and the binding is made on the next link's plan."""
+    while True:
+        plan = get_plan(backend, problem_sizes, device)
+        try:
+            return Binding(plan, pointers_of(data))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            if plan.choice.host or not _context_usable(plan.device):
+                raise
+            demote(backend.name, plan.choice, plan.chain, plan.num_groups,
+                   f"descriptor init failed ({_one_line(error)})")
+
+
 def _bound_input_set(data) -> Binding:
     """The validating path: checked sizes, then the cached binding of these pointers or a new
     one on the plan of these sizes. One thread at a time (compilation and the caches)."""
@@ -3157,8 +3178,7 @@ def _bound_input_set(data) -> Binding:
             device = data[0][0][0].device
             try:
                 with _device_context(device):
-                    plan = get_plan(select_backend(device.index), problem_sizes, device)
-                    binding = Binding(plan, pointers_of(data))
+                    binding = _new_binding(select_backend(device.index), problem_sizes, device, data)
             except torch.OutOfMemoryError as error:
                 raise torch.OutOfMemoryError(
                     f"custom_kernel: out of GPU memory while building the plan or binding of sizes "

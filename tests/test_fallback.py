@@ -266,3 +266,31 @@ def test_cluster_count_is_bounded_by_the_resident_clusters(monkeypatch):
     monkeypatch.setattr(submission, "resident_clusters", lambda device, cluster_size=2: 5)
     plan = submission.Plan(backend, sizes, "cpu")
     assert plan.backend_plan.num_clusters == 5
+
+
+def test_a_failed_descriptor_init_moves_down_the_chain(sm100_runtime, monkeypatch, capsys):
+    fakes, run = sm100_runtime
+
+    def failing_init(*_args):
+        raise RuntimeError("kernel launch failed: CUresult 700 (init)")
+
+    monkeypatch.setattr(submission, "compile_persistent_init", lambda config: failing_init)
+    data = official_inputs(SIZES_PERSISTENT)
+    assert_exact(run(data), data)
+    (line,) = stderr_lines(capsys)
+    assert "sm100 kernel persistent_t128" in line and "descriptor init failed (RuntimeError: kernel launch failed" in line
+    assert line.endswith("next: per_tile") and fakes.ran == ["per_tile_gemm"]
+    (binding,) = submission._BINDINGS.entries.values()
+    assert binding.plan.choice.name == "per_tile"
+
+
+def test_a_failed_cluster_query_is_one_line_and_not_a_failed_call(monkeypatch, capsys):
+    class BrokenHardwareInfo:
+        def __init__(self, device_index):
+            raise RuntimeError("cuOccupancyMaxActiveClusters failed")
+
+    monkeypatch.setattr(submission.utils, "HardwareInfo", BrokenHardwareInfo)
+    assert submission.resident_clusters(torch.device("cuda", 3)) is None
+    assert submission.resident_clusters(torch.device("cuda", 3)) is None  # asked once
+    (line,) = stderr_lines(capsys)
+    assert "the resident 2-CTA cluster query failed (RuntimeError: cuOccupancyMaxActiveClusters failed)" in line
