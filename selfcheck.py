@@ -7,9 +7,10 @@ forced, and custom_kernel itself (the automatic choice, its self-check and fallb
 10 official tests, the 4 benchmarks and random group sets (all 16 fp4 codes, general e4m3
 scales). Every output is checked against the exact sum (float64) at the competition's
 tolerance; the benchmark shapes are timed with the leaderboard's method (L2 flushed, 15
-input sets per timed loop, CUDA events). It prints a progress line per kernel and case (the
-last line names a kernel that hangs), one table, and writes a JSON report to attach to a bug
-report. Exit 0: everything passed; 1: a kernel failed or disagreed; 2: no GPU, or bad
+input sets per timed loop, CUDA events). Each kernel runs in its own process (a fault, a
+crash or a hang past --timeout costs that kernel alone and is reported with the case it was
+running; --in-process runs them all here). It prints a progress line per kernel and case, one
+table, and writes a JSON report to attach to a bug report. Exit 0: everything passed; 1: a kernel failed or disagreed; 2: no GPU, or bad
 arguments.
 """
 
@@ -23,6 +24,7 @@ import math
 import platform
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,9 +59,14 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per kernel and benchmark (default 20)")
     parser.add_argument("--kernels", default=None, help="comma-separated kernel names to run (default all)")
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--timeout", type=float, default=900,
+                        help="seconds each kernel may take in its own process before it counts as hung (default 900)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every kernel in this process (a fault or a hang then stops the whole check)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one kernel, for the parent
     args = parser.parse_args(argv)
-    if args.random < 0 or args.repeats < 1:
-        raise UsageError("--random must be >= 0 and --repeats >= 1")
+    if args.random < 0 or args.repeats < 1 or args.timeout <= 0:
+        raise UsageError("--random must be >= 0, --repeats >= 1 and --timeout > 0")
     if args.kernels is not None:
         unknown = sorted(set(args.kernels.split(",")) - set(KERNEL_NAMES))
         if unknown:
@@ -202,17 +209,106 @@ def main(argv=None) -> int:
     except OSError as error:
         return _fail_usage(f"--json {args.json}: cannot write there ({error.strerror or error})")
 
-    import submission
-    from reference import generate_input
-
     capability = torch.cuda.get_device_capability()
     if capability[0] != 10 and capability != (9, 0):
         return _fail_usage(f"this GPU is sm_{capability[0]}{capability[1]}; the submission runs on sm_100 and sm_90")
+    if not (args.in_process or args.child):
+        return run_isolated(args, capability, report_path)
+    return run_in_process(args, capability, report_path)
+
+
+def kernel_names(capability) -> list[str]:
+    """The kernels selfcheck runs on this GPU, each in its own process by default."""
+    chain = KERNEL_NAMES[:4] if capability[0] == 10 else KERNEL_NAMES[4:7]
+    return [*chain, "custom_kernel"]
+
+
+def child_command(args, name: str, child_json: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--child", "--kernels", name, "--json", str(child_json),
+            "--random", str(args.random), "--repeats", str(args.repeats), "--seed", str(args.seed)]
+
+
+def run_isolated(args, capability, report_path: Path) -> int:
+    """Each kernel in its own process, one after another, its progress lines passed through:
+    a fault that poisons one process's context, a crash or a hang (past --timeout) costs that
+    kernel alone, and the report says which case it was running."""
+    import queue
+    import subprocess
+    import tempfile
+    import threading
+
+    wanted = kernel_names(capability) if args.kernels is None else [
+        name for name in kernel_names(capability) if name in args.kernels.split(",")]
+    info = machine()
+    print(f"selfcheck on {info['device']} (sm_{capability[0]}{capability[1]}, {info['sms']} SMs), torch {info['torch']}, "
+          f"DSL {info['dsl']}; each kernel in its own process", flush=True)
+    rows, timings, demoted = [], [], {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in wanted:
+            child_json = Path(folder) / f"{name}.json"
+            process = subprocess.Popen(child_command(args, name, child_json), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True)
+            lines: queue.Queue = queue.Queue()
+
+            def pump(stream=process.stdout, lines=lines):
+                for line in stream:
+                    lines.put(line.rstrip("\n"))
+                lines.put(None)
+
+            threading.Thread(target=pump, daemon=True).start()
+            last, status, deadline = "", None, time.monotonic() + args.timeout
+            while True:
+                try:
+                    line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+                except queue.Empty:
+                    process.kill()
+                    status = "HANG"
+                    break
+                if line is None:
+                    break
+                print(line, flush=True)
+                last = line
+            process.wait()
+            if status is None and process.returncode not in (0, 1):
+                status = "CRASH"
+            if status is None and child_json.is_file():
+                child = json.loads(child_json.read_text())
+                rows += child["rows"]
+                timings += child["timings"]
+                demoted.update(child["demoted"])
+                continue
+            case = last.split("...")[0].strip() if last.rstrip().endswith("...") else last.strip()
+            why = (f"not done after {args.timeout:g} s (killed); last line: {case!r}" if status == "HANG"
+                   else f"the process ended with code {process.returncode}; last line: {last.strip()!r}")
+            print(f"  {name:<16} {status or 'CRASH'}: {why}", flush=True)
+            rows.append({"case": case, "kind": "process", "kernel": name, "status": status or "CRASH", "error": why})
+    return _finish(rows, timings, demoted, info, report_path, self_check=None)
+
+
+def _finish(rows, timings, demoted, info, report_path: Path, self_check, quiet: bool = False) -> int:
+    report = {"machine": info, "rows": rows, "timings": timings, "demoted": demoted, "self_check": self_check}
+    report_path.write_text(json.dumps(report, indent=1, default=str))
+    failed = [row for row in rows if row["status"] != "pass"]
+    if not quiet:
+        print(format_table(rows, timings))
+        if demoted:
+            print("custom_kernel demoted: " + "; ".join(demoted.values()))
+        print(f"{len(rows) - len(failed)} passed, {len(failed)} failed; report: {report_path} "
+              "(attach it to a bug report, with the output above)")
+    return 1 if failed else 0
+
+
+def run_in_process(args, capability, report_path: Path) -> int:
+    """Every wanted kernel in this process (what each child of run_isolated runs)."""
+    import submission
+    from reference import generate_input
+
     backend = submission.select_backend(torch.cuda.current_device())
     wanted = None if args.kernels is None else set(args.kernels.split(","))
     info = machine()
-    print(f"selfcheck on {info['device']} (sm_{capability[0]}{capability[1]}, {info['sms']} SMs), torch {info['torch']}, "
-          f"DSL {info['dsl']}, backend {backend.name}", flush=True)
+    if not args.child:
+        print(f"selfcheck on {info['device']} (sm_{capability[0]}{capability[1]}, {info['sms']} SMs), "
+              f"torch {info['torch']}, DSL {info['dsl']}, backend {backend.name}", flush=True)
 
     rows, timings = [], []
     for kind, label, source in cases(args, capability):
@@ -253,17 +349,8 @@ def main(argv=None) -> int:
             if kind == "benchmark" and row["status"] == "pass":
                 timings.append(_time_row(backend, choice, source, label, name, args.repeats, generate_input))
 
-    report = {"machine": info, "rows": rows, "timings": timings,
-              "demoted": {str(key): why for key, why in submission._DEMOTED.items()},
-              "self_check": submission.SELF_CHECK}
-    report_path.write_text(json.dumps(report, indent=1, default=str))
-    failed = [row for row in rows if row["status"] != "pass"]
-    print(format_table(rows, timings))
-    if report["demoted"]:
-        print("custom_kernel demoted: " + "; ".join(report["demoted"].values()))
-    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed; report: {report_path} "
-          "(attach it to a bug report, with the output above)")
-    return 1 if failed else 0
+    demoted = {str(key): why for key, why in submission._DEMOTED.items()}
+    return _finish(rows, timings, demoted, info, report_path, submission.SELF_CHECK, quiet=args.child)
 
 
 def _time_row(backend, choice, source, label, name, repeats, generate_input) -> dict:

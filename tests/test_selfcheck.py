@@ -1,7 +1,9 @@
 """selfcheck.py on a CPU: its one-line refusals, the kernels it runs per backend, its random
 group sets and its table. Its GPU run is `python eval.py selfcheck` on the H200 (README)."""
 
+import json
 import random
+import sys
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import submission
 
 @pytest.mark.parametrize("argv, message", [
     ([], "selfcheck: needs a CUDA GPU (sm_100 B200 or sm_90 H100/H200); none is visible here"),
-    (["--random", "-1"], "selfcheck: --random must be >= 0 and --repeats >= 1"),
+    (["--random", "-1"], "selfcheck: --random must be >= 0, --repeats >= 1 and --timeout > 0"),
     (["--kernels", "per_tile,persistnt"], "selfcheck: --kernels: unknown persistnt; allowed: persistent_t128,"),
     (["--bogus"], "selfcheck: unrecognized arguments: --bogus"),
 ])
@@ -65,3 +67,45 @@ def test_table_lists_every_kernel_with_its_figures():
     assert lines[0].split() == ["kernel", "passed", "benchmark", "0", "benchmark", "1", "geomean"]
     assert lines[2].split() == ["swap_ab", "1", "/", "2", "100.00", "25.00", "50.00"]
     assert lines[3].split() == ["exact_decode", "1", "/", "1", "-", "-", "-"]
+
+
+CHILD = """
+import json, os, sys, time
+args = sys.argv[1:]
+name = args[args.index("--kernels") + 1]
+out = args[args.index("--json") + 1]
+print(f"  test 0       {name:<16} ...", flush=True)
+behaviour = os.environ["FAKE_CHILD"].split(",")[["good", "hangs", "crashes"].index(name) if name in ("good", "hangs", "crashes") else 0]
+if behaviour == "hang":
+    time.sleep(60)
+if behaviour == "crash":
+    os._exit(139)
+print(f"  test 0       {name:<16} pass", flush=True)
+row = {"case": "test 0", "kind": "test", "kernel": name, "status": "pass"}
+json.dump({"rows": [row], "timings": [], "demoted": {}}, open(out, "w"))
+"""
+
+
+def test_each_kernel_in_its_own_process_survives_a_hang_and_a_crash(monkeypatch, tmp_path, capsys):
+    """The parent runs one child per kernel: a child that hangs past --timeout is killed and
+    reported with the case it was running, one that crashes is reported with its exit code,
+    and the other kernels' results still come back."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    monkeypatch.setenv("FAKE_CHILD", "pass,hang,crash")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(selfcheck, "machine", lambda: {"device": "fake", "sms": 1, "torch": "t", "dsl": "d"})
+    monkeypatch.setattr(selfcheck, "kernel_names", lambda capability: ["good", "hangs", "crashes"])
+    monkeypatch.setattr(selfcheck, "child_command",
+                        lambda args, name, child_json: [sys.executable, str(script), "--kernels", name, "--json",
+                                                        str(child_json)])
+    report = tmp_path / "report.json"
+    assert selfcheck.main(["--timeout", "2", "--json", str(report)]) == 1
+    out = capsys.readouterr().out
+    assert "  test 0       good             pass" in out
+    assert "hangs            HANG: not done after 2 s (killed); last line: 'test 0       hangs'" in out
+    assert "crashes          CRASH: the process ended with code 139" in out
+    rows = json.loads(report.read_text())["rows"]
+    assert [(r["kernel"], r["status"]) for r in rows] == [("good", "pass"), ("hangs", "HANG"), ("crashes", "CRASH")]
+    assert "1 passed, 2 failed" in out
