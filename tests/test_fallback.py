@@ -294,3 +294,20 @@ def test_a_failed_cluster_query_is_one_line_and_not_a_failed_call(monkeypatch, c
     assert submission.resident_clusters(torch.device("cuda", 3)) is None  # asked once
     (line,) = stderr_lines(capsys)
     assert "the resident 2-CTA cluster query failed (RuntimeError: cuOccupancyMaxActiveClusters failed)" in line
+
+
+def test_an_oracle_that_cannot_run_skips_the_check_in_one_line(sm100_runtime, monkeypatch, capsys):
+    _fakes, run = sm100_runtime
+
+    def broken_oracle(data, outputs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setitem(submission.HOST_COMPUTATIONS, "exact_decode", broken_oracle)
+    data = official_inputs(SIZES_PERSISTENT)
+    assert_exact(run(data), data)  # the kernel's own result
+    (line,) = stderr_lines(capsys)
+    assert "sm100 kernel persistent_t128" in line
+    assert "self-check skipped, its oracle exact_decode failed (RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED)" in line
+    assert submission._DEMOTED == {}
+    run(official_inputs(((64, 256, 256, 1), (8, 256, 256, 1)), seed=3))  # checked once: no second line
+    assert stderr_lines(capsys) == []
