@@ -43,7 +43,8 @@ Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
     SFA, SFB and C; four for the per-tile kernel, which does not need C's). A call whose
     pointers the runtime has seen launches only the GEMM; updating descriptors in the kernel
     instead would put a descriptor write and proxy fence on every CTA's path at every group
-    change of every call.
+    change of every call. Each warp that uses a descriptor acquires it
+    (``fence.proxy.tensormap::generic.acquire``) and prefetches it before its first use.
   * Host side, two levels of state: a ``Plan`` per (device, problem sizes, backend) holds
     the tile rows, the device table of sizes and tiles and the backend's plan (compiled
     kernel, schedule, scratch), shared by every input set of those sizes (bounded by count
@@ -51,13 +52,19 @@ Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
     sm_100 descriptors and the prepared launch (bounded LRU). A hit is one launch; a new
     pointer set of known sizes pays the pointer checks, its pointer table and descriptors.
   * On Hopper (sm_90) the same host runtime drives the backend from the ``nvfp4_hopper`` package.
+  * Each size set runs the first kernel of its backend's chain that is not demoted (sm_100:
+    persistent -> per-tile -> torch._scaled_mm; sm_90: swap-AB -> in-GEMM decode -> exact
+    decode). A compile failure, a failed launch with the context usable, or a first-use
+    self-check that disagrees with the oracle demotes the kernel for the process, with one
+    line on stderr; the call still returns a correct result (NVFP4_SELF_CHECK=0: no check).
 
 Status: both sm_100a kernels are compiled for sm_100a and checked from their cubin, SASS and
 PTX, and the persistent kernel's pipeline protocol by a model (``tests/``); neither has run
 on a B200.
 
-Run: ``python eval.py test tests/cases/...`` (harness) or ``python eval.py compile`` (any
-machine, no GPU: builds every kernel for its target and prints its resources).
+Run: ``python eval.py test tests/cases/...`` (harness), ``python eval.py selfcheck`` (on a GPU:
+every kernel of the chain checked and timed), or ``python eval.py compile`` (any machine, no
+GPU: builds every kernel for its target and prints its resources).
 """
 
 import collections
