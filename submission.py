@@ -99,6 +99,15 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from task import input_t, output_t
 
 
+def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """The value of environment switch `name`, one of `allowed` (`default` when unset);
+    ValueError naming the allowed values otherwise. Every NVFP4_* switch is read through it."""
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+    return value
+
+
 # =============================================================================
 # Which sm_100a kernel runs
 # =============================================================================
@@ -110,15 +119,6 @@ from task import input_t, output_t
 # Both are compiled for sm_100a and checked on a CPU (SASS, PTX, a protocol model); neither has
 # run here. If the default fails on a B200, set this to "per_tile" (or run with the
 # environment variable NVFP4_SM100_KERNEL=per_tile).
-def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
-    """The value of environment switch `name`, one of `allowed` (`default` when unset);
-    ValueError naming the allowed values otherwise. Every NVFP4_* switch is read through it."""
-    value = os.environ.get(name, default)
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
-    return value
-
-
 SM100_KERNELS = ("persistent", "per_tile")
 SM100_KERNEL = env_switch("NVFP4_SM100_KERNEL", SM100_KERNELS, "persistent")
 
@@ -231,8 +231,8 @@ def _check_problem_size(g, problem_size):
     m, n, k, l = (operator.index(v) for v in problem_size)
     if l != 1:
         _fail(g, "L", l, "L must be 1 (one batch per group)")
-    if k <= 0 or k % mma_tiler_mnk[2] != 0:
-        _fail(g, "K", k, f"K must be a positive multiple of {mma_tiler_mnk[2]} (the K tile)")
+    if k <= 0 or k % K_TILE != 0:
+        _fail(g, "K", k, f"K must be a positive multiple of {K_TILE} (the K tile)")
     if n <= 0:
         _fail(g, "N", n, "N must be >= 1")
     if m < 0:
@@ -2209,7 +2209,6 @@ class KernelChoice:
     host: bool = False
     label: str | None = dataclasses.field(default=None, compare=False)  # the config's registry name
 
-
     def kernel_key(self, num_groups: int) -> tuple:
         """The identity of the compiled kernel: what a demotion and a self-check are keyed on."""
         return (self.backend, self.name, self.config, num_groups if self.per_group_count else None)
@@ -2377,9 +2376,8 @@ class Sm100Backend:
         return Sm100Plan(choice.config, max(num_clusters, 1))
 
     def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor):
-        """TMA descriptors of every group of this input set: reused, or written by an init
-        kernel on the current stream. Returns (descriptors, the event after their writing,
-        the stream that wrote them)."""
+        """TMA descriptors of every group of this input set, a Written (the buffer, the event
+        after its writing): reused, or written by an init kernel on the current stream."""
         config = plan.backend_plan.config
         if config is None:
             slots, num_slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB), num_tensormaps
@@ -2455,8 +2453,8 @@ _DSL_VERSION = _installed_dsl_version()
 
 def _executor(compiled):
     """compiled.to(None) once per device: the executor (its module loaded in the device's
-    context) is the same for every input set, and building one is most of a new binding's
-    launch preparation. Kept on the compiled function itself, per device index."""
+    context) is the same for every input set of that kernel, so a new binding builds only its
+    argument pack. Kept on the compiled function itself, per device index."""
     executors = compiled.__dict__.setdefault("_nvfp4_executors", {})
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     executor = executors.get(device)
@@ -2681,7 +2679,7 @@ def input_key(data) -> tuple:
 
 @typing.runtime_checkable
 class BackendPlan(typing.Protocol):
-    """What a backend's prepare(plan) returns: the runtime reads these and nothing else."""
+    """What a backend's prepare(spec) returns: the runtime reads these and nothing else."""
 
     nbytes: int  # device bytes it holds beyond the runtime's tables (the plan cache's bound)
     shared_scratch: bool  # its input sets share scratch: launches on two streams are ordered
@@ -2776,7 +2774,7 @@ class Plan:
     before anything else is built: the tile rows are that kernel's); chain: the whole chain,
     for a demotion to name the next link. sizes int32 [G, 4]: (M, N, K, L) per group; tiles
     int32 [T, W]: the kernel's tile rows (none for a host computation). backend_plan: what
-    the backend's prepare(plan) made of them (the kernel config, a schedule and its scratch);
+    the backend's prepare(spec) made of them (the kernel config, a schedule and its scratch);
     None for a host computation. nbytes: device bytes held."""
 
     __slots__ = (
@@ -3121,14 +3119,17 @@ def checked_problem_sizes(data) -> tuple[tuple[int, int, int, int], ...]:
     return problem_sizes
 
 
-def _drop_plans(predicate) -> None:
-    """Remove the plans that `predicate` selects, and their bindings (which would keep their
-    memory alive)."""
-    gone = [key for key, plan in _PLANS.entries.items() if predicate(plan)]
-    for key in gone:
-        _PLANS.nbytes -= _PLANS.entries.pop(key).nbytes
+def _drop_bindings(predicate) -> None:
+    """Remove the bindings whose plan `predicate` selects (they would keep its memory alive)."""
     for binding_key in [k for k, b in _BINDINGS.entries.items() if predicate(b.plan)]:
         del _BINDINGS.entries[binding_key]
+
+
+def _drop_plans(predicate) -> None:
+    """Remove the plans that `predicate` selects, and their bindings."""
+    for key in [key for key, plan in _PLANS.entries.items() if predicate(plan)]:
+        _PLANS.nbytes -= _PLANS.entries.pop(key).nbytes
+    _drop_bindings(predicate)
 
 
 def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
@@ -3144,10 +3145,7 @@ def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
             plan = Plan(backend, problem_sizes, device, choice, chain)
         evicted = _PLANS.put(key, plan)
         if evicted:
-            # Their bindings would keep the evicted plans' memory alive: drop them too
-            gone = {id(p) for p in evicted}
-            for binding_key in [k for k, b in _BINDINGS.entries.items() if id(b.plan) in gone]:
-                del _BINDINGS.entries[binding_key]
+            _drop_bindings(lambda bound_plan: any(bound_plan is gone for gone in evicted))
     return plan
 
 
@@ -3325,14 +3323,15 @@ def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
     compiled = []
     with _RUNTIME_LOCK, _device_context(device):
         backend.prepare_device(device)
-        choices = backend.family_choices(groups, n, k)
-        for choice in choices:
+        # what follows a first link in this family's chains (its fallbacks), for the demotion line
+        fallbacks = list(backend.kernel_chain([(128, n, k, 1)] * groups))[1:]
+        for choice in backend.family_choices(groups, n, k):
             if choice.kernel_key(groups) in _DEMOTED:
                 continue
             try:
                 backend.compile(choice, groups)
             except Exception as error:  # noqa: BLE001 - as in a call: the kernel moves down its chain
-                demote(backend.name, choice, choices, groups, f"compile failed ({_one_line(error)})")
+                demote(backend.name, choice, [choice, *fallbacks], groups, f"compile failed ({_one_line(error)})")
                 continue
             compiled.append(choice.describe())
     return compiled
@@ -3485,6 +3484,8 @@ def scaled_mm_group_gemm(data, outputs: list[torch.Tensor]) -> list[torch.Tensor
     return outputs
 
 
+# reference.py has the same decode; the leaderboard's runner brings its own reference.py, so
+# this file keeps its own
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _BYTE_VALUES: dict = {}
 

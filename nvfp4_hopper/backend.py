@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -206,7 +207,7 @@ class Sm90Backend:
             return config
         return choose_config(problem_sizes, current_num_sms())
 
-    def kernel_chain(self, problem_sizes) -> list:
+    def kernel_chain(self, problem_sizes) -> Sequence:
         """The kernels that can run these sizes, best first (submission.KernelChoice): the
         automatic choice (swap_ab unless NVFP4_SM90_KERNEL=in_gemm_decode), the in-GEMM-decode
         kernel, the exact decode. A backend made with a config runs that config alone."""
@@ -323,7 +324,7 @@ class Sm90Backend:
             return [
                 (compile_decode_activations(plan.num_groups, chained=backend_plan.config.chain_calls),
                  (ptrs, sizes, addresses, cutlass.Int32(activations.blocks_x), stream)),
-                (_compiled_gemm(backend_plan.config, plan.num_groups),
+                (compile_swap_ab_gemm(plan.num_groups, config=backend_plan.config),
                  (ptrs, sizes, _gmem_ptr(cutlass.Int32, plan.tiles), cutlass.Int32(plan.num_tiles), addresses,
                   stream)),
             ]

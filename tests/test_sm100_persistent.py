@@ -164,6 +164,8 @@ def test_sass_per_k_tile(persistent_build):
     # Descriptor prefetches, each after its acquire: the first tile's and each new group's A,
     # B, SFA, SFB (TMA warp) and C (the storing epilogue warp)
     assert opcodes["UTMACCTL.PF"] == 2 * submission.PERSISTENT_NUM_TENSORMAPS
+    # Each acquire: the descriptor's cached copies invalidated (constant cache, TMA unit)
+    assert opcodes["CCTL.E.C.LDCU.IV.DEEP"] == opcodes["UTMACCTL.IV"] == 2 * submission.PERSISTENT_NUM_TENSORMAPS
     # Tile-table rows come in 16-byte loads
     assert opcodes["LDG.E.128"] >= 1
     # TMA loads per stage: A, B (2-CTA), SFA, and SFB multicast to both CTAs of the pair
@@ -258,7 +260,12 @@ def test_ptx_consumers_acquire_each_descriptor_before_use(persistent_build):
 
 
 def test_per_tile_kernel_acquires_its_descriptors(tmp_path):
-    _, ptx_path = _compile_kept(lambda options: submission.compile_gemm(2, options), tmp_path)
+    cubin, ptx_path = _compile_kept(lambda options: submission.compile_gemm(2, options), tmp_path)
+    # SASS: per descriptor an invalidation of its cached copies, then the prefetch, on one address
+    sass = _run_nvdisasm(cubin)
+    ops = re.findall(r"(CCTL\.E\.C\.LDCU\.IV\.DEEP|UTMACCTL\.IV|UTMACCTL\.PF) \[(UR\d+)\]", sass)
+    assert [op for op, _ in ops] == ["CCTL.E.C.LDCU.IV.DEEP", "UTMACCTL.IV", "UTMACCTL.PF"] * submission.num_tensormaps
+    assert all(len({reg for _, reg in ops[i:i + 3]}) == 1 for i in range(0, len(ops), 3))
     ptx = ptx_path.read_text(errors="replace")
     # warp 0's A, B, SFA, SFB before its first TMA load
     acquire = "fence.proxy.tensormap::generic.acquire.gpu"
