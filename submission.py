@@ -70,8 +70,10 @@ GPU: builds every kernel for its target and prints its resources).
 import collections
 import collections.abc
 import contextlib
+import ctypes
 import dataclasses
 import enum
+import functools
 import itertools
 import operator
 import os
@@ -2406,6 +2408,11 @@ class Sm100Backend:
             self._descriptors.put(descriptor_key, written)
         return written
 
+    def direct_launch(self, spec: "PlanSpec") -> None:
+        """None: every sm_100 launch reads TMA descriptors, which an init kernel writes per
+        input set (a binding)."""
+        return
+
     def launch_args(self, plan: "Plan", binding: "Binding", stream: cuda.CUstream):
         """(compiled GEMM, its arguments) for this input set on `stream`."""
         config, tensormaps = plan.backend_plan.config, binding.bound.value
@@ -2490,11 +2497,189 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
     return lambda: compiled(*args)
 
 
+class LaunchCell:
+    """One argument of a compiled DSL function whose value is set before each launch: a
+    ctypes value the function's packed arguments point at (the DSL's protocol for an
+    argument already converted: ``__c_pointers__``)."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, ctype):
+        self.storage = ctype()
+
+    def __c_pointers__(self):
+        return [ctypes.addressof(self.storage)]
+
+
+# What each kind of cell holds, and what the plain DSL call takes in its place
+_CELL_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "stream": ctypes.c_void_p}
+
+
+class CellLauncher:
+    """``compiled(*args)`` with arguments given per launch, its execution arguments built once
+    (one per compiled function and device): a call sets the cells and launches. `kinds` names
+    each argument: "ptr" (a global address, as cute.Pointer of `dtypes[i]`), "i32", "stream"
+    (a raw CUstream handle). Not thread-safe: the runtime calls it under its lock."""
+
+    __slots__ = ("capi_func", "cells", "cuda_result", "dtypes", "keepalive", "kinds", "packed_args", "plain")
+
+    def __init__(self, compiled, kinds: tuple[str, ...], dtypes: tuple):
+        self.kinds, self.dtypes = kinds, dtypes
+        self.cells = [LaunchCell(_CELL_TYPES[kind]) for kind in kinds]
+        self.plain = compiled
+        self.packed_args = None
+        if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION and not _FORCE_PLAIN_LAUNCH:
+            try:
+                exe_args, _ = compiled.generate_execution_args(*self.cells)
+                executor = _executor(compiled)
+                self.packed_args = executor._get_invoke_packed_args(list(exe_args))
+                self.capi_func = executor.jit_module.capi_func
+                self.cuda_result = executor.cuda_result
+                self.keepalive = (compiled, executor)
+            except Exception:  # noqa: BLE001 - any change in DSL internals selects the plain call
+                self.packed_args = None
+
+    def __call__(self, *values) -> None:
+        if self.packed_args is None:
+            self.plain(*(_plain_argument(kind, dtype, value)
+                         for kind, dtype, value in zip(self.kinds, self.dtypes, values)))
+            return
+        for cell, value in zip(self.cells, values):
+            cell.storage.value = value
+        self.capi_func(self.packed_args)
+        if self.cuda_result is not None and self.cuda_result.value != 0:
+            raise RuntimeError(f"kernel launch failed: CUresult {self.cuda_result.value}")
+
+
+def _plain_argument(kind: str, dtype, value):
+    if kind == "ptr":
+        return make_ptr(dtype, value, cute.AddressSpace.gmem, assumed_align=16)
+    if kind == "i32":
+        return cutlass.Int32(value)
+    return cuda.CUstream(value)
+
+
+def cell_launcher(compiled, kinds: tuple[str, ...], dtypes: tuple) -> CellLauncher:
+    """The CellLauncher of `compiled` on the current device (kept on the compiled function,
+    as its executors are)."""
+    launchers = compiled.__dict__.setdefault("_nvfp4_cell_launchers", {})
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    launcher = launchers.get(device)
+    if launcher is None:
+        launcher = launchers[device] = CellLauncher(compiled, kinds, dtypes)
+    return launcher
+
+
+class MappedHostBuffer:
+    """Pinned host memory mapped into the GPU's address space: `host` is the buffer as Python
+    writes it, `device_base` the address a kernel reads it at. On a CPU device (the tests) a
+    plain buffer, read by the host-side stand-ins at its own address."""
+
+    __slots__ = ("base", "device_base", "host", "pinned", "size")
+
+    def __init__(self, device: torch.device, size: int):
+        self.size, self.pinned = size, False
+        if device.type == "cuda":
+            flags = cuda.CU_MEMHOSTALLOC_DEVICEMAP | cuda.CU_MEMHOSTALLOC_PORTABLE
+            with _device_context(device):
+                result, self.base = cuda.cuMemHostAlloc(size, flags)
+                _check_cuda(result, "cuMemHostAlloc")
+                self.pinned = True
+                result, self.device_base = cuda.cuMemHostGetDevicePointer(self.base, 0)
+                _check_cuda(result, "cuMemHostGetDevicePointer")
+            self.host = memoryview((ctypes.c_char * size).from_address(self.base)).cast("B")
+        else:
+            storage = (ctypes.c_char * size)()
+            self.host = memoryview(storage).cast("B")
+            self.base = self.device_base = ctypes.addressof(storage)
+
+    def __del__(self):
+        if getattr(self, "pinned", False):
+            try:
+                cuda.cuMemFreeHost(self.base)
+            except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
+                pass
+
+
+class TableRing:
+    """The tables of launches that have no binding (an input set's first call), in a
+    MappedHostBuffer: written by the host right before the launch that reads them in place,
+    no copy on the stream.
+
+    A ring of SEGMENTS segments: leaving a segment records an event on every stream that
+    launched from it; entering it again waits for those events (the launches read their
+    tables long before, unless the host runs that far ahead of the GPU)."""
+
+    SEGMENTS = 8
+    SEGMENT_BYTES = 1 << 17
+
+    __slots__ = ("buffer", "events", "offset", "segment", "streams")
+
+    def __init__(self, device: torch.device):
+        self.buffer = MappedHostBuffer(device, self.SEGMENTS * self.SEGMENT_BYTES)
+        self.events: list[list] = [[] for _ in range(self.SEGMENTS)]
+        self.streams: list = []
+        self.segment = self.offset = 0
+
+    def take(self, nbytes: int, stream) -> int:
+        """Offset of `nbytes` (at most SEGMENT_BYTES) for a launch on `stream` (a cuda.CUstream;
+        anything else has no events: the CPU tests)."""
+        nbytes = _align_up(nbytes, 128)
+        if self.offset + nbytes > self.SEGMENT_BYTES:
+            self._next_segment()
+        if stream not in self.streams:
+            self.streams.append(stream)
+        offset = self.segment * self.SEGMENT_BYTES + self.offset
+        self.offset += nbytes
+        return offset
+
+    def _next_segment(self) -> None:
+        left = self.events[self.segment]
+        for stream in self.streams:
+            if isinstance(stream, cuda.CUstream):
+                event = _CudaEvent()
+                _check_cuda(cuda.cuEventRecord(event.event, stream)[0], "cuEventRecord")
+                left.append(event)
+        self.streams = []
+        self.segment = (self.segment + 1) % self.SEGMENTS
+        self.offset = 0
+        for event in self.events[self.segment]:
+            _check_cuda(cuda.cuEventSynchronize(event.event)[0], "cuEventSynchronize")
+        self.events[self.segment] = []
+
+
+class CaptureArena:
+    """Tables that a caller's CUDA graph reads at every replay (a first call captured): carved
+    once from a MappedHostBuffer allocated before any capture, never reused. A capture cannot
+    allocate pinned memory, so an exhausted arena refuses (the caller then runs the input set
+    eagerly once more, which binds it)."""
+
+    BYTES = 1 << 20
+
+    __slots__ = ("buffer", "offset")
+
+    def __init__(self, device: torch.device):
+        self.buffer = MappedHostBuffer(device, self.BYTES)
+        self.offset = 0
+
+    def take(self, nbytes: int) -> int | None:
+        nbytes = _align_up(nbytes, 128)
+        if self.offset + nbytes > self.BYTES:
+            return None
+        offset, self.offset = self.offset, self.offset + nbytes
+        return offset
+
+
 # A prepared launch recorded once per input set as a CUDA graph and replayed with
 # cuGraphLaunch: a third of the prepared DSL call's CPU (EXPERIMENTS E57). The graph holds the
 # kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
 # NVFP4_GRAPH_LAUNCH=0 launches the prepared call directly (to compare, or to rule graphs out).
 _GRAPH_LAUNCH = env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
+# An input set's first call launches without a binding where its backend can (its tables
+# written into mapped host memory, no binding or plan built: a MoE step's sizes and
+# activations are new at every call); its second call binds it. NVFP4_FIRST_CALL_UNBOUND=0
+# binds every input set at its first call.
+FIRST_CALLS_UNBOUND = env_switch("NVFP4_FIRST_CALL_UNBOUND", ("0", "1"), "1") == "1"
 _CAPTURE_STREAMS: dict = {}
 
 
@@ -2689,6 +2874,17 @@ class BackendPlan(typing.Protocol):
         """Its buffers are read on `stream` (freed memory is not reused before that work)."""
 
 
+class DirectLaunch(typing.Protocol):
+    """A backend's launch of one size set for an input set without a binding (its first
+    call): the runtime writes its tables (DirectTables) and `extra_bytes` more for the
+    backend at `extra_offset` of `host`; launch() writes those and launches on the stream."""
+
+    extra_bytes: int
+
+    def launch(self, host: memoryview, extra_offset: int, tables: "DirectTables", stream_handle: int):
+        """Launch; returns what must stay alive while the launch may run again (a capture)."""
+
+
 @typing.runtime_checkable
 class Backend(typing.Protocol):
     """A device family's kernels, as the shared runtime drives them: Sm100Backend here,
@@ -2722,6 +2918,9 @@ class Backend(typing.Protocol):
     def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor) -> "Written | None":
         """Per-pointer device state of an input set (TMA descriptors), or None: `pointers`
         per group (a, b, c, sfa, sfb), `ptrs` their device table."""
+
+    def direct_launch(self, spec: "PlanSpec") -> "DirectLaunch | None":
+        """What launches an input set of the spec without a binding (its first call), or None."""
 
     def launch_args(self, plan: "Plan", binding: "Binding", stream: cuda.CUstream):
         """(compiled, its arguments), or a list of them launched in order, for `stream`."""
@@ -2783,7 +2982,8 @@ class Plan:
         "tile_rows", "tiles",
     )
 
-    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None):
+    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None,
+                 tile_rows: tuple | None = None):
         self.backend = backend
         self.device = torch.device(device)
         self.problem_sizes = tuple(tuple(int(v) for v in p) for p in problem_sizes)
@@ -2794,7 +2994,9 @@ class Plan:
         self.choice = choice
         self.chain = chain if chain is not None else (choice,)
         self.kernel_key = choice.kernel_key(self.num_groups)
-        self.tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
+        if tile_rows is None:
+            tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
+        self.tile_rows = tile_rows
         self.num_tiles = len(self.tile_rows)
         self.spec = PlanSpec(choice, self.problem_sizes, self.device, self.tile_rows)
         device_buf, self._host_staging, (self.sizes, self.tiles) = upload_int_tables(
@@ -3039,7 +3241,13 @@ _BINDINGS = RuntimeCache(max_entries=64)
 # graph reads their tables (and descriptors) at every replay
 _CAPTURED = RuntimeCache(max_entries=256)
 _PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
-_SIGNATURES = RuntimeCache(max_entries=256)
+# Size plans by (device, sizes, backend): what an input set's first call needs, no device memory
+_SIZE_PLANS = RuntimeCache(max_entries=256, max_bytes=16 << 20)
+# Input sets (pointers and sizes) that ran once without a binding: their next call binds them
+_SEEN_ONCE = RuntimeCache(max_entries=1024)
+# Per device: the tables of first calls (TableRing) and of captured first calls (CaptureArena)
+_TABLE_RINGS: dict = {}
+_CAPTURE_ARENAS: dict = {}
 _BACKEND_BY_DEVICE: dict = {}
 
 
@@ -3076,47 +3284,81 @@ def select_backend(device_index: int):
     return backend
 
 
-def _signature(data) -> tuple:
-    """What validate_inputs judged of an input set besides its pointers: the problem sizes and
-    every kernel-read tensor's dtype, shape and strides."""
-    abc, _, sfasfb_reordered, problem_sizes = data
-    return (
-        tuple(map(tuple, problem_sizes)),
-        tuple((t.dtype, t.shape, t.stride()) for t in _flatten(abc)),
-        tuple((t.dtype, t.shape, t.stride()) for t in _flatten(sfasfb_reordered)),
-    )
+@functools.lru_cache(maxsize=4096)
+def _scale_layout(mn: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) of the official reordered scale tensor of mn rows and K (pure)."""
+    return reordered_scale_shape(mn, k), reordered_scale_strides(mn, k)
 
 
-def _same_device_and_aligned(data) -> bool:
-    """The checks of validate_inputs that depend on the pointers: one CUDA device, 32-byte
-    aligned base addresses."""
-    abc, _, sfasfb_reordered, _ = data
-    device = abc[0][0].device
-    if device.type != "cuda":
-        return False
-    for tensor in itertools.chain(_flatten(abc), _flatten(sfasfb_reordered)):
-        if tensor.device != device or (tensor.data_ptr() % BASE_ALIGN_BYTES and tensor.numel()):
-            return False
-    return True
+def _accepted_device(device: torch.device) -> bool:
+    return device.type == "cuda"
 
 
-def checked_problem_sizes(data) -> tuple[tuple[int, int, int, int], ...]:
-    """validate_inputs, at the cost of what changed: an input set whose signature (sizes,
-    dtypes, shapes, strides) passed before pays only the pointer checks (device,
-    alignment); anything else, or a failed check, runs the full rules and raises their
-    errors."""
+_SEQUENCE_TYPES = (tuple, list)
+
+
+def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], ...] | None:
+    """validate_inputs' verdict where every rule holds in its strictest form, at a fraction of
+    its cost (a MoE step validates new sizes on every call): the sizes when the structure is
+    right, every dtype, shape and stride is exactly the official layout's (also on modes of
+    extent 1), every tensor is on group 0's CUDA device and every pointer of `key`
+    (input_key) is 32-byte aligned; None otherwise, and the full rules decide (with their
+    error, or accepting what is valid only in their looser form)."""
     try:
-        signature = _signature(data)
-    except Exception:  # noqa: BLE001 - malformed input: validate_inputs names what is wrong
-        signature = None
-    if signature is not None:
-        problem_sizes = _SIGNATURES.get(signature)
-        if problem_sizes is not None and _same_device_and_aligned(data):
-            return problem_sizes
-    problem_sizes = validate_inputs(data)
-    if signature is not None:
-        _SIGNATURES.put(signature, problem_sizes)
-    return problem_sizes
+        abc, sfasfb, reordered, problem_sizes = data
+        num_groups = len(problem_sizes)
+        if (not 1 <= num_groups <= MAX_GROUPS or not isinstance(problem_sizes, _SEQUENCE_TYPES)
+                or not isinstance(abc, _SEQUENCE_TYPES) or not isinstance(sfasfb, _SEQUENCE_TYPES)
+                or not isinstance(reordered, _SEQUENCE_TYPES)
+                or len(abc) != num_groups or len(sfasfb) != num_groups or len(reordered) != num_groups):
+            return None
+        device = abc[0][0].device
+        if not _accepted_device(device) or any(pointer & (BASE_ALIGN_BYTES - 1) for pointer in key):
+            return None
+        fp4, e4m3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
+        sizes = []
+        for size, group, plain, scales in zip(problem_sizes, abc, sfasfb, reordered):
+            if (not isinstance(size, _SEQUENCE_TYPES) or not isinstance(group, _SEQUENCE_TYPES)
+                    or not isinstance(plain, _SEQUENCE_TYPES) or not isinstance(scales, _SEQUENCE_TYPES)
+                    or len(plain) != 2):
+                return None
+            m, n, k, l = size
+            a, b, c = group
+            sfa, sfb = scales
+            if (type(m) is not int or type(n) is not int or type(k) is not int or type(l) is not int
+                    or l != 1 or k <= 0 or k % K_TILE or n <= 0 or m < 0):
+                return None
+            half_k = k // 2
+            sfa_shape, sfa_strides = _scale_layout(m, k)
+            sfb_shape, sfb_strides = _scale_layout(n, k)
+            if not (
+                isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(c, torch.Tensor)
+                and isinstance(sfa, torch.Tensor) and isinstance(sfb, torch.Tensor)
+                and a.dtype == fp4 and a.shape == (m, half_k, 1) and a.stride() == (half_k, 1, m * half_k)
+                and b.dtype == fp4 and b.shape == (n, half_k, 1) and b.stride() == (half_k, 1, n * half_k)
+                and c.dtype == torch.float16 and c.shape == (m, n, 1) and c.stride() == (n, 1, m * n)
+                and sfa.dtype == e4m3 and sfa.shape == sfa_shape and sfa.stride() == sfa_strides
+                and sfb.dtype == e4m3 and sfb.shape == sfb_shape and sfb.stride() == sfb_strides
+                and a.device == device and b.device == device and c.device == device
+                and sfa.device == device and sfb.device == device
+            ):
+                return None
+            sizes.append((m, n, k, 1))
+    except Exception:  # noqa: BLE001 - malformed input: the full rules name what is wrong
+        return None
+    return tuple(sizes)
+
+
+def checked_problem_sizes(data, key: tuple | None = None) -> tuple[tuple[int, int, int, int], ...]:
+    """validate_inputs' result: accepted_problem_sizes where it accepts, else the full rules
+    (which raise their errors)."""
+    if key is None:
+        try:
+            key = input_key(data)
+        except Exception:  # noqa: BLE001 - malformed input: the full rules name what is wrong
+            return validate_inputs(data)
+    problem_sizes = accepted_problem_sizes(data, key)
+    return validate_inputs(data) if problem_sizes is None else problem_sizes
 
 
 def _drop_bindings(predicate) -> None:
@@ -3129,24 +3371,154 @@ def _drop_plans(predicate) -> None:
     """Remove the plans that `predicate` selects, and their bindings."""
     for key in [key for key, plan in _PLANS.entries.items() if predicate(plan)]:
         _PLANS.nbytes -= _PLANS.entries.pop(key).nbytes
+    for key in [key for key, plan in _SIZE_PLANS.entries.items() if predicate(plan)]:
+        _SIZE_PLANS.nbytes -= _SIZE_PLANS.entries.pop(key).nbytes
     _drop_bindings(predicate)
 
 
 def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
-    """The cached plan of these sizes on `device` for `backend`, or a new one running the
-    first kernel of the backend's chain that is not demoted and compiles."""
+    """The cached plan of these sizes on `device` for `backend`, or a new one on their size
+    plan's kernel (the first of the backend's chain that is not demoted and compiles)."""
     key = (str(device), problem_sizes, backend.plan_key)
     plan = _PLANS.get(key)
     if plan is None:
-        backend.can_implement(problem_sizes)
-        chain = backend.kernel_chain(problem_sizes)
         with _RUNTIME_LOCK:
-            choice = choose_kernel(backend, chain, len(problem_sizes))
-            plan = Plan(backend, problem_sizes, device, choice, chain)
+            size_plan = get_size_plan(backend, problem_sizes, device)
+            plan = Plan(backend, problem_sizes, device, size_plan.choice, size_plan.chain, size_plan.tile_rows)
         evicted = _PLANS.put(key, plan)
         if evicted:
             _drop_bindings(lambda bound_plan: any(bound_plan is gone for gone in evicted))
     return plan
+
+
+class SizePlan:
+    """What an input set's first call of one size set needs, without device memory: the
+    kernel chosen (and compiled) as get_plan chooses it, its tile rows packed after the sizes
+    as the kernels read them (`head`: sizes int32 [G, 4] then tiles int32 [T, W], each on 16
+    bytes), where the pointer table (int64 [G, 5]) and the backend's own table follow, and
+    the backend's DirectLaunch (None: the backend runs bound input sets only)."""
+
+    __slots__ = (
+        "chain", "choice", "direct", "extra_offset", "head", "kernel_key", "nbytes", "num_groups", "num_tiles",
+        "problem_sizes", "ptr_format", "ptrs_offset", "table_bytes", "tile_rows", "tiles_offset",
+    )
+
+    def __init__(self, backend, problem_sizes, device: torch.device):
+        backend.can_implement(problem_sizes)
+        self.chain = backend.kernel_chain(problem_sizes)
+        self.num_groups = len(problem_sizes)
+        self.choice = choose_kernel(backend, self.chain, self.num_groups)
+        self.kernel_key = self.choice.kernel_key(self.num_groups)
+        self.problem_sizes = problem_sizes
+        self.tile_rows = tile_rows = () if self.choice.host else tuple(backend.plan_tiles(problem_sizes, self.choice))
+        self.num_tiles = len(tile_rows)
+        self.direct = None
+        if not self.choice.host and self.num_tiles:
+            self.direct = backend.direct_launch(PlanSpec(self.choice, problem_sizes, device, tile_rows))
+        width = len(tile_rows[0]) if tile_rows else 1
+        self.tiles_offset = _align_up(16 * self.num_groups, 16)
+        self.ptrs_offset = _align_up(self.tiles_offset + 4 * width * self.num_tiles, 16)
+        head = bytearray(self.ptrs_offset)
+        struct.pack_into(f"<{4 * self.num_groups}i", head, 0, *_flatten(problem_sizes))
+        struct.pack_into(f"<{width * self.num_tiles}i", head, self.tiles_offset, *_flatten(tile_rows))
+        self.head = bytes(head)
+        self.extra_offset = self.ptrs_offset + 8 * NUM_PTR_COLS * self.num_groups
+        self.table_bytes = self.extra_offset + (0 if self.direct is None else self.direct.extra_bytes)
+        self.ptr_format = f"<{NUM_PTR_COLS * self.num_groups}q"
+        self.nbytes = 2 * len(self.head)  # the head, and about as much in tile_rows
+
+
+def get_size_plan(backend, problem_sizes, device: torch.device) -> SizePlan:
+    """The cached SizePlan of these sizes on `device` for `backend` (made under the lock)."""
+    key = (str(device), problem_sizes, backend.plan_key)
+    size_plan = _SIZE_PLANS.get(key)
+    if size_plan is None:
+        size_plan = SizePlan(backend, problem_sizes, device)
+        _SIZE_PLANS.put(key, size_plan)
+    return size_plan
+
+
+def _pointer_table(key: tuple, num_groups: int) -> list[int]:
+    """input_key's pointers (a, b, c of every group, then sfa, sfb of every group) in the
+    pointer table's order: per group a, b, c, sfa, sfb."""
+    abc, scales = key[: 3 * num_groups], key[3 * num_groups:]
+    return [p for g in range(num_groups)
+            for p in (abc[3 * g], abc[3 * g + 1], abc[3 * g + 2], scales[2 * g], scales[2 * g + 1])]
+
+
+class DirectTables(typing.NamedTuple):
+    """Device addresses of a first call's tables (TableRing or CaptureArena)."""
+
+    sizes: int
+    tiles: int
+    ptrs: int
+    extra: int
+
+
+def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: int, device: torch.device,
+                       captured: bool):
+    """Write the tables of an input set's first call (its pointers, the size plan's head) where
+    the GPU reads them in place and launch the backend's DirectLaunch on `stream`. Returns
+    what the launch keeps alive (the scratch), or None when a capture's arena is full."""
+    if captured:
+        arena = _CAPTURE_ARENAS[device.index]
+        offset = arena.take(size_plan.table_bytes)
+        if offset is None:
+            return None
+        buffer = arena.buffer
+    else:
+        ring = _TABLE_RINGS.get(device.index)
+        if ring is None:
+            ring = _TABLE_RINGS[device.index] = TableRing(device)
+            _CAPTURE_ARENAS[device.index] = CaptureArena(device)
+        offset = ring.take(size_plan.table_bytes, stream)
+        buffer = ring.buffer
+    host = buffer.host
+    host[offset: offset + len(size_plan.head)] = size_plan.head
+    struct.pack_into(size_plan.ptr_format, host, offset + size_plan.ptrs_offset,
+                     *_pointer_table(key, size_plan.num_groups))
+    base = buffer.device_base + offset
+    tables = DirectTables(base, base + size_plan.tiles_offset, base + size_plan.ptrs_offset,
+                          base + size_plan.extra_offset)
+    keepalive = size_plan.direct.launch(host, offset + size_plan.extra_offset, tables, stream_handle)
+    return keepalive if keepalive is not None else ()
+
+
+def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
+    """An input set's first call, without a binding, where its size plan has a DirectLaunch
+    whose kernel passed its self-check (or the check is off): the outputs, or None when the
+    call takes the binding path (then nothing was launched). Under a caller's capture only an
+    input set that ran once eagerly (its tables then go to the capture's arena)."""
+    device = data[0][0][0].device
+    seen_key = (key, problem_sizes)
+    capturing = _capturing()
+    if capturing and (seen_key not in _SEEN_ONCE or device.index not in _CAPTURE_ARENAS):
+        return None
+    with _RUNTIME_LOCK, _device_context(device):
+        backend = select_backend(device.index)
+        size_plan = get_size_plan(backend, problem_sizes, device)
+        direct = size_plan.direct
+        if (direct is None or (SELF_CHECK and size_plan.kernel_key not in _SELF_CHECKED)
+                or size_plan.table_bytes > TableRing.SEGMENT_BYTES):
+            return None
+        if not capturing and seen_key in _SEEN_ONCE:
+            return None  # its second call: bind it (the hit path from now on)
+        stream = _stream_for_current()
+        try:
+            keepalive = _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, capturing)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:
+            if capturing:
+                raise
+            return None
+        if keepalive is None:
+            return None
+        if capturing:
+            _CAPTURED.put(("first call", seen_key), (size_plan, keepalive))
+        else:
+            _SEEN_ONCE.put(seen_key, True)
+    return list(map(_c_of_group, data[0]))
 
 
 def _new_binding(backend, problem_sizes, device, data) -> Binding:
@@ -3166,14 +3538,28 @@ def _new_binding(backend, problem_sizes, device, data) -> Binding:
                    f"descriptor init failed ({_one_line(error)})")
 
 
-def _bound_input_set(data) -> Binding:
-    """The validating path: checked sizes, then the cached binding of these pointers or a new
-    one on the plan of these sizes. One thread at a time (compilation and the caches)."""
-    problem_sizes = checked_problem_sizes(data)
-    key = input_key(data)
+def _stream_handle(stream) -> int:
+    """The raw handle of a cuda.CUstream (0 for the CPU tests' stand-in streams)."""
+    return int(stream) if isinstance(stream, cuda.CUstream) else 0
+
+
+def _bound_input_set(data) -> "Binding | list[torch.Tensor]":
+    """The validating path: checked sizes, then the cached binding of these pointers, the
+    outputs of a first call launched without a binding (_first_call), or a new binding on
+    the plan of these sizes. One thread at a time (compilation and the caches)."""
+    try:
+        key = input_key(data)
+    except Exception:
+        validate_inputs(data)  # names what is wrong
+        raise
+    problem_sizes = checked_problem_sizes(data, key)
     with _RUNTIME_LOCK:
         binding = _BINDINGS.get(key)
         if binding is None or binding.plan.problem_sizes != problem_sizes:
+            if FIRST_CALLS_UNBOUND:
+                outputs = _first_call(data, key, problem_sizes)
+                if outputs is not None:
+                    return outputs
             if _capturing():
                 raise RuntimeError(
                     "custom_kernel: this input set (these sizes and tensors) has not run outside a CUDA "
@@ -3216,6 +3602,8 @@ def custom_kernel(data: input_t) -> output_t:
     first_use = binding is None
     if first_use:
         binding = _bound_input_set(data)
+        if type(binding) is list:  # a first call, launched without a binding
+            return binding
     if _current_raw_stream is not None:
         stream = _STREAM_OBJECTS.get(_current_raw_stream(_cuda_get_device()))
     else:
@@ -3296,7 +3684,7 @@ def reset_runtime() -> None:
     result (compiled kernels stay): the process as it was before its first call, for tests
     and for a caller that changed an environment switch."""
     with _RUNTIME_LOCK:
-        for cache in (_BINDINGS, _PLANS, _SIGNATURES, _CAPTURED):
+        for cache in (_BINDINGS, _PLANS, _SIZE_PLANS, _SEEN_ONCE, _CAPTURED):
             cache.clear()
         _BACKEND_BY_DEVICE.clear()
         _DEMOTED.clear()

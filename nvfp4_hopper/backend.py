@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Sequence
 
 import cuda.bindings.driver as cuda
@@ -65,6 +66,18 @@ def current_num_sms() -> int:
     return _NUM_SMS[index]
 
 
+def activation_slabs(problem_sizes, config: SwapAbConfig) -> tuple[list[int], list[int], int]:
+    """Where each group's decoded activations go in one scratch buffer: (byte offset per
+    group, slab bytes per group (padded_token_rows x 128), total bytes, at least 16)."""
+    offsets, slabs, total = [], [], 0
+    for m, _n, k, _l in problem_sizes:
+        slab = padded_token_rows(m, config) * SWAP_AB_HALF_K * 2
+        offsets.append(total)
+        slabs.append(slab)
+        total += slab * (k // SWAP_AB_HALF_K)
+    return offsets, slabs, max(total, 16)
+
+
 class ActivationBuffer:
     """The swap-AB pre-pass's output for one plan (size set, config): every group's decoded
     fp16 activations in k-tile slabs (K / 64 slabs of padded_token_rows x 128 bytes, one
@@ -75,13 +88,10 @@ class ActivationBuffer:
     __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer")
 
     def __init__(self, problem_sizes, device, config: SwapAbConfig):
-        slabs = [padded_token_rows(m, config) * SWAP_AB_HALF_K * 2 for m, _n, _k, _l in problem_sizes]
-        sizes = [slab * (k // SWAP_AB_HALF_K) for slab, (_m, _n, k, _l) in zip(slabs, problem_sizes)]
-        self.buffer = torch.empty(max(sum(sizes), 16), dtype=torch.uint8, device=device)
-        base, table = self.buffer.data_ptr(), []
-        for size, slab in zip(sizes, slabs):
-            table.append((base, slab))
-            base += size
+        offsets, slabs, total = activation_slabs(problem_sizes, config)
+        self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        base = self.buffer.data_ptr()
+        table = [(base + offset, slab) for offset, slab in zip(offsets, slabs)]
         host = torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
         if self.buffer.device.type == "cuda":
             host = host.pin_memory()
@@ -97,6 +107,46 @@ class ActivationBuffer:
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.buffer.record_stream(stream)
         self.addresses.record_stream(stream)
+
+
+class DirectLaunch:
+    """The swap-AB kernels of one size set launched for an input set that has no binding (its
+    first call): the runtime's tables read in place from mapped host memory
+    (submission.DirectTables), the activations decoded into scratch allocated per call from
+    torch's caching allocator on the launch stream (reused only by that stream's later
+    work), their address table written after the runtime's tables (`extra_bytes`)."""
+
+    __slots__ = ("acts_format", "blocks_x", "device", "extra_bytes", "gemm", "num_tiles", "offsets", "prepass",
+                 "scratch_bytes", "slabs")
+
+    def __init__(self, spec, config: SwapAbConfig):
+        import submission
+
+        num_groups = spec.num_groups
+        self.device = spec.device
+        self.offsets, self.slabs, self.scratch_bytes = activation_slabs(spec.problem_sizes, config)
+        self.extra_bytes = 16 * num_groups
+        self.acts_format = f"<{2 * num_groups}q"
+        self.num_tiles = spec.num_tiles
+        self.blocks_x = max(1, -(-activation_blocks(spec.problem_sizes) // DECODE_THREADS))
+        i64, i32 = cutlass.Int64, cutlass.Int32
+        self.prepass = submission.cell_launcher(
+            compile_decode_activations(num_groups, chained=config.chain_calls),
+            ("ptr", "ptr", "ptr", "i32", "stream"), (i64, i32, i64, None, None))
+        self.gemm = submission.cell_launcher(
+            compile_swap_ab_gemm(num_groups, config=config),
+            ("ptr", "ptr", "ptr", "i32", "ptr", "stream"), (i64, i32, i32, None, i64, None))
+
+    def launch(self, host, acts_offset: int, tables, stream_handle: int) -> torch.Tensor:
+        """Launch the pre-pass and the GEMM on the stream of `stream_handle`; returns the scratch
+        (the caller keeps it alive only under a capture)."""
+        scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=self.device)
+        base = scratch.data_ptr()
+        struct.pack_into(self.acts_format, host, acts_offset,
+                         *[v for offset, slab in zip(self.offsets, self.slabs) for v in (base + offset, slab)])
+        self.prepass(tables.ptrs, tables.sizes, tables.extra, self.blocks_x, stream_handle)
+        self.gemm(tables.ptrs, tables.sizes, tables.tiles, self.num_tiles, tables.extra, stream_handle)
+        return scratch
 
 
 class Sm90Plan:
@@ -311,6 +361,14 @@ class Sm90Backend:
         if config.stream_k and spec.num_tiles > 0:
             stream_k = StreamKPlan(spec, config, current_num_sms() * CTAS_PER_SM)
         return Sm90Plan(config, stream_k)
+
+    def direct_launch(self, spec) -> DirectLaunch | None:
+        """The DirectLaunch of a spec running a swap-AB config (compiled by then); None for the
+        in-GEMM-decode kernel (its stream-K scratch is per plan)."""
+        config = spec.choice.config
+        if not isinstance(config, SwapAbConfig):
+            return None
+        return DirectLaunch(spec, config)
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):
         """(compiled GEMM, its arguments) for this input set on `stream`; for swap-AB, the

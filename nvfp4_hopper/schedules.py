@@ -125,23 +125,34 @@ def variable_token_tiles(problem_sizes, config: SwapAbConfig) -> list[tuple[int,
     multiple of 64 (the last one smaller where M ends), class = tokens / 64 - 1. Longest
     modelled time (k-tiles x swap_ab_k_tile_us of the class) first, so that the hardware's
     in-order dispatch gives the longest tiles the first SMs (longest-first scheduling); then
-    group, weight tile, first token."""
+    group, weight tile, first token.
+
+    Sorted per (group, class) bucket, not per row: a new size set plans on the call's path
+    (a MoE step), and its rows number hundreds."""
     step = TOKEN_CLASS_STEP
-    rows = []
-    for g, (m, n, _k, _l) in enumerate(problem_sizes):
+    buckets = []  # (-cost, group, class, first tokens / step, weight tiles)
+    for g, (m, n, k, _l) in enumerate(problem_sizes):
         if m == 0:
             continue
         count = -(-m // config.tile_tokens)
         per_tile = -(-m // count)
         size = -(-per_tile // step) * step
-        for first in range(0, m, size):
-            tokens = -(-min(size, m - first) // step) * step
-            for weight_tile in range(-(-n // config.tile_weights)):
-                rows.append((g, first // step, weight_tile, tokens // step - 1))
-    def cost(row):
-        return problem_sizes[row[0]][2] // config.tile_k * swap_ab_k_tile_us((row[3] + 1) * step)
-
-    return sorted(rows, key=lambda row: (-cost(row), row[0], row[2], row[1]))
+        full, rest = divmod(m, size)
+        k_tiles = k // config.tile_k
+        weight_tiles = -(-n // config.tile_weights)
+        rest_tokens = -(-rest // step) * step
+        if rest_tokens == size:  # the last tile rounds up to the others' class
+            full, rest = full + 1, 0
+        if full:
+            buckets.append((-k_tiles * swap_ab_k_tile_us(size), g, size // step - 1,
+                            range(0, full * size // step, size // step), weight_tiles))
+        if rest:
+            buckets.append((-k_tiles * swap_ab_k_tile_us(rest_tokens), g, rest_tokens // step - 1,
+                            (full * size // step,), weight_tiles))
+    # one group's buckets differ in class, hence in cost: (-cost, group) orders them all
+    buckets.sort(key=lambda bucket: bucket[:2])
+    return [(g, first, w, token_class) for _cost, g, token_class, firsts, weight_tiles in buckets
+            for w in range(weight_tiles) for first in firsts]
 
 
 # The model picks the measured winner of these on every benchmark shape (EXPERIMENTS E32).

@@ -139,7 +139,7 @@ def runtime_on_cpu(monkeypatch, backend, validations: list | None = None) -> Non
             return tuple(tuple(int(v) for v in p) for p in data[3])
 
     monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
-    monkeypatch.setattr(submission, "_same_device_and_aligned", lambda data: True)
+    monkeypatch.setattr(submission, "_accepted_device", lambda device: True)
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
     monkeypatch.setattr(submission, "_current_raw_stream", None)
     monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-0")

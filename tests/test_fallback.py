@@ -222,6 +222,9 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
             descriptors.event, descriptors.stream = FakeEvent(), "stream-D"
             return descriptors
 
+        def direct_launch(self, spec):
+            return None
+
         def launch_args(self, plan, binding, stream):
             return (lambda *a: None), ()
 

@@ -85,6 +85,9 @@ class TableBackend:
     def write_descriptors(self, plan, pointers, ptrs):
         return None
 
+    def direct_launch(self, spec):
+        return None
+
 
 def test_plan_and_binding_tables_contents_and_alignment():
     sizes = [(0, 128, 256, 1), (40, 384, 512, 1), (129, 128, 768, 1)]
@@ -194,20 +197,22 @@ def test_same_buffers_with_other_sizes_miss(recording_runtime):
     smaller = (data[0], data[1], data[2], [(40, 384, 512, 1), (129, 128, 768, 1)])
     with pytest.raises(ValueError, match="group 0: a.shape"):
         submission.custom_kernel(smaller)
-    assert len(validations) == 2 and len(backend.launches) == 1
+    # the valid set passed the fast acceptor; the bad one went to the full rules
+    assert len(validations) == 1 and len(backend.launches) == 1
     submission.custom_kernel(data)
-    assert len(validations) == 2 and len(backend.launches) == 2
+    assert len(validations) == 1 and len(backend.launches) == 2
     # Views with the same base pointers and valid smaller shapes: validated, own tables
     (a0, b0, c0), group1 = data[0]
     views = ([(a0[:40], b0, c0[:40]), group1], data[1], data[2], smaller[3])
     assert submission.input_key(views) == submission.input_key(data)
     submission.custom_kernel(views)
-    assert len(validations) == 3 and len(backend.prepared) == 2
+    # their L-mode strides are the 64-row tensors' (extent 1: unused): the full rules accept them
+    assert len(validations) == 2 and len(backend.prepared) == 2
     assert backend.launches[-1][0].problem_sizes[0] == (40, 384, 512, 1)
-    # Back to the first sizes: their signature and plan are known (no full rules, no new
-    # plan); the pointers are bound to that plan again
+    # Back to the first sizes: their plan is known (no new plan); the pointers are bound to
+    # that plan again
     submission.custom_kernel(data)
-    assert len(validations) == 3 and len(backend.prepared) == 2
+    assert len(validations) == 2 and len(backend.prepared) == 2
     assert backend.launches[-1][0].problem_sizes[0] == (64, 384, 512, 1)
 
 
@@ -243,6 +248,9 @@ class RecordingBackend:
         self.bound.append(pointers)
         return {"descriptors of": pointers}
 
+    def direct_launch(self, spec):
+        return None
+
     def launch_args(self, plan, binding, stream):
         self.args.append(stream)
         return (lambda *args: self.launches.append((plan, binding, stream))), (plan, binding, stream)
@@ -264,7 +272,7 @@ def test_hit_is_one_launch_and_no_validation(recording_runtime):
     backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
     outputs = [submission.custom_kernel(data) for _ in range(5)]
-    assert validations == [1]
+    assert validations == []  # the official layout: the fast acceptor's, no full rules
     assert len(backend.checked) == 1 and len(backend.prepared) == 1 and len(backend.bound) == 1
     # Launch arguments prepared once: a plan whose launch cannot be recorded (CPU tensors)
     # launches directly from its first call on (LaunchMode.DIRECT)
@@ -283,8 +291,8 @@ def test_new_pointers_of_known_sizes_share_the_plan_and_skip_the_full_rules(reco
     changed = ([data[0][0], (data[0][1][0], data[0][1][1], new_c)], data[1], data[2], data[3])
     result = submission.custom_kernel(changed)
     assert result[1] is new_c
-    # Same signature: no second run of the full rules, no second plan, a second binding
-    assert validations == [1] and len(backend.prepared) == 1 and len(backend.checked) == 1
+    # Known sizes: no full rules (the fast acceptor), no second plan, a second binding
+    assert validations == [] and len(backend.prepared) == 1 and len(backend.checked) == 1
     assert len(backend.bound) == 2
     first, second = submission._BINDINGS.entries.values()  # least recently used first
     assert first.plan is second.plan
@@ -307,17 +315,24 @@ def test_a_new_dtype_or_layout_runs_the_full_rules(recording_runtime):
     transposed = torch.empty_strided(c.shape, (1, c.shape[0], c.numel()), dtype=c.dtype)
     with pytest.raises(ValueError, match=r"group 0: c.stride\(\)"):
         submission.custom_kernel(([(a, b, transposed)], data[1], data[2], data[3]))
-    assert len(validations) == 3
+    assert len(validations) == 2  # the two bad sets, not the good one
 
 
-def test_failed_pointer_checks_run_the_full_rules(recording_runtime, monkeypatch):
-    """A known signature whose pointers fail the cheap checks gets validate_inputs' error."""
+def test_what_the_fast_acceptor_declines_runs_the_full_rules(recording_runtime, monkeypatch):
+    """A device the fast acceptor does not take, or a valid layout only in the full rules'
+    looser form (a stride on a mode of extent 1), gets validate_inputs' verdict."""
     _backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1)])
     submission.custom_kernel(data)
-    monkeypatch.setattr(submission, "_same_device_and_aligned", lambda data: False)
+    assert validations == []
+    monkeypatch.setattr(submission, "_accepted_device", lambda device: False)
     moved = make_inputs([(40, 384, 512, 1)])
     submission.custom_kernel(moved)  # the full rules pass (device waived): bound
+    assert len(validations) == 1
+    monkeypatch.setattr(submission, "_accepted_device", lambda device: True)
+    (a, b, c), = moved[0]
+    odd = torch.empty_strided(c.shape, (c.shape[1], 1, 7), dtype=c.dtype)  # L = 1: its stride is never used
+    submission.custom_kernel(([(a, b, odd)], moved[1], moved[2], moved[3]))
     assert len(validations) == 2
 
 
@@ -363,7 +378,7 @@ def test_lru_evicts_the_oldest_input_set(recording_runtime, monkeypatch):
     sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
     for data in sets:
         submission.custom_kernel(data)
-    assert len(submission._BINDINGS) == 3 and len(validations) == 1 and len(backend.prepared) == 1
+    assert len(submission._BINDINGS) == 3 and validations == [] and len(backend.prepared) == 1
     submission.custom_kernel(sets[3])  # still cached
     assert len(backend.bound) == 4
     submission.custom_kernel(sets[0])  # evicted: bound again on the same plan
@@ -476,17 +491,17 @@ def test_persistent_launch_arguments(monkeypatch):
 
 def test_list_problem_sizes_share_one_binding(recording_runtime):
     """problem_sizes as lists of lists never equal the plan's tuples: every call takes the
-    checking path, which finds the known signature (the full rules ran once) and the one
+    checking path, which accepts them (the fast acceptor takes lists) and finds the one
     cached binding (no rebuild, one launch per call)."""
     backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
     as_lists = (data[0], data[1], data[2], [list(p) for p in data[3]])
     for _ in range(3):
         submission.custom_kernel(as_lists)
-    assert len(validations) == 1 and len(backend.prepared) == 1 and len(backend.bound) == 1
+    assert validations == [] and len(backend.prepared) == 1 and len(backend.bound) == 1
     assert len(backend.launches) == 3
     submission.custom_kernel(data)  # the official tuple form hits the same binding
-    assert len(validations) == 1 and len(backend.bound) == 1 and len(backend.launches) == 4
+    assert validations == [] and len(backend.bound) == 1 and len(backend.launches) == 4
 
 
 def test_stream_change_prepares_the_launch_again(recording_runtime, monkeypatch):
