@@ -2575,23 +2575,25 @@ class MappedHostBuffer:
     writes it, `device_base` the address a kernel reads it at. On a CPU device (the tests) a
     plain buffer, read by the host-side stand-ins at its own address."""
 
-    __slots__ = ("base", "device_base", "host", "pinned", "size")
+    __slots__ = ("_storage", "base", "device_base", "host", "pinned", "size")
 
     def __init__(self, device: torch.device, size: int):
         self.size, self.pinned = size, False
         if device.type == "cuda":
             flags = cuda.CU_MEMHOSTALLOC_DEVICEMAP | cuda.CU_MEMHOSTALLOC_PORTABLE
             with _device_context(device):
-                result, self.base = cuda.cuMemHostAlloc(size, flags)
+                result, base = cuda.cuMemHostAlloc(size, flags)
                 _check_cuda(result, "cuMemHostAlloc")
-                self.pinned = True
-                result, self.device_base = cuda.cuMemHostGetDevicePointer(self.base, 0)
+                self.base, self.pinned = int(base), True
+                result, device_base = cuda.cuMemHostGetDevicePointer(self.base, 0)
                 _check_cuda(result, "cuMemHostGetDevicePointer")
+                self.device_base = int(device_base)
             self.host = memoryview((ctypes.c_char * size).from_address(self.base)).cast("B")
         else:
-            storage = (ctypes.c_char * size)()
-            self.host = memoryview(storage).cast("B")
-            self.base = self.device_base = ctypes.addressof(storage)
+            self._storage = storage = (ctypes.c_char * (size + 128))()
+            pad = -ctypes.addressof(storage) % 128  # aligned as a pinned allocation is
+            self.host = memoryview(storage).cast("B")[pad: pad + size]
+            self.base = self.device_base = ctypes.addressof(storage) + pad
 
     def __del__(self):
         if getattr(self, "pinned", False):
@@ -3297,6 +3299,13 @@ def _accepted_device(device: torch.device) -> bool:
 _SEQUENCE_TYPES = (tuple, list)
 
 
+def _loose_layout(tensor: torch.Tensor, shape: tuple, strides: tuple) -> bool:
+    """_check_layout's rule without its errors: the shape, and the strides of modes of extent
+    above 1."""
+    return tensor.shape == shape and all(
+        extent <= 1 or got == want for extent, got, want in zip(shape, tensor.stride(), strides))
+
+
 def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], ...] | None:
     """validate_inputs' verdict where every rule holds in its strictest form, at a fraction of
     its cost (a MoE step validates new sizes on every call): the sizes when the structure is
@@ -3331,12 +3340,20 @@ def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int],
             half_k = k // 2
             sfa_shape, sfa_strides = _scale_layout(m, k)
             sfb_shape, sfb_strides = _scale_layout(n, k)
+            if m == 0:  # no rows: a, c and sfa have strides of their own on the empty modes
+                a_strides, c_strides, sfa_strides = a.stride(), c.stride(), sfa.stride()
+                if not (_loose_layout(a, (0, half_k, 1), (half_k, 1, 0))
+                        and _loose_layout(c, (0, n, 1), (n, 1, 0))
+                        and _loose_layout(sfa, sfa_shape, _scale_layout(0, k)[1])):
+                    return None
+            else:
+                a_strides, c_strides = (half_k, 1, m * half_k), (n, 1, m * n)
             if not (
                 isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(c, torch.Tensor)
                 and isinstance(sfa, torch.Tensor) and isinstance(sfb, torch.Tensor)
-                and a.dtype == fp4 and a.shape == (m, half_k, 1) and a.stride() == (half_k, 1, m * half_k)
+                and a.dtype == fp4 and a.shape == (m, half_k, 1) and a.stride() == a_strides
                 and b.dtype == fp4 and b.shape == (n, half_k, 1) and b.stride() == (half_k, 1, n * half_k)
-                and c.dtype == torch.float16 and c.shape == (m, n, 1) and c.stride() == (n, 1, m * n)
+                and c.dtype == torch.float16 and c.shape == (m, n, 1) and c.stride() == c_strides
                 and sfa.dtype == e4m3 and sfa.shape == sfa_shape and sfa.stride() == sfa_strides
                 and sfb.dtype == e4m3 and sfb.shape == sfb_shape and sfb.stride() == sfb_strides
                 and a.device == device and b.device == device and c.device == device
@@ -3422,7 +3439,7 @@ class SizePlan:
         struct.pack_into(f"<{4 * self.num_groups}i", head, 0, *_flatten(problem_sizes))
         struct.pack_into(f"<{width * self.num_tiles}i", head, self.tiles_offset, *_flatten(tile_rows))
         self.head = bytes(head)
-        self.extra_offset = self.ptrs_offset + 8 * NUM_PTR_COLS * self.num_groups
+        self.extra_offset = _align_up(self.ptrs_offset + 8 * NUM_PTR_COLS * self.num_groups, 16)
         self.table_bytes = self.extra_offset + (0 if self.direct is None else self.direct.extra_bytes)
         self.ptr_format = f"<{NUM_PTR_COLS * self.num_groups}q"
         self.nbytes = 2 * len(self.head)  # the head, and about as much in tile_rows

@@ -178,31 +178,31 @@ def moe_step_us(module, family, count: int, profile: bool):
 
 def moe_phases(module, family, count: int) -> None:
     """Host µs of each phase of a new-size call (submission.py's runtime only), median of
-    `count` MoE steps of `family`: validation, the chain, the compile lookups, the plan, the
-    binding, the launch preparation and the launch, each run as custom_kernel's miss runs it."""
+    `count` MoE steps of `family`, each run as custom_kernel's first call of an input set runs
+    it (no binding): the key, the validation, the size plan (kernel choice, tile rows, packed
+    tables), the tables' writing and the launches. The kernels are self-checked first (one
+    call per size set on other tensors), as a serving loop's earlier steps would have."""
     groups, n, k = family
     module.warmup(n, k, groups)
     device = torch.device("cuda", torch.cuda.current_device())
+    steps = moe_inputs(groups, n, k, count, seed=9)
+    for data in moe_inputs(groups, n, k, count, seed=9):  # same sizes, other tensors: self-checks
+        module.custom_kernel(data)
     phases: dict[str, list[float]] = {}
-    for data in moe_inputs(groups, n, k, count, seed=9):
+    for data in steps:
         torch.cuda.synchronize()
         marks = [("start", time.perf_counter())]
-        sizes = module.checked_problem_sizes(data)
+        key = module.input_key(data)
+        marks.append(("key", time.perf_counter()))
+        sizes = module.checked_problem_sizes(data, key)
         marks.append(("validation", time.perf_counter()))
         backend = module.select_backend(device.index)
-        chain = backend.kernel_chain(sizes)
-        chain[0]  # the first link's config is chosen here
-        marks.append(("chain (first link)", time.perf_counter()))
-        choice = module.choose_kernel(backend, chain, len(sizes))
-        marks.append(("compile lookups", time.perf_counter()))
-        plan = module.Plan(backend, sizes, device, choice, chain)
-        marks.append(("plan", time.perf_counter()))
-        binding = module.Binding(plan, module.pointers_of(data))
-        marks.append(("binding", time.perf_counter()))
-        binding.prepare_launch(module._stream_for_current())
-        marks.append(("launch preparation", time.perf_counter()))
-        binding.launch()
-        marks.append(("launch", time.perf_counter()))
+        module._SIZE_PLANS.clear()  # new sizes: plan them again
+        size_plan = module.get_size_plan(backend, sizes, device)
+        marks.append(("size plan", time.perf_counter()))
+        stream = module._stream_for_current()
+        module._launch_first_call(size_plan, key, stream, int(stream), device, False)
+        marks.append(("tables and launches", time.perf_counter()))
         for (_, before), (name, after) in itertools.pairwise(marks):
             phases.setdefault(name, []).append((after - before) * 1e6)
         phases.setdefault("total", []).append((marks[-1][1] - marks[0][1]) * 1e6)
