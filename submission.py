@@ -2539,6 +2539,26 @@ class CellLauncher:
             except Exception:  # noqa: BLE001 - any change in DSL internals selects the plain call
                 self.packed_args = None
 
+    def bound(self, values) -> Callable[[], None]:
+        """A launch of `values` fixed now (a binding's): its own cells and packed arguments,
+        built with ctypes alone (no DSL argument conversion)."""
+        if self.packed_args is None:
+            args = [_plain_argument(kind, dtype, value) for kind, dtype, value in zip(self.kinds, self.dtypes, values)]
+            return lambda: self.plain(*args)
+        cells = [LaunchCell(_CELL_TYPES[kind]) for kind in self.kinds]
+        for cell, value in zip(cells, values):
+            cell.storage.value = value
+        packed_args = self.keepalive[1]._get_invoke_packed_args([ctypes.addressof(c.storage) for c in cells])
+        capi_func, cuda_result = self.capi_func, self.cuda_result
+
+        def launch():
+            capi_func(packed_args)
+            if cuda_result is not None and cuda_result.value != 0:
+                raise RuntimeError(f"kernel launch failed: CUresult {cuda_result.value}")
+
+        launch.keepalive = (cells, self)
+        return launch
+
     def __call__(self, *values) -> None:
         if self.packed_args is None:
             self.plain(*(_plain_argument(kind, dtype, value)
@@ -2557,6 +2577,19 @@ def _plain_argument(kind: str, dtype, value):
     if kind == "i32":
         return cutlass.Int32(value)
     return cuda.CUstream(value)
+
+
+class CellArgs(typing.NamedTuple):
+    """One launch of a backend's launch_args as raw values (CellLauncher's kinds and
+    dtypes): a binding's prepared launch is then built with ctypes alone."""
+
+    compiled: Any
+    kinds: tuple
+    dtypes: tuple
+    values: tuple
+
+    def launcher(self) -> Callable[[], None]:
+        return cell_launcher(self.compiled, self.kinds, self.dtypes).bound(self.values)
 
 
 def cell_launcher(compiled, kinds: tuple[str, ...], dtypes: tuple) -> CellLauncher:
@@ -2627,6 +2660,8 @@ class TableRing:
         """Offset of `nbytes` (at most SEGMENT_BYTES) for a launch on `stream` (a cuda.CUstream;
         anything else has no events: the CPU tests)."""
         nbytes = _align_up(nbytes, 128)
+        if nbytes > self.SEGMENT_BYTES:
+            raise ValueError(f"TableRing.take: {nbytes} bytes; a segment holds {self.SEGMENT_BYTES}")
         if self.offset + nbytes > self.SEGMENT_BYTES:
             self._next_segment()
         if stream not in self.streams:
@@ -2763,14 +2798,16 @@ def _align_up(x, a):
     return (x + a - 1) // a * a
 
 
-def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """Copy integer tables to `device` in one buffer: (device buffer, host staging, views).
 
     `tables`: (struct code "q" or "i", rows of equal length). Each table starts on a 128-byte
-    boundary. The host side is a fresh pinned block owned by the caller and never written
-    again after the one non_blocking copy on torch's current stream, so a pending copy can
-    never see another call's values (torch's pinned allocator reuses the block only after the
-    copies that read it finished).
+    boundary. On a CUDA device the rows are packed into the device's TableRing (pinned, so
+    the one cuMemcpyHtoDAsync on torch's current stream is asynchronous; the ring reuses those
+    bytes only after the copy's stream passed them) and the host staging is None: no pinned
+    allocation per table (torch's pinned allocator went to cudaHostAlloc for most of them
+    when tables were made back to back: EXPERIMENTS E64). Elsewhere (the CPU tests) a plain
+    copy from a host buffer, which is returned.
     """
     device = torch.device(device)
     layout, offset = [], 0
@@ -2779,16 +2816,28 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor, list[
         itemsize = struct.calcsize(code)
         layout.append((offset, code, len(rows), width, itemsize))
         offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
-    # Packed in Python and handed to torch as one buffer: half the CPU of one torch op per
-    # table (EXPERIMENTS E58)
-    staging = bytearray(offset)
-    for (start, code, count, width, _), (_, rows) in zip(layout, tables):
-        struct.pack_into(f"<{count * width}{code}", staging, start, *_flatten(rows))
-    host = torch.frombuffer(staging, dtype=torch.uint8)
-    if device.type == "cuda":
-        host = host.pin_memory()
+    # Packed in Python and copied as one buffer: half the CPU of one torch op per table
+    # (EXPERIMENTS E58)
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
-    buffer.copy_(host, non_blocking=True)
+    through_ring = device.type == "cuda" and offset <= TableRing.SEGMENT_BYTES
+    if through_ring:
+        stream = _stream_for_current()
+        ring = table_ring(device)
+        ring_offset = ring.take(offset, stream)
+        staging, base = ring.buffer.host, ring_offset
+        host = None
+    else:
+        staging, base = bytearray(offset), 0
+    for (start, code, count, width, _), (_, rows) in zip(layout, tables):
+        struct.pack_into(f"<{count * width}{code}", staging, base + start, *_flatten(rows))
+    if through_ring:
+        _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + ring_offset, offset, stream)[0],
+                    "cuMemcpyHtoDAsync")
+    else:  # the CPU tests, or tables over a ring segment: a pinned staging block of their own
+        host = torch.frombuffer(staging, dtype=torch.uint8)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        buffer.copy_(host, non_blocking=True)
     dtypes = {"q": torch.int64, "i": torch.int32}
     views = [
         buffer[start : start + count * width * itemsize].view(dtypes[code]).view(count, width)
@@ -3062,11 +3111,14 @@ class Binding:
 
     def _direct_launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
         launches = self.plan.backend.launch_args(self.plan, self, stream)
-        if not isinstance(launches, list):  # one (compiled, args) pair
-            compiled, args = launches
-            return make_launcher(compiled, *args)
-        # several kernels in order (a pre-pass, then the GEMM)
-        launchers = [make_launcher(compiled, *args) for compiled, args in launches]
+        if not isinstance(launches, list):  # one launch
+            launches = [launches]
+        # each a CellArgs, or a (compiled, DSL arguments) pair; several run in order (a
+        # pre-pass, then the GEMM)
+        launchers = [entry.launcher() if isinstance(entry, CellArgs) else make_launcher(entry[0], *entry[1])
+                     for entry in launches]
+        if len(launchers) == 1:
+            return launchers[0]
 
         def launch_in_order():
             for launcher in launchers:
@@ -3463,6 +3515,15 @@ def _pointer_table(key: tuple, num_groups: int) -> list[int]:
             for p in (abc[3 * g], abc[3 * g + 1], abc[3 * g + 2], scales[2 * g], scales[2 * g + 1])]
 
 
+def table_ring(device: torch.device) -> TableRing:
+    """The device's TableRing, made (with its CaptureArena) on first use."""
+    ring = _TABLE_RINGS.get(device.index)
+    if ring is None:
+        ring = _TABLE_RINGS[device.index] = TableRing(device)
+        _CAPTURE_ARENAS[device.index] = CaptureArena(device)
+    return ring
+
+
 class DirectTables(typing.NamedTuple):
     """Device addresses of a first call's tables (TableRing or CaptureArena)."""
 
@@ -3484,10 +3545,7 @@ def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: i
             return None
         buffer = arena.buffer
     else:
-        ring = _TABLE_RINGS.get(device.index)
-        if ring is None:
-            ring = _TABLE_RINGS[device.index] = TableRing(device)
-            _CAPTURE_ARENAS[device.index] = CaptureArena(device)
+        ring = table_ring(device)
         offset = ring.take(size_plan.table_bytes, stream)
         buffer = ring.buffer
     host = buffer.host

@@ -126,6 +126,19 @@ def fresh_pointer_us(custom_kernel, data, count: int) -> list[float]:
     return figures
 
 
+def alone_us(fn, count: int) -> list[float]:
+    """CPU µs of `count` calls of fn(), each alone (a synchronize before it), as the fresh and
+    MoE calls are timed: the like-for-like floor of a call timed alone."""
+    figures = []
+    for _ in range(count):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        figures.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return figures
+
+
 MOE_FAMILIES = ((8, 4096, 7168), (8, 7168, 2048), (2, 4096, 7168))
 MOE_TOKENS = 1024
 
@@ -318,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{index:<5}{case.args['g']:>3}{call_us:>10.2f}{bare_us:>10.2f}{call_us / bare_us:>8.2f}"
               f"{min(call_figures):>11.2f}{min(bare_figures):>11.2f}")
         if options.fresh:
-            fresh.append((index, case.args["g"], fresh_pointer_us(custom_kernel, inputs[0], options.fresh)))
+            fresh.append((index, case.args["g"], fresh_pointer_us(custom_kernel, inputs[0], options.fresh), inputs[0]))
     print(f"worst ratio {max(ratios):.2f} (goal <= 1.5); medians over repeats")
     if torch.cuda.get_device_capability() == (9, 0) and os.environ.get("NVFP4_SM90_CHAIN_CALLS", "1") != "0":
         # the goal is the graph replay's, which the sm_100 path runs; chained Hopper calls
@@ -326,16 +339,21 @@ def main(argv: list[str] | None = None) -> int:
         print("sm_90: calls chained by programmatic dependent launch, two direct launches each; "
               "NVFP4_SM90_CHAIN_CALLS=0 times the graph replay")
     bare_us = statistics.median(cpu_us_per_call(bare_launch, [None] * 15, 20))
+    bare_alone_us = statistics.median(alone_us(lambda: bare_launch(None), 20))
     if fresh:
         print(f"calls on new pointers of known sizes, {options.fresh} per shape, each alone "
-              f"(bare launch {bare_us:.2f} µs in this run):")
-        print(f"{'case':<5}{'G':>3}{'median µs':>11}{'best µs':>10}{'ratio':>8}")
-        for index, groups, figures in fresh:
+              f"(bare launch {bare_us:.2f} µs back to back, {bare_alone_us:.2f} µs alone, in this run; "
+              f"a seen input set alone for comparison):")
+        print(f"{'case':<5}{'G':>3}{'median µs':>11}{'best µs':>10}{'ratio':>8}{'/ alone':>9}{'seen alone':>12}")
+        for index, groups, figures, seen in fresh:
             median = statistics.median(figures)
-            print(f"{index:<5}{groups:>3}{median:>11.1f}{min(figures):>10.1f}{median / bare_us:>8.2f}")
+            seen_us = statistics.median(alone_us(lambda data=seen: custom_kernel(data), 20))
+            print(f"{index:<5}{groups:>3}{median:>11.1f}{min(figures):>10.1f}{median / bare_us:>8.2f}"
+                  f"{median / bare_alone_us:>9.2f}{seen_us:>12.1f}")
     if options.moe:
         print(f"MoE steps, {options.moe} per family (sum M = {MOE_TOKENS} split at random every call, "
-              f"new activations, the same weights), each alone (bare launch {bare_us:.2f} µs):")
+              f"new activations, the same weights), each alone (bare launch {bare_us:.2f} µs back to back, "
+              f"{bare_alone_us:.2f} µs alone):")
         print(f"{'G':>3}{'N':>6}{'K':>6}{'median µs':>11}{'best µs':>10}{'ratio':>8}{'compiled':>10}")
         for family in MOE_FAMILIES:
             figures, compiled, profiler = moe_step_us(module, family, options.moe, options.profile)

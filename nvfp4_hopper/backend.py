@@ -9,8 +9,6 @@ from collections.abc import Sequence
 import cuda.bindings.driver as cuda
 import cutlass
 import torch
-from cutlass import cute
-from cutlass.cute.runtime import make_ptr
 
 from .config import (
     CTAS_PER_SM,
@@ -43,11 +41,6 @@ from .swap_ab import (
     compile_swap_ab_gemm,
     padded_token_rows,
 )
-
-
-def _gmem_ptr(dtype, tensor: torch.Tensor):
-    return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
-
 
 _NUM_SMS: dict = {}
 
@@ -85,28 +78,37 @@ class ActivationBuffer:
     the GEMM read. Every input set of the plan shares it; the runtime orders launches of the
     plan on different streams (Sm90Plan.shared_scratch)."""
 
-    __slots__ = ("_host_staging", "addresses", "blocks_x", "buffer")
+    __slots__ = ("_host_staging", "_table", "addresses", "blocks_x", "buffer")
 
     def __init__(self, problem_sizes, device, config: SwapAbConfig):
         offsets, slabs, total = activation_slabs(problem_sizes, config)
         self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        import submission
+
         base = self.buffer.data_ptr()
         table = [(base + offset, slab) for offset, slab in zip(offsets, slabs)]
-        host = torch.tensor(table, dtype=torch.int64).reshape(-1, 2)
-        if self.buffer.device.type == "cuda":
-            host = host.pin_memory()
-        self._host_staging = host
-        self.addresses = torch.empty_like(host, device=device)
-        self.addresses.copy_(host, non_blocking=True)
+        self._table, self._host_staging, (self.addresses,) = submission.upload_int_tables(device, [("q", table)])
         self.blocks_x = max(1, -(-activation_blocks(problem_sizes) // DECODE_THREADS))
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() + self.addresses.numel() * 8
+        return self.buffer.numel() + self._table.numel()
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         self.buffer.record_stream(stream)
-        self.addresses.record_stream(stream)
+        self._table.record_stream(stream)
+
+
+# The kernels' arguments as CellLauncher kinds and pointer dtypes: the pre-pass (ptrs, sizes,
+# activation table, blocks_x, stream), the swap-AB GEMM (ptrs, sizes, tiles, num_tiles,
+# activation table, stream), the in-GEMM-decode GEMM (ptrs, sizes, tiles, num_tiles, work,
+# num_workers, workspace, counters, stream)
+PREPASS_ARGS = (("ptr", "ptr", "ptr", "i32", "stream"), (cutlass.Int64, cutlass.Int32, cutlass.Int64, None, None))
+SWAP_AB_GEMM_ARGS = (("ptr", "ptr", "ptr", "i32", "ptr", "stream"),
+                     (cutlass.Int64, cutlass.Int32, cutlass.Int32, None, cutlass.Int64, None))
+IN_GEMM_DECODE_ARGS = (("ptr", "ptr", "ptr", "i32", "ptr", "i32", "ptr", "ptr", "stream"),
+                       (cutlass.Int64, cutlass.Int32, cutlass.Int32, None, cutlass.Int32, None, cutlass.Float32,
+                        cutlass.Int32, None))
 
 
 class DirectLaunch:
@@ -129,13 +131,9 @@ class DirectLaunch:
         self.acts_format = f"<{2 * num_groups}q"
         self.num_tiles = spec.num_tiles
         self.blocks_x = max(1, -(-activation_blocks(spec.problem_sizes) // DECODE_THREADS))
-        i64, i32 = cutlass.Int64, cutlass.Int32
         self.prepass = submission.cell_launcher(
-            compile_decode_activations(num_groups, chained=config.chain_calls),
-            ("ptr", "ptr", "ptr", "i32", "stream"), (i64, i32, i64, None, None))
-        self.gemm = submission.cell_launcher(
-            compile_swap_ab_gemm(num_groups, config=config),
-            ("ptr", "ptr", "ptr", "i32", "ptr", "stream"), (i64, i32, i32, None, i64, None))
+            compile_decode_activations(num_groups, chained=config.chain_calls), *PREPASS_ARGS)
+        self.gemm = submission.cell_launcher(compile_swap_ab_gemm(num_groups, config=config), *SWAP_AB_GEMM_ARGS)
 
     def launch(self, host, acts_offset: int, tables, stream_handle: int) -> torch.Tensor:
         """Launch the pre-pass and the GEMM on the stream of `stream_handle`; returns the scratch
@@ -371,40 +369,31 @@ class Sm90Backend:
         return DirectLaunch(spec, config)
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):
-        """(compiled GEMM, its arguments) for this input set on `stream`; for swap-AB, the
-        list [(pre-pass, arguments), (GEMM, arguments)], launched in that order."""
+        """The launches of this input set on `stream` as submission.CellArgs: for swap-AB the
+        pre-pass, then the GEMM; the in-GEMM-decode GEMM alone."""
+        import submission
+
         backend_plan = plan.backend_plan
         activations = backend_plan.activations
+        handle = int(stream)
+        ptrs, sizes, tiles = binding.ptrs.data_ptr(), plan.sizes.data_ptr(), plan.tiles.data_ptr()
         if activations is not None:
-            ptrs = _gmem_ptr(cutlass.Int64, binding.ptrs)
-            sizes = _gmem_ptr(cutlass.Int32, plan.sizes)
-            addresses = _gmem_ptr(cutlass.Int64, activations.addresses)
+            addresses = activations.addresses.data_ptr()
             return [
-                (compile_decode_activations(plan.num_groups, chained=backend_plan.config.chain_calls),
-                 (ptrs, sizes, addresses, cutlass.Int32(activations.blocks_x), stream)),
-                (compile_swap_ab_gemm(plan.num_groups, config=backend_plan.config),
-                 (ptrs, sizes, _gmem_ptr(cutlass.Int32, plan.tiles), cutlass.Int32(plan.num_tiles), addresses,
-                  stream)),
+                submission.CellArgs(compile_decode_activations(plan.num_groups, chained=backend_plan.config.chain_calls),
+                                    *PREPASS_ARGS, (ptrs, sizes, addresses, activations.blocks_x, handle)),
+                submission.CellArgs(compile_swap_ab_gemm(plan.num_groups, config=backend_plan.config),
+                                    *SWAP_AB_GEMM_ARGS, (ptrs, sizes, tiles, plan.num_tiles, addresses, handle)),
             ]
         stream_k = backend_plan.stream_k
         if stream_k is None:
             # not read by the kernel: any valid pointers
-            work, num_workers = plan.tiles, 0
-            workspace, counters = plan.sizes, plan.sizes
+            work, num_workers, workspace, counters = tiles, 0, sizes, sizes
         else:
-            work, num_workers = stream_k.work, stream_k.num_workers
-            workspace, counters = stream_k.workspace, stream_k.counters
-        return _compiled_gemm(backend_plan.config, plan.num_groups), (
-            _gmem_ptr(cutlass.Int64, binding.ptrs),
-            _gmem_ptr(cutlass.Int32, plan.sizes),
-            _gmem_ptr(cutlass.Int32, plan.tiles),
-            cutlass.Int32(plan.num_tiles),
-            _gmem_ptr(cutlass.Int32, work),
-            cutlass.Int32(num_workers),
-            _gmem_ptr(cutlass.Float32, workspace),
-            _gmem_ptr(cutlass.Int32, counters),
-            stream,
-        )
+            work, num_workers = stream_k.work.data_ptr(), stream_k.num_workers
+            workspace, counters = stream_k.workspace.data_ptr(), stream_k.counters.data_ptr()
+        return submission.CellArgs(_compiled_gemm(backend_plan.config, plan.num_groups), *IN_GEMM_DECODE_ARGS,
+                                   (ptrs, sizes, tiles, plan.num_tiles, work, num_workers, workspace, counters, handle))
 
 
 def _compiled_gemm(config, num_groups: int):

@@ -372,7 +372,7 @@ class StreamKPlan:
     launches of the plan on different streams (Sm90Plan.shared_scratch)."""
 
     __slots__ = (
-        "_host_staging", "counters", "num_slots", "num_workers", "segments", "work", "work_offsets",
+        "_host_staging", "_table", "counters", "num_slots", "num_workers", "segments", "work", "work_offsets",
         "workspace",
     )
 
@@ -383,16 +383,14 @@ class StreamKPlan:
         )
         self.work_offsets = list(work_offsets)
         self.num_workers = len(self.work_offsets) - 1
+        import submission
+
         flat = self.work_offsets + [v for row in self.segments for v in row]
         device = plan.device
-        # a pinned staging copy owned by the plan and one non_blocking copy, as for the tables
-        # (a pageable copy would wait for the stream's earlier work: a miss would stall it)
-        host = torch.tensor(flat, dtype=torch.int32)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        self._host_staging = host
-        self.work = torch.empty_like(host, device=device)
-        self.work.copy_(host, non_blocking=True)
+        # one asynchronous copy, as for the runtime's tables (a pageable copy would wait for
+        # the stream's earlier work: a miss would stall it)
+        self._table, self._host_staging, (work,) = submission.upload_int_tables(device, [("i", [flat])])
+        self.work = work.view(-1)
         self.workspace = torch.empty(
             max(self.num_slots, 1) * config.tile_m * config.tile_n, dtype=torch.float32, device=device
         )
@@ -400,10 +398,10 @@ class StreamKPlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (self.work, self.workspace, self.counters))
+        return sum(b.numel() * b.element_size() for b in (self._table, self.workspace, self.counters))
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
-        for buffer in (self.work, self.workspace, self.counters):
+        for buffer in (self._table, self.workspace, self.counters):
             buffer.record_stream(stream)
 
 

@@ -481,13 +481,27 @@ def sm90_backend_on_cpu(monkeypatch):
         compiled.append((num_groups, config))
         return ("kernel", num_groups, config)
 
-    def fake_make_launcher(kernel, ptrs, sizes, tiles, num_tiles, work, num_workers, workspace, counters, stream):
-        launched.append((kernel, int(num_tiles), int(num_workers)))
-        return lambda: None
+    class FakeCellLauncher:
+        """What the binding's launch is built from: the GEMM's argument values (ptrs, sizes,
+        tiles, num_tiles, work, num_workers, workspace, counters, stream)."""
+
+        def __init__(self, kernel, kinds, dtypes):
+            self.kernel = kernel
+
+        def bound(self, values):
+            launched.append((self.kernel, values[3], values[5]))
+            return lambda: None
 
     monkeypatch.setattr(hopper.backend, "compile_gemm", fake_compile)
-    monkeypatch.setattr(submission, "make_launcher", fake_make_launcher)
+    monkeypatch.setattr(submission, "cell_launcher", FakeCellLauncher)
     return compiled, launched
+
+
+class _Stream:
+    """A stand-in for torch's current CUDA stream (its raw handle)."""
+
+    def __int__(self):
+        return 0
 
 
 @pytest.mark.parametrize("shape,config,num_tiles", [
@@ -504,7 +518,7 @@ def test_state_launches_the_kernel_of_its_tile_table(sm90_backend_on_cpu, shape,
     assert state.plan.tiles[:, 2].max().item() == sizes[0][1] // config.tile_n - 1
     assert state.plan.backend_plan.config == config
     assert compiled == [(len(sizes), config)]
-    state.run(object())
+    state.run(_Stream())
     assert launched == [(("kernel", len(sizes), config), num_tiles, 0)]
 
 
@@ -527,7 +541,7 @@ def test_default_backend_picks_a_schedule_per_input_set(sm90_backend_on_cpu):
             plan = state.plan.backend_plan.stream_k
             assert (plan is not None) == want.stream_k
             launched.clear()
-            state.run(object())
+            state.run(_Stream())
             workers = plan.num_workers if plan else 0
             assert launched == [(("kernel", len(sizes), want), state.plan.num_tiles, workers)]
     # shape 0 on 132 SMs: one worker per CTA slot, each tile's parts owning workspace slots

@@ -8,6 +8,7 @@ public ``compiled(*args)`` converts the arguments, packs them and calls the entr
 prepared path does the conversion and packing once and calls the entry point itself.
 """
 
+import ctypes
 import importlib.metadata
 from types import SimpleNamespace
 
@@ -130,3 +131,61 @@ def test_prepared_launch_reports_a_failed_launch(pinned_release, launch_args):
     launch = submission.make_launcher(compiled, *launch_args)
     with pytest.raises(RuntimeError, match="CUresult 700"):
         launch()
+
+
+# ----------------------------------------------------------------------------- CellLauncher
+class CellReadingCompiled(RecordingCompiled):
+    """A compiled function whose conversion takes each argument's C pointer as the DSL's
+    short-cut does, and whose entry point reads the values behind the packed pointers."""
+
+    KINDS = ("ptr", "ptr", "i32", "stream")
+    DTYPES = (cutlass.Int64, cutlass.Int32, None, None)
+    CTYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p)
+
+    def __init__(self):
+        super().__init__()
+        self.executor._get_invoke_packed_args = list
+        self.executor.jit_module.capi_func = lambda packed: self.entry_calls.append(
+            tuple(t.from_address(address).value or 0 for t, address in zip(self.CTYPES, packed)))
+
+    def generate_execution_args(self, *args):
+        self.conversions += 1
+        return [arg.__c_pointers__()[0] for arg in args], []
+
+    def __call__(self, *args):  # the public path: DSL objects, converted by the DSL itself
+        self.conversions += 1
+        self.public_calls.append(args)
+
+
+def test_cell_launcher_converts_once_and_reads_each_calls_values(pinned_release):
+    compiled = CellReadingCompiled()
+    launcher = submission.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
+    launcher(1 << 32, 2 << 32, 7, 0)
+    launcher(3 << 32, 4 << 32, 9, 5)
+    assert compiled.entry_calls == [(1 << 32, 2 << 32, 7, 0), (3 << 32, 4 << 32, 9, 5)]
+    assert compiled.conversions == 1 and compiled.public_calls == []
+
+
+def test_a_bound_cell_launch_keeps_its_own_values(pinned_release):
+    compiled = CellReadingCompiled()
+    launcher = submission.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
+    bound = launcher.bound((16, 32, 3, 0))
+    launcher(48, 64, 4, 0)  # the shared cells change; the bound launch's do not
+    bound()
+    assert compiled.entry_calls == [(48, 64, 4, 0), (16, 32, 3, 0)]
+    assert compiled.conversions == 1
+
+
+@pytest.mark.parametrize("release", ["4.2.0", "4.4.0", None])
+def test_cell_launcher_under_any_other_release_takes_the_public_path(monkeypatch, release):
+    monkeypatch.setattr(submission, "_DSL_VERSION", release)
+    compiled = CellReadingCompiled()
+    launcher = submission.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
+    launcher(1 << 32, 2 << 32, 7, 0)
+    launcher.bound((3 << 32, 4 << 32, 9, 0))()
+    assert compiled.conversions == 2 and len(compiled.public_calls) == 2
+    for args, (a, b, n) in zip(compiled.public_calls, [(1 << 32, 2 << 32, 7), (3 << 32, 4 << 32, 9)]):
+        assert [type(x).__name__ for x in args[:2]] == [type(make_ptr(cutlass.Int64, 16, cute.AddressSpace.gmem,
+                                                                     assumed_align=16)).__name__] * 2
+        assert int(args[0]._pointer) == a and int(args[1]._pointer) == b
+        assert args[2].value == n and isinstance(args[3], cuda.CUstream)

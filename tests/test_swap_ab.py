@@ -274,7 +274,7 @@ def test_activation_buffer_holds_every_group_back_to_back():
     first = 128 * 512 * 2
     assert buffer.addresses.tolist() == [[base, 128 * 128], [base + first, 0], [base + first, 384 * 128]]
     assert buffer.buffer.numel() == first + 384 * 1024 * 2
-    assert buffer.nbytes == buffer.buffer.numel() + 3 * 16
+    assert buffer.nbytes == buffer.buffer.numel() + 128  # its table: 3 x 16 bytes, on 128
     # the pre-pass grid: one thread per scale block of the largest group
     assert buffer.blocks_x == 300 * 1024 // 16 // swap_ab.DECODE_THREADS
 
@@ -284,13 +284,22 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     over every group (grid x from the largest group) and the GEMM over the tile table."""
     launched = []
 
-    def fake_make_launcher(kernel, *args):
-        return lambda: launched.append((kernel, args))
+    class FakeCellLauncher:
+        def __init__(self, kernel, kinds, dtypes):
+            self.kernel, self.kinds = kernel, kinds
+
+        def bound(self, values):
+            assert len(values) == len(self.kinds)
+            return lambda: launched.append((self.kernel, values))
+
+    class FakeStream:
+        def __int__(self):
+            return 7
 
     monkeypatch.setattr(hopper.backend, "compile_swap_ab_gemm", lambda g, config: ("gemm", g, config))
     monkeypatch.setattr(hopper.backend, "compile_decode_activations",
                         lambda g, chained=False: ("pre-pass", g, chained))
-    monkeypatch.setattr(submission, "make_launcher", fake_make_launcher)
+    monkeypatch.setattr(submission, "cell_launcher", FakeCellLauncher)
     sizes = tuple(BENCHMARK_SIZES[3])
     abc = [(torch.zeros((m, k // 2, 1), dtype=torch.uint8), torch.zeros((n, k // 2, 1), dtype=torch.uint8),
             torch.zeros((m, n, 1), dtype=torch.float16)) for m, n, k, _l in sizes]
@@ -299,8 +308,10 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     binding = submission.Binding(plan, submission.pointers_of((abc, None, sfs, sizes)))
     assert plan.backend_plan.shared_scratch and plan.backend_plan.config == hopper.SWAP_AB_ONE_ROUND_K128_CONFIG
     assert plan.nbytes >= (128 + 384) * 1536 * 2
-    binding.run(object())
+    binding.run(FakeStream())
     (first, first_args), (second, second_args) = launched
+    assert first_args[0] == second_args[0] == binding.ptrs.data_ptr() and first_args[-1] == second_args[-1] == 7
+    assert second_args[2] == plan.tiles.data_ptr() and first_args[2] == second_args[4]
     assert first == ("pre-pass", 2, True) and second == ("gemm", 2, hopper.SWAP_AB_ONE_ROUND_K128_CONFIG)
     # chained calls: launched directly (a graph launch would wait for the kernel before it)
     assert not plan.backend_plan.graph_launch and not submission._can_record(plan)
