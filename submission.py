@@ -2715,7 +2715,7 @@ _GRAPH_LAUNCH = env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
 # An input set's first call launches without a binding where its backend can (its tables
 # written into mapped host memory, no binding or plan built: a MoE step's sizes and
 # activations are new at every call); its second call binds it. NVFP4_FIRST_CALL_UNBOUND=0
-# binds every input set at its first call.
+# binds every input set at its first call (EXPERIMENTS E64).
 FIRST_CALLS_UNBOUND = env_switch("NVFP4_FIRST_CALL_UNBOUND", ("0", "1"), "1") == "1"
 _CAPTURE_STREAMS: dict = {}
 
@@ -2806,7 +2806,7 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
     the one cuMemcpyHtoDAsync on torch's current stream is asynchronous; the ring reuses those
     bytes only after the copy's stream passed them) and the host staging is None: no pinned
     allocation per table (torch's pinned allocator went to cudaHostAlloc for most of them
-    when tables were made back to back: EXPERIMENTS E64). Elsewhere (the CPU tests) a plain
+    when tables were made back to back: EXPERIMENTS E68). Elsewhere (the CPU tests) a plain
     copy from a host buffer, which is returned.
     """
     device = torch.device(device)
@@ -3364,7 +3364,7 @@ def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int],
     right, every dtype, shape and stride is exactly the official layout's (also on modes of
     extent 1), every tensor is on group 0's CUDA device and every pointer of `key`
     (input_key) is 32-byte aligned; None otherwise, and the full rules decide (with their
-    error, or accepting what is valid only in their looser form)."""
+    error, or accepting what is valid only in their looser form). EXPERIMENTS E65."""
     try:
         abc, sfasfb, reordered, problem_sizes = data
         num_groups = len(problem_sizes)

@@ -115,7 +115,8 @@ def swap_ab_time_model(problem_sizes, config: SwapAbConfig, num_sms: int) -> flo
     return list_schedule_makespan(swap_ab_cost_runs(problem_sizes, config), num_sms)
 
 
-# Variable token tiles: a group's M in ceil(M / 256) tiles of equal size rounded up to 64 tokens
+# Variable token tiles: a group's M in ceil(M / 256) tiles of equal size rounded up to 64 tokens.
+# Classes of 32 or 16 tokens (less padding, more main loops): slower (EXPERIMENTS E62).
 TOKEN_CLASS_STEP = 64
 
 
@@ -128,7 +129,7 @@ def variable_token_tiles(problem_sizes, config: SwapAbConfig) -> list[tuple[int,
     group, weight tile, first token.
 
     Sorted per (group, class) bucket, not per row: a new size set plans on the call's path
-    (a MoE step), and its rows number hundreds."""
+    (a MoE step), and its rows number hundreds (EXPERIMENTS E66)."""
     step = TOKEN_CLASS_STEP
     buckets = []  # (-cost, group, class, first tokens / step, weight tiles)
     for g, (m, n, k, _l) in enumerate(problem_sizes):
@@ -178,10 +179,29 @@ def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     if swap_ab_tiles(problem_sizes, SWAP_AB_T112_CONFIG) <= num_sms:
         # a candidate only where its tiles make one round of one CTA per SM (EXPERIMENTS E12)
         candidates += (SWAP_AB_T112_CONFIG,)
-    config = min(candidates, key=lambda config: swap_ab_time_model(problem_sizes, config, num_sms))
+    config = fastest_swap_ab_config(problem_sizes, candidates, num_sms)
     if config == SWAP_AB_CONFIG and tiles <= num_sms:
         config = SWAP_AB_ONE_ROUND_CONFIG
     return with_wide_k_tiles(problem_sizes, config)
+
+
+def fastest_swap_ab_config(problem_sizes, candidates, num_sms: int) -> SwapAbConfig:
+    """min(candidates, key=swap_ab_time_model), the first on a tie, without scheduling every
+    candidate: a schedule's makespan is at least its total work over the SMs and at least
+    its longest tile, so a candidate whose bound exceeds the best makespan so far cannot win
+    (candidates taken by increasing bound; a new size set pays this on its call's path:
+    EXPERIMENTS E67)."""
+    runs = [swap_ab_cost_runs(problem_sizes, config) for config in candidates]
+    bounds = [max(sum(cost * count for cost, count in r) / num_sms, max((cost for cost, _ in r), default=0.0))
+              for r in runs]
+    best = None  # (makespan, candidate index)
+    for index in sorted(range(len(candidates)), key=bounds.__getitem__):
+        if best is not None and bounds[index] > best[0] * (1 + 1e-9):  # past rounding: cannot win or tie
+            break
+        makespan = list_schedule_makespan(runs[index], num_sms)
+        if best is None or (makespan, index) < best:
+            best = (makespan, index)
+    return candidates[best[1]]
 
 
 # One round of 112- or 128-token tiles with 128-wide k-tiles: faster (EXPERIMENTS E14).

@@ -85,7 +85,10 @@ def test_a_first_call_captured_reads_its_tables_from_the_arena():
     """An input set run once eagerly as a first call (no binding: its kernel was checked on
     other tensors of the same sizes) is captured with its tables in the capture arena; the
     replays after new values are exact."""
-    submission.custom_kernel(generate_input(**SIZES, seed=50))  # the kernel's self-check
+    # the kernel's self-check, on tensors kept alive: freed, their blocks would come back as
+    # the next input set's, whose call would then hit this one's binding (same pointers)
+    checked = generate_input(**SIZES, seed=50)
+    submission.custom_kernel(checked)
     data = generate_input(**SIZES, seed=51)
     submission.custom_kernel(data)
     torch.cuda.synchronize()

@@ -48,3 +48,18 @@ def test_the_chain_makes_its_fallback_links_only_when_reached(monkeypatch):
     chain = backend.kernel_chain(sizes)
     assert chain[0].name == "swap_ab" and asked == []
     assert [c.name for c in chain] == ["swap_ab", "in_gemm_decode", "exact_decode"] and len(asked) == 1
+
+
+def test_fastest_swap_ab_config_is_the_time_models_minimum():
+    """The bounded search picks what min() over every candidate's modelled time picks (the
+    first on a tie), on random size sets and SM counts."""
+    rng = random.Random(11)
+    with_t112 = (*hopper.SWAP_AB_CANDIDATES, hopper.SWAP_AB_T112_CONFIG)
+    for _ in range(1500):
+        sizes = [(rng.choice((0, rng.randint(1, 1100), rng.randint(1, 300))),
+                  rng.choice((128, 256, 1024, 4096, 7168)), rng.choice((256, 512, 2048, 7168)), 1)
+                 for _ in range(rng.randint(1, 10))]
+        sms = rng.choice((132, 114, 78))
+        for candidates in (hopper.SWAP_AB_CANDIDATES, with_t112):
+            want = min(candidates, key=lambda config: schedules.swap_ab_time_model(sizes, config, sms))
+            assert schedules.fastest_swap_ab_config(sizes, candidates, sms) == want, (sizes, sms)
