@@ -2675,8 +2675,10 @@ class TableRing:
         for stream in self.streams:
             if isinstance(stream, cuda.CUstream):
                 event = _CudaEvent()
-                _check_cuda(cuda.cuEventRecord(event.event, stream)[0], "cuEventRecord")
-                left.append(event)
+                if cuda.cuEventRecord(event.event, stream)[0] == cuda.CUresult.CUDA_SUCCESS:
+                    left.append(event)
+                else:  # the stream is gone (a caller's external stream): wait for all work
+                    _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
         self.streams = []
         self.segment = (self.segment + 1) % self.SEGMENTS
         self.offset = 0
@@ -2821,19 +2823,20 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
     through_ring = device.type == "cuda" and offset <= TableRing.SEGMENT_BYTES
     if through_ring:
-        stream = _stream_for_current()
-        ring = table_ring(device)
-        ring_offset = ring.take(offset, stream)
-        staging, base = ring.buffer.host, ring_offset
+        with _RUNTIME_LOCK:  # the ring is shared (bind_input_set runs outside custom_kernel's lock)
+            stream = _stream_for_current()
+            ring = table_ring(device)
+            ring_offset = ring.take(offset, stream)
+            staging = ring.buffer.host
+            for (start, code, count, width, _), (_, rows) in zip(layout, tables):
+                struct.pack_into(f"<{count * width}{code}", staging, ring_offset + start, *_flatten(rows))
+            _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + ring_offset, offset, stream)[0],
+                        "cuMemcpyHtoDAsync")
         host = None
     else:
-        staging, base = bytearray(offset), 0
-    for (start, code, count, width, _), (_, rows) in zip(layout, tables):
-        struct.pack_into(f"<{count * width}{code}", staging, base + start, *_flatten(rows))
-    if through_ring:
-        _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + ring_offset, offset, stream)[0],
-                    "cuMemcpyHtoDAsync")
-    else:  # the CPU tests, or tables over a ring segment: a pinned staging block of their own
+        staging = bytearray(offset)
+        for (start, code, count, width, _), (_, rows) in zip(layout, tables):
+            struct.pack_into(f"<{count * width}{code}", staging, start, *_flatten(rows))  # the CPU tests, or tables over a ring segment: a pinned staging block of their own
         host = torch.frombuffer(staging, dtype=torch.uint8)
         if device.type == "cuda":
             host = host.pin_memory()
@@ -3581,9 +3584,12 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
         stream = _stream_for_current()
         try:
             keepalive = _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, capturing)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception:
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(
+                f"custom_kernel: out of GPU memory for the activation scratch of a first call of sizes "
+                f"{list(problem_sizes)}; nothing was launched or cached ({_one_line(error)})"
+            ) from error
+        except Exception:  # the binding path launches again and handles the failure
             if capturing:
                 raise
             return None

@@ -331,3 +331,21 @@ def test_the_fast_acceptor_declines_misaligned_pointers_and_other_devices(monkey
 def test_pointer_table_order():
     key = tuple(range(1, 11))  # a0 b0 c0 a1 b1 c1, sfa0 sfb0 sfa1 sfb1
     assert submission._pointer_table(key, 2) == [1, 2, 3, 7, 8, 4, 5, 6, 9, 10]
+
+
+def test_out_of_memory_in_a_first_call_is_clear_and_caches_nothing(direct_runtime, monkeypatch):
+    backend, run, _ = direct_runtime
+    real_launch = TableReadingLaunch.launch
+
+    def out_of_memory(self, *args):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(TableReadingLaunch, "launch", out_of_memory)
+    data = make_inputs(SIZES)
+    with pytest.raises(torch.OutOfMemoryError, match="activation scratch of a first call of sizes"):
+        run(data)
+    assert len(submission._SEEN_ONCE) == 0 and len(submission._BINDINGS) == 0
+    monkeypatch.setattr(TableReadingLaunch, "launch", real_launch)
+    run(data)  # memory back: a first call as if none had failed
+    _assert_exact(data)
+    assert len(backend.first_calls) == 1 and len(submission._BINDINGS) == 0
