@@ -3289,8 +3289,7 @@ def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Ten
     return outputs
 
 
-# Input sets (bindings) by data pointers, plans by (device, sizes, backend), validated sizes by
-# signature. A plan holds device memory (the stream-K workspace: 23 MB for benchmark shape 0):
+# Input sets (bindings) by data pointers, plans by (device, sizes, backend). A plan holds device memory (the stream-K workspace: 23 MB for benchmark shape 0):
 # 32 plans and 1 GiB at most; a binding holds its pointer table, so an evicted plan's bindings
 # go with it.
 _BINDINGS = RuntimeCache(max_entries=64)
@@ -3761,7 +3760,7 @@ _RUNTIME_LOCK = threading.RLock()
 
 
 def reset_runtime() -> None:
-    """Forget every input set, plan, validated signature, backend, demotion and self-check
+    """Forget every input set (bound or run once), plan, size plan, backend, demotion and self-check
     result (compiled kernels stay): the process as it was before its first call, for tests
     and for a caller that changed an environment switch."""
     with _RUNTIME_LOCK:
