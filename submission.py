@@ -2822,25 +2822,26 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
     # (EXPERIMENTS E58)
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
     through_ring = device.type == "cuda" and offset <= TableRing.SEGMENT_BYTES
-    if through_ring:
-        with _RUNTIME_LOCK:  # the ring is shared (bind_input_set runs outside custom_kernel's lock)
+    # the ring is shared (bind_input_set runs outside custom_kernel's lock)
+    with _RUNTIME_LOCK if through_ring else contextlib.nullcontext():
+        if through_ring:
             stream = _stream_for_current()
             ring = table_ring(device)
-            ring_offset = ring.take(offset, stream)
+            base = ring.take(offset, stream)
             staging = ring.buffer.host
-            for (start, code, count, width, _), (_, rows) in zip(layout, tables):
-                struct.pack_into(f"<{count * width}{code}", staging, ring_offset + start, *_flatten(rows))
-            _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + ring_offset, offset, stream)[0],
-                        "cuMemcpyHtoDAsync")
-        host = None
-    else:
-        staging = bytearray(offset)
+        else:
+            staging, base = bytearray(offset), 0
         for (start, code, count, width, _), (_, rows) in zip(layout, tables):
-            struct.pack_into(f"<{count * width}{code}", staging, start, *_flatten(rows))  # the CPU tests, or tables over a ring segment: a pinned staging block of their own
-        host = torch.frombuffer(staging, dtype=torch.uint8)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        buffer.copy_(host, non_blocking=True)
+            struct.pack_into(f"<{count * width}{code}", staging, base + start, *_flatten(rows))
+        if through_ring:
+            _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + base, offset, stream)[0],
+                        "cuMemcpyHtoDAsync")
+            host = None
+        else:  # the CPU tests, or tables over a ring segment: a pinned staging block of their own
+            host = torch.frombuffer(staging, dtype=torch.uint8)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            buffer.copy_(host, non_blocking=True)
     dtypes = {"q": torch.int64, "i": torch.int32}
     views = [
         buffer[start : start + count * width * itemsize].view(dtypes[code]).view(count, width)
@@ -3420,14 +3421,9 @@ def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int],
     return tuple(sizes)
 
 
-def checked_problem_sizes(data, key: tuple | None = None) -> tuple[tuple[int, int, int, int], ...]:
-    """validate_inputs' result: accepted_problem_sizes where it accepts, else the full rules
-    (which raise their errors)."""
-    if key is None:
-        try:
-            key = input_key(data)
-        except Exception:  # noqa: BLE001 - malformed input: the full rules name what is wrong
-            return validate_inputs(data)
+def checked_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], ...]:
+    """validate_inputs' result for an input set of input_key `key`: accepted_problem_sizes
+    where it accepts, else the full rules (which raise their errors)."""
     problem_sizes = accepted_problem_sizes(data, key)
     return validate_inputs(data) if problem_sizes is None else problem_sizes
 
@@ -3509,12 +3505,11 @@ def get_size_plan(backend, problem_sizes, device: torch.device) -> SizePlan:
     return size_plan
 
 
-def _pointer_table(key: tuple, num_groups: int) -> list[int]:
-    """input_key's pointers (a, b, c of every group, then sfa, sfb of every group) in the
-    pointer table's order: per group a, b, c, sfa, sfb."""
+def pointers_of_key(key: tuple, num_groups: int) -> list[tuple[int, int, int, int, int]]:
+    """pointers_of from input_key's pointers (a, b, c of every group, then sfa, sfb of every
+    group), without reading the tensors again: per group (a, b, c, sfa, sfb)."""
     abc, scales = key[: 3 * num_groups], key[3 * num_groups:]
-    return [p for g in range(num_groups)
-            for p in (abc[3 * g], abc[3 * g + 1], abc[3 * g + 2], scales[2 * g], scales[2 * g + 1])]
+    return [(*abc[3 * g: 3 * g + 3], *scales[2 * g: 2 * g + 2]) for g in range(num_groups)]
 
 
 def table_ring(device: torch.device) -> TableRing:
@@ -3553,7 +3548,7 @@ def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: i
     host = buffer.host
     host[offset: offset + len(size_plan.head)] = size_plan.head
     struct.pack_into(size_plan.ptr_format, host, offset + size_plan.ptrs_offset,
-                     *_pointer_table(key, size_plan.num_groups))
+                     *_flatten(pointers_of_key(key, size_plan.num_groups)))
     base = buffer.device_base + offset
     tables = DirectTables(base, base + size_plan.tiles_offset, base + size_plan.ptrs_offset,
                           base + size_plan.extra_offset)
@@ -3601,14 +3596,14 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
     return list(map(_c_of_group, data[0]))
 
 
-def _new_binding(backend, problem_sizes, device, data) -> Binding:
+def _new_binding(backend, problem_sizes, device, key: tuple) -> Binding:
     """A binding on the plan of these sizes. Writing its descriptors launches the chosen
     kernel's init kernel: a failure there that leaves the context usable demotes that kernel,
     and the binding is made on the next link's plan."""
     while True:
         plan = get_plan(backend, problem_sizes, device)
         try:
-            return Binding(plan, pointers_of(data))
+            return Binding(plan, pointers_of_key(key, len(problem_sizes)))
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -3623,15 +3618,17 @@ def _stream_handle(stream) -> int:
     return int(stream) if isinstance(stream, cuda.CUstream) else 0
 
 
-def _bound_input_set(data) -> "Binding | list[torch.Tensor]":
-    """The validating path: checked sizes, then the cached binding of these pointers, the
-    outputs of a first call launched without a binding (_first_call), or a new binding on
-    the plan of these sizes. One thread at a time (compilation and the caches)."""
-    try:
-        key = input_key(data)
-    except Exception:
-        validate_inputs(data)  # names what is wrong
-        raise
+def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
+    """The validating path for an input set of input_key `key` (None: not computed, the input
+    may be malformed): checked sizes, then the cached binding of these pointers, the outputs
+    of a first call launched without a binding (_first_call), or a new binding on the plan of
+    these sizes. One thread at a time (compilation and the caches)."""
+    if key is None:
+        try:
+            key = input_key(data)
+        except Exception:
+            validate_inputs(data)  # names what is wrong
+            raise
     problem_sizes = checked_problem_sizes(data, key)
     with _RUNTIME_LOCK:
         binding = _BINDINGS.get(key)
@@ -3649,7 +3646,7 @@ def _bound_input_set(data) -> "Binding | list[torch.Tensor]":
             device = data[0][0][0].device
             try:
                 with _device_context(device):
-                    binding = _new_binding(select_backend(device.index), problem_sizes, device, data)
+                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key)
             except torch.OutOfMemoryError as error:
                 raise torch.OutOfMemoryError(
                     f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
@@ -3678,10 +3675,10 @@ def custom_kernel(data: input_t) -> output_t:
             if tuple(data[3]) != binding.plan.problem_sizes:
                 binding = None  # same buffers, other sizes: check and bind again
     except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
-        binding = None
+        binding = key = None
     first_use = binding is None
     if first_use:
-        binding = _bound_input_set(data)
+        binding = _bound_input_set(data, key)
         if type(binding) is list:  # a first call, launched without a binding
             return binding
     if _current_raw_stream is not None:

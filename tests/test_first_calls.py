@@ -328,9 +328,11 @@ def test_the_fast_acceptor_declines_misaligned_pointers_and_other_devices(monkey
     assert submission.accepted_problem_sizes(data, (*key[:-1], key[-1] + 16)) is None
 
 
-def test_pointer_table_order():
+def test_pointers_of_the_key_are_pointers_of_the_tensors():
     key = tuple(range(1, 11))  # a0 b0 c0 a1 b1 c1, sfa0 sfb0 sfa1 sfb1
-    assert submission._pointer_table(key, 2) == [1, 2, 3, 7, 8, 4, 5, 6, 9, 10]
+    assert submission.pointers_of_key(key, 2) == [(1, 2, 3, 7, 8), (4, 5, 6, 9, 10)]
+    data = make_inputs(SIZES)
+    assert submission.pointers_of_key(submission.input_key(data), len(SIZES)) == submission.pointers_of(data)
 
 
 def test_out_of_memory_in_a_first_call_is_clear_and_caches_nothing(direct_runtime, monkeypatch):

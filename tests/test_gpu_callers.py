@@ -33,6 +33,21 @@ def _write_values(into, source):
                 t.view(torch.uint8).copy_(s.view(torch.uint8))
 
 
+def _replays_are_exact(graph, data, seeds):
+    """Per seed: new values into `data`'s tensors, NaN into its c, one replay, every c exact.
+    Returns the last seed's expected outputs."""
+    for seed in seeds:
+        other = generate_input(**SIZES, seed=seed)
+        _write_values(data, other)
+        for _, _, c in data[0]:
+            c.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = _expected(other)
+        assert all(torch.equal(c, w) for (_, _, c), w in zip(data[0], want)), seed
+    return want
+
+
 @pytest.mark.parametrize("chain_calls", [True, False], ids=["chained", "unchained"])
 def test_custom_kernel_inside_a_callers_cuda_graph(chain_calls, monkeypatch):
     if torch.cuda.get_device_capability()[0] == 9:
@@ -48,15 +63,7 @@ def test_custom_kernel_inside_a_callers_cuda_graph(chain_calls, monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         submission.custom_kernel(data)
-    for seed in (22, 23):
-        other = generate_input(**SIZES, seed=seed)
-        _write_values(data, other)
-        for _, _, c in data[0]:
-            c.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = _expected(other)
-        assert all(torch.equal(c, w) for (_, _, c), w in zip(data[0], want)), seed
+    want = _replays_are_exact(graph, data, (22, 23))
     # eager calls after the capture: still exact
     out = submission.custom_kernel(data)
     torch.cuda.synchronize()
@@ -98,14 +105,7 @@ def test_a_first_call_captured_reads_its_tables_from_the_arena():
         submission.custom_kernel(data)
     if _unbound_first_calls():
         assert any(key[0] == "first call" for key in submission._CAPTURED.entries)
-    for seed in (52, 53):
-        other = generate_input(**SIZES, seed=seed)
-        _write_values(data, other)
-        for _, _, c in data[0]:
-            c.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(c, w) for (_, _, c), w in zip(data[0], _expected(other))), seed
+    _replays_are_exact(graph, data, (52, 53))
 
 
 def test_moe_steps_with_new_sizes_every_call_are_exact():
