@@ -2364,6 +2364,11 @@ class Sm100Backend:
             for g, n_tile, m_tile in plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
         ]
 
+    def pack_tiles(self, problem_sizes, choice: KernelChoice) -> "PackedTiles":
+        """plan_tiles' rows packed (a size set's first call: this backend has no DirectLaunch,
+        so only the binding path reads them)."""
+        return PackedTiles.of(self.plan_tiles(problem_sizes, choice))
+
     def prepare(self, spec: "PlanSpec") -> Sm100Plan:
         """Compile (cached) the kernels of the spec's choice; CTA pairs: min(tiles, SMs / 2,
         the device's resident 2-CTA clusters)."""
@@ -2463,7 +2468,7 @@ def _executor(compiled):
     context) is the same for every input set of that kernel, so a new binding builds only its
     argument pack. Kept on the compiled function itself, per device index."""
     executors = compiled.__dict__.setdefault("_nvfp4_executors", {})
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = _current_device_index()
     executor = executors.get(device)
     if executor is None:
         executor = executors[device] = compiled.to(None)
@@ -2596,7 +2601,7 @@ def cell_launcher(compiled, kinds: tuple[str, ...], dtypes: tuple) -> CellLaunch
     """The CellLauncher of `compiled` on the current device (kept on the compiled function,
     as its executors are)."""
     launchers = compiled.__dict__.setdefault("_nvfp4_cell_launchers", {})
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = _current_device_index()
     launcher = launchers.get(device)
     if launcher is None:
         launcher = launchers[device] = CellLauncher(compiled, kinds, dtypes)
@@ -2605,8 +2610,9 @@ def cell_launcher(compiled, kinds: tuple[str, ...], dtypes: tuple) -> CellLaunch
 
 class MappedHostBuffer:
     """Pinned host memory mapped into the GPU's address space: `host` is the buffer as Python
-    writes it, `device_base` the address a kernel reads it at. On a CPU device (the tests) a
-    plain buffer, read by the host-side stand-ins at its own address."""
+    writes it, `base` its host address (the source of a cuMemcpyHtoDAsync), `device_base` the
+    address a kernel could read it at. On a CPU device (the tests) a plain buffer, read by the
+    host-side stand-ins at its own address."""
 
     __slots__ = ("_storage", "base", "device_base", "host", "pinned", "size")
 
@@ -2636,22 +2642,46 @@ class MappedHostBuffer:
                 pass
 
 
-class TableRing:
-    """The tables of launches that have no binding (an input set's first call), in a
-    MappedHostBuffer: written by the host right before the launch that reads them in place,
-    no copy on the stream.
+class StagedTables:
+    """Pinned host memory the host writes tables into (`buffer`, a MappedHostBuffer) and its
+    device mirror of the same size, which the kernels read: upload copies a written range on
+    a stream (one cuMemcpyHtoDAsync). Kernels that read their tables in place from mapped host
+    memory ran slower by the PCIe reads of every CTA (EXPERIMENTS E70). On a CPU device (the
+    tests) no mirror: the device addresses are the host buffer's own."""
+
+    __slots__ = ("buffer", "device_base", "mirror")
+
+    def __init__(self, device: torch.device, size: int):
+        self.buffer = MappedHostBuffer(device, size)
+        self.mirror = None
+        self.device_base = self.buffer.device_base
+        if device.type == "cuda":
+            self.mirror = torch.empty(size, dtype=torch.uint8, device=device)
+            self.device_base = self.mirror.data_ptr()
+
+    def upload(self, offset: int, nbytes: int, stream) -> None:
+        """Copy bytes offset .. offset + nbytes to the mirror on `stream` (a cuda.CUstream)."""
+        if self.mirror is not None:
+            _check_cuda(cuda.cuMemcpyHtoDAsync(self.device_base + offset, self.buffer.base + offset, nbytes,
+                                               stream)[0], "cuMemcpyHtoDAsync")
+
+
+class TableRing(StagedTables):
+    """The tables of launches that have no binding (an input set's first call): written by the
+    host into pinned memory right before the launch, copied to the device mirror on the
+    launch's stream (StagedTables).
 
     A ring of SEGMENTS segments: leaving a segment records an event on every stream that
-    launched from it; entering it again waits for those events (the launches read their
-    tables long before, unless the host runs that far ahead of the GPU)."""
+    launched from it; entering it again waits for those events (the copies and launches of
+    that segment ran long before, unless the host runs that far ahead of the GPU)."""
 
     SEGMENTS = 8
     SEGMENT_BYTES = 1 << 17
 
-    __slots__ = ("buffer", "events", "offset", "segment", "streams")
+    __slots__ = ("events", "offset", "segment", "streams")
 
     def __init__(self, device: torch.device):
-        self.buffer = MappedHostBuffer(device, self.SEGMENTS * self.SEGMENT_BYTES)
+        super().__init__(device, self.SEGMENTS * self.SEGMENT_BYTES)
         self.events: list[list] = [[] for _ in range(self.SEGMENTS)]
         self.streams: list = []
         self.segment = self.offset = 0
@@ -2687,18 +2717,19 @@ class TableRing:
         self.events[self.segment] = []
 
 
-class CaptureArena:
+class CaptureArena(StagedTables):
     """Tables that a caller's CUDA graph reads at every replay (a first call captured): carved
-    once from a MappedHostBuffer allocated before any capture, never reused. A capture cannot
-    allocate pinned memory, so an exhausted arena refuses (the caller then runs the input set
-    eagerly once more, which binds it)."""
+    once from StagedTables allocated before any capture, never reused; the capture records
+    their copy to the mirror, which every replay repeats. A capture cannot allocate pinned
+    memory, so an exhausted arena refuses (the caller then runs the input set eagerly once
+    more, which binds it)."""
 
     BYTES = 1 << 20
 
-    __slots__ = ("buffer", "offset")
+    __slots__ = ("offset",)
 
     def __init__(self, device: torch.device):
-        self.buffer = MappedHostBuffer(device, self.BYTES)
+        super().__init__(device, self.BYTES)
         self.offset = 0
 
     def take(self, nbytes: int) -> int | None:
@@ -2794,6 +2825,37 @@ def plan_tiles(problem_sizes, tile_m: int, tile_n: int) -> list[tuple[int, int, 
             for tile_col in range(ceil_div(n, tile_n)):
                 tiles.append((g, tile_row, tile_col))
     return tiles
+
+
+class PackedTiles(collections.abc.Sequence):
+    """A kernel's tile rows as it reads them: `data` holds int32 rows of `width`
+    (little-endian), `count` of them; as a sequence, the rows as tuples. A size set's first
+    call copies `data` into its tables as is (a MoE step: hundreds of rows per call)."""
+
+    __slots__ = ("count", "data", "width")
+
+    def __init__(self, data: bytes, width: int):
+        self.data, self.width = data, width
+        self.count = len(data) // (4 * width)
+
+    @classmethod
+    def of(cls, rows) -> "PackedTiles":
+        """Rows (tuples of equal length) packed."""
+        width = len(rows[0]) if rows else 1
+        return cls(struct.pack(f"<{width * len(rows)}i", *_flatten(rows)), width)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.count))]
+        if not -self.count <= index < self.count:
+            raise IndexError(index)
+        return struct.unpack_from(f"<{self.width}i", self.data, 4 * self.width * (index % self.count))
+
+    def __iter__(self):
+        return struct.iter_unpack(f"<{self.width}i", self.data)
 
 
 def _align_up(x, a):
@@ -2931,13 +2993,18 @@ class BackendPlan(typing.Protocol):
 
 class DirectLaunch(typing.Protocol):
     """A backend's launch of one size set for an input set without a binding (its first
-    call): the runtime writes its tables (DirectTables) and `extra_bytes` more for the
-    backend at `extra_offset` of `host`; launch() writes those and launches on the stream."""
+    call): the runtime writes its tables (DirectTables) into staging memory, write_extra the
+    backend's `extra_bytes` after them, the runtime copies them all to the device, then
+    launch() launches on the stream."""
 
     extra_bytes: int
 
-    def launch(self, host: memoryview, extra_offset: int, tables: "DirectTables", stream_handle: int):
-        """Launch; returns what must stay alive while the launch may run again (a capture)."""
+    def write_extra(self, host: memoryview, extra_offset: int):
+        """Write the backend's table at `extra_offset` of `host`; returns what must stay alive
+        while the launch may run (again, under a capture): its scratch."""
+
+    def launch(self, tables: "DirectTables", stream_handle: int) -> None:
+        """Launch on the stream of `stream_handle`, reading the tables at their device addresses."""
 
 
 @typing.runtime_checkable
@@ -2966,6 +3033,9 @@ class Backend(typing.Protocol):
 
     def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
         """The tile rows of `choice` (its table, in launch order)."""
+
+    def pack_tiles(self, problem_sizes, choice: KernelChoice) -> "PackedTiles":
+        """plan_tiles(problem_sizes, choice) as PackedTiles (a size set's first call copies them)."""
 
     def prepare(self, spec: "PlanSpec") -> BackendPlan:
         """Its part of a plan, for spec.choice (compiled by then)."""
@@ -3255,8 +3325,23 @@ def pointers_of(data) -> list[tuple[int, int, int, int, int]]:
     ]
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def _device_context(device: torch.device):
-    return torch.cuda.device(device.index) if device.type == "cuda" else contextlib.nullcontext()
+    """`device` made torch's current device for a block (nothing to do where it already is:
+    the common case, which a new-size call otherwise pays in Python)."""
+    if device.type != "cuda" or _current_device_index() == device.index:
+        return _NO_CONTEXT
+    return torch.cuda.device(device.index)
+
+
+def _current_device_index() -> int | None:
+    """torch's current CUDA device; None before CUDA is initialized (the CPU tests). One C
+    call, without torch.cuda.current_device()'s lazy-init checks."""
+    if not torch.cuda.is_initialized():
+        return None
+    return _cuda_get_device() if _cuda_get_device is not None else torch.cuda.current_device()
 
 
 def bind_input_set(data, backend, kernel: str | None = None) -> Binding:
@@ -3379,6 +3464,7 @@ def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int],
         device = abc[0][0].device
         if not _accepted_device(device) or any(pointer & (BASE_ALIGN_BYTES - 1) for pointer in key):
             return None
+        index = abc[0][0].get_device()
         fp4, e4m3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
         sizes = []
         for size, group, plain, scales in zip(problem_sizes, abc, sfasfb, reordered):
@@ -3403,16 +3489,15 @@ def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int],
                     return None
             else:
                 a_strides, c_strides = (half_k, 1, m * half_k), (n, 1, m * n)
+            # a, b, c, sfa and sfb are tensors: `key` holds their data pointers
             if not (
-                isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and isinstance(c, torch.Tensor)
-                and isinstance(sfa, torch.Tensor) and isinstance(sfb, torch.Tensor)
-                and a.dtype == fp4 and a.shape == (m, half_k, 1) and a.stride() == a_strides
+                a.dtype == fp4 and a.shape == (m, half_k, 1) and a.stride() == a_strides
                 and b.dtype == fp4 and b.shape == (n, half_k, 1) and b.stride() == (half_k, 1, n * half_k)
                 and c.dtype == torch.float16 and c.shape == (m, n, 1) and c.stride() == c_strides
                 and sfa.dtype == e4m3 and sfa.shape == sfa_shape and sfa.stride() == sfa_strides
                 and sfb.dtype == e4m3 and sfb.shape == sfb_shape and sfb.stride() == sfb_strides
-                and a.device == device and b.device == device and c.device == device
-                and sfa.device == device and sfb.device == device
+                and a.get_device() == index and b.get_device() == index and c.get_device() == index
+                and sfa.get_device() == index and sfb.get_device() == index
             ):
                 return None
             sizes.append((m, n, k, 1))
@@ -3462,7 +3547,7 @@ class SizePlan:
     """What an input set's first call of one size set needs, without device memory: the
     kernel chosen (and compiled) as get_plan chooses it, its tile rows packed after the sizes
     as the kernels read them (`head`: sizes int32 [G, 4] then tiles int32 [T, W], each on 16
-    bytes), where the pointer table (int64 [G, 5]) and the backend's own table follow, and
+    bytes; `tile_rows`: the backend's PackedTiles), where the pointer table (int64 [G, 5]) and the backend's own table follow, and
     the backend's DirectLaunch (None: the backend runs bound input sets only)."""
 
     __slots__ = (
@@ -3477,18 +3562,17 @@ class SizePlan:
         self.choice = choose_kernel(backend, self.chain, self.num_groups)
         self.kernel_key = self.choice.kernel_key(self.num_groups)
         self.problem_sizes = problem_sizes
-        self.tile_rows = tile_rows = () if self.choice.host else tuple(backend.plan_tiles(problem_sizes, self.choice))
+        self.tile_rows = tile_rows = (PackedTiles(b"", 1) if self.choice.host
+                                      else backend.pack_tiles(problem_sizes, self.choice))
         self.num_tiles = len(tile_rows)
         self.direct = None
         if not self.choice.host and self.num_tiles:
             self.direct = backend.direct_launch(PlanSpec(self.choice, problem_sizes, device, tile_rows))
-        width = len(tile_rows[0]) if tile_rows else 1
         self.tiles_offset = _align_up(16 * self.num_groups, 16)
-        self.ptrs_offset = _align_up(self.tiles_offset + 4 * width * self.num_tiles, 16)
-        head = bytearray(self.ptrs_offset)
-        struct.pack_into(f"<{4 * self.num_groups}i", head, 0, *_flatten(problem_sizes))
-        struct.pack_into(f"<{width * self.num_tiles}i", head, self.tiles_offset, *_flatten(tile_rows))
-        self.head = bytes(head)
+        self.ptrs_offset = _align_up(self.tiles_offset + len(tile_rows.data), 16)
+        sizes = struct.pack(f"<{4 * self.num_groups}i", *_flatten(problem_sizes))
+        self.head = b"".join((sizes, bytes(self.tiles_offset - len(sizes)), tile_rows.data,
+                              bytes(self.ptrs_offset - self.tiles_offset - len(tile_rows.data))))
         self.extra_offset = _align_up(self.ptrs_offset + 8 * NUM_PTR_COLS * self.num_groups, 16)
         self.table_bytes = self.extra_offset + (0 if self.direct is None else self.direct.extra_bytes)
         self.ptr_format = f"<{NUM_PTR_COLS * self.num_groups}q"
@@ -3536,23 +3620,23 @@ def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: i
     the GPU reads them in place and launch the backend's DirectLaunch on `stream`. Returns
     what the launch keeps alive (the scratch), or None when a capture's arena is full."""
     if captured:
-        arena = _CAPTURE_ARENAS[device.index]
-        offset = arena.take(size_plan.table_bytes)
+        staged = _CAPTURE_ARENAS[device.index]
+        offset = staged.take(size_plan.table_bytes)
         if offset is None:
             return None
-        buffer = arena.buffer
     else:
-        ring = table_ring(device)
-        offset = ring.take(size_plan.table_bytes, stream)
-        buffer = ring.buffer
-    host = buffer.host
+        staged = table_ring(device)
+        offset = staged.take(size_plan.table_bytes, stream)
+    host = staged.buffer.host
     host[offset: offset + len(size_plan.head)] = size_plan.head
     struct.pack_into(size_plan.ptr_format, host, offset + size_plan.ptrs_offset,
                      *_flatten(pointers_of_key(key, size_plan.num_groups)))
-    base = buffer.device_base + offset
+    keepalive = size_plan.direct.write_extra(host, offset + size_plan.extra_offset)
+    staged.upload(offset, size_plan.table_bytes, stream)
+    base = staged.device_base + offset
     tables = DirectTables(base, base + size_plan.tiles_offset, base + size_plan.ptrs_offset,
                           base + size_plan.extra_offset)
-    keepalive = size_plan.direct.launch(host, offset + size_plan.extra_offset, tables, stream_handle)
+    size_plan.direct.launch(tables, stream_handle)
     return keepalive if keepalive is not None else ()
 
 
@@ -3847,7 +3931,11 @@ def _one_line(error: BaseException) -> str:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """Whether torch's current stream is capturing (never before CUDA is initialized)."""
+    return torch.cuda.is_initialized() and _stream_capturing()
+
+
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
 
 
 def _context_usable(device: torch.device) -> bool:

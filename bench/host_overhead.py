@@ -193,7 +193,7 @@ def moe_phases(module, family, count: int) -> None:
     """Host µs of each phase of a new-size call (submission.py's runtime only), median of
     `count` MoE steps of `family`, each run as custom_kernel's first call of an input set runs
     it (no binding): the key, the validation, the size plan (kernel choice, tile rows, packed
-    tables), the tables' writing and the launches. The kernels are self-checked first (one
+    tables), the tables' writing, copy and launches; then the same calls whole. The kernels are self-checked first (one
     call per size set on other tensors), as a serving loop's earlier steps would have."""
     groups, n, k = family
     module.warmup(n, k, groups)
@@ -219,6 +219,15 @@ def moe_phases(module, family, count: int) -> None:
         for (_, before), (name, after) in itertools.pairwise(marks):
             phases.setdefault(name, []).append((after - before) * 1e6)
         phases.setdefault("total", []).append((marks[-1][1] - marks[0][1]) * 1e6)
+    torch.cuda.synchronize()
+    # the same calls whole: custom_kernel on other tensors of the same sizes, each size set
+    # planned again (what the phases leave out is the runtime's own path between them)
+    for data in moe_inputs(groups, n, k, count, seed=9):
+        torch.cuda.synchronize()
+        module._SIZE_PLANS.clear()
+        start = time.perf_counter()
+        module.custom_kernel(data)
+        phases.setdefault("whole call", []).append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
     print(f"new-size call by phase, G={groups} N={n} K={k}, median of {count} steps (µs):")
     for name, figures in phases.items():

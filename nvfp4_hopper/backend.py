@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from collections.abc import Sequence
 
@@ -31,6 +32,7 @@ from .schedules import (
     StreamKPlan,
     choose_config,
     choose_swap_ab_config,
+    packed_swap_ab_tiles,
     variable_token_tiles,
     with_wide_k_tiles,
 )
@@ -113,7 +115,7 @@ IN_GEMM_DECODE_ARGS = (("ptr", "ptr", "ptr", "i32", "ptr", "i32", "ptr", "ptr", 
 
 class DirectLaunch:
     """The swap-AB kernels of one size set launched for an input set that has no binding (its
-    first call): the runtime's tables read in place from mapped host memory
+    first call): the runtime's tables copied to the device from its staging memory
     (submission.DirectTables), the activations decoded into scratch allocated per call from
     torch's caching allocator on the launch stream (reused only by that stream's later
     work), their address table written after the runtime's tables (`extra_bytes`)."""
@@ -135,16 +137,20 @@ class DirectLaunch:
             compile_decode_activations(num_groups, chained=config.chain_calls), *PREPASS_ARGS)
         self.gemm = submission.cell_launcher(compile_swap_ab_gemm(num_groups, config=config), *SWAP_AB_GEMM_ARGS)
 
-    def launch(self, host, acts_offset: int, tables, stream_handle: int) -> torch.Tensor:
-        """Launch the pre-pass and the GEMM on the stream of `stream_handle`; returns the scratch
-        (the caller keeps it alive only under a capture)."""
+    def write_extra(self, host, acts_offset: int) -> torch.Tensor:
+        """Allocate the scratch (on torch's current stream, the launch's) and write its
+        activation table at `acts_offset` of `host`; returns the scratch (the caller keeps it
+        alive only under a capture)."""
         scratch = torch.empty(self.scratch_bytes, dtype=torch.uint8, device=self.device)
         base = scratch.data_ptr()
         struct.pack_into(self.acts_format, host, acts_offset,
                          *[v for offset, slab in zip(self.offsets, self.slabs) for v in (base + offset, slab)])
+        return scratch
+
+    def launch(self, tables, stream_handle: int) -> None:
+        """The pre-pass, then the GEMM, on the stream of `stream_handle`."""
         self.prepass(tables.ptrs, tables.sizes, tables.extra, self.blocks_x, stream_handle)
         self.gemm(tables.ptrs, tables.sizes, tables.tiles, self.num_tiles, tables.extra, stream_handle)
-        return scratch
 
 
 class Sm90Plan:
@@ -348,6 +354,18 @@ class Sm90Backend:
                 tiles += [(g, tm, tn) for tm in m_tiles for tn in n_tiles]
         return tiles
 
+    def pack_tiles(self, problem_sizes, choice):
+        """plan_tiles(problem_sizes, choice) as submission.PackedTiles: for swap-AB joined from
+        cached per-bucket blocks (schedules.packed_swap_ab_tiles: a MoE step plans new sizes
+        on every call)."""
+        import submission
+
+        config = choice.config
+        if isinstance(config, SwapAbConfig):
+            data, _count = packed_swap_ab_tiles(problem_sizes, config)
+            return submission.PackedTiles(data, config.tile_row_width)
+        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
+
     def prepare(self, spec) -> Sm90Plan:
         """Compile (cached) the spec's kernel (submission.PlanSpec: its choice, sizes, device and
         tile rows) and, for stream-K, plan the workers' shares and allocate their buffers."""
@@ -410,6 +428,9 @@ def config_kind(config) -> str:
     return "swap_ab" if isinstance(config, SwapAbConfig) else "in_gemm_decode"
 
 
+# One KernelChoice per (name, config): a new size set's chain is built on its call's path, and
+# naming a config (config_name) compares it with every registered one.
+@functools.lru_cache(maxsize=256)
 def _choice(name: str, config=None, host: bool = False):
     """A link of a chain: submission.KernelChoice (the runtime's type; imported here, at plan
     time, since submission imports this package only on its first sm_90 use)."""

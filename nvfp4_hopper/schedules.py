@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import struct
 
 import torch
 
@@ -66,28 +67,30 @@ def swap_ab_cost_runs(problem_sizes, config: SwapAbConfig) -> list[tuple[float, 
     """swap_ab_tile_costs as runs (cost, count) of equal consecutive costs, from the sizes
     alone (no tile list): per group for whole tiles; by class, longest first, for variable
     token tiles (variable_token_tiles' order, whose ties within a cost do not move a
-    schedule)."""
+    schedule). A new size set pays it once per candidate config on its call's path."""
+    fixed_us, per_token_us = SWAP_AB_K_TILE_FIXED_US, SWAP_AB_K_TILE_US_PER_TOKEN
+    tile_tokens, tile_k, tile_weights = config.tile_tokens, config.tile_k, config.tile_weights
     if not config.variable_tokens:
-        return [
-            (k // config.tile_k * swap_ab_k_tile_us(config.tile_tokens),
-             -(-m // config.tile_tokens) * -(-n // config.tile_weights))
-            for m, n, k, _l in problem_sizes if m
-        ]
+        tile_us = fixed_us + per_token_us * tile_tokens
+        return [(k // tile_k * tile_us, -(-m // tile_tokens) * -(-n // tile_weights))
+                for m, n, k, _l in problem_sizes if m]
     step = TOKEN_CLASS_STEP
     counts: dict[float, int] = {}
     for m, n, k, _l in problem_sizes:
         if m == 0:
             continue
-        count = -(-m // config.tile_tokens)
+        count = -(-m // tile_tokens)
         per_tile = -(-m // count)
         size = -(-per_tile // step) * step
-        weight_tiles = -(-n // config.tile_weights)
+        weight_tiles = -(-n // tile_weights)
+        k_tiles = k // tile_k
         full, rest = divmod(m, size)
-        for tokens, tiles in ((size, full), (-(-rest // step) * step, 1 if rest else 0)):
-            if tiles:
-                cost = k // config.tile_k * swap_ab_k_tile_us(tokens)
-                counts[cost] = counts.get(cost, 0) + tiles * weight_tiles
-    return sorted(counts.items(), key=lambda run: -run[0])
+        cost = k_tiles * (fixed_us + per_token_us * size)
+        counts[cost] = counts.get(cost, 0) + full * weight_tiles
+        if rest:
+            cost = k_tiles * (fixed_us + per_token_us * (-(-rest // step) * step))
+            counts[cost] = counts.get(cost, 0) + weight_tiles
+    return sorted([run for run in counts.items() if run[1]], key=lambda run: -run[0])
 
 
 def list_schedule_makespan(runs, num_sms: int) -> float:
@@ -130,30 +133,71 @@ def variable_token_tiles(problem_sizes, config: SwapAbConfig) -> list[tuple[int,
 
     Sorted per (group, class) bucket, not per row: a new size set plans on the call's path
     (a MoE step), and its rows number hundreds (EXPERIMENTS E66)."""
+    return [(g, first, w, token_class) for g, token_class, firsts, weight_tiles in variable_token_buckets(
+        problem_sizes, config) for w in range(weight_tiles) for first in firsts]
+
+
+def variable_token_buckets(problem_sizes, config: SwapAbConfig) -> list[tuple[int, int, range, int]]:
+    """variable_token_tiles as buckets in its order: (group, token class, first tokens / 64
+    of its tiles, weight tiles); the bucket's rows are (group, first, w, class) for each w,
+    then each first. O(G): a new size set's first call packs them from cached blocks
+    (packed_swap_ab_tiles)."""
     step = TOKEN_CLASS_STEP
+    fixed_us, per_token_us = SWAP_AB_K_TILE_FIXED_US, SWAP_AB_K_TILE_US_PER_TOKEN
+    tile_tokens, tile_k, tile_weights = config.tile_tokens, config.tile_k, config.tile_weights
     buckets = []  # (-cost, group, class, first tokens / step, weight tiles)
     for g, (m, n, k, _l) in enumerate(problem_sizes):
         if m == 0:
             continue
-        count = -(-m // config.tile_tokens)
+        count = -(-m // tile_tokens)
         per_tile = -(-m // count)
         size = -(-per_tile // step) * step
         full, rest = divmod(m, size)
-        k_tiles = k // config.tile_k
-        weight_tiles = -(-n // config.tile_weights)
+        k_tiles = k // tile_k
+        weight_tiles = -(-n // tile_weights)
         rest_tokens = -(-rest // step) * step
         if rest_tokens == size:  # the last tile rounds up to the others' class
             full, rest = full + 1, 0
+        steps_per_tile = size // step
         if full:
-            buckets.append((-k_tiles * swap_ab_k_tile_us(size), g, size // step - 1,
-                            range(0, full * size // step, size // step), weight_tiles))
+            buckets.append((-k_tiles * (fixed_us + per_token_us * size), g, steps_per_tile - 1,
+                            range(0, full * steps_per_tile, steps_per_tile), weight_tiles))
         if rest:
-            buckets.append((-k_tiles * swap_ab_k_tile_us(rest_tokens), g, rest_tokens // step - 1,
-                            (full * size // step,), weight_tiles))
+            buckets.append((-k_tiles * (fixed_us + per_token_us * rest_tokens), g, rest_tokens // step - 1,
+                            range(full * steps_per_tile, full * steps_per_tile + 1), weight_tiles))
     # one group's buckets differ in class, hence in cost: (-cost, group) orders them all
     buckets.sort(key=lambda bucket: bucket[:2])
-    return [(g, first, w, token_class) for _cost, g, token_class, firsts, weight_tiles in buckets
-            for w in range(weight_tiles) for first in firsts]
+    return [bucket[1:] for bucket in buckets]
+
+
+# Packed rows of one bucket (int32, little-endian), keyed by everything in them: a MoE step's
+# groups take few distinct (group, M class, N) triples, so most of a new size set's rows are
+# copies. A block is at most 4 token tiles x N / 128 weight tiles x 16 bytes (3.5 KB at
+# N = 7168): 2048 of them, 7 MB at most.
+@functools.lru_cache(maxsize=2048)
+def _variable_token_block(group: int, token_class: int, firsts: range, weight_tiles: int) -> bytes:
+    return struct.pack(f"<{4 * len(firsts) * weight_tiles}i",
+                       *[v for w in range(weight_tiles) for first in firsts for v in (group, first, w, token_class)])
+
+
+@functools.lru_cache(maxsize=2048)
+def _whole_token_block(group: int, token_tiles: int, weight_tiles: int) -> bytes:
+    return struct.pack(f"<{3 * token_tiles * weight_tiles}i",
+                       *[v for tn in range(weight_tiles) for tm in range(token_tiles) for v in (group, tm, tn)])
+
+
+def packed_swap_ab_tiles(problem_sizes, config: SwapAbConfig) -> tuple[bytes, int]:
+    """The swap-AB tile rows (Sm90Backend.plan_tiles' rows, in its order) packed as the
+    kernel reads them (int32 rows of config.tile_row_width), and their count: joined from
+    cached per-bucket blocks (a new size set's first call: EXPERIMENTS E71)."""
+    if config.variable_tokens:
+        buckets = variable_token_buckets(problem_sizes, config)
+        data = b"".join([_variable_token_block(*bucket) for bucket in buckets])
+        return data, len(data) // 16
+    tile_tokens, tile_weights = config.tile_tokens, config.tile_weights
+    data = b"".join([_whole_token_block(g, -(-m // tile_tokens), -(-n // tile_weights))
+                     for g, (m, n, _k, _l) in enumerate(problem_sizes) if m])
+    return data, len(data) // 12
 
 
 # The model picks the measured winner of these on every benchmark shape (EXPERIMENTS E32).
@@ -170,30 +214,39 @@ def choose_swap_ab_config(problem_sizes, num_sms: int) -> SwapAbConfig:
     112-token tiles win where M pads less in them (benchmark shape 2: 2 + 3 tiles of 112 for
     M = 192 and 320; EXPERIMENTS E12). One round of 112- or 128-token tiles runs 128-wide
     k-tiles where every K allows (with_wide_k_tiles: benchmark shapes 2 and 3)."""
-    # Asked once per plan, by the chain's first link (its host cost: EXPERIMENTS E32, E60)
-    tiles = swap_ab_tiles(problem_sizes)
+    # Asked once per plan, by the chain's first link (its host cost: EXPERIMENTS E32, E60):
+    # the tile counts are those of the candidates' cost runs
+    runs = {SWAP_AB_CONFIG: swap_ab_cost_runs(problem_sizes, SWAP_AB_CONFIG)}
+    tiles = sum([count for _cost, count in runs[SWAP_AB_CONFIG]])
     # Split-K only where the unsplit tiles leave most SMs idle: slower elsewhere (EXPERIMENTS E31).
     if 2 * tiles <= num_sms:
         return SWAP_AB_SPLIT_K_CONFIG
     candidates = SWAP_AB_CANDIDATES
-    if swap_ab_tiles(problem_sizes, SWAP_AB_T112_CONFIG) <= num_sms:
+    runs[SWAP_AB_T112_CONFIG] = swap_ab_cost_runs(problem_sizes, SWAP_AB_T112_CONFIG)
+    if sum([count for _cost, count in runs[SWAP_AB_T112_CONFIG]]) <= num_sms:
         # a candidate only where its tiles make one round of one CTA per SM (EXPERIMENTS E12)
         candidates += (SWAP_AB_T112_CONFIG,)
-    config = fastest_swap_ab_config(problem_sizes, candidates, num_sms)
+    config = fastest_swap_ab_config(problem_sizes, candidates, num_sms, runs)
     if config == SWAP_AB_CONFIG and tiles <= num_sms:
         config = SWAP_AB_ONE_ROUND_CONFIG
     return with_wide_k_tiles(problem_sizes, config)
 
 
-def fastest_swap_ab_config(problem_sizes, candidates, num_sms: int) -> SwapAbConfig:
+def fastest_swap_ab_config(problem_sizes, candidates, num_sms: int, known_runs=None) -> SwapAbConfig:
     """min(candidates, key=swap_ab_time_model), the first on a tie, without scheduling every
     candidate: a schedule's makespan is at least its total work over the SMs and at least
     its longest tile, so a candidate whose bound exceeds the best makespan so far cannot win
     (candidates taken by increasing bound; a new size set pays this on its call's path:
-    EXPERIMENTS E67)."""
-    runs = [swap_ab_cost_runs(problem_sizes, config) for config in candidates]
-    bounds = [max(sum(cost * count for cost, count in r) / num_sms, max((cost for cost, _ in r), default=0.0))
-              for r in runs]
+    EXPERIMENTS E67). known_runs: swap_ab_cost_runs already made, by config."""
+    known_runs = known_runs or {}
+    runs = [known_runs.get(config) or swap_ab_cost_runs(problem_sizes, config) for config in candidates]
+    bounds = []
+    for candidate_runs in runs:
+        work = longest = 0.0
+        for cost, count in candidate_runs:
+            work += cost * count
+            longest = max(longest, cost)
+        bounds.append(max(work / num_sms, longest))
     best = None  # (makespan, candidate index)
     for index in sorted(range(len(candidates)), key=bounds.__getitem__):
         if best is not None and bounds[index] > best[0] * (1 + 1e-9):  # past rounding: cannot win or tie

@@ -209,6 +209,9 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
         def plan_tiles(self, sizes, choice=None):
             return submission.plan_tiles(sizes, 128, 128)
 
+        def pack_tiles(self, sizes, choice):
+            return submission.PackedTiles.of(self.plan_tiles(sizes, choice))
+
         def prepare(self, spec):
             class BackendPlan:
                 nbytes, shared_scratch, graph_launch = 0, False, True

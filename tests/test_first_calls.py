@@ -32,11 +32,15 @@ class TableReadingLaunch:
         self.backend, self.spec = backend, spec
         self.extra_bytes = 16 * spec.num_groups
 
-    def launch(self, host, extra_offset, tables, stream_handle):
+    def write_extra(self, host, extra_offset):
         num_groups = self.spec.num_groups
-        marker = [1000 + g for g in range(2 * num_groups)]
-        struct.pack_into(f"<{2 * num_groups}q", host, extra_offset, *marker)
-        assert list(_read(tables.extra, f"<{2 * num_groups}q")) == marker  # host and device views agree
+        self.marker = [1000 + g for g in range(2 * num_groups)]
+        struct.pack_into(f"<{2 * num_groups}q", host, extra_offset, *self.marker)
+        return ["scratch"]
+
+    def launch(self, tables, stream_handle):
+        num_groups = self.spec.num_groups
+        assert list(_read(tables.extra, f"<{2 * num_groups}q")) == self.marker  # the extra table reaches the launch
         sizes = _read(tables.sizes, f"<{4 * num_groups}i")
         rows = _read(tables.tiles, f"<{3 * self.spec.num_tiles}i")
         pointers = _read(tables.ptrs, f"<{5 * num_groups}q")
@@ -51,7 +55,6 @@ class TableReadingLaunch:
             submission.exact_decode_group_gemm(([(a, b, c)], None, [(sfa, sfb)], [size]), [c])
         self.backend.first_calls.append((problem_sizes, [tuple(rows[i: i + 3]) for i in range(0, len(rows), 3)],
                                          stream_handle))
-        return ["scratch"]
 
 
 class DirectBackend:
@@ -76,6 +79,9 @@ class DirectBackend:
 
     def plan_tiles(self, problem_sizes, choice=None):
         return submission.plan_tiles(problem_sizes, TILE, TILE)
+
+    def pack_tiles(self, problem_sizes, choice):
+        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
 
     def prepare(self, spec):
         self.prepared.append(spec)

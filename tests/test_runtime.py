@@ -79,6 +79,9 @@ class TableBackend:
     def plan_tiles(self, problem_sizes, choice=None):
         return submission.plan_tiles(problem_sizes, TILE, TILE)
 
+    def pack_tiles(self, problem_sizes, choice):
+        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
+
     def prepare(self, spec):
         return FakeBackendPlan(spec)
 
@@ -239,6 +242,9 @@ class RecordingBackend:
 
     def plan_tiles(self, problem_sizes, choice=None):
         return submission.plan_tiles(problem_sizes, self.tile_m, self.tile_n)
+
+    def pack_tiles(self, problem_sizes, choice):
+        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
 
     def prepare(self, spec):
         self.prepared.append(spec)

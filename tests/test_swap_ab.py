@@ -5,6 +5,7 @@ The kernels' numerics run on an H200 in tests/test_hopper.py (configs swap_ab*, 
 
 import dataclasses
 import random
+import struct
 from pathlib import Path
 
 import pytest
@@ -446,3 +447,22 @@ def test_pre_pass_builds_without_local_memory(swap_ab_builds, num_groups, chaine
         assert "ld.global.nc.v2.b32" in after and "ld.global." not in after.replace("ld.global.nc", "")
     else:
         assert "griddepcontrol.wait" not in body
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_packed_tiles_are_the_tile_rows_as_the_kernel_reads_them(seed):
+    """A first call copies pack_tiles' bytes into its tables: the rows of plan_tiles, int32
+    little-endian, for every swap-AB config (joined from cached blocks) and in_gemm_decode."""
+    rng = random.Random(seed)
+    sizes = tuple((rng.choice([0, 1, 64, 65, 256, 257, rng.randint(1, 1200)]), 128 * rng.randint(1, 56),
+                   256 * rng.randint(1, 8), 1) for _ in range(rng.randint(1, 9)))
+    backend = hopper.make_backend()
+    for config in (hopper.SWAP_AB_CONFIG, hopper.SWAP_AB_T192_CONFIG, hopper.SWAP_AB_VARIABLE_CONFIG,
+                   hopper.SWAP_AB_T112_CONFIG, hopper.SWAP_AB_SPLIT_K_CONFIG, hopper.SM90_CONFIG):
+        kind = "swap_ab" if isinstance(config, hopper.SwapAbConfig) else "in_gemm_decode"
+        choice = submission.KernelChoice("sm90", kind, config)
+        rows = backend.plan_tiles(sizes, choice)
+        for _ in range(2):  # the second time from the block caches
+            packed = backend.pack_tiles(sizes, choice)
+            assert packed.data == struct.pack(f"<{len(rows) * packed.width}i", *[v for row in rows for v in row])
+            assert len(packed) == len(rows) and list(packed) == rows and packed[-1:] == rows[-1:]
