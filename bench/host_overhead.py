@@ -20,6 +20,9 @@ alone; it first calls ``submission.warmup`` for the family where the submission 
 no call compiles) and counts the calls that took over 100 ms (a compile) all the same.
 ``--profile`` adds a cProfile of those calls (the top functions by own time).
 
+With ``--first-call-device`` it also times, per shape, 15 first calls back to back (host and
+device µs per call) and their device time alone against hits (first_call_device_us).
+
 Exit codes: 0 done; 2 cannot run as asked (no CUDA GPU, a missing file, a bad option), as
 one line on stderr; 113 an invalid case file (eval.py's rules).
 """
@@ -189,6 +192,42 @@ def moe_step_us(module, family, count: int, profile: bool):
     return figures, sum(f > 1e5 for f in figures), profiler
 
 
+def first_call_device_us(custom_kernel, data, repeats: int) -> dict[str, float]:
+    """Device and host µs per call of first calls (15 never-seen clones of `data` back to
+    back, as eval's first timed repeat runs them) against hits on `data`: per repeat, the
+    15 calls timed with events after an L2 flush (host µs and device µs per call), then 15
+    more first calls and 15 hits queued behind a 20 ms sleep kernel, so that the events time
+    the device alone. Medians over repeats."""
+    from utils import clear_l2_cache
+
+    for _ in range(3):  # bound, self-checked, hitting
+        custom_kernel(data)
+    figures: dict[str, list[float]] = {}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(name, sets, behind_sleep):
+        torch.cuda.synchronize()
+        clear_l2_cache()
+        if behind_sleep:
+            torch.cuda._sleep(20_000_000)
+        start.record()
+        began = time.perf_counter()
+        for one in sets:
+            custom_kernel(one)
+        host = (time.perf_counter() - began) * 1e6 / len(sets)
+        end.record()
+        torch.cuda.synchronize()
+        if not behind_sleep:
+            figures.setdefault(name + " host", []).append(host)
+        figures.setdefault(name + " device", []).append(start.elapsed_time(end) * 1e3 / len(sets))
+
+    for _ in range(repeats):
+        timed("first calls", [clone_input_set(data) for _ in range(NUM_ITERATIONS_PER_BENCHMARK)], False)
+        timed("first calls alone", [clone_input_set(data) for _ in range(NUM_ITERATIONS_PER_BENCHMARK)], True)
+        timed("hits alone", [data] * NUM_ITERATIONS_PER_BENCHMARK, True)
+    return {name: statistics.median(values) for name, values in figures.items()}
+
+
 def moe_phases(module, family, count: int) -> None:
     """Host µs of each phase of a new-size call (submission.py's runtime only), median of
     `count` MoE steps of `family`, each run as custom_kernel's first call of an input set runs
@@ -285,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", type=non_negative_int, default=0, metavar="N",
                         help="also time N MoE steps per family (new per-group M every call, new "
                              "activations, the same weights), each alone")
+    parser.add_argument("--first-call-device", action="store_true",
+                        help="also the device µs per call of 15 first calls back to back against hits, per shape "
+                             "(first_call_device_us)")
     parser.add_argument("--profile", action="store_true", help="with --moe: a cProfile of the MoE steps")
     parser.add_argument("--phases", action="store_true",
                         help="with --moe: a new-size call's host time by phase (submission.py's runtime only)")
@@ -363,6 +405,15 @@ def main(argv: list[str] | None = None) -> int:
             seen_us = statistics.median(alone_us(lambda data=seen: custom_kernel(data), 20))
             print(f"{index:<5}{groups:>3}{median:>11.1f}{min(figures):>10.1f}{median / bare_us:>8.2f}"
                   f"{median / bare_alone_us:>9.2f}{seen_us:>12.1f}")
+    if options.first_call_device:
+        print("first calls (15 never-seen input sets of known sizes back to back) against hits, µs per call; "
+              "'alone': queued behind a sleep kernel, device time only:")
+        print(f"{'case':<5}{'G':>3}{'first host':>12}{'first device':>14}{'first alone':>13}{'hits alone':>12}")
+        for index, case in enumerate(cases):
+            figures = first_call_device_us(custom_kernel, generate_input(**case.args), 5)
+            print(f"{index:<5}{case.args['g']:>3}{figures['first calls host']:>12.1f}"
+                  f"{figures['first calls device']:>14.1f}{figures['first calls alone device']:>13.1f}"
+                  f"{figures['hits alone device']:>12.1f}")
     if options.moe:
         print(f"MoE steps, {options.moe} per family (sum M = {MOE_TOKENS} split at random every call, "
               f"new activations, the same weights), each alone (bare launch {bare_us:.2f} µs back to back, "
