@@ -3545,10 +3545,11 @@ def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
 
 class SizePlan:
     """What an input set's first call of one size set needs, without device memory: the
-    kernel chosen (and compiled) as get_plan chooses it, its tile rows packed after the sizes
-    as the kernels read them (`head`: sizes int32 [G, 4] then tiles int32 [T, W], each on 16
-    bytes; `tile_rows`: the backend's PackedTiles), where the pointer table (int64 [G, 5]) and the backend's own table follow, and
-    the backend's DirectLaunch (None: the backend runs bound input sets only)."""
+    kernel chosen (and compiled) as get_plan chooses it, its tile rows (`tile_rows`, the
+    backend's PackedTiles) packed after the sizes as the kernels read them (`head`: sizes
+    int32 [G, 4] then tiles int32 [T, W], each on 16 bytes), where the pointer table (int64
+    [G, 5]) and the backend's own table follow, and the backend's DirectLaunch (None: the
+    backend runs bound input sets only)."""
 
     __slots__ = (
         "chain", "choice", "direct", "extra_offset", "head", "kernel_key", "nbytes", "num_groups", "num_tiles",
@@ -3616,9 +3617,10 @@ class DirectTables(typing.NamedTuple):
 
 def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: int, device: torch.device,
                        captured: bool):
-    """Write the tables of an input set's first call (its pointers, the size plan's head) where
-    the GPU reads them in place and launch the backend's DirectLaunch on `stream`. Returns
-    what the launch keeps alive (the scratch), or None when a capture's arena is full."""
+    """Write the tables of an input set's first call (the size plan's head, its pointers, the
+    DirectLaunch's own table) into staging memory, copy them to its device mirror on
+    `stream` and launch the backend's DirectLaunch there. Returns what the launch keeps alive
+    (the scratch), or None when a capture's arena is full."""
     if captured:
         staged = _CAPTURE_ARENAS[device.index]
         offset = staged.take(size_plan.table_bytes)
