@@ -518,6 +518,50 @@ def test_bench_scripts_reject_bad_arguments_with_one_line(capsys, script, argv, 
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
 
+def test_first_call_device_figures_time_first_calls_and_hits(monkeypatch):
+    """host_overhead --first-call-device on CUDA stand-ins: per repeat 15 never-seen input
+    sets back to back, 15 more behind the sleep, 15 hits on the set itself, no two sets with
+    the same output (every set alive to the end); the figures are the medians of what the
+    events measured."""
+    host_overhead = load_bench("host_overhead")
+    import utils
+
+    elapsed_ms = iter([0.015 * (i + 1) for i in range(100)])
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, other):
+            return next(elapsed_ms)
+
+    sleeps = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
+    monkeypatch.setattr(utils, "clear_l2_cache", lambda: None)
+    from reference import generate_input
+
+    data = generate_input(m=(40,), n=(64,), k=(256,), g=1, seed=3, device="cpu")
+    seen = []
+    figures = host_overhead.first_call_device_us(lambda d: seen.append(d[0][0][2].data_ptr()), data, 2)
+    own = data[0][0][2].data_ptr()
+    assert seen[:3] == [own] * 3  # bound, checked, hitting first
+    rounds = [seen[3 + 45 * r: 3 + 45 * (r + 1)] for r in range(2)]
+    first_calls = [ptr for calls in rounds for ptr in calls[:30]]
+    assert own not in first_calls and len(set(first_calls)) == 60  # every first call its own c
+    assert all(calls[30:] == [own] * 15 for calls in rounds)
+    assert len(sleeps) == 4
+    # events per repeat: first calls, first calls alone, hits alone (ms per 15 calls -> µs per call)
+    assert figures["first calls device"] == pytest.approx((0.015 + 0.060) / 2 * 1e3 / 15)
+    assert figures["first calls alone device"] == pytest.approx((0.030 + 0.075) / 2 * 1e3 / 15)
+    assert figures["hits alone device"] == pytest.approx((0.045 + 0.090) / 2 * 1e3 / 15)
+    assert figures["first calls host"] >= 0
+
+
 def test_peers_shapes_option_selects_benchmark_shapes_in_order():
     peers = load_bench("peers")
     assert peers.shape_list("2,3") == [2, 3]
