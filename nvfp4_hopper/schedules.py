@@ -99,15 +99,18 @@ def list_schedule_makespan(runs, num_sms: int) -> float:
     of a run go to the SMs free earliest, a block of SMs free at the same time at once), in
     steps per run rather than per job. Buckets [free time, SMs]."""
     buckets = [(0.0, num_sms)]
+    heappush, heapreplace = heapq.heappush, heapq.heapreplace
     for cost, count in runs:
         while count:
-            free_at, sms = heapq.heappop(buckets)
-            taken = min(sms, count)
-            heapq.heappush(buckets, (free_at + cost, taken))
-            if sms > taken:
-                heapq.heappush(buckets, (free_at, sms - taken))
-            count -= taken
-    return max(free_at for free_at, _ in buckets)
+            free_at, sms = buckets[0]
+            if sms > count:
+                # the rest of the block stays the earliest bucket: the root, in place
+                buckets[0] = (free_at, sms - count)
+                heappush(buckets, (free_at + cost, count))
+                break
+            heapreplace(buckets, (free_at + cost, sms))
+            count -= sms
+    return max(buckets)[0]
 
 
 def swap_ab_time_model(problem_sizes, config: SwapAbConfig, num_sms: int) -> float:
