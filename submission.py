@@ -2608,31 +2608,26 @@ def cell_launcher(compiled, kinds: tuple[str, ...], dtypes: tuple) -> CellLaunch
     return launcher
 
 
-class MappedHostBuffer:
-    """Pinned host memory mapped into the GPU's address space: `host` is the buffer as Python
-    writes it, `base` its host address (the source of a cuMemcpyHtoDAsync), `device_base` the
-    address a kernel could read it at. On a CPU device (the tests) a plain buffer, read by the
-    host-side stand-ins at its own address."""
+class PinnedHostBuffer:
+    """Pinned host memory (the source of an asynchronous cuMemcpyHtoDAsync): `host` is the
+    buffer as Python writes it, `base` its address. On a CPU device (the tests) a plain
+    buffer, read by the host-side stand-ins at its own address."""
 
-    __slots__ = ("_storage", "base", "device_base", "host", "pinned", "size")
+    __slots__ = ("_storage", "base", "host", "pinned", "size")
 
     def __init__(self, device: torch.device, size: int):
         self.size, self.pinned = size, False
         if device.type == "cuda":
-            flags = cuda.CU_MEMHOSTALLOC_DEVICEMAP | cuda.CU_MEMHOSTALLOC_PORTABLE
             with _device_context(device):
-                result, base = cuda.cuMemHostAlloc(size, flags)
+                result, base = cuda.cuMemHostAlloc(size, cuda.CU_MEMHOSTALLOC_PORTABLE)
                 _check_cuda(result, "cuMemHostAlloc")
                 self.base, self.pinned = int(base), True
-                result, device_base = cuda.cuMemHostGetDevicePointer(self.base, 0)
-                _check_cuda(result, "cuMemHostGetDevicePointer")
-                self.device_base = int(device_base)
             self.host = memoryview((ctypes.c_char * size).from_address(self.base)).cast("B")
         else:
             self._storage = storage = (ctypes.c_char * (size + 128))()
             pad = -ctypes.addressof(storage) % 128  # aligned as a pinned allocation is
             self.host = memoryview(storage).cast("B")[pad: pad + size]
-            self.base = self.device_base = ctypes.addressof(storage) + pad
+            self.base = ctypes.addressof(storage) + pad
 
     def __del__(self):
         if getattr(self, "pinned", False):
@@ -2643,7 +2638,7 @@ class MappedHostBuffer:
 
 
 class StagedTables:
-    """Pinned host memory the host writes tables into (`buffer`, a MappedHostBuffer) and its
+    """Pinned host memory the host writes tables into (`buffer`, a PinnedHostBuffer) and its
     device mirror of the same size, which the kernels read: upload copies a written range on
     a stream (one cuMemcpyHtoDAsync). Kernels that read their tables in place from mapped host
     memory ran slower by the PCIe reads of every CTA (EXPERIMENTS E70). On a CPU device (the
@@ -2652,9 +2647,9 @@ class StagedTables:
     __slots__ = ("buffer", "device_base", "mirror")
 
     def __init__(self, device: torch.device, size: int):
-        self.buffer = MappedHostBuffer(device, size)
+        self.buffer = PinnedHostBuffer(device, size)
         self.mirror = None
-        self.device_base = self.buffer.device_base
+        self.device_base = self.buffer.base
         if device.type == "cuda":
             self.mirror = torch.empty(size, dtype=torch.uint8, device=device)
             self.device_base = self.mirror.data_ptr()

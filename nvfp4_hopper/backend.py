@@ -362,8 +362,7 @@ class Sm90Backend:
 
         config = choice.config
         if isinstance(config, SwapAbConfig):
-            data, _count = packed_swap_ab_tiles(problem_sizes, config)
-            return submission.PackedTiles(data, config.tile_row_width)
+            return submission.PackedTiles(packed_swap_ab_tiles(problem_sizes, config), config.tile_row_width)
         return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
 
     def prepare(self, spec) -> Sm90Plan:

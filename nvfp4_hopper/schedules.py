@@ -74,23 +74,20 @@ def swap_ab_cost_runs(problem_sizes, config: SwapAbConfig) -> list[tuple[float, 
         tile_us = fixed_us + per_token_us * tile_tokens
         return [(k // tile_k * tile_us, -(-m // tile_tokens) * -(-n // tile_weights))
                 for m, n, k, _l in problem_sizes if m]
-    step = TOKEN_CLASS_STEP
     counts: dict[float, int] = {}
     for m, n, k, _l in problem_sizes:
         if m == 0:
             continue
-        count = -(-m // tile_tokens)
-        per_tile = -(-m // count)
-        size = -(-per_tile // step) * step
+        size, full, rest_tokens = variable_token_split(m, tile_tokens)
         weight_tiles = -(-n // tile_weights)
         k_tiles = k // tile_k
-        full, rest = divmod(m, size)
-        cost = k_tiles * (fixed_us + per_token_us * size)
-        counts[cost] = counts.get(cost, 0) + full * weight_tiles
-        if rest:
-            cost = k_tiles * (fixed_us + per_token_us * (-(-rest // step) * step))
+        if full:
+            cost = k_tiles * (fixed_us + per_token_us * size)
+            counts[cost] = counts.get(cost, 0) + full * weight_tiles
+        if rest_tokens:
+            cost = k_tiles * (fixed_us + per_token_us * rest_tokens)
             counts[cost] = counts.get(cost, 0) + weight_tiles
-    return sorted([run for run in counts.items() if run[1]], key=lambda run: -run[0])
+    return sorted(counts.items(), key=lambda run: -run[0])
 
 
 def list_schedule_makespan(runs, num_sms: int) -> float:
@@ -140,6 +137,21 @@ def variable_token_tiles(problem_sizes, config: SwapAbConfig) -> list[tuple[int,
         problem_sizes, config) for w in range(weight_tiles) for first in firsts]
 
 
+def variable_token_split(m: int, tile_tokens: int) -> tuple[int, int, int]:
+    """A group's M in variable token tiles: (tokens of a full tile, full tiles, tokens of the
+    last, smaller tile or 0), every count a multiple of 64; ceil(M / tile_tokens) tiles of
+    equal size, the last one smaller where M ends (rounded up to the others' class, it is
+    one of them)."""
+    step = TOKEN_CLASS_STEP
+    per_tile = -(-m // -(-m // tile_tokens))
+    size = -(-per_tile // step) * step
+    full, rest = divmod(m, size)
+    rest_tokens = -(-rest // step) * step
+    if rest_tokens == size:
+        return size, full + 1, 0
+    return size, full, rest_tokens
+
+
 def variable_token_buckets(problem_sizes, config: SwapAbConfig) -> list[tuple[int, int, range, int]]:
     """variable_token_tiles as buckets in its order: (group, token class, first tokens / 64
     of its tiles, weight tiles); the bucket's rows are (group, first, w, class) for each w,
@@ -152,20 +164,14 @@ def variable_token_buckets(problem_sizes, config: SwapAbConfig) -> list[tuple[in
     for g, (m, n, k, _l) in enumerate(problem_sizes):
         if m == 0:
             continue
-        count = -(-m // tile_tokens)
-        per_tile = -(-m // count)
-        size = -(-per_tile // step) * step
-        full, rest = divmod(m, size)
+        size, full, rest_tokens = variable_token_split(m, tile_tokens)
         k_tiles = k // tile_k
         weight_tiles = -(-n // tile_weights)
-        rest_tokens = -(-rest // step) * step
-        if rest_tokens == size:  # the last tile rounds up to the others' class
-            full, rest = full + 1, 0
         steps_per_tile = size // step
         if full:
             buckets.append((-k_tiles * (fixed_us + per_token_us * size), g, steps_per_tile - 1,
                             range(0, full * steps_per_tile, steps_per_tile), weight_tiles))
-        if rest:
+        if rest_tokens:
             buckets.append((-k_tiles * (fixed_us + per_token_us * rest_tokens), g, rest_tokens // step - 1,
                             range(full * steps_per_tile, full * steps_per_tile + 1), weight_tiles))
     # one group's buckets differ in class, hence in cost: (-cost, group) orders them all
@@ -189,18 +195,15 @@ def _whole_token_block(group: int, token_tiles: int, weight_tiles: int) -> bytes
                        *[v for tn in range(weight_tiles) for tm in range(token_tiles) for v in (group, tm, tn)])
 
 
-def packed_swap_ab_tiles(problem_sizes, config: SwapAbConfig) -> tuple[bytes, int]:
+def packed_swap_ab_tiles(problem_sizes, config: SwapAbConfig) -> bytes:
     """The swap-AB tile rows (Sm90Backend.plan_tiles' rows, in its order) packed as the
-    kernel reads them (int32 rows of config.tile_row_width), and their count: joined from
-    cached per-bucket blocks (a new size set's first call: EXPERIMENTS E71)."""
+    kernel reads them (int32 rows of config.tile_row_width): joined from cached per-bucket
+    blocks (a new size set's first call: EXPERIMENTS E71)."""
     if config.variable_tokens:
-        buckets = variable_token_buckets(problem_sizes, config)
-        data = b"".join([_variable_token_block(*bucket) for bucket in buckets])
-        return data, len(data) // 16
+        return b"".join([_variable_token_block(*bucket) for bucket in variable_token_buckets(problem_sizes, config)])
     tile_tokens, tile_weights = config.tile_tokens, config.tile_weights
-    data = b"".join([_whole_token_block(g, -(-m // tile_tokens), -(-n // tile_weights))
+    return b"".join([_whole_token_block(g, -(-m // tile_tokens), -(-n // tile_weights))
                      for g, (m, n, _k, _l) in enumerate(problem_sizes) if m])
-    return data, len(data) // 12
 
 
 # The model picks the measured winner of these on every benchmark shape (EXPERIMENTS E32).

@@ -122,6 +122,13 @@ def supported_gpu() -> bool:
     return major == 10 or (major, minor) == (9, 0)
 
 
+class PacksItsPlanTiles:
+    """Backend.pack_tiles for a stand-in backend: its own plan_tiles, packed."""
+
+    def pack_tiles(self, problem_sizes, choice):
+        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
+
+
 def runtime_on_cpu(monkeypatch, backend, validations: list | None = None) -> None:
     """custom_kernel on CPU tensors with `backend`: validation's CUDA-device rule the only one
     waived (in the full rules and the pointer checks; each full validation appended to

@@ -6,7 +6,7 @@ order of launches across streams and the resident-cluster limit, through stubs."
 import helpers
 import pytest
 import torch
-from helpers import assert_exact, expected, official_inputs
+from helpers import PacksItsPlanTiles, assert_exact, expected, official_inputs
 
 import reference
 import submission
@@ -196,7 +196,7 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
     written.order_before("any")  # nothing to wait for off a GPU
     assert waits == []
 
-    class Backend:
+    class Backend(PacksItsPlanTiles):
         name, plan_key = "fake", ("fake",)
         oracle = submission.KernelChoice("fake", "exact_decode", host=True)
 
@@ -208,9 +208,6 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
 
         def plan_tiles(self, sizes, choice=None):
             return submission.plan_tiles(sizes, 128, 128)
-
-        def pack_tiles(self, sizes, choice):
-            return submission.PackedTiles.of(self.plan_tiles(sizes, choice))
 
         def prepare(self, spec):
             class BackendPlan:

@@ -11,7 +11,7 @@ import struct
 
 import pytest
 import torch
-from helpers import make_inputs, runtime_on_cpu
+from helpers import PacksItsPlanTiles, make_inputs, runtime_on_cpu
 
 import submission
 
@@ -57,7 +57,7 @@ class TableReadingLaunch:
                                          stream_handle))
 
 
-class DirectBackend:
+class DirectBackend(PacksItsPlanTiles):
     """A backend whose bound launches and first calls both compute the exact result."""
 
     name = "direct"
@@ -79,9 +79,6 @@ class DirectBackend:
 
     def plan_tiles(self, problem_sizes, choice=None):
         return submission.plan_tiles(problem_sizes, TILE, TILE)
-
-    def pack_tiles(self, problem_sizes, choice):
-        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
 
     def prepare(self, spec):
         self.prepared.append(spec)

@@ -4,7 +4,7 @@ recording backend."""
 
 import pytest
 import torch
-from helpers import make_inputs, runtime_on_cpu
+from helpers import PacksItsPlanTiles, make_inputs, runtime_on_cpu
 
 import submission
 
@@ -63,7 +63,7 @@ class FakeBackendPlan:
         pass
 
 
-class TableBackend:
+class TableBackend(PacksItsPlanTiles):
     """The least a plan needs of a backend: a one-link chain, its tiles and prepare."""
 
     name = "tables"
@@ -78,9 +78,6 @@ class TableBackend:
 
     def plan_tiles(self, problem_sizes, choice=None):
         return submission.plan_tiles(problem_sizes, TILE, TILE)
-
-    def pack_tiles(self, problem_sizes, choice):
-        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
 
     def prepare(self, spec):
         return FakeBackendPlan(spec)
@@ -219,7 +216,7 @@ def test_same_buffers_with_other_sizes_miss(recording_runtime):
     assert backend.launches[-1][0].problem_sizes[0] == (64, 384, 512, 1)
 
 
-class RecordingBackend:
+class RecordingBackend(PacksItsPlanTiles):
     """Backend protocol stand-in that records what the runtime asks of it."""
 
     name = "recording"
@@ -242,9 +239,6 @@ class RecordingBackend:
 
     def plan_tiles(self, problem_sizes, choice=None):
         return submission.plan_tiles(problem_sizes, self.tile_m, self.tile_n)
-
-    def pack_tiles(self, problem_sizes, choice):
-        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
 
     def prepare(self, spec):
         self.prepared.append(spec)
