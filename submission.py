@@ -2660,6 +2660,15 @@ class StagedTables:
             _check_cuda(cuda.cuMemcpyHtoDAsync(self.device_base + offset, self.buffer.base + offset, nbytes,
                                                stream)[0], "cuMemcpyHtoDAsync")
 
+    def copy_to(self, offset: int, nbytes: int, destination: torch.Tensor, stream) -> None:
+        """Copy bytes offset .. offset + nbytes to the start of `destination` (a tensor of at
+        least nbytes on the staging's device) on `stream`; on a CPU device, at once."""
+        if self.mirror is not None:
+            _check_cuda(cuda.cuMemcpyHtoDAsync(destination.data_ptr(), self.buffer.base + offset, nbytes,
+                                               stream)[0], "cuMemcpyHtoDAsync")
+        else:
+            ctypes.memmove(destination.data_ptr(), self.buffer.base + offset, nbytes)
+
 
 class TableRing(StagedTables):
     """The tables of launches that have no binding (an input set's first call): written by the
@@ -3061,10 +3070,30 @@ class Written:
             self.event = _CudaEvent()
             _check_cuda(cuda.cuEventRecord(self.event.event, self.stream)[0], "cuEventRecord")
 
+    @classmethod
+    def on_stream(cls, value, stream) -> "Written":
+        """`value`, written by work just queued on `stream` (a cuda.CUstream; anything else,
+        the CPU tests' stand-in, orders nothing), without an event yet: a first call's table
+        is read on its own stream far more often than anywhere else, so the event is recorded
+        only when another stream needs it (order_before), and then covers the writing too."""
+        written = cls.__new__(cls)
+        written.value, written.event = value, None
+        written.stream = stream if isinstance(stream, cuda.CUstream) else None
+        return written
+
     def order_before(self, stream: cuda.CUstream) -> None:
         """Make `stream`'s later work wait for the writing, unless it is the writing stream."""
-        if self.event is not None and stream is not self.stream:
-            _check_cuda(cuda.cuStreamWaitEvent(stream, self.event.event, 0)[0], "cuStreamWaitEvent")
+        if self.stream is None or stream is self.stream:
+            return
+        if self.event is None:  # on_stream: recorded now, after the writing
+            event = _CudaEvent()
+            if cuda.cuEventRecord(event.event, self.stream)[0] != cuda.CUresult.CUDA_SUCCESS:
+                # the writing stream is gone (a caller's external stream): wait for all work
+                _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
+                self.stream = None
+                return
+            self.event = event
+        _check_cuda(cuda.cuStreamWaitEvent(stream, self.event.event, 0)[0], "cuStreamWaitEvent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3159,11 +3188,18 @@ class Binding:
         "table",
     )
 
-    def __init__(self, plan: Plan, pointers):
+    def __init__(self, plan: Plan, pointers, table: Written | None = None):
         self.plan = plan
         self.pointers = tuple(tuple(int(v) for v in p) for p in pointers)
-        device_buf, self._host_staging, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
-        self.table = Written(device_buf, plan.device)
+        if table is None:
+            device_buf, self._host_staging, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
+            self.table = Written(device_buf, plan.device)
+        else:
+            # the pointer table its first call copied to the device (_launch_first_call): these
+            # pointers, int64 [G, 5] from its start; no copy on this call's stream
+            self._host_staging, self.table = None, table
+            num_groups = len(self.pointers)
+            self.ptrs = table.value[: 8 * NUM_PTR_COLS * num_groups].view(torch.int64).view(num_groups, NUM_PTR_COLS)
         self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
         self.stream = None
         self.launch = None
@@ -3544,11 +3580,14 @@ class SizePlan:
     backend's PackedTiles) packed after the sizes as the kernels read them (`head`: sizes
     int32 [G, 4] then tiles int32 [T, W], each on 16 bytes), where the pointer table (int64
     [G, 5]) and the backend's own table follow, and the backend's DirectLaunch (None: the
-    backend runs bound input sets only)."""
+    backend runs bound input sets only). `device_head`: the head copied to the device (a
+    Written) once a second input set of these sizes runs (_launch_first_call); `launched`:
+    whether one has."""
 
     __slots__ = (
-        "chain", "choice", "direct", "extra_offset", "head", "kernel_key", "nbytes", "num_groups", "num_tiles",
-        "problem_sizes", "ptr_format", "ptrs_offset", "table_bytes", "tile_rows", "tiles_offset",
+        "chain", "choice", "device_head", "direct", "extra_offset", "head", "kernel_key", "launched", "nbytes",
+        "num_groups", "num_tiles", "problem_sizes", "ptr_format", "ptrs_offset", "table_bytes", "tile_rows",
+        "tiles_offset",
     )
 
     def __init__(self, backend, problem_sizes, device: torch.device):
@@ -3572,7 +3611,9 @@ class SizePlan:
         self.extra_offset = _align_up(self.ptrs_offset + 8 * NUM_PTR_COLS * self.num_groups, 16)
         self.table_bytes = self.extra_offset + (0 if self.direct is None else self.direct.extra_bytes)
         self.ptr_format = f"<{NUM_PTR_COLS * self.num_groups}q"
-        self.nbytes = 2 * len(self.head)  # the head, and about as much in tile_rows
+        self.device_head, self.launched = None, False
+        # the head, about as much in tile_rows, and the head's device copy once made
+        self.nbytes = 3 * len(self.head)
 
 
 def get_size_plan(backend, problem_sizes, device: torch.device) -> SizePlan:
@@ -3612,10 +3653,18 @@ class DirectTables(typing.NamedTuple):
 
 def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: int, device: torch.device,
                        captured: bool):
-    """Write the tables of an input set's first call (the size plan's head, its pointers, the
-    DirectLaunch's own table) into staging memory, copy them to its device mirror on
-    `stream` and launch the backend's DirectLaunch there. Returns what the launch keeps alive
-    (the scratch), or None when a capture's arena is full."""
+    """Write the tables of an input set's first call into staging memory, copy them to the
+    device on `stream` and launch the size plan's DirectLaunch there. Returns (what the launch
+    keeps alive (the scratch), this input set's pointer table on the device (a Written) or
+    None), or None when a capture's arena is full.
+
+    The first input set of a size set (every call of a MoE step) copies all its tables (the
+    size plan's head, its pointers, the DirectLaunch's own table) in one copy to the ring's
+    mirror. From the second on, the head is on the device (copied once), and the input set's
+    pointers and DirectLaunch table go to a table of its own, which its binding reads at its
+    second call: a copy of a few hundred bytes, which the driver queues with the launches,
+    where the head's kilobytes went through a copy engine, and no copy at that second call
+    (EXPERIMENTS E74). Under a capture, all of them to the capture's arena, in one copy."""
     if captured:
         staged = _CAPTURE_ARENAS[device.index]
         offset = staged.take(size_plan.table_bytes)
@@ -3623,6 +3672,16 @@ def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: i
             return None
     else:
         staged = table_ring(device)
+        if size_plan.launched and size_plan.device_head is None:
+            head = torch.empty(len(size_plan.head), dtype=torch.uint8, device=device)
+            head_offset = staged.take(len(size_plan.head), stream)
+            staged.buffer.host[head_offset: head_offset + len(size_plan.head)] = size_plan.head
+            staged.copy_to(head_offset, len(size_plan.head), head, stream)
+            size_plan.device_head = Written.on_stream(head, stream)
+        size_plan.launched = True
+        head = size_plan.device_head
+        if head is not None:
+            return _launch_on_device_head(size_plan, head, key, staged, stream, stream_handle, device)
         offset = staged.take(size_plan.table_bytes, stream)
     host = staged.buffer.host
     host[offset: offset + len(size_plan.head)] = size_plan.head
@@ -3634,7 +3693,29 @@ def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: i
     tables = DirectTables(base, base + size_plan.tiles_offset, base + size_plan.ptrs_offset,
                           base + size_plan.extra_offset)
     size_plan.direct.launch(tables, stream_handle)
-    return keepalive if keepalive is not None else ()
+    return (keepalive if keepalive is not None else ()), None
+
+
+def _launch_on_device_head(size_plan: SizePlan, head: Written, key: tuple, ring: TableRing, stream,
+                           stream_handle: int, device: torch.device):
+    """_launch_first_call of a known size set: the sizes and tile rows from the size plan's
+    device head; this input set's pointers and the DirectLaunch's table staged in the ring and
+    copied to a table of their own (pointers first, as a Binding reads them)."""
+    if stream is not head.stream and device.type == "cuda":
+        head.order_before(stream)  # written on another stream: wait for it, keep it for this one
+        head.value.record_stream(torch.cuda.current_stream(device))
+    extra_at = size_plan.extra_offset - size_plan.ptrs_offset
+    nbytes = size_plan.table_bytes - size_plan.ptrs_offset
+    table = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    offset = ring.take(nbytes, stream)
+    host = ring.buffer.host
+    struct.pack_into(size_plan.ptr_format, host, offset, *_flatten(pointers_of_key(key, size_plan.num_groups)))
+    keepalive = size_plan.direct.write_extra(host, offset + extra_at)
+    ring.copy_to(offset, nbytes, table, stream)
+    head_base, base = head.value.data_ptr(), table.data_ptr()
+    size_plan.direct.launch(DirectTables(head_base, head_base + size_plan.tiles_offset, base, base + extra_at),
+                            stream_handle)
+    return (keepalive if keepalive is not None else ()), Written.on_stream(table, stream)
 
 
 def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
@@ -3658,7 +3739,7 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
             return None  # its second call: bind it (the hit path from now on)
         stream = _stream_for_current()
         try:
-            keepalive = _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, capturing)
+            launched = _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, capturing)
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(
                 f"custom_kernel: out of GPU memory for the activation scratch of a first call of sizes "
@@ -3668,23 +3749,26 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
             if capturing:
                 raise
             return None
-        if keepalive is None:
+        if launched is None:
             return None
+        keepalive, table = launched
         if capturing:
             _CAPTURED.put(("first call", seen_key), (size_plan, keepalive))
         else:
-            _SEEN_ONCE.put(seen_key, True)
+            # its second call binds on this table where there is one (_bound_input_set)
+            _SEEN_ONCE.put(seen_key, True if table is None else table)
     return list(map(_c_of_group, data[0]))
 
 
-def _new_binding(backend, problem_sizes, device, key: tuple) -> Binding:
-    """A binding on the plan of these sizes. Writing its descriptors launches the chosen
-    kernel's init kernel: a failure there that leaves the context usable demotes that kernel,
-    and the binding is made on the next link's plan."""
+def _new_binding(backend, problem_sizes, device, key: tuple, table: Written | None = None) -> Binding:
+    """A binding on the plan of these sizes (on `table`, its first call's pointer table, where
+    given). Writing its descriptors launches the chosen kernel's init kernel: a failure there
+    that leaves the context usable demotes that kernel, and the binding is made on the next
+    link's plan."""
     while True:
         plan = get_plan(backend, problem_sizes, device)
         try:
-            return Binding(plan, pointers_of_key(key, len(problem_sizes)))
+            return Binding(plan, pointers_of_key(key, len(problem_sizes)), table)
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -3725,9 +3809,11 @@ def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
                     "capturing (a first call plans, may compile, and writes tables, which a capture cannot)"
                 )
             device = data[0][0][0].device
+            table = _SEEN_ONCE.entries.get((key, problem_sizes))
             try:
                 with _device_context(device):
-                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key)
+                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key,
+                                           table if isinstance(table, Written) else None)
             except torch.OutOfMemoryError as error:
                 raise torch.OutOfMemoryError(
                     f"custom_kernel: out of GPU memory while building the plan or binding of sizes "

@@ -12,7 +12,10 @@ the same run, and their ratio. Needs a CUDA GPU the submission supports.
     python bench/host_overhead.py [--submission PATH] [--cases FILE] [--repeats N] [--fresh N]
 
 With ``--fresh N`` it also times N calls per shape on pointers the runtime has never seen
-(clones of the shape's first input set: known sizes, new tensors), each alone.
+(clones of the shape's first input set: known sizes, new tensors), each alone, and beside
+them the floor of any runtime that checks a new input set in Python before its launch: the
+attribute reads alone (attribute_reads: each tensor's data pointer, dtype, shape, strides and
+device), timed the same way on the same clones.
 
 With ``--moe N`` it times N calls of a MoE step per family (G, N, K): every call new per-group
 M (sum 1024, split at random), new activation and output tensors, the same weights, each call
@@ -126,6 +129,32 @@ def fresh_pointer_us(custom_kernel, data, count: int) -> list[float]:
         custom_kernel(fresh)
         figures.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
+    return figures
+
+
+_data_ptr = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
+
+
+def attribute_reads(data) -> tuple:
+    """What checking a new input set reads at the least, and no more: the data pointer, dtype,
+    shape, strides and device of each of its 5G tensors (a, b, c, reordered sfa and sfb of
+    every group), and the problem sizes. No comparison, no launch: a floor."""
+    abc, _, sfasfb_reordered, problem_sizes = data
+    tensors = [t for group in abc for t in group] + [t for group in sfasfb_reordered for t in group]
+    return (tuple(map(_data_ptr, tensors)), [(t.dtype, t.shape, t.stride(), t.get_device()) for t in tensors],
+            tuple(problem_sizes))
+
+
+def attribute_reads_us(data, count: int) -> list[float]:
+    """CPU µs of attribute_reads on `count` clones of `data`, each alone (fresh_pointer_us'
+    timing)."""
+    clones = [clone_input_set(data) for _ in range(count)]
+    figures = []
+    for fresh in clones:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        attribute_reads(fresh)
+        figures.append((time.perf_counter() - start) * 1e6)
     return figures
 
 
@@ -408,12 +437,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calls on new pointers of known sizes, {options.fresh} per shape, each alone "
               f"(bare launch {bare_us:.2f} µs back to back, {bare_alone_us:.2f} µs alone, in this run; "
               f"a seen input set alone for comparison):")
-        print(f"{'case':<5}{'G':>3}{'median µs':>11}{'best µs':>10}{'ratio':>8}{'/ alone':>9}{'seen alone':>12}")
+        print(f"{'case':<5}{'G':>3}{'median µs':>11}{'best µs':>10}{'ratio':>8}{'/ alone':>9}{'seen alone':>12}"
+              f"{'reads µs':>10}{'reads / alone':>15}{'reads + bare / alone':>22}")
         for index, groups, figures, seen in fresh:
             median = statistics.median(figures)
             seen_us = statistics.median(alone_us(lambda data=seen: custom_kernel(data), 20))
+            reads_us = statistics.median(attribute_reads_us(seen, options.fresh))
             print(f"{index:<5}{groups:>3}{median:>11.1f}{min(figures):>10.1f}{median / bare_us:>8.2f}"
-                  f"{median / bare_alone_us:>9.2f}{seen_us:>12.1f}")
+                  f"{median / bare_alone_us:>9.2f}{seen_us:>12.1f}{reads_us:>10.1f}{reads_us / bare_alone_us:>15.2f}"
+                  f"{(reads_us + bare_alone_us) / bare_alone_us:>22.2f}")
+        print("reads: attribute_reads alone (the data pointer, dtype, shape, strides and device of every tensor; "
+              "no check, no launch): the floor of a runtime that checks a new input set in Python")
     if options.first_call_device:
         print("first calls (15 never-seen input sets of known sizes back to back) against hits, µs per call; "
               "'alone': queued behind a sleep kernel, device time only:")

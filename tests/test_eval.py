@@ -1188,3 +1188,21 @@ def test_popcorn_fd_may_be_stdout():
     assert "Traceback" not in completed.stderr and "Bad file descriptor" not in completed.stderr
     assert "test-count: 10" in completed.stdout and "check: " in completed.stdout
     assert completed.returncode in (0, 112)  # a CPU machine runs submission.py under the protocol: 112
+
+
+def test_attribute_reads_read_every_tensor_a_check_needs(monkeypatch):
+    """The floor beside --fresh: attribute_reads returns the pointers of input_key and each
+    tensor's dtype, shape, strides and device, a, b, c then the reordered scales; the timing
+    runs on clones (new pointers), one figure per clone."""
+    host_overhead = load_bench("host_overhead")
+    import submission
+    from reference import generate_input
+
+    data = generate_input(m=(40, 72), n=(128, 128), k=(256, 256), g=2, seed=3, device="cpu")
+    pointers, attributes, sizes = host_overhead.attribute_reads(data)
+    assert pointers == submission.input_key(data) and sizes == tuple(data[3])
+    tensors = [*data[0][0], *data[0][1], *data[2][0], *data[2][1]]
+    assert attributes == [(t.dtype, t.shape, t.stride(), -1) for t in tensors]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    figures = host_overhead.attribute_reads_us(data, 3)
+    assert len(figures) == 3 and all(f > 0 for f in figures)

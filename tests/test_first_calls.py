@@ -55,6 +55,7 @@ class TableReadingLaunch:
             submission.exact_decode_group_gemm(([(a, b, c)], None, [(sfa, sfb)], [size]), [c])
         self.backend.first_calls.append((problem_sizes, [tuple(rows[i: i + 3]) for i in range(0, len(rows), 3)],
                                          stream_handle))
+        self.backend.last_tables = tables
 
 
 class DirectBackend(PacksItsPlanTiles):
@@ -173,6 +174,62 @@ def test_new_sizes_every_call_never_bind(direct_runtime):
         _assert_exact(data)
     assert len(backend.first_calls) == 6 and backend.bound_launches == [] and backend.prepared == []
     assert len(submission._BINDINGS) == 0
+
+
+def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them(direct_runtime, monkeypatch):
+    """From the second input set of a size set on, the sizes and tile rows come from the size
+    plan's head, copied to the device once; each input set's pointers (and the launch's own
+    table) go to a table of its own, which its binding takes at its second call: no pointer
+    upload there."""
+    backend, run, _ = direct_runtime
+    uploads = []
+    real_upload = submission.upload_int_tables
+
+    def counting_upload(device, tables):
+        uploads.append([code for code, _rows in tables])
+        return real_upload(device, tables)
+
+    monkeypatch.setattr(submission, "upload_int_tables", counting_upload)
+    first, second, third = make_inputs(SIZES), make_inputs(SIZES), make_inputs(SIZES)
+    run(first)  # a new size set: every table in the ring, no device head
+    _assert_exact(first)
+    size_plan, = submission._SIZE_PLANS.entries.values()
+    ring = submission._TABLE_RINGS[None]
+    assert size_plan.device_head is None and size_plan.launched
+    assert backend.last_tables.sizes == ring.device_base + ring.offset - submission._align_up(size_plan.table_bytes, 128)
+    assert submission._SEEN_ONCE.get((submission.input_key(first), tuple(SIZES))) is True
+
+    run(second)  # a known size set: the head to the device, the pointers to a table of their own
+    _assert_exact(second)
+    head = size_plan.device_head
+    assert head is not None and bytes(head.value.numpy()) == size_plan.head
+    assert backend.last_tables.sizes == head.value.data_ptr()
+    assert backend.last_tables.tiles == head.value.data_ptr() + size_plan.tiles_offset
+    table = submission._SEEN_ONCE.get((submission.input_key(second), tuple(SIZES)))
+    assert isinstance(table, submission.Written) and backend.last_tables.ptrs == table.value.data_ptr()
+    assert list(_read(table.value.data_ptr(), f"<{5 * len(SIZES)}q")) == [
+        p for group in submission.pointers_of(second) for p in group]
+
+    offset_before = ring.offset
+    run(third)  # the head is not copied again: the ring holds only the pointers and the launch's table
+    _assert_exact(third)
+    assert size_plan.device_head is head and backend.last_tables.sizes == head.value.data_ptr()
+    assert ring.offset - offset_before == submission._align_up(size_plan.table_bytes - size_plan.ptrs_offset, 128)
+    assert uploads == []  # no binding yet, no plan with device tables
+
+    for _, _, c in second[0]:
+        c.zero_()
+    run(second)  # its second call binds, on its first call's table
+    _assert_exact(second)
+    binding = submission._BINDINGS.get(submission.input_key(second))
+    assert binding.table is table and binding.ptrs.data_ptr() == table.value.data_ptr()
+    assert binding.ptrs.tolist() == [list(group) for group in submission.pointers_of(second)]
+    assert uploads == [["i", "i"]]  # the plan's sizes and tile rows; no pointer table
+    for _, _, c in second[0]:
+        c.zero_()
+    run(second)  # a hit
+    _assert_exact(second)
+    assert len(backend.first_calls) == 3 and len(backend.bound_launches) == 2
 
 
 def test_ring_segments_wrap(direct_runtime, monkeypatch):
