@@ -386,6 +386,7 @@ class Sm90SwapAbGemm:
         # Without it (weight stages per warp, token stages freed by the last warp): slower (EXPERIMENTS E8).
         cute.arch.sync_threads()
         next_weights = k_tile + weights_ahead
+        # Weights straight to registers (no stage) saves at most the no-copy ceiling (EXPERIMENTS E75).
         if next_weights < k_tile_cnt:
             self.load_weights(tidx, w_base, w_stage_next, next_weights, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
         cute.arch.cp_async_commit_group()
