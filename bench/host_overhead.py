@@ -120,7 +120,8 @@ def fresh_pointer_us(custom_kernel, data, count: int) -> list[float]:
     """CPU µs of `count` calls each on pointers never seen before (clones of `data`, whose
     sizes the runtime knows): the eager pattern of a model layer that gets new activation
     and output tensors at every step. A synchronize before each call, so each is timed
-    alone."""
+    alone. `custom_kernel` may be any function of an input set (attribute_reads: the
+    floor)."""
     clones = [clone_input_set(data) for _ in range(count)]
     figures = []
     for fresh in clones:
@@ -143,19 +144,6 @@ def attribute_reads(data) -> tuple:
     tensors = [t for group in abc for t in group] + [t for group in sfasfb_reordered for t in group]
     return (tuple(map(_data_ptr, tensors)), [(t.dtype, t.shape, t.stride(), t.get_device()) for t in tensors],
             tuple(problem_sizes))
-
-
-def attribute_reads_us(data, count: int) -> list[float]:
-    """CPU µs of attribute_reads on `count` clones of `data`, each alone (fresh_pointer_us'
-    timing)."""
-    clones = [clone_input_set(data) for _ in range(count)]
-    figures = []
-    for fresh in clones:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        attribute_reads(fresh)
-        figures.append((time.perf_counter() - start) * 1e6)
-    return figures
 
 
 def alone_us(fn, count: int) -> list[float]:
@@ -442,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         for index, groups, figures, seen in fresh:
             median = statistics.median(figures)
             seen_us = statistics.median(alone_us(lambda data=seen: custom_kernel(data), 20))
-            reads_us = statistics.median(attribute_reads_us(seen, options.fresh))
+            reads_us = statistics.median(fresh_pointer_us(attribute_reads, seen, options.fresh))
             print(f"{index:<5}{groups:>3}{median:>11.1f}{min(figures):>10.1f}{median / bare_us:>8.2f}"
                   f"{median / bare_alone_us:>9.2f}{seen_us:>12.1f}{reads_us:>10.1f}{reads_us / bare_alone_us:>15.2f}"
                   f"{(reads_us + bare_alone_us) / bare_alone_us:>22.2f}")

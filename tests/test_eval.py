@@ -1204,5 +1204,5 @@ def test_attribute_reads_read_every_tensor_a_check_needs(monkeypatch):
     tensors = [*data[0][0], *data[0][1], *data[2][0], *data[2][1]]
     assert attributes == [(t.dtype, t.shape, t.stride(), -1) for t in tensors]
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    figures = host_overhead.attribute_reads_us(data, 3)
+    figures = host_overhead.fresh_pointer_us(host_overhead.attribute_reads, data, 3)
     assert len(figures) == 3 and all(f > 0 for f in figures)
