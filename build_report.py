@@ -2,7 +2,7 @@
 
 Needs no GPU: ``python build_report.py`` (or ``python eval.py compile``) compiles each kernel
 with the CuTe DSL for its target (sm_100a for the kernels in ``submission.py``, sm_90a for
-those in the ``nvfp4_hopper`` package when it exists), keeps the cubin and the PTX, and prints
+those in the ``nvfp4_group_gemm.hopper`` package when it exists), keeps the cubin and the PTX, and prints
 per kernel: registers, spill bytes, stack, shared memory, threads, compile time and the
 tensor-core MMA found in the generated code. Works with every DSL release the project checks
 (4.3.5, the leaderboard runner's, and 4.8.1): nothing here reads DSL internals.
@@ -40,7 +40,7 @@ one line per finished build on stderr (``build 3 of 16: sm100_gemm G=2 (sm_100a)
 the table (stdout) fits in 120 columns: a row of figures per kernel, then its MMA
 instructions and its kernel symbol on lines of their own.
 
-Options: ``--groups 1,2,8`` (group counts to build), ``--modules submission,nvfp4_hopper``
+Options: ``--groups 1,2,8`` (group counts to build), ``--modules submission,nvfp4_group_gemm.hopper,nvfp4_group_gemm.sm100``
 (backends), ``--dump-dir DIR`` (keep artifacts there), ``--json PATH`` (also write the rows
 as JSON).
 """
@@ -79,7 +79,7 @@ MMA_PATTERNS = {
     "sm_90a": re.compile(r"wgmma\.mma_async[\w.:]*"),
 }
 
-BACKEND_MODULES = ("submission", "nvfp4_hopper")
+BACKEND_MODULES = ("submission", "nvfp4_group_gemm.hopper", "nvfp4_group_gemm.sm100")
 
 # The GPU architecture the build process tells the DSL it runs on: one that no target is
 # built for, so that the DSL compiles for the target without loading the result onto a GPU.
@@ -569,8 +569,10 @@ def _tail(text: str, lines: int = 12) -> str:
 
 
 def _first_line(text: str | None, width: int) -> str:
+    """A failure's first line for a one-line progress message: whole when it fits, else cut
+    at a word boundary with a marker (the table has it whole)."""
     lines = (text or "").strip().splitlines()
-    return _short(lines[0] if lines else "", width)
+    return _cut_at_word(lines[0] if lines else "", width)
 
 
 def progress_line(position: int, total: int, reports: list[KernelReport]) -> str:
@@ -582,7 +584,7 @@ def progress_line(position: int, total: int, reports: list[KernelReport]) -> str
     if failed:
         return head + "FAILED: " + _first_line(failed[0].error, max(20, TABLE_WIDTH - len(head) - 8))
     kernels = f", {len(reports)} kernels" if len(reports) > 1 else ""
-    return _short(f"{head}{first.compile_s:.2f} s{kernels}", TABLE_WIDTH)
+    return _cut_at_word(f"{head}{first.compile_s:.2f} s{kernels}", TABLE_WIDTH)
 
 
 def _follow(path: Path, offset: int) -> tuple[list[dict], int]:
@@ -619,14 +621,14 @@ def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=(
         if "plan" in record:
             if plan is None:
                 plan = record["plan"]
-                tell(_short(f"{len(plan)} build{'s' * (len(plan) != 1)} to run ({', '.join(modules)}; "
-                            f"group counts {', '.join(map(str, num_groups_list))})", TABLE_WIDTH))
+                tell(_cut_at_word(f"{len(plan)} build{'s' * (len(plan) != 1)} to run ({', '.join(modules)}; "
+                                  f"group counts {', '.join(map(str, num_groups_list))})", TABLE_WIDTH))
         elif record["index"] is None:
             reports = [KernelReport(**r) for r in record["reports"]]
             extra.extend(reports)
             for report in reports:
-                tell(_short(f"{report.target}: FAILED: {_first_line(report.error, TABLE_WIDTH)}",
-                            TABLE_WIDTH))
+                head = f"{report.target}: FAILED: "
+                tell(head + _first_line(report.error, max(20, TABLE_WIDTH - len(head))))
         else:
             done[record["index"]] = [KernelReport(**r) for r in record["reports"]]
             tell(progress_line(record["index"] + 1, len(plan or ()), done[record["index"]]))
@@ -667,8 +669,8 @@ def build_all(num_groups_list, dump_root: Path, modules=BACKEND_MODULES, paths=(
                 ",".join(modules), "?", 0,
                 f"the build process ended ({how}) before listing the targets\n{_tail(output)}",
             ))
-            tell(_short(f"build: FAILED: the build process ended ({how}) before listing the targets",
-                        TABLE_WIDTH))
+            tell(_cut_at_word(f"build: FAILED: the build process ended ({how}) before listing the targets",
+                              TABLE_WIDTH))
             break
         pending = [i for i in range(skip, len(plan)) if i not in done]
         if not pending:
@@ -706,7 +708,32 @@ def problems(report: KernelReport) -> list[str]:
 # Report
 # =============================================================================
 def _short(name: str, width: int = 28) -> str:
+    """A name (target, symbol) cut to `width` with `...`; messages go through _cut_at_word or
+    _wrap, which never cut a word."""
     return name if len(name) <= width else name[: width - 3] + "..."
+
+
+CUT_MARKER = " [cut]"
+
+
+def _cut_at_word(text: str, width: int) -> str:
+    """`text` whole when it fits in `width`, else cut at the last space that leaves room for
+    CUT_MARKER, and the marker appended (a single word longer than the line is cut where it
+    must be, still marked)."""
+    if len(text) <= width:
+        return text
+    room = max(width - len(CUT_MARKER), 1)
+    cut = text.rfind(" ", 0, room + 1)
+    return text[: cut if cut > 0 else room].rstrip() + CUT_MARKER
+
+
+def _wrap(text: str, width: int, first_indent: int, indent: int) -> list[str]:
+    """`text` in lines of at most `width` columns, broken between words, nothing left out:
+    the first line has `first_indent` columns before it (the caller's), the others `indent`
+    spaces."""
+    lines = textwrap.wrap(text, width, initial_indent="\0" * first_indent,
+                          subsequent_indent=" " * indent, break_on_hyphens=False) or [""]
+    return [lines[0][first_indent:], *lines[1:]]
 
 
 # The report's rows (table, progress) fit in this many columns
@@ -730,8 +757,11 @@ def format_table(reports: list[KernelReport]) -> str:
         if r.failed:
             reason = r.error.strip().splitlines() if r.error else [""]
             head = f"{target:<{width}} {r.num_groups:>2} {r.arch:<8} FAILED: "
-            lines.append(head + _short(reason[0], TABLE_WIDTH - len(head)))
-            lines += [indent + _short(line, TABLE_WIDTH - len(indent)) for line in reason[1:6]]
+            # the reason whole, wrapped between words (never cut: it is what to fix)
+            first, *rest = _wrap(reason[0], TABLE_WIDTH, len(head), len(indent) * 2)
+            lines += [head + first, *rest]
+            for line in reason[1:6]:
+                lines += _wrap(line, TABLE_WIDTH, len(indent), len(indent) * 2)
             continue
         spill = "0" if r.spill_bytes_max == 0 else f"<={r.spill_bytes_max}"
         smem = "?" if r.smem_bytes is None else str(r.smem_bytes)

@@ -21,8 +21,14 @@ Additions:
     TFLOP/s, GB/s, % of the competition's speed of light, and the geometric mean;
   - --submission PATH runs another file than submission.py; --json PATH writes the results
     of any mode; --plot PATH (benchmark/leaderboard, needs matplotlib) draws them;
-  - `test` without --submission on a machine with no GPU that submission.py supports (and
-    without POPCORN_FD) says so in one line and runs examples/torch_submission.py instead;
+  - without --submission (and without POPCORN_FD, where it is always submission.py) the file
+    follows the GPU (default_entry): submission.py on a B200 (sm_100), the library's entry
+    examples/library_submission.py on an H100/H200 (sm_90, announced in one line), and
+    examples/torch_submission.py anywhere else (announced in one line);
+  - --case-timeout S (default 600; 0: none): a case (one call into the submission's process:
+    the import, a test, a benchmark with its warm-up) that is not done after S seconds kills
+    the process, fails in one line naming the case and the limit, the remaining cases are not
+    run, exit 112;
   - --hardened (benchmark/leaderboard): every repeat runs on fresh clones of the 15 inputs in
     shuffled order, and every output of every repeat is checked;
   - leaderboard mode checks every output of every repeat (the competition's loop checks the
@@ -46,17 +52,20 @@ Additions:
   - Ctrl-C ends the run with one line on stderr and exit code 130;
   - python eval.py compile [ARGS...] runs build_report.main(ARGS) (no GPU needed), after
     checking --groups (1..64, no duplicates), --modules (build_report's backends), --json
-    (a writable file) and --dump-dir (a writable folder); it prints a line per kernel built
-    on stderr;
+    (a writable file) and --dump-dir (a writable folder, or a new one in an existing folder);
+    it prints a line per kernel built on stderr;
+  - python eval.py gate [FILE] runs gate.main: the leaderboard bot's checks on FILE (default
+    submission.py), one line per check, exit 0 when all pass, 1 otherwise;
+  - python eval.py --help lists every mode; python eval.py MODE --help lists its options;
   - python eval.py selfcheck [--json PATH] [--random N] [--repeats R] [--kernels A,B] runs
     selfcheck.main: every kernel this GPU's chain can pick, forced, and custom_kernel, on the
     tests, the benchmarks and N random group sets, checked against the exact sum, timed on
     the benchmark shapes; one table and a JSON report (exit 2 without a GPU).
-Exit codes: 0 every case passed; 112 a case failed (or did not run); 113 invalid case file;
+Exit codes: 0 every case passed; 112 a case failed (or did not run, or timed out); 113 invalid case file;
 2 the command cannot run as asked (bad option, missing file, unwritable output path, bad
 POPCORN_SEED or POPCORN_FD, no CUDA GPU for a timing mode, matplotlib missing for --plot),
 always as one line on stderr; 130 interrupted (Ctrl-C); compile mode returns build_report's
-code.
+code; gate 1 when a check failed.
 """
 
 import argparse
@@ -71,7 +80,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import random
-import re
 import signal
 import sys
 import tempfile
@@ -83,6 +91,19 @@ os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 
 import torch
 
+from case_files import (  # noqa: F401 - re-exported: eval.py's names for them stay
+    CASE_FORMAT,
+    CASE_KEYS,
+    CASE_SEED_LIMIT,
+    K_MULTIPLE,
+    MAX_GROUPS,
+    CaseError,
+    TestCase,
+    _combine,
+    get_test_cases,
+    parse_case,
+    read_test_cases,
+)
 from reference import generate_input, match_outputs, ref_kernel
 from utils import clear_l2_cache_large as clear_l2_cache
 from utils import set_seed
@@ -90,6 +111,7 @@ from utils import set_seed
 REPO_ROOT = Path(__file__).resolve().parent
 DEFAULT_SUBMISSION = REPO_ROOT / "submission.py"
 TORCH_EXAMPLE = REPO_ROOT / "examples" / "torch_submission.py"
+LIBRARY_ENTRY = REPO_ROOT / "examples" / "library_submission.py"
 DEFAULT_TEST_FILE = REPO_ROOT / "tests" / "cases" / "tests.txt"
 DEFAULT_BENCHMARK_FILE = REPO_ROOT / "tests" / "cases" / "benchmarks.txt"
 
@@ -144,134 +166,12 @@ class StdoutOutput(PopcornOutput):
 
 
 # ---------------------------------------------------------------------------------------
-# Test cases (the competition's format and parser)
+# Test cases: the competition's format and parser live in case_files.py (selfcheck.py reads
+# them too); eval.py's names for them stay (tests and bench/ use harness.get_test_cases, ...)
 # ---------------------------------------------------------------------------------------
 
-
-@dataclasses.dataclass
-class TestCase:
-    args: dict
-    spec: str
-    line: int = 0  # its line in the case file (0: not from a file)
-
-
-def _combine(a: int, b: int) -> int:
-    # Cantor pairing: a large secret seed gives a large combined seed whatever the
-    # (public, small) test-level seed is.
-    return int(a + (a + b) * (a + b + 1) // 2)
-
-
-CASE_KEYS = ("m", "n", "k", "g", "seed")
-MAX_GROUPS = 64
-# torch.manual_seed (which generate_input calls with a case's seed) takes seeds below 2**64;
 # POPCORN_SEED also goes to utils.set_seed, whose numpy seed takes 0..2**32-1.
-CASE_SEED_LIMIT = 2**64
 POPCORN_SEED_LIMIT = 2**32
-K_MULTIPLE = 256
-CASE_FORMAT = "m: [M, ...]; n: [N, ...]; k: [K, ...]; g: G; seed: S"
-# key: value where value is a list [1, 2], a tuple (1, 2), an integer or a word (the
-# competition's syntax; words and non-integer lists are then rejected by the rules below).
-_PART = re.compile(r"\s*([a-zA-Z_]+)\s*:\s*(\[[^\]]*\]|\([^)]*\)|[a-zA-Z_]+|[+-]?[0-9]+)\s*")
-_INTEGER = re.compile(r"\s*[+-]?[0-9]+\s*")
-
-
-class CaseError(ValueError):
-    """One problem in one case line; the message names the rule."""
-
-
-def _parse_sizes(key: str, text: str, g: int) -> tuple[int, ...]:
-    inner = text[1:-1] if text[:1] in "[(" and text[-1:] in "])" else None
-    items = inner.split(",") if inner is not None and inner.strip() else []
-    if inner is None or not all(_INTEGER.fullmatch(item) for item in items):
-        raise CaseError(f"{key} = {text!r}; rule: {key} is a list [..] of g integers")
-    values = tuple(int(item) for item in items)
-    if len(values) != g:
-        raise CaseError(f"{key} has {len(values)} value{'s' * (len(values) != 1)} but g = {g};"
-                        f" rule: m, n and k each list exactly g sizes")
-    rule = {
-        "m": "M >= 1 (as in every official case; the kernels accept M = 0, case files do not)",
-        "n": "N >= 1",
-        "k": f"K is a positive multiple of {K_MULTIPLE}",
-    }[key]
-    for index, value in enumerate(values):
-        if value < 1 or (key == "k" and value % K_MULTIPLE):
-            raise CaseError(f"{key}[{index}] = {value}; rule: {rule}")
-    return values
-
-
-def parse_case(text: str) -> dict:
-    """One case line (comment removed) -> {m, n, k, g, seed}; raises CaseError."""
-    parts = {}
-    for part in text.split(";"):
-        matched = _PART.fullmatch(part)
-        if not matched:
-            raise CaseError(f"{part.strip()!r} is not `key: value`; rule: a case is "
-                            f"`{CASE_FORMAT}`")
-        key, value = matched[1], matched[2]
-        if key not in CASE_KEYS:
-            raise CaseError(f"unknown key {key!r}; rule: the keys are m, n, k, g, seed")
-        if key in parts:
-            raise CaseError(f"{key!r} given twice; rule: each key once")
-        parts[key] = value
-    missing = [key for key in CASE_KEYS if key not in parts]
-    if missing:
-        raise CaseError(f"missing {', '.join(map(repr, missing))}; rule: a case is "
-                        f"`{CASE_FORMAT}`")
-    if not _INTEGER.fullmatch(parts["g"]) or not 1 <= int(parts["g"]) <= MAX_GROUPS:
-        raise CaseError(f"g = {parts['g']!r}; rule: g is an integer, 1 <= g <= {MAX_GROUPS}")
-    g = int(parts["g"])
-    if not _INTEGER.fullmatch(parts["seed"]) or int(parts["seed"]) < 0:
-        raise CaseError(f"seed = {parts['seed']!r}; rule: seed is an integer >= 0")
-    if int(parts["seed"]) >= CASE_SEED_LIMIT:
-        raise CaseError(f"seed = {parts['seed']!r}; rule: seed < 2**64 (the range of "
-                        "torch.manual_seed, which seeds the input generator)")
-    case = {key: _parse_sizes(key, parts[key], g) for key in ("m", "n", "k")}
-    case.update(g=g, seed=int(parts["seed"]))
-    return case
-
-
-def read_test_cases(file_name: str) -> list[TestCase]:
-    """Every case of a case file, checked completely; raises CaseError naming the line."""
-    content = Path(file_name).read_text()
-    tests = []
-    for line_number, line in enumerate(content.splitlines(), start=1):
-        spec = line.split("#", 1)[0].strip()
-        if not spec:
-            continue  # blank line or comment
-        try:
-            tests.append(TestCase(spec=spec, args=parse_case(spec), line=line_number))
-        except CaseError as error:
-            raise CaseError(f"{file_name}:{line_number}: {error}") from None
-    if not tests:
-        raise CaseError(f"{file_name}: no test case (only blank lines or comments); "
-                        "rule: at least one case line")
-    return tests
-
-
-def get_test_cases(file_name: str, seed: int | None) -> list[TestCase]:
-    """The competition's entry point: the cases of `file_name`, seeds combined with `seed`.
-
-    An unreadable or invalid file prints one line to stderr and exits with 113."""
-    try:
-        tests = read_test_cases(file_name)
-    except CaseError as error:
-        print(f"invalid test case file {error}", file=sys.stderr)
-        sys.exit(113)
-    except Exception as E:  # noqa: BLE001 - the competition reports any read error as 113
-        print(f"Could not open test file `{file_name}`: {E}", file=sys.stderr)
-        sys.exit(113)
-
-    if seed is not None:
-        for test in tests:
-            combined = _combine(test.args["seed"], seed)
-            if combined >= CASE_SEED_LIMIT:
-                print(f"invalid test case file {file_name}:{test.line}: seed = "
-                      f"{test.args['seed']} combined with POPCORN_SEED = {seed} is {combined}; "
-                      "rule: the combined seed < 2**64 (the range of torch.manual_seed, which "
-                      "seeds the input generator)", file=sys.stderr)
-                sys.exit(113)
-            test.args["seed"] = combined
-    return tests
 
 
 # ---------------------------------------------------------------------------------------
@@ -636,12 +536,18 @@ def _worker_loop(connection, submission_path: str) -> None:
                                                 f"{_describe_error(error)}")))
 
 
+CASE_LIMIT = object()  # Worker.apply's default timeout: the worker's case_timeout
+
+
 class Worker:
     """The submission's process: one spawned process (as the competition's Pool(1)) that
     runs this module's functions with `apply`, and notices when it ends: `apply` then raises
-    SubmissionLost saying how, instead of waiting for ever."""
+    SubmissionLost saying how, instead of waiting for ever. A call that takes longer than
+    `case_timeout` seconds (None or 0: no limit) kills the process and raises SubmissionLost
+    naming the limit."""
 
-    def __init__(self, submission_path: str):
+    def __init__(self, submission_path: str, case_timeout: float | None = None):
+        self.case_timeout = case_timeout or None
         context = multiprocessing.get_context("spawn")
         self._connection, child = context.Pipe()
         self.process = context.Process(target=_worker_loop, args=(child, submission_path),
@@ -675,14 +581,23 @@ class Worker:
         return SubmissionLost(describe_exit(self.process.exitcode),
                               "not run: the submission's process ended in an earlier case")
 
-    def apply(self, function, args=()):
+    def apply(self, function, args=(), timeout=CASE_LIMIT):
         """function(*args) in the submission's process; raises WorkerError (it raised) or
-        SubmissionLost (the process ended)."""
+        SubmissionLost (the process ended, or the call took longer than `timeout` seconds:
+        the worker's case_timeout unless given; None: no limit)."""
+        timeout = self.case_timeout if timeout is CASE_LIMIT else timeout
         try:
             self._connection.send((function, tuple(args)))
         except (BrokenPipeError, ConnectionError):
             raise self._lost() from None
-        ready = multiprocessing.connection.wait([self._connection, self.process.sentinel])
+        ready = multiprocessing.connection.wait([self._connection, self.process.sentinel],
+                                                timeout)
+        if not ready:
+            self.process.kill()
+            self.process.join(5)
+            raise SubmissionLost(f"not done after {timeout:g} s (--case-timeout): "
+                                 "the submission's process was killed",
+                                 "not run: an earlier case timed out (--case-timeout)")
         if self._connection not in ready:
             raise self._lost()
         try:
@@ -1215,6 +1130,9 @@ def run_compile(argv: list[str]) -> int:
     module = importlib.util.module_from_spec(spec)
     sys.modules["build_report"] = module
     spec.loader.exec_module(module)
+    if "-h" in argv or "--help" in argv:
+        print(f"eval.py compile [ARGS...]: {MODES['compile']}; ARGS are build_report.py's:",
+              flush=True)
     try:
         _check_compile_args(argv, getattr(module, "BACKEND_MODULES", None))
     except UsageError as error:
@@ -1223,39 +1141,123 @@ def run_compile(argv: list[str]) -> int:
     return int(module.main(list(argv)))
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+PROTOCOL_MODES = ("test", "benchmark", "leaderboard", "profile")
+# Every mode, with its line in `python eval.py --help` (each mode has --help of its own)
+MODES = {
+    "test": "check the submission on the test cases (tests/cases/tests.txt); runs on a CPU",
+    "benchmark": "time it the leaderboard's way on the benchmark cases (CUDA GPU)",
+    "leaderboard": "the ranked run: warm-up, then timing with every output checked (CUDA GPU)",
+    "profile": "a torch profiler table per case (CUDA GPU; POPCORN_NCU=1: under ncu)",
+    "selfcheck": "every kernel this GPU's chain can pick, forced, checked and timed (GPU)",
+    "compile": "build every kernel for its architecture, report registers and shared memory "
+               "(no GPU)",
+    "gate": "the leaderboard bot's checks on a file before you submit it (no GPU)",
+}
+EXIT_CODES = ("exit codes: 0 pass; 112 a case failed, did not run or timed out; 113 invalid "
+              "case file; 2 cannot run as asked (one line on stderr); 130 Ctrl-C; gate: 1 a "
+              "check failed")
+CASE_TIMEOUT_S = 600.0  # per case (one call into the submission's process); 0: none
+
+
+def main_help() -> str:
+    """`python eval.py --help`: every mode in a line, and where each mode's options are."""
+    width = max(map(len, MODES))
+    return "\n".join([
+        "usage: python eval.py MODE [FILE] [options]",
+        "",
+        "Test and time a submission with the competition's protocol (docs/EVAL.md).",
+        "",
+        "modes (python eval.py MODE --help: that mode's options):",
+        *(f"  {mode:<{width}}  {text}" for mode, text in MODES.items()),
+        "",
+        EXIT_CODES,
+    ]) + "\n"
+
+
+def mode_parser(mode: str) -> argparse.ArgumentParser:
+    """The options of one of the protocol's modes (test, benchmark, leaderboard, profile)."""
+    timed = mode in ("benchmark", "leaderboard")
     parser = OneLineArgumentParser(
-        prog="eval.py",
-        description="Test and time a submission with the competition's protocol.",
-        epilog="python eval.py compile [ARGS...] runs build_report.main(ARGS) instead. "
-               "Exit codes: 0 pass, 112 a case failed, 113 invalid case file, 2 cannot run "
-               "as asked (one line on stderr).",
+        prog=f"eval.py {mode}",
+        description=f"{MODES[mode][0].upper()}{MODES[mode][1:]}.",
+        epilog=EXIT_CODES,
     )
-    parser.add_argument("mode", choices=["test", "benchmark", "leaderboard", "profile"])
-    parser.add_argument("file", nargs="?", help="test-case file (default: the shipped cases)")
+    default_file = "tests/cases/tests.txt" if mode == "test" else "tests/cases/benchmarks.txt"
+    parser.add_argument("file", nargs="?", help=f"case file (default: {default_file})")
     parser.add_argument("--submission", default=None,
-                        help="submission file defining custom_kernel (default: submission.py; "
-                             "for test on a machine without a supported GPU, the PyTorch "
-                             "example)")
-    parser.add_argument("--json", dest="json_path", help="write the results here (any mode)")
+                        help="submission file defining custom_kernel (default, by the GPU: "
+                             "submission.py on a B200 (sm_100), examples/library_submission.py "
+                             "on an H100/H200 (sm_90), examples/torch_submission.py elsewhere)")
+    parser.add_argument("--json", dest="json_path", help="write the results here")
+    parser.add_argument("--case-timeout", type=float, default=CASE_TIMEOUT_S, metavar="S",
+                        help=f"seconds one case may take (default {CASE_TIMEOUT_S:g}; 0: no "
+                             "limit): on expiry the submission's process is killed, the case "
+                             "fails, the rest do not run, exit 112")
     parser.add_argument("--plot", dest="plot_path",
-                        help="benchmark/leaderboard: draw the results into this PNG "
-                             "(needs matplotlib: pip install -e '.[plot]')")
+                        help=("draw the results into this PNG (needs matplotlib: pip install "
+                              "-e '.[plot]')") if timed else argparse.SUPPRESS)
     parser.add_argument("--hardened", action="store_true",
-                        help="benchmark/leaderboard: fresh shuffled input clones per repeat, "
-                             "every output checked")
+                        help=("fresh shuffled input clones per repeat, every output checked")
+                        if timed else argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line of a protocol mode: MODE first (an option before it is moved after
+    it, as `--hardened benchmark` was accepted), then the case file and options in any order.
+    Raises SystemExit (2 and one line on stderr for a bad command, 0 after --help)."""
+    argv = list(argv)
+    if not argv:
+        OneLineArgumentParser(prog="eval.py").error(
+            f"a mode is required: {', '.join(MODES)}")
+    if argv[0] in ("-h", "--help"):
+        print(main_help(), end="")
+        raise SystemExit(0)
+    if argv[0] not in PROTOCOL_MODES:
+        later = next((item for item in argv if item in PROTOCOL_MODES), None)
+        if argv[0].startswith("-") and later is not None:
+            argv.remove(later)
+            argv.insert(0, later)
+        else:
+            OneLineArgumentParser(prog="eval.py").error(
+                f"unknown mode {argv[0]!r}; the modes are {', '.join(MODES)}")
     # Intermixed: `benchmark --hardened FILE` puts the file after an option
-    return parser.parse_intermixed_args(argv)
+    args = mode_parser(argv[0]).parse_intermixed_args(argv[1:])
+    args.mode = argv[0]
+    return args
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """The compute capability of the current CUDA GPU, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability())
+
+
+def describe_gpu(capability: tuple[int, int] | None) -> str:
+    if capability is None:
+        return f"torch {torch.__version__} sees no CUDA GPU"
+    major, minor = capability
+    return f"the GPU is {torch.cuda.get_device_name()} (compute capability {major}.{minor})"
+
+
+def default_entry(capability: tuple[int, int] | None) -> Path:
+    """The file a mode runs without --submission, by compute capability (None: no CUDA GPU):
+    submission.py, the leaderboard file, on a B200 (sm_100, 10.x); the library's entry
+    examples/library_submission.py (nvfp4_group_gemm) on an H100/H200 (sm_90, 9.0); the
+    PyTorch example examples/torch_submission.py anywhere else."""
+    if capability is not None and capability[0] == 10:
+        return DEFAULT_SUBMISSION
+    if capability is not None and tuple(capability) == (9, 0):
+        return LIBRARY_ENTRY
+    return TORCH_EXAMPLE
 
 
 def supported_gpu() -> tuple[bool, str]:
-    """Whether this machine has a GPU submission.py has a backend for (its select_backend:
-    compute capability 10.x or 9.0), and the GPU in words."""
-    if not torch.cuda.is_available():
-        return False, f"torch {torch.__version__} sees no CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
-    name = f"the GPU is {torch.cuda.get_device_name()} (compute capability {major}.{minor})"
-    return major == 10 or (major, minor) == (9, 0), name
+    """Whether this machine has a GPU the project has kernels for (sm_100: submission.py;
+    sm_90: the library), and the GPU in words."""
+    capability = gpu_capability()
+    return default_entry(capability) != TORCH_EXAMPLE, describe_gpu(capability)
 
 
 def _display_path(path: Path) -> str:
@@ -1294,13 +1296,20 @@ def check_output_file(option: str, value: str | None) -> None:
 
 def check_output_folder(option: str, value: str | None) -> None:
     """`value` (an option's output folder) is a folder that can be written, or one that can
-    be created (its nearest existing parent is a writable folder); raises UsageError."""
+    be created in an existing, writable folder (its parent: no chain of folders is made, as
+    --json's folder must exist); raises UsageError."""
     if value is None:
         return
     path = Path(value).resolve()
-    existing = path
-    while not existing.exists():
-        existing = existing.parent
+    existing = path if path.exists() else path.parent
+    if not existing.exists():
+        ancestor = existing
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise UsageError(f"{option} {value}: {ancestor} is a file; expected a folder")
+        raise UsageError(f"{option} {value}: the folder {existing} does not exist (create it "
+                         "first, or name a folder in an existing one)")
     if not existing.is_dir():
         where = "is a file" if existing == path else f"{existing} is a file"
         raise UsageError(f"{option} {value}: {where}; expected a folder")
@@ -1317,6 +1326,9 @@ def check_options(args: argparse.Namespace) -> None:
     """Everything about the command line that can be checked before any work; raises
     UsageError."""
     timed = args.mode in ("benchmark", "leaderboard")
+    if not args.case_timeout >= 0:  # NaN too
+        raise UsageError(f"--case-timeout {args.case_timeout:g}: expected seconds >= 0 (0: no "
+                         "limit)")
     if args.hardened and not timed:
         raise UsageError(f"--hardened applies to benchmark and leaderboard, not {args.mode}")
     if args.plot_path is not None:
@@ -1338,28 +1350,28 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def choose_submission(args: argparse.Namespace) -> Path:
-    """The file to run: --submission, else submission.py; for `test` on a machine with no
-    GPU that submission.py supports (and outside the runner's protocol), the PyTorch
-    example, announced in one line."""
+    """The file to run: --submission; else, under the runner's protocol (POPCORN_FD),
+    submission.py; else default_entry() for this machine's GPU. The library's entry and the
+    PyTorch example are announced in one line."""
     if args.submission is not None:
         return Path(args.submission).resolve()
-    if not DEFAULT_SUBMISSION.is_file():
-        raise UsageError(f"submission file not found: {DEFAULT_SUBMISSION}")
     if os.getenv("POPCORN_FD"):
-        return DEFAULT_SUBMISSION  # the runner's protocol: always submission.py
-    supported, gpu = supported_gpu()
-    if supported:
-        return DEFAULT_SUBMISSION
-    if args.mode == "test":
-        _announce(f"submission.py needs an NVIDIA B200 (sm_100) or H100/H200 (sm_90); here "
-                  f"{gpu}, so {_display_path(TORCH_EXAMPLE)} runs instead, to show the "
-                  "harness end to end (--submission submission.py runs submission.py anyway).")
-        return TORCH_EXAMPLE
-    if torch.cuda.is_available():
-        raise UsageError(f"submission.py needs an NVIDIA B200 (sm_100) or H100/H200 (sm_90); "
-                         f"here {gpu}. Time another file with --submission, e.g. "
-                         f"--submission {_display_path(TORCH_EXAMPLE)}")
-    return DEFAULT_SUBMISSION
+        entry = DEFAULT_SUBMISSION  # the runner's protocol: always submission.py
+    else:
+        capability = gpu_capability()
+        entry = default_entry(capability)
+    if not entry.is_file():
+        raise UsageError(f"submission file not found: {entry}")
+    if entry == LIBRARY_ENTRY:
+        _progress(f"an H100/H200 (sm_90): {_display_path(LIBRARY_ENTRY)} runs (the library, "
+                  "nvfp4_group_gemm); submission.py is the B200 leaderboard file "
+                  "(--submission submission.py runs it anyway)")
+    elif entry == TORCH_EXAMPLE:
+        _announce(f"submission.py needs an NVIDIA B200 (sm_100), the library an H100/H200 "
+                  f"(sm_90); here {describe_gpu(capability)}, so {_display_path(TORCH_EXAMPLE)} "
+                  "runs instead, to show the harness end to end (--submission submission.py "
+                  "runs submission.py anyway).")
+    return entry
 
 
 def _popcorn_seed() -> int | None:
@@ -1410,6 +1422,10 @@ def main(argv: list[str] | None = None) -> int:
             import selfcheck  # every kernel this GPU's chain can pick, checked and timed
 
             return selfcheck.main(argv[1:])
+        if argv and argv[0] == "gate":
+            import gate  # the leaderboard bot's checks on a file
+
+            return gate.main(argv[1:])
         return run(parse_args(argv))
     except KeyboardInterrupt:
         print("eval.py: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
@@ -1434,9 +1450,10 @@ def run(args: argparse.Namespace) -> int:
     set_seed(seed or 42)
 
     logger = PopcornOutput(fd) if fd is not None else StdoutOutput()
-    with logger, Worker(str(submission)) as pool:
+    with logger, Worker(str(submission), args.case_timeout) as pool:
         try:
-            machine = pool.apply(_describe_machine)
+            # the process's start (spawn, torch's import) is not a case: no case timeout
+            machine = pool.apply(_describe_machine, timeout=None)
         except (SubmissionLost, WorkerError) as error:
             # The process did not start; the first case reports how it ended
             machine = {"torch": torch.__version__, "dsl": _dsl_version(),

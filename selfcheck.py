@@ -1,7 +1,8 @@
 """``python eval.py selfcheck``: what every kernel of this GPU's chain does, in one command.
 
-On the GPU it finds, it runs every kernel the automatic choice can pick (sm_100: the
-persistent kernel at 128 and 256 tokens per tile, the per-tile kernel, torch._scaled_mm;
+On the GPU it finds, it runs the runtime of that architecture (sm_100: submission.py's, the
+leaderboard file; sm_90: the library's, nvfp4_group_gemm) and every kernel its automatic
+choice can pick (sm_100: the persistent kernel at 128 and 256 tokens per tile, the per-tile kernel, torch._scaled_mm;
 sm_90: the automatic swap-AB choice, the in-GEMM-decode kernel, the exact decode), each
 forced, and custom_kernel itself (the automatic choice, its self-check and fallback), on the
 10 official tests, the 4 benchmarks and random group sets (all 16 fp4 codes, general e4m3
@@ -116,11 +117,12 @@ def random_group_set(rng: random.Random, n_multiple: int, device="cuda"):
 
 def cases(args, capability) -> list[tuple[str, str, object]]:
     """(kind, label, input set or its generator arguments) of every case."""
-    import eval as harness
+    # case_files, not eval.py: eval.py imports this module (one way)
+    from case_files import read_test_cases
 
     found = []
     for kind, file in (("test", "tests.txt"), ("benchmark", "benchmarks.txt")):
-        for index, case in enumerate(harness.read_test_cases(str(HERE / "tests" / "cases" / file))):
+        for index, case in enumerate(read_test_cases(str(HERE / "tests" / "cases" / file))):
             found.append((kind, f"{kind} {index}", case.args))
     rng = random.Random(args.seed)
     n_multiple = 128 if capability[0] == 9 else 8  # sm_90: N % 128 == 0; sm_100 takes any multiple of 8
@@ -129,31 +131,48 @@ def cases(args, capability) -> list[tuple[str, str, object]]:
     return found
 
 
+def runtime_module(capability):
+    """The runtime selfcheck drives on a GPU of this compute capability: submission.py's on
+    sm_100 (10.x; the leaderboard file holds the B200 kernels), the library's
+    (nvfp4_group_gemm.runtime, its Hopper kernels) on sm_90. Plain imports, so that the
+    project's import graph (tests/test_imports.py) sees them."""
+    if capability[0] == 10:
+        import submission
+
+        return submission
+    import nvfp4_group_gemm.runtime
+
+    return nvfp4_group_gemm.runtime
+
+
+def runtime_of(backend):
+    """The module a backend belongs to: submission's sm100 backend, else the library's."""
+    return runtime_module((10, 0) if backend.name == "sm100" else (9, 0))
+
+
 def kernels_for(backend, sizes) -> list:
     """Every kernel the automatic choice can pick for these sizes, forced one by one."""
-    import submission
-
     if backend.name == "sm100":
+        runtime = runtime_of(backend)
         names = ["per_tile", "scaled_mm"]
-        if submission.persistent_can_implement(sizes) is None:
+        if runtime.persistent_can_implement(sizes) is None:
             names = ["persistent_t128", "persistent_t256", *names]
-        return [submission.SM100_CHOICES[name] for name in names]
+        return [runtime.SM100_CHOICES[name] for name in names]
     return backend.kernel_chain(sizes)
 
 
 def run_forced(backend, choice, data):
     """One launch of `choice` on `data` (no fallback, no self-check): the c list."""
-    import submission
-
-    sizes = submission.validate_inputs(data)
+    runtime = runtime_of(backend)
+    sizes = runtime.validate_inputs(data)
     device = data[0][0][0].device
-    plan = submission.Plan(backend, sizes, device, choice, [choice])
+    plan = runtime.Plan(backend, sizes, device, choice, [choice])
     outputs = [c for _, _, c in data[0]]
     if choice.host:
-        return submission.HOST_COMPUTATIONS[choice.name](data, outputs), None
-    binding = submission.Binding(plan, submission.pointers_of(data))
-    binding.mode = submission.LaunchMode.DIRECT
-    binding.run(submission._stream_for_current())
+        return runtime.HOST_COMPUTATIONS[choice.name](data, outputs), None
+    binding = runtime.Binding(plan, runtime.pointers_of(data))
+    binding.mode = runtime.LaunchMode.DIRECT
+    binding.run(runtime._stream_for_current())
     return outputs, binding
 
 
@@ -211,7 +230,8 @@ def main(argv=None) -> int:
 
     capability = torch.cuda.get_device_capability()
     if capability[0] != 10 and capability != (9, 0):
-        return _fail_usage(f"this GPU is sm_{capability[0]}{capability[1]}; the submission runs on sm_100 and sm_90")
+        return _fail_usage(f"this GPU is sm_{capability[0]}{capability[1]}; the kernels run on sm_100 (submission.py) "
+                           "and sm_90 (nvfp4_group_gemm)")
     if not (args.in_process or args.child):
         return run_isolated(args, capability, report_path)
     return run_in_process(args, capability, report_path)
@@ -299,11 +319,12 @@ def _finish(rows, timings, demoted, info, report_path: Path, self_check, quiet: 
 
 
 def run_in_process(args, capability, report_path: Path) -> int:
-    """Every wanted kernel in this process (what each child of run_isolated runs)."""
-    import submission
+    """Every wanted kernel in this process (what each child of run_isolated runs), with the
+    runtime of this GPU's architecture (runtime_module)."""
     from reference import generate_input
 
-    backend = submission.select_backend(torch.cuda.current_device())
+    runtime = runtime_module(capability)
+    backend = runtime.select_backend(torch.cuda.current_device())
     wanted = None if args.kernels is None else set(args.kernels.split(","))
     info = machine()
     if not args.child:
@@ -330,8 +351,8 @@ def run_in_process(args, capability, report_path: Path) -> int:
                     c.fill_(float("nan"))
                 with contextlib.redirect_stderr(stderr):
                     if choice is None:
-                        outputs = submission.custom_kernel(data)
-                        binding = submission._BINDINGS.get(submission.input_key(data))
+                        outputs = runtime.custom_kernel(data)
+                        binding = runtime._BINDINGS.get(runtime.input_key(data))
                         row["ran"] = binding.plan.choice.name if binding is not None else None
                     else:
                         outputs, _ = run_forced(backend, choice, data)
@@ -349,13 +370,12 @@ def run_in_process(args, capability, report_path: Path) -> int:
             if kind == "benchmark" and row["status"] == "pass":
                 timings.append(_time_row(backend, choice, source, label, name, args.repeats, generate_input))
 
-    demoted = {str(key): why for key, why in submission._DEMOTED.items()}
-    return _finish(rows, timings, demoted, info, report_path, submission.SELF_CHECK, quiet=args.child)
+    demoted = {str(key): why for key, why in runtime._DEMOTED.items()}
+    return _finish(rows, timings, demoted, info, report_path, runtime.SELF_CHECK, quiet=args.child)
 
 
 def _time_row(backend, choice, source, label, name, repeats, generate_input) -> dict:
-    import submission
-
+    runtime = runtime_of(backend)
     row = {"case": label, "kernel": name}
     try:
         inputs = []
@@ -368,13 +388,13 @@ def _time_row(backend, choice, source, label, name, repeats, generate_input) -> 
         def run_one(index):
             data = inputs[index]
             if choice is None:
-                submission.custom_kernel(data)
+                runtime.custom_kernel(data)
             elif choice.host:
-                submission.HOST_COMPUTATIONS[choice.name](data, [c for _, _, c in data[0]])
+                runtime.HOST_COMPUTATIONS[choice.name](data, [c for _, _, c in data[0]])
             elif bindings[index] is None:
                 _, bindings[index] = run_forced(backend, choice, data)
             else:
-                bindings[index].run(submission._stream_for_current())
+                bindings[index].run(runtime._stream_for_current())
 
         row["us"] = round(time_kernel(run_one, len(inputs), repeats), 2)
     except Exception as error:  # noqa: BLE001

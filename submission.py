@@ -47,16 +47,23 @@ Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
     (``fence.proxy.tensormap::generic.acquire``) and prefetches it before its first use.
   * Host side, two levels of state: a ``Plan`` per (device, problem sizes, backend) holds
     the tile rows, the device table of sizes and tiles and the backend's plan (compiled
-    kernel, schedule, scratch), shared by every input set of those sizes (bounded by count
-    and bytes); a ``Binding`` per input set (its data pointers) holds the pointer table, the
-    sm_100 descriptors and the prepared launch (bounded LRU). A hit is one launch; a new
-    pointer set of known sizes pays the pointer checks, its pointer table and descriptors.
-  * On Hopper (sm_90) the same host runtime drives the backend from the ``nvfp4_hopper`` package.
-  * Each size set runs the first kernel of its backend's chain that is not demoted (sm_100:
-    persistent -> per-tile -> torch._scaled_mm; sm_90: swap-AB -> in-GEMM decode -> exact
-    decode). A compile failure, a failed launch with the context usable, or a first-use
-    self-check that disagrees with the oracle demotes the kernel for the process, with one
-    line on stderr; the call still returns a correct result (NVFP4_SELF_CHECK=0: no check).
+    kernel, CTA pairs), shared by every input set of those sizes (bounded by count and
+    bytes); a ``Binding`` per input set (its data pointers) holds the pointer table, the TMA
+    descriptors and the prepared launch (bounded LRU). A hit is one launch; a new pointer set
+    of known sizes pays the pointer checks, its pointer table and descriptors.
+  * All GPU work is queued where the harness calls from and times: the DSL's launches are
+    given nowhere else to go, and the tables are torch copies.
+  * Each size set runs the first kernel of the chain that is not demoted (persistent ->
+    per-tile -> torch._scaled_mm). A compile failure, a failed launch with the context
+    usable, or a first-use self-check that disagrees with the oracle demotes the kernel for
+    the process, with one line on stderr; the call still returns a correct result
+    (NVFP4_SELF_CHECK=0: no check).
+
+This file is the leaderboard submission and stands alone (torch, cutlass, cuda-python,
+``task``). Everything else a caller may need (Hopper sm_90a kernels, callers' own queues of
+work, graph capture, threads, a torch op, MoE entries) is the ``nvfp4_group_gemm`` package
+beside it, which builds on this file; on a GPU other than sm_100 ``custom_kernel`` says so
+in one line.
 
 Status: both sm_100a kernels are compiled for sm_100a and checked from their cubin, SASS and
 PTX, and the persistent kernel's pipeline protocol by a model (``tests/``); neither has run
@@ -70,9 +77,7 @@ GPU: builds every kernel for its target and prints its resources).
 import collections
 import collections.abc
 import contextlib
-import ctypes
 import dataclasses
-import enum
 import functools
 import itertools
 import operator
@@ -86,7 +91,6 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Any
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.blackwell_helpers as sm100_utils
 import cutlass.utils.blockscaled_layout as blockscaled_utils
@@ -165,7 +169,7 @@ C_VECTOR_ELEMS = 16
 # Every tensor is addressed as `ptr.align(32)` in the kernels (TMA needs 16 B at least).
 BASE_ALIGN_BYTES = 32
 # Devices the submission has a backend for: capability -> backend name
-SUPPORTED_GPUS = "NVIDIA B200/GB200 (sm_100, compute capability 10.x) and H100/H200 (sm_90, 9.0)"
+SUPPORTED_GPUS = "NVIDIA B200/GB200 (sm_100, compute capability 10.x)"
 
 
 def ceil_div(a, b):
@@ -1087,43 +1091,39 @@ def _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups):
     return tensor_of_ptrs, tensor_of_problem_sizes
 
 
-@cute.jit
-def init_tensormaps_jit(
-    ptr_of_ptrs: cute.Pointer,
-    ptr_of_sizes: cute.Pointer,
-    ptr_of_tensormaps: cute.Pointer,
-    num_groups: cutlass.Int32,
-    stream: cuda.CUstream,
-):
+def per_tile_init_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_groups):
+    """The per-tile kernel's descriptor init, traced inside a @cute.jit entry: (the kernel to
+    launch, its launch geometry). The entry below launches it as the harness calls; the
+    library's entries reuse it and add where the launch goes."""
     tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
     tensormaps = cute.make_tensor(
         ptr_of_tensormaps,
         cute.make_layout((num_groups, num_tensormaps, 16), stride=(num_tensormaps * 16, 16, 1)),
     )
     setup = _make_mma_and_atoms()
-    init_tensormaps_kernel(
+    kernel = init_tensormaps_kernel(
         *setup["atoms"],
         tensor_of_ptrs,
         tensor_of_problem_sizes,
         tensormaps,
-    ).launch(
-        grid=(1, 1, num_groups),
-        block=[threads_per_cta, 1, 1],
-        cluster=(1, 1, 1),
-        stream=stream,
     )
+    return kernel, {"grid": (1, 1, num_groups), "block": [threads_per_cta, 1, 1], "cluster": (1, 1, 1)}
 
 
 @cute.jit
-def gemm_jit(
+def init_tensormaps_jit(
     ptr_of_ptrs: cute.Pointer,
     ptr_of_sizes: cute.Pointer,
-    ptr_of_tiles: cute.Pointer,
     ptr_of_tensormaps: cute.Pointer,
-    num_tiles: cutlass.Int32,
     num_groups: cutlass.Int32,
-    stream: cuda.CUstream,
 ):
+    kernel, geometry = per_tile_init_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_groups)
+    kernel.launch(**geometry)
+
+
+def per_tile_gemm_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tiles, ptr_of_tensormaps, num_tiles, num_groups):
+    """The per-tile GEMM, traced inside a @cute.jit entry: (the kernel to launch, its launch
+    geometry), as per_tile_init_launch."""
     tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
     tensormaps = cute.make_tensor(
         ptr_of_tensormaps,
@@ -1135,7 +1135,7 @@ def gemm_jit(
     setup = _make_mma_and_atoms()
     tma_atom_a, tma_atom_b, tma_atom_sfa, tma_atom_sfb = setup["atoms"]
     tma_tensor_a, tma_tensor_b, tma_tensor_sfa, tma_tensor_sfb = setup["proxies"]
-    gemm_kernel(
+    kernel = gemm_kernel(
         setup["tiled_mma"],
         tma_atom_a, tma_tensor_a,
         tma_atom_b, tma_tensor_b,
@@ -1147,14 +1147,25 @@ def gemm_jit(
         tensor_of_tiles,
         *setup["smem_layouts"],
         setup["num_tma_load_bytes"],
-    ).launch(
-        # Deviation from the seed: tiles run along grid x (up to 2^31 - 1 CTAs) instead of
-        # grid z (at most 65535), so no tile count the tables allow can overflow the grid.
-        grid=(num_tiles, 1, 1),
-        block=[threads_per_cta, 1, 1],
-        cluster=(1, 1, 1),
-        stream=stream,
     )
+    # Deviation from the seed: tiles run along grid x (up to 2^31 - 1 CTAs) instead of grid z
+    # (at most 65535), so no tile count the tables allow can overflow the grid.
+    return kernel, {"grid": (num_tiles, 1, 1), "block": [threads_per_cta, 1, 1], "cluster": (1, 1, 1)}
+
+
+@cute.jit
+def gemm_jit(
+    ptr_of_ptrs: cute.Pointer,
+    ptr_of_sizes: cute.Pointer,
+    ptr_of_tiles: cute.Pointer,
+    ptr_of_tensormaps: cute.Pointer,
+    num_tiles: cutlass.Int32,
+    num_groups: cutlass.Int32,
+):
+    kernel, geometry = per_tile_gemm_launch(
+        ptr_of_ptrs, ptr_of_sizes, ptr_of_tiles, ptr_of_tensormaps, num_tiles, num_groups
+    )
+    kernel.launch(**geometry)
 
 
 # =============================================================================
@@ -1429,6 +1440,16 @@ class PersistentGemmSm100:
         proxies = (tma_tensor_a, tma_tensor_b, tma_tensor_sfa, tma_tensor_sfb, tma_tensor_c)
         return atoms, proxies
 
+    def init_tensormaps_launch(self, ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_groups):
+        """The descriptor init of every group (one CTA per group), traced inside a @cute.jit
+        entry: (the kernel to launch, its launch geometry)."""
+        self._setup_attributes()
+        atoms, _ = self._make_atoms()
+        tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
+        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+        kernel = self.init_tensormaps_kernel(*atoms, tensor_of_ptrs, tensor_of_problem_sizes, tensormaps)
+        return kernel, {"grid": (1, 1, num_groups), "block": [32, 1, 1], "cluster": (1, 1, 1)}
+
     @cute.jit
     def init_tensormaps(
         self,
@@ -1436,16 +1457,10 @@ class PersistentGemmSm100:
         ptr_of_sizes: cute.Pointer,
         ptr_of_tensormaps: cute.Pointer,
         num_groups: cutlass.Int32,
-        stream: cuda.CUstream,
     ):
         """Write the five descriptors of every group (one CTA per group)."""
-        self._setup_attributes()
-        atoms, _ = self._make_atoms()
-        tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
-        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
-        self.init_tensormaps_kernel(*atoms, tensor_of_ptrs, tensor_of_problem_sizes, tensormaps).launch(
-            grid=(1, 1, num_groups), block=[32, 1, 1], cluster=(1, 1, 1), stream=stream
-        )
+        kernel, geometry = self.init_tensormaps_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_groups)
+        kernel.launch(**geometry)
 
     @cute.kernel
     def init_tensormaps_kernel(
@@ -1523,9 +1538,14 @@ class PersistentGemmSm100:
         num_groups: cutlass.Int32,
         num_tiles: cutlass.Int32,
         num_clusters: cutlass.Int32,
-        stream: cuda.CUstream,
     ):
         """Launch ``num_clusters`` CTA pairs over the ``num_tiles`` entries of the tile table."""
+        kernel, geometry = self.gemm_launch(ptr_of_tiles, ptr_of_tensormaps, num_groups, num_tiles, num_clusters)
+        kernel.launch(**geometry)
+
+    def gemm_launch(self, ptr_of_tiles, ptr_of_tensormaps, num_groups, num_tiles, num_clusters):
+        """The GEMM over ``num_clusters`` CTA pairs, traced inside a @cute.jit entry: (the
+        kernel to launch, its launch geometry)."""
         self._setup_attributes()
         atoms, proxies = self._make_atoms()
         tensor_of_tiles = cute.make_tensor(
@@ -1558,7 +1578,7 @@ class PersistentGemmSm100:
             ]
 
         self.shared_storage = SharedStorage
-        self.kernel(
+        kernel = self.kernel(
             self.tiled_mma,
             self.tiled_mma_sfb,
             *atoms,
@@ -1574,14 +1594,14 @@ class PersistentGemmSm100:
             tensor_of_tiles,
             tensormaps,
             num_tiles,
-        ).launch(
-            grid=(2 * num_clusters, 1, 1),
-            block=[self.threads_per_cta, 1, 1],
-            cluster=(*self.cluster_shape_mn, 1),
-            smem=self.shared_storage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
         )
+        return kernel, {
+            "grid": (2 * num_clusters, 1, 1),
+            "block": [self.threads_per_cta, 1, 1],
+            "cluster": (*self.cluster_shape_mn, 1),
+            "smem": self.shared_storage.size_in_bytes(),
+            "min_blocks_per_mp": 1,
+        }
 
     # ------------------------------------------------------------------ device
     @cute.kernel
@@ -2066,7 +2086,7 @@ def compile_init_tensormaps(num_groups: int, options: str | None = None):
     """The per-tile kernel's descriptor init (its constants are the module's)."""
     return compile_once(("per_tile_init", num_groups), lambda: (init_tensormaps_jit, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
-        cutlass.Int32(num_groups), cuda.CUstream(0),
+        cutlass.Int32(num_groups),
     )), options)
 
 
@@ -2074,7 +2094,7 @@ def compile_gemm(num_groups: int, options: str | None = None):
     """The per-tile GEMM (its constants are the module's)."""
     return compile_once(("per_tile_gemm", num_groups), lambda: (gemm_jit, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(num_groups), cuda.CUstream(0),
+        cutlass.Int32(1), cutlass.Int32(num_groups),
     )), options)
 
 
@@ -2136,17 +2156,17 @@ def persistent_stage_bytes(tokens_per_tile: int) -> int:
 B200_NUM_SMS = 148
 
 
-# Per-SM rates of the token-tile rule: a CTA's TMA stream, fitted by bench/b200_model.py to the
+# Per-SM rates of the token-tile rule: the TMA load rate of a CTA, fitted by bench/b200_model.py to the
 # published B200 times of the fastest public entry (122.7 KB/µs per SM), and the nvfp4 MMA rate
 # that entry measured (5797 TFLOP/s over 148 SMs). A model's constants, not measurements here.
-SM100_STREAM_BYTES_PER_US = 122_700
+SM100_LOAD_BYTES_PER_US = 122_700
 SM100_MMA_FLOP_PER_US = 5797.05e6 / 148
 
 
 def persistent_k_tile_us(tokens_per_tile: int) -> float:
-    """Modelled µs of one k-tile of a CTA of the pair: its stage's bytes at the per-SM stream
+    """Modelled µs of one k-tile of a CTA of the pair: its stage's bytes at the per-SM load
     rate or its MMAs (128 N rows x tokens x 256 K), whichever is longer."""
-    load_us = persistent_stage_bytes(tokens_per_tile) / SM100_STREAM_BYTES_PER_US
+    load_us = persistent_stage_bytes(tokens_per_tile) / SM100_LOAD_BYTES_PER_US
     mma_us = 2 * 128 * tokens_per_tile * K_TILE / SM100_MMA_FLOP_PER_US
     return max(load_us, mma_us)
 
@@ -2183,7 +2203,7 @@ def compile_persistent_init(config: PersistentGemmConfig, options: str | None = 
     """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
     return compile_once(("persistent_init", config), lambda: (PersistentGemmSm100(config).init_tensormaps, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
-        cutlass.Int32(1), cuda.CUstream(0),
+        cutlass.Int32(1),
     )), options)
 
 
@@ -2192,7 +2212,7 @@ def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = 
     values, so one build serves every input set of that config."""
     return compile_once(("persistent_gemm", config), lambda: (PersistentGemmSm100(config), (
         _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0),
+        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
     )), options)
 
 
@@ -2200,7 +2220,7 @@ def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = 
 class KernelChoice:
     """One named kernel config of a backend: a link of its fallback chain.
 
-    `name` is the registry name (SM100_CHOICES, nvfp4_hopper's); `config` what is baked into
+    `name` is the registry name (SM100_CHOICES, the library's sm_90 ones); `config` what is baked into
     the compiled code; `per_group_count`: compiled once per G (its identity includes G);
     `host`: computed by torch ops (the chain's last link, also the self-check's oracle)."""
 
@@ -2260,15 +2280,10 @@ class Sm100Plan:
 
     __slots__ = ("config", "num_clusters")
     nbytes = 0  # no device buffers beyond the runtime's tables
-    shared_scratch = False  # nothing shared between input sets that a stream change must order
-    graph_launch = True
 
     def __init__(self, config, num_clusters):
         self.config = config
         self.num_clusters = num_clusters
-
-    def record_stream(self, stream) -> None:
-        pass
 
 
 def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None:
@@ -2343,11 +2358,11 @@ class Sm100Backend:
     def compile(self, choice: KernelChoice, num_groups: int) -> None:
         """Compile (cached) the kernels of `choice`; raises what the compiler raised."""
         if choice.name == "per_tile":
-            compile_init_tensormaps(num_groups)
-            compile_gemm(num_groups)
+            self.compile_per_tile_init(num_groups)
+            self.compile_per_tile_gemm(num_groups)
         elif not choice.host:
-            compile_persistent_init(choice.config)
-            compile_persistent_gemm(choice.config)
+            self.compile_persistent_init(choice.config)
+            self.compile_persistent_gemm(choice.config)
 
     def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
         """Tile rows of `choice` (the chain's first when None): (group, tile_m, tile_n) of
@@ -2382,63 +2397,86 @@ class Sm100Backend:
             num_clusters = min(num_clusters, resident)
         return Sm100Plan(choice.config, max(num_clusters, 1))
 
-    def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor):
-        """TMA descriptors of every group of this input set, a Written (the buffer, the event
-        after its writing): reused, or written by an init kernel on the current stream."""
+    # The compiled functions this backend launches, looked up at each use (the CPU tests
+    # replace the module's compilers); the library's backend of the same kernels returns entries
+    # that also take where the launch goes.
+    def compile_per_tile_init(self, num_groups: int):
+        return compile_init_tensormaps(num_groups)
+
+    def compile_per_tile_gemm(self, num_groups: int):
+        return compile_gemm(num_groups)
+
+    def compile_persistent_init(self, config: PersistentGemmConfig):
+        return compile_persistent_init(config)
+
+    def compile_persistent_gemm(self, config: PersistentGemmConfig):
+        return compile_persistent_gemm(config)
+
+    def descriptor_key(self, plan: "Plan", pointers: tuple) -> tuple:
+        """What the descriptors of an input set depend on: the device, the kernel config, the
+        sizes and the pointers they address."""
+        config = plan.backend_plan.config
+        slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB) if config is None else (PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB)
+        return (str(plan.device), config, plan.problem_sizes, tuple(tuple(p[i] for i in slots) for p in pointers))
+
+    def init_descriptors(self, plan: "Plan", ptrs: torch.Tensor, *launch_args) -> torch.Tensor:
+        """A new descriptor buffer of every group of this input set, written by the config's
+        init kernel (`launch_args` follow its other arguments: the library's entries take
+        where the launch goes)."""
         config = plan.backend_plan.config
         if config is None:
-            slots, num_slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB), num_tensormaps
+            init_fn, num_slots = self.compile_per_tile_init(plan.num_groups), num_tensormaps
         else:
-            slots, num_slots = (PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB), PERSISTENT_NUM_TENSORMAPS
-        descriptor_key = (
-            str(plan.device),
-            config,
-            plan.problem_sizes,
-            tuple(tuple(p[i] for i in slots) for p in pointers),
+            init_fn, num_slots = self.compile_persistent_init(config), PERSISTENT_NUM_TENSORMAPS
+        tensormaps = torch.empty(
+            (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
         )
-        written = self._descriptors.get(descriptor_key)
-        if written is None:
-            init_fn = compile_init_tensormaps(plan.num_groups) if config is None else compile_persistent_init(config)
-            tensormaps = torch.empty(
-                (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
-            )
-            init_fn(
-                _gmem_ptr(cutlass.Int64, ptrs),
-                _gmem_ptr(cutlass.Int32, plan.sizes),
-                _gmem_ptr(cutlass.Int64, tensormaps),
-                cutlass.Int32(plan.num_groups),
-                _stream_for_current(),
-            )
-            written = Written(tensormaps, plan.device)
-            self._descriptors.put(descriptor_key, written)
-        return written
+        init_fn(
+            _gmem_ptr(cutlass.Int64, ptrs),
+            _gmem_ptr(cutlass.Int32, plan.sizes),
+            _gmem_ptr(cutlass.Int64, tensormaps),
+            cutlass.Int32(plan.num_groups),
+            *launch_args,
+        )
+        return tensormaps
 
-    def direct_launch(self, spec: "PlanSpec") -> None:
-        """None: every sm_100 launch reads TMA descriptors, which an init kernel writes per
-        input set (a binding)."""
-        return
+    def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor) -> torch.Tensor:
+        """TMA descriptors of every group of this input set: reused, or written now by an init
+        kernel."""
+        key = self.descriptor_key(plan, pointers)
+        tensormaps = self._descriptors.get(key)
+        if tensormaps is None:
+            tensormaps = self.init_descriptors(plan, ptrs)
+            self._descriptors.put(key, tensormaps)
+        return tensormaps
 
-    def launch_args(self, plan: "Plan", binding: "Binding", stream: cuda.CUstream):
-        """(compiled GEMM, its arguments) for this input set on `stream`."""
-        config, tensormaps = plan.backend_plan.config, binding.bound.value
+    def gemm_args(self, plan: "Plan", tensormaps: torch.Tensor, ptrs: torch.Tensor, *launch_args):
+        """(compiled GEMM, its arguments) for this input set: its descriptors and pointer
+        table, then `launch_args` (as init_descriptors)."""
+        config = plan.backend_plan.config
         if config is not None:
-            return compile_persistent_gemm(config), (
+            return self.compile_persistent_gemm(config), (
                 _gmem_ptr(cutlass.Int32, plan.tiles),
                 _gmem_ptr(cutlass.Int64, tensormaps),
                 cutlass.Int32(plan.num_groups),
                 cutlass.Int32(plan.num_tiles),
                 cutlass.Int32(plan.backend_plan.num_clusters),
-                stream,
+                *launch_args,
             )
-        return compile_gemm(plan.num_groups), (
-            _gmem_ptr(cutlass.Int64, binding.ptrs),
+        return self.compile_per_tile_gemm(plan.num_groups), (
+            _gmem_ptr(cutlass.Int64, ptrs),
             _gmem_ptr(cutlass.Int32, plan.sizes),
             _gmem_ptr(cutlass.Int32, plan.tiles),
             _gmem_ptr(cutlass.Int64, tensormaps),
             cutlass.Int32(plan.num_tiles),
             cutlass.Int32(plan.num_groups),
-            stream,
+            *launch_args,
         )
+
+    def launcher(self, plan: "Plan", binding: "Binding") -> Callable[[], None]:
+        """The prepared launch of a bound input set (make_launcher: its arguments converted once)."""
+        compiled, args = self.gemm_args(plan, binding.bound, binding.ptrs)
+        return make_launcher(compiled, *args)
 
 
 # =============================================================================
@@ -2478,7 +2516,7 @@ def _executor(compiled):
 def make_launcher(compiled, *args) -> Callable[[], None]:
     """Return a no-argument callable that runs ``compiled(*args)``.
 
-    ``args`` must be DSL objects (cute Pointers, cutlass.Int32, cuda.CUstream) that stay
+    ``args`` must be DSL objects (cute Pointers, cutlass.Int32, ...) that stay
     alive as long as the launcher: the packed arguments point into them.
     """
     if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION and not _FORCE_PLAIN_LAUNCH:
@@ -2501,320 +2539,6 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
         return launch
     return lambda: compiled(*args)
 
-
-class LaunchCell:
-    """One argument of a compiled DSL function whose value is set before each launch: a
-    ctypes value the function's packed arguments point at (the DSL's protocol for an
-    argument already converted: ``__c_pointers__``)."""
-
-    __slots__ = ("storage",)
-
-    def __init__(self, ctype):
-        self.storage = ctype()
-
-    def __c_pointers__(self):
-        return [ctypes.addressof(self.storage)]
-
-
-# What each kind of cell holds, and what the plain DSL call takes in its place
-_CELL_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "stream": ctypes.c_void_p}
-
-
-class CellLauncher:
-    """``compiled(*args)`` with arguments given per launch, its execution arguments built once
-    (one per compiled function and device): a call sets the cells and launches. `kinds` names
-    each argument: "ptr" (a global address, as cute.Pointer of `dtypes[i]`), "i32", "stream"
-    (a raw CUstream handle). Not thread-safe: the runtime calls it under its lock."""
-
-    __slots__ = ("capi_func", "cells", "cuda_result", "dtypes", "keepalive", "kinds", "packed_args", "plain")
-
-    def __init__(self, compiled, kinds: tuple[str, ...], dtypes: tuple):
-        self.kinds, self.dtypes = kinds, dtypes
-        self.cells = [LaunchCell(_CELL_TYPES[kind]) for kind in kinds]
-        self.plain = compiled
-        self.packed_args = None
-        if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION and not _FORCE_PLAIN_LAUNCH:
-            try:
-                exe_args, _ = compiled.generate_execution_args(*self.cells)
-                executor = _executor(compiled)
-                self.packed_args = executor._get_invoke_packed_args(list(exe_args))
-                self.capi_func = executor.jit_module.capi_func
-                self.cuda_result = executor.cuda_result
-                self.keepalive = (compiled, executor)
-            except Exception:  # noqa: BLE001 - any change in DSL internals selects the plain call
-                self.packed_args = None
-
-    def bound(self, values) -> Callable[[], None]:
-        """A launch of `values` fixed now (a binding's): its own cells and packed arguments,
-        built with ctypes alone (no DSL argument conversion)."""
-        if self.packed_args is None:
-            args = [_plain_argument(kind, dtype, value) for kind, dtype, value in zip(self.kinds, self.dtypes, values)]
-            return lambda: self.plain(*args)
-        cells = [LaunchCell(_CELL_TYPES[kind]) for kind in self.kinds]
-        for cell, value in zip(cells, values):
-            cell.storage.value = value
-        packed_args = self.keepalive[1]._get_invoke_packed_args([ctypes.addressof(c.storage) for c in cells])
-        capi_func, cuda_result = self.capi_func, self.cuda_result
-
-        def launch():
-            capi_func(packed_args)
-            if cuda_result is not None and cuda_result.value != 0:
-                raise RuntimeError(f"kernel launch failed: CUresult {cuda_result.value}")
-
-        launch.keepalive = (cells, self)
-        return launch
-
-    def __call__(self, *values) -> None:
-        if self.packed_args is None:
-            self.plain(*(_plain_argument(kind, dtype, value)
-                         for kind, dtype, value in zip(self.kinds, self.dtypes, values)))
-            return
-        for cell, value in zip(self.cells, values):
-            cell.storage.value = value
-        self.capi_func(self.packed_args)
-        if self.cuda_result is not None and self.cuda_result.value != 0:
-            raise RuntimeError(f"kernel launch failed: CUresult {self.cuda_result.value}")
-
-
-def _plain_argument(kind: str, dtype, value):
-    if kind == "ptr":
-        return make_ptr(dtype, value, cute.AddressSpace.gmem, assumed_align=16)
-    if kind == "i32":
-        return cutlass.Int32(value)
-    return cuda.CUstream(value)
-
-
-class CellArgs(typing.NamedTuple):
-    """One launch of a backend's launch_args as raw values (CellLauncher's kinds and
-    dtypes): a binding's prepared launch is then built with ctypes alone."""
-
-    compiled: Any
-    kinds: tuple
-    dtypes: tuple
-    values: tuple
-
-    def launcher(self) -> Callable[[], None]:
-        return cell_launcher(self.compiled, self.kinds, self.dtypes).bound(self.values)
-
-
-def cell_launcher(compiled, kinds: tuple[str, ...], dtypes: tuple) -> CellLauncher:
-    """The CellLauncher of `compiled` on the current device (kept on the compiled function,
-    as its executors are)."""
-    launchers = compiled.__dict__.setdefault("_nvfp4_cell_launchers", {})
-    device = _current_device_index()
-    launcher = launchers.get(device)
-    if launcher is None:
-        launcher = launchers[device] = CellLauncher(compiled, kinds, dtypes)
-    return launcher
-
-
-class PinnedHostBuffer:
-    """Pinned host memory (the source of an asynchronous cuMemcpyHtoDAsync): `host` is the
-    buffer as Python writes it, `base` its address. On a CPU device (the tests) a plain
-    buffer, read by the host-side stand-ins at its own address."""
-
-    __slots__ = ("_storage", "base", "host", "pinned", "size")
-
-    def __init__(self, device: torch.device, size: int):
-        self.size, self.pinned = size, False
-        if device.type == "cuda":
-            with _device_context(device):
-                result, base = cuda.cuMemHostAlloc(size, cuda.CU_MEMHOSTALLOC_PORTABLE)
-                _check_cuda(result, "cuMemHostAlloc")
-                self.base, self.pinned = int(base), True
-            self.host = memoryview((ctypes.c_char * size).from_address(self.base)).cast("B")
-        else:
-            self._storage = storage = (ctypes.c_char * (size + 128))()
-            pad = -ctypes.addressof(storage) % 128  # aligned as a pinned allocation is
-            self.host = memoryview(storage).cast("B")[pad: pad + size]
-            self.base = ctypes.addressof(storage) + pad
-
-    def __del__(self):
-        if getattr(self, "pinned", False):
-            try:
-                cuda.cuMemFreeHost(self.base)
-            except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
-                pass
-
-
-class StagedTables:
-    """Pinned host memory the host writes tables into (`buffer`, a PinnedHostBuffer) and its
-    device mirror of the same size, which the kernels read: upload copies a written range on
-    a stream (one cuMemcpyHtoDAsync). Kernels that read their tables in place from mapped host
-    memory ran slower by the PCIe reads of every CTA (EXPERIMENTS E70). On a CPU device (the
-    tests) no mirror: the device addresses are the host buffer's own."""
-
-    __slots__ = ("buffer", "device_base", "mirror")
-
-    def __init__(self, device: torch.device, size: int):
-        self.buffer = PinnedHostBuffer(device, size)
-        self.mirror = None
-        self.device_base = self.buffer.base
-        if device.type == "cuda":
-            self.mirror = torch.empty(size, dtype=torch.uint8, device=device)
-            self.device_base = self.mirror.data_ptr()
-
-    def upload(self, offset: int, nbytes: int, stream) -> None:
-        """Copy bytes offset .. offset + nbytes to the mirror on `stream` (a cuda.CUstream)."""
-        if self.mirror is not None:
-            _check_cuda(cuda.cuMemcpyHtoDAsync(self.device_base + offset, self.buffer.base + offset, nbytes,
-                                               stream)[0], "cuMemcpyHtoDAsync")
-
-    def copy_to(self, offset: int, nbytes: int, destination: torch.Tensor, stream) -> None:
-        """Copy bytes offset .. offset + nbytes to the start of `destination` (a tensor of at
-        least nbytes on the staging's device) on `stream`; on a CPU device, at once."""
-        if self.mirror is not None:
-            _check_cuda(cuda.cuMemcpyHtoDAsync(destination.data_ptr(), self.buffer.base + offset, nbytes,
-                                               stream)[0], "cuMemcpyHtoDAsync")
-        else:
-            ctypes.memmove(destination.data_ptr(), self.buffer.base + offset, nbytes)
-
-
-class TableRing(StagedTables):
-    """The tables of launches that have no binding (an input set's first call): written by the
-    host into pinned memory right before the launch, copied to the device mirror on the
-    launch's stream (StagedTables).
-
-    A ring of SEGMENTS segments: leaving a segment records an event on every stream that
-    launched from it; entering it again waits for those events (the copies and launches of
-    that segment ran long before, unless the host runs that far ahead of the GPU)."""
-
-    SEGMENTS = 8
-    SEGMENT_BYTES = 1 << 17
-
-    __slots__ = ("events", "offset", "segment", "streams")
-
-    def __init__(self, device: torch.device):
-        super().__init__(device, self.SEGMENTS * self.SEGMENT_BYTES)
-        self.events: list[list] = [[] for _ in range(self.SEGMENTS)]
-        self.streams: list = []
-        self.segment = self.offset = 0
-
-    def take(self, nbytes: int, stream) -> int:
-        """Offset of `nbytes` (at most SEGMENT_BYTES) for a launch on `stream` (a cuda.CUstream;
-        anything else has no events: the CPU tests)."""
-        nbytes = _align_up(nbytes, 128)
-        if nbytes > self.SEGMENT_BYTES:
-            raise ValueError(f"TableRing.take: {nbytes} bytes; a segment holds {self.SEGMENT_BYTES}")
-        if self.offset + nbytes > self.SEGMENT_BYTES:
-            self._next_segment()
-        if stream not in self.streams:
-            self.streams.append(stream)
-        offset = self.segment * self.SEGMENT_BYTES + self.offset
-        self.offset += nbytes
-        return offset
-
-    def _next_segment(self) -> None:
-        left = self.events[self.segment]
-        for stream in self.streams:
-            if isinstance(stream, cuda.CUstream):
-                event = _CudaEvent()
-                if cuda.cuEventRecord(event.event, stream)[0] == cuda.CUresult.CUDA_SUCCESS:
-                    left.append(event)
-                else:  # the stream is gone (a caller's external stream): wait for all work
-                    _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
-        self.streams = []
-        self.segment = (self.segment + 1) % self.SEGMENTS
-        self.offset = 0
-        for event in self.events[self.segment]:
-            _check_cuda(cuda.cuEventSynchronize(event.event)[0], "cuEventSynchronize")
-        self.events[self.segment] = []
-
-
-class CaptureArena(StagedTables):
-    """Tables that a caller's CUDA graph reads at every replay (a first call captured): carved
-    once from StagedTables allocated before any capture, never reused; the capture records
-    their copy to the mirror, which every replay repeats. A capture cannot allocate pinned
-    memory, so an exhausted arena refuses (the caller then runs the input set eagerly once
-    more, which binds it)."""
-
-    BYTES = 1 << 20
-
-    __slots__ = ("offset",)
-
-    def __init__(self, device: torch.device):
-        super().__init__(device, self.BYTES)
-        self.offset = 0
-
-    def take(self, nbytes: int) -> int | None:
-        nbytes = _align_up(nbytes, 128)
-        if self.offset + nbytes > self.BYTES:
-            return None
-        offset, self.offset = self.offset, self.offset + nbytes
-        return offset
-
-
-# A prepared launch recorded once per input set as a CUDA graph and replayed with
-# cuGraphLaunch: a third of the prepared DSL call's CPU (EXPERIMENTS E57). The graph holds the
-# kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
-# NVFP4_GRAPH_LAUNCH=0 launches the prepared call directly (to compare, or to rule graphs out).
-_GRAPH_LAUNCH = env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
-# An input set's first call launches without a binding where its backend can (its tables
-# written into mapped host memory, no binding or plan built: a MoE step's sizes and
-# activations are new at every call); its second call binds it. NVFP4_FIRST_CALL_UNBOUND=0
-# binds every input set at its first call (EXPERIMENTS E64).
-FIRST_CALLS_UNBOUND = env_switch("NVFP4_FIRST_CALL_UNBOUND", ("0", "1"), "1") == "1"
-_CAPTURE_STREAMS: dict = {}
-
-
-def _check_cuda(result, what: str) -> None:
-    if result != cuda.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{what} failed: {result!r}")
-
-
-class GraphLaunch:
-    """One launch recorded as an executable CUDA graph; replayable on any stream.
-
-    A replay is ordered after earlier work on its stream and after earlier replays of the
-    same graph (CUDA's rule for cuGraphLaunch). Destroying it while a replay is pending is
-    safe: the driver frees the graph when that replay completes.
-    """
-
-    __slots__ = ("graph_exec",)
-
-    def __init__(self, record: Callable[[cuda.CUstream], Callable[[], None]], device: torch.device):
-        """Capture what `record(stream)()` launches on a private stream of `device`."""
-        self.graph_exec = None
-        with torch.cuda.device(device):
-            capture_stream = _CAPTURE_STREAMS.get(device.index)
-            if capture_stream is None:
-                capture_stream = _CAPTURE_STREAMS[device.index] = torch.cuda.Stream(device)
-            stream = cuda.CUstream(capture_stream.cuda_stream)
-            launch = record(stream)
-            # Thread-local: CUDA calls of other threads are not captured and not disturbed
-            mode = cuda.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-            _check_cuda(cuda.cuStreamBeginCapture(stream, mode)[0], "cuStreamBeginCapture")
-            try:
-                launch()
-            finally:
-                # Always leave capture mode, also when the launch raised
-                result, graph = cuda.cuStreamEndCapture(stream)
-            _check_cuda(result, "cuStreamEndCapture")
-            try:
-                result, graph_exec = cuda.cuGraphInstantiate(graph, 0)
-                _check_cuda(result, "cuGraphInstantiate")
-            finally:
-                cuda.cuGraphDestroy(graph)  # the executable graph does not need it
-        self.graph_exec = graph_exec
-
-    def launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
-        graph_launch = cuda.cuGraphLaunch
-        graph_exec = self.graph_exec
-
-        def launch():
-            result = graph_launch(graph_exec, stream)[0]
-            if result:  # CUresult is an IntEnum, CUDA_SUCCESS == 0
-                raise RuntimeError(f"cuGraphLaunch failed: {result!r}")
-
-        launch.keepalive = self
-        return launch
-
-    def __del__(self):
-        if self.graph_exec is not None:
-            try:
-                cuda.cuGraphExecDestroy(self.graph_exec)
-            except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
-                pass
 
 
 def plan_tiles(problem_sizes, tile_m: int, tile_n: int) -> list[tuple[int, int, int]]:
@@ -2866,16 +2590,14 @@ def _align_up(x, a):
     return (x + a - 1) // a * a
 
 
-def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """Copy integer tables to `device` in one buffer: (device buffer, host staging, views).
 
-    `tables`: (struct code "q" or "i", rows of equal length). Each table starts on a 128-byte
-    boundary. On a CUDA device the rows are packed into the device's TableRing (pinned, so
-    the one cuMemcpyHtoDAsync on torch's current stream is asynchronous; the ring reuses those
-    bytes only after the copy's stream passed them) and the host staging is None: no pinned
-    allocation per table (torch's pinned allocator went to cudaHostAlloc for most of them
-    when tables were made back to back: EXPERIMENTS E68). Elsewhere (the CPU tests) a plain
-    copy from a host buffer, which is returned.
+def upload_int_tables(device, tables) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Copy integer tables to `device` in one buffer: (the buffer, a [rows, width] view of each).
+
+    `tables`: (struct code "q" or "i", rows of equal length), each starting on a 128-byte
+    boundary. Packed in Python and copied as one buffer (half the CPU of one torch op per
+    table: EXPERIMENTS E58), from pinned memory, so that the copy is queued with the launches
+    that read it. On a CPU device (the tests) the host buffer itself.
     """
     device = torch.device(device)
     layout, offset = [], 0
@@ -2884,37 +2606,19 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
         itemsize = struct.calcsize(code)
         layout.append((offset, code, len(rows), width, itemsize))
         offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
-    # Packed in Python and copied as one buffer: half the CPU of one torch op per table
-    # (EXPERIMENTS E58)
-    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
-    through_ring = device.type == "cuda" and offset <= TableRing.SEGMENT_BYTES
-    # the ring is shared (bind_input_set runs outside custom_kernel's lock)
-    with _RUNTIME_LOCK if through_ring else contextlib.nullcontext():
-        if through_ring:
-            stream = _stream_for_current()
-            ring = table_ring(device)
-            base = ring.take(offset, stream)
-            staging = ring.buffer.host
-        else:
-            staging, base = bytearray(offset), 0
-        for (start, code, count, width, _), (_, rows) in zip(layout, tables):
-            struct.pack_into(f"<{count * width}{code}", staging, base + start, *_flatten(rows))
-        if through_ring:
-            _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + base, offset, stream)[0],
-                        "cuMemcpyHtoDAsync")
-            host = None
-        else:  # the CPU tests, or tables over a ring segment: a pinned staging block of their own
-            host = torch.frombuffer(staging, dtype=torch.uint8)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            buffer.copy_(host, non_blocking=True)
+    staging = bytearray(offset)
+    for (start, code, count, width, _), (_, rows) in zip(layout, tables):
+        struct.pack_into(f"<{count * width}{code}", staging, start, *_flatten(rows))
+    buffer = torch.frombuffer(staging, dtype=torch.uint8)
+    if device.type == "cuda":
+        # torch's pinned allocator keeps the block until the copy has run
+        buffer = buffer.pin_memory().to(device, non_blocking=True)
     dtypes = {"q": torch.int64, "i": torch.int32}
     views = [
         buffer[start : start + count * width * itemsize].view(dtypes[code]).view(count, width)
         for start, code, count, width, itemsize in layout
     ]
-    return buffer, host, views
-
+    return buffer, views
 
 class RuntimeCache:
     """Bounded LRU (count, and bytes where entries have `nbytes`).
@@ -2983,38 +2687,11 @@ def input_key(data) -> tuple:
     return (*map(_data_ptr, _flatten(abc)), *map(_data_ptr, _flatten(sfasfb_reordered)))
 
 
-@typing.runtime_checkable
-class BackendPlan(typing.Protocol):
-    """What a backend's prepare(spec) returns: the runtime reads these and nothing else."""
-
-    nbytes: int  # device bytes it holds beyond the runtime's tables (the plan cache's bound)
-    shared_scratch: bool  # its input sets share scratch: launches on two streams are ordered
-    graph_launch: bool  # its launches may be recorded as a CUDA graph and replayed
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """Its buffers are read on `stream` (freed memory is not reused before that work)."""
-
-
-class DirectLaunch(typing.Protocol):
-    """A backend's launch of one size set for an input set without a binding (its first
-    call): the runtime writes its tables (DirectTables) into staging memory, write_extra the
-    backend's `extra_bytes` after them, the runtime copies them all to the device, then
-    launch() launches on the stream."""
-
-    extra_bytes: int
-
-    def write_extra(self, host: memoryview, extra_offset: int):
-        """Write the backend's table at `extra_offset` of `host`; returns what must stay alive
-        while the launch may run (again, under a capture): its scratch."""
-
-    def launch(self, tables: "DirectTables", stream_handle: int) -> None:
-        """Launch on the stream of `stream_handle`, reading the tables at their device addresses."""
-
 
 @typing.runtime_checkable
 class Backend(typing.Protocol):
-    """A device family's kernels, as the shared runtime drives them: Sm100Backend here,
-    nvfp4_hopper.Sm90Backend on Hopper."""
+    """A device family's kernels, as a runtime drives them: Sm100Backend here (the library
+    beside this file has its own runtime and backends, and builds on these)."""
 
     name: str
     plan_key: tuple  # what a plan depends on besides the device and the sizes
@@ -3038,62 +2715,16 @@ class Backend(typing.Protocol):
     def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
         """The tile rows of `choice` (its table, in launch order)."""
 
-    def pack_tiles(self, problem_sizes, choice: KernelChoice) -> "PackedTiles":
-        """plan_tiles(problem_sizes, choice) as PackedTiles (a size set's first call copies them)."""
+    def prepare(self, spec: "PlanSpec"):
+        """Its part of a plan for spec.choice (compiled by then); `nbytes`: the device bytes it
+        holds beyond the runtime's tables."""
 
-    def prepare(self, spec: "PlanSpec") -> BackendPlan:
-        """Its part of a plan, for spec.choice (compiled by then)."""
+    def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor):
+        """Per-pointer device state of an input set (TMA descriptors): `pointers` per group
+        (a, b, c, sfa, sfb), `ptrs` their device table."""
 
-    def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor) -> "Written | None":
-        """Per-pointer device state of an input set (TMA descriptors), or None: `pointers`
-        per group (a, b, c, sfa, sfb), `ptrs` their device table."""
-
-    def direct_launch(self, spec: "PlanSpec") -> "DirectLaunch | None":
-        """What launches an input set of the spec without a binding (its first call), or None."""
-
-    def launch_args(self, plan: "Plan", binding: "Binding", stream: cuda.CUstream):
-        """(compiled, its arguments), or a list of them launched in order, for `stream`."""
-
-
-class Written:
-    """A device buffer written on torch's current stream (a table copy or the init kernel),
-    with an event recorded right after the writing: a launch on another stream waits for it
-    first (order_before)."""
-
-    __slots__ = ("event", "stream", "value")
-
-    def __init__(self, value, device: torch.device):
-        self.value = value
-        self.event = self.stream = None
-        if device.type == "cuda":
-            self.stream = _stream_for_current()
-            self.event = _CudaEvent()
-            _check_cuda(cuda.cuEventRecord(self.event.event, self.stream)[0], "cuEventRecord")
-
-    @classmethod
-    def on_stream(cls, value, stream) -> "Written":
-        """`value`, written by work just queued on `stream` (a cuda.CUstream; anything else,
-        the CPU tests' stand-in, orders nothing), without an event yet: a first call's table
-        is read on its own stream far more often than anywhere else, so the event is recorded
-        only when another stream needs it (order_before), and then covers the writing too."""
-        written = cls.__new__(cls)
-        written.value, written.event = value, None
-        written.stream = stream if isinstance(stream, cuda.CUstream) else None
-        return written
-
-    def order_before(self, stream: cuda.CUstream) -> None:
-        """Make `stream`'s later work wait for the writing, unless it is the writing stream."""
-        if self.stream is None or stream is self.stream:
-            return
-        if self.event is None:  # on_stream: recorded now, after the writing
-            event = _CudaEvent()
-            if cuda.cuEventRecord(event.event, self.stream)[0] != cuda.CUresult.CUDA_SUCCESS:
-                # the writing stream is gone (a caller's external stream): wait for all work
-                _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
-                self.stream = None
-                return
-            self.event = event
-        _check_cuda(cuda.cuStreamWaitEvent(stream, self.event.event, 0)[0], "cuStreamWaitEvent")
+    def launcher(self, plan: "Plan", binding: "Binding") -> Callable[[], None]:
+        """The prepared launch of a bound input set."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3118,235 +2749,60 @@ class PlanSpec:
 class Plan:
     """What every input set of one size set shares on one device and backend.
 
-    choice: the kernel of the backend's chain that runs these sizes (decided, and compiled,
+    choice: the kernel of the backend's chain that runs these sizes (chosen, and compiled,
     before anything else is built: the tile rows are that kernel's); chain: the whole chain,
     for a demotion to name the next link. sizes int32 [G, 4]: (M, N, K, L) per group; tiles
     int32 [T, W]: the kernel's tile rows (none for a host computation). backend_plan: what
-    the backend's prepare(spec) made of them (the kernel config, a schedule and its scratch);
-    None for a host computation. nbytes: device bytes held."""
+    the backend's prepare(spec) made of them; None for a host computation. nbytes: device
+    bytes held."""
 
     __slots__ = (
-        "_host_staging", "backend", "backend_plan", "chain", "choice", "device", "kernel_key", "nbytes",
-        "num_groups", "num_tiles", "problem_sizes", "scratch_event", "scratch_stream", "sizes", "spec", "tables",
-        "tile_rows", "tiles",
+        "backend", "backend_plan", "chain", "choice", "device", "kernel_key", "nbytes", "num_groups", "num_tiles",
+        "problem_sizes", "sizes", "spec", "tables", "tile_rows", "tiles",
     )
 
-    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None,
-                 tile_rows: tuple | None = None):
+    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None):
         self.backend = backend
         self.device = torch.device(device)
         self.problem_sizes = tuple(tuple(int(v) for v in p) for p in problem_sizes)
         self.num_groups = len(self.problem_sizes)
-        if choice is None:  # a backend of one's choosing (bind_input_set): its first kernel
+        if choice is None:  # a backend of one's choosing: its first kernel
             chain = backend.kernel_chain(self.problem_sizes)
             choice = chain[0]
         self.choice = choice
         self.chain = chain if chain is not None else (choice,)
         self.kernel_key = choice.kernel_key(self.num_groups)
-        if tile_rows is None:
-            tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
-        self.tile_rows = tile_rows
+        self.tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
         self.num_tiles = len(self.tile_rows)
         self.spec = PlanSpec(choice, self.problem_sizes, self.device, self.tile_rows)
-        device_buf, self._host_staging, (self.sizes, self.tiles) = upload_int_tables(
+        self.tables, (self.sizes, self.tiles) = upload_int_tables(
             self.device, [("i", self.problem_sizes), ("i", self.tile_rows)]
         )
-        self.tables = Written(device_buf, self.device)
-        # Launches of this plan on different streams are ordered when they share scratch
-        self.scratch_event = None
-        self.scratch_stream = None
         self.backend_plan = None if choice.host else backend.prepare(self.spec)
-        self.nbytes = device_buf.numel() + (0 if self.backend_plan is None else self.backend_plan.nbytes)
-
-    def record_stream(self, stream: torch.cuda.Stream) -> None:
-        """Tell torch's allocator the plan's buffers are read on `stream` (memory freed on
-        eviction is then not reused before that stream's work finished)."""
-        self.tables.value.record_stream(stream)
-        if self.backend_plan is not None:
-            self.backend_plan.record_stream(stream)
-
-
-class LaunchMode(enum.Enum):
-    """How a binding's calls launch (Binding.mode)."""
-
-    HOST = "host computation"  # the chain's last link: custom_kernel computes it with torch ops
-    NOTHING = "nothing to launch"  # every group has M = 0 (a 0-CTA grid is invalid)
-    FIRST_DIRECT = "direct, then recorded"  # the first call launches directly, the second records
-    GRAPH = "graph replay"  # the recorded CUDA graph (Binding.graph), on any stream
-    DIRECT = "direct"  # every call: graphs off, a plan that does not allow them, or a failed record
+        self.nbytes = self.tables.numel() + (0 if self.backend_plan is None else self.backend_plan.nbytes)
 
 
 class Binding:
     """One input set (its data pointers) bound to its plan: the pointer table the kernel
     reads (ptrs int64 [G, 5]: a, b, c, sfa_reordered, sfb_reordered), the backend's
-    per-pointer state (`bound`: the sm_100 TMA descriptors, a Written, or None), its launch
-    mode, and the launch prepared for the stream it last ran on (None: a host computation,
-    which custom_kernel runs on the input set itself)."""
+    per-pointer state (`bound`: the sm_100 TMA descriptors) and the prepared launch (None: a
+    host computation, which custom_kernel runs on the input set itself)."""
 
-    __slots__ = (
-        "_host_staging", "bound", "graph", "launch", "launched", "mode", "plan", "pointers", "ptrs", "stream",
-        "table",
-    )
+    __slots__ = ("bound", "launch", "plan", "pointers", "ptrs", "table")
 
-    def __init__(self, plan: Plan, pointers, table: Written | None = None):
+    def __init__(self, plan: Plan, pointers):
         self.plan = plan
         self.pointers = tuple(tuple(int(v) for v in p) for p in pointers)
-        if table is None:
-            device_buf, self._host_staging, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
-            self.table = Written(device_buf, plan.device)
-        else:
-            # the pointer table its first call copied to the device (_launch_first_call): these
-            # pointers, int64 [G, 5] from its start; no copy on this call's stream
-            self._host_staging, self.table = None, table
-            num_groups = len(self.pointers)
-            self.ptrs = table.value[: 8 * NUM_PTR_COLS * num_groups].view(torch.int64).view(num_groups, NUM_PTR_COLS)
-        self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
-        self.stream = None
-        self.launch = None
-        self.graph: GraphLaunch | None = None
-        self.launched = False  # a direct launch has run (FIRST_DIRECT records at the next call)
-        if plan.choice.host:
-            self.mode = LaunchMode.HOST
-        elif plan.num_tiles == 0:
-            self.mode = LaunchMode.NOTHING
-        elif _GRAPH_LAUNCH and _can_record(plan):
-            self.mode = LaunchMode.FIRST_DIRECT
-        else:
-            self.mode = LaunchMode.DIRECT
-
-    def _direct_launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
-        launches = self.plan.backend.launch_args(self.plan, self, stream)
-        if not isinstance(launches, list):  # one launch
-            launches = [launches]
-        # each a CellArgs, or a (compiled, DSL arguments) pair; several run in order (a
-        # pre-pass, then the GEMM)
-        launchers = [entry.launcher() if isinstance(entry, CellArgs) else make_launcher(entry[0], *entry[1])
-                     for entry in launches]
-        if len(launchers) == 1:
-            return launchers[0]
-
-        def launch_in_order():
-            for launcher in launchers:
-                launcher()
-
-        launch_in_order.keepalive = launchers
-        return launch_in_order
-
-    def prepare_launch(self, stream: cuda.CUstream) -> None:
-        """Prepare the launch for `stream` (torch's current stream).
-
-        The first call of an input set launches directly; its second call records the launch
-        as a CUDA graph and later calls replay it (EXPERIMENTS E57). An input set seen once
-        never pays a capture.
-        On a stream other than the one that wrote the tables or descriptors, the stream first
-        waits for that writing.
-
-        Inside a caller's CUDA graph capture the launch goes straight into the caller's graph:
-        no graph of our own, no waits on events recorded outside the capture (the writing
-        happened in an eager call before it, and torch.cuda.graph synchronizes first), no
-        scratch ordering across streams; the binding is kept alive beyond the LRU bound
-        (_CAPTURED) since the caller's graph reads its tables at every replay."""
-        plan = self.plan
-        self.stream = stream
-        if self.mode is LaunchMode.HOST:
-            self.launch = None
-            return
-        if self.mode is LaunchMode.NOTHING:
-            self.launch = _no_launch
-            return
-        if _capturing():
-            self.launch = self._direct_launcher(stream)
-            self.stream = None  # after the capture, the next call prepares its own launch again
-            _CAPTURED.put((plan.problem_sizes, self.pointers), self)
-            return
-        for written in (plan.tables, self.table, self.bound):
-            if isinstance(written, Written):
-                written.order_before(stream)
-        if self.mode is LaunchMode.FIRST_DIRECT and self.launched:
-            try:
-                self.graph = GraphLaunch(self._direct_launcher, plan.device)
-                self.mode = LaunchMode.GRAPH
-            except Exception:  # noqa: BLE001 - the direct launch reports any real error
-                self.mode = LaunchMode.DIRECT
-        if self.mode is LaunchMode.GRAPH:
-            launch = self.graph.launcher(stream)
-        elif self.mode is LaunchMode.FIRST_DIRECT:
-            direct = self._direct_launcher(stream)
-
-            def launch():
-                direct()
-                self.launched = True
-                self.stream = None  # the next call prepares again: it records the graph
-
-        else:
-            launch = self._direct_launcher(stream)
-        if plan.device.type == "cuda" and plan.backend_plan.shared_scratch:
-            launch = _ordered_on_scratch(plan, stream, launch)
-        self.launch = launch
-        if plan.device.type == "cuda":
-            # Tables (and descriptors) written on another stream (a miss on S1, now launched
-            # on S2): keep their memory alive for S2's work after an eviction.
-            torch_stream = torch.cuda.current_stream(plan.device)
-            self.table.value.record_stream(torch_stream)
-            plan.record_stream(torch_stream)
-            if isinstance(self.bound, Written):
-                self.bound.value.record_stream(torch_stream)
-
-    def run(self, stream: cuda.CUstream) -> None:
-        if stream is not self.stream:
-            self.prepare_launch(stream)
-        self.launch()
-
-
-def _can_record(plan: Plan) -> bool:
-    """A CUDA device, something to launch, and a backend plan that allows graph replay (not
-    the sm_90 swap-AB calls chained by programmatic dependent launch)."""
-    return plan.device.type == "cuda" and plan.num_tiles > 0 and plan.backend_plan.graph_launch
-
-
-class _CudaEvent:
-    """A timing-free CUDA event, destroyed with its owner."""
-
-    __slots__ = ("event",)
-
-    def __init__(self):
-        result, self.event = cuda.cuEventCreate(cuda.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        _check_cuda(result, "cuEventCreate")
-
-    def __del__(self):
-        try:
-            cuda.cuEventDestroy(self.event)
-        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
-            pass
-
-
-def _ordered_on_scratch(plan: Plan, stream: cuda.CUstream, launch: Callable[[], None]) -> Callable[[], None]:
-    """`launch` ordered after the plan's previous launch when that went to another stream:
-    the input sets of a plan share its scratch (the stream-K workspace and counters).
-
-    Only a change of stream costs anything: an event recorded then on the previous stream
-    covers everything queued there, the plan's last launch included, and the new stream
-    waits for it. Launches on one stream are ordered by the stream itself."""
-    if plan.scratch_event is None:
-        plan.scratch_event = _CudaEvent()
-    event = plan.scratch_event.event
-
-    def ordered():
-        previous = plan.scratch_stream
-        if previous is not None and previous is not stream:
-            if cuda.cuEventRecord(event, previous)[0] == cuda.CUresult.CUDA_SUCCESS:
-                _check_cuda(cuda.cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
-            else:  # the previous stream is gone: wait for all work of the context
-                _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
-        launch()
-        plan.scratch_stream = stream
-
-    return ordered
+        self.table, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
+        self.bound = self.launch = None
+        if not plan.choice.host:
+            self.bound = plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
+            # every group with M = 0: nothing to launch (a 0-CTA grid is invalid)
+            self.launch = plan.backend.launcher(plan, self) if plan.num_tiles else _no_launch
 
 
 def _no_launch() -> None:
     pass
-
 
 def pointers_of(data) -> list[tuple[int, int, int, int, int]]:
     abc, _, sfasfb_reordered, _ = data
@@ -3373,88 +2829,6 @@ def _current_device_index() -> int | None:
     if not torch.cuda.is_initialized():
         return None
     return _cuda_get_device() if _cuda_get_device is not None else torch.cuda.current_device()
-
-
-def bind_input_set(data, backend, kernel: str | None = None) -> Binding:
-    """Validate one input set and bind it to a new plan for `backend`, outside every cache and
-    without fallback (a test or benchmark entry for a backend of one's choosing): the
-    chain's first kernel, or the one named `kernel`. binding.run(stream) launches it
-    (directly on its first run, as a recorded graph from its second on); a host
-    computation's binding has no launch (run_with_backend runs it)."""
-    problem_sizes = validate_inputs(data)
-    backend.can_implement(problem_sizes)
-    device = data[0][0][0].device
-    chain = backend.kernel_chain(problem_sizes)
-    if kernel is not None:
-        names = [choice.name for choice in chain]
-        if kernel not in names:
-            raise ValueError(f"kernel {kernel!r}: these sizes' chain on {backend.name} is {names}")
-        chain = chain[names.index(kernel):]
-    with _device_context(device):
-        return Binding(Plan(backend, problem_sizes, device, chain[0], chain), pointers_of(data))
-
-
-def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Tensor]:
-    """bind_input_set, then one direct launch on torch's current stream; the c list."""
-    binding = bind_input_set(data, backend, kernel)
-    outputs = [c for _, _, c in data[0]]
-    if binding.plan.choice.host:
-        return HOST_COMPUTATIONS[binding.plan.choice.name](data, outputs)
-    binding.mode = LaunchMode.DIRECT  # one launch: nothing to record
-    with _device_context(binding.plan.device):
-        binding.run(_stream_for_current())
-    return outputs
-
-
-# Input sets (bindings) by data pointers, plans by (device, sizes, backend). A plan holds device memory (the stream-K workspace: 23 MB for benchmark shape 0):
-# 32 plans and 1 GiB at most; a binding holds its pointer table, so an evicted plan's bindings
-# go with it.
-_BINDINGS = RuntimeCache(max_entries=64)
-# Bindings whose launch a caller's CUDA graph captured: kept beyond _BINDINGS' bound, since the
-# graph reads their tables (and descriptors) at every replay
-_CAPTURED = RuntimeCache(max_entries=256)
-_PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
-# Size plans by (device, sizes, backend): what an input set's first call needs, no device memory
-_SIZE_PLANS = RuntimeCache(max_entries=256, max_bytes=16 << 20)
-# Input sets (pointers and sizes) that ran once without a binding: their next call binds them
-_SEEN_ONCE = RuntimeCache(max_entries=1024)
-# Per device: the tables of first calls (TableRing) and of captured first calls (CaptureArena)
-_TABLE_RINGS: dict = {}
-_CAPTURE_ARENAS: dict = {}
-_BACKEND_BY_DEVICE: dict = {}
-
-
-def _make_sm90_backend():
-    try:
-        import nvfp4_hopper  # Hopper only: imported on first sm_90 use
-    except Exception as exc:  # noqa: BLE001 - any import failure gets the same clear message
-        raise RuntimeError(
-            "This GPU is sm_90 (Hopper); its backend is the nvfp4_hopper package, which could not "
-            f"be imported ({type(exc).__name__}: {exc}). Put the nvfp4_hopper folder next to "
-            "submission.py, or run on a B200 (sm_100)."
-        ) from None
-    if not hasattr(nvfp4_hopper, "make_backend"):
-        raise RuntimeError("nvfp4_hopper has no make_backend(); the sm_90 backend is missing")
-    return nvfp4_hopper.make_backend()
-
-
-def select_backend(device_index: int):
-    backend = _BACKEND_BY_DEVICE.get(device_index)
-    if backend is None:
-        capability = torch.cuda.get_device_capability(device_index)
-        if capability[0] == 10:
-            num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            backend = Sm100Backend(SM100_KERNEL, num_sms)
-        elif capability == (9, 0):
-            backend = _make_sm90_backend()
-        else:
-            name = torch.cuda.get_device_name(device_index)
-            raise RuntimeError(
-                f"GPU {device_index} ({name}) has compute capability {capability[0]}.{capability[1]}; "
-                f"this submission supports {SUPPORTED_GPUS}."
-            )
-        _BACKEND_BY_DEVICE[device_index] = backend
-    return backend
 
 
 @functools.lru_cache(maxsize=4096)
@@ -3544,88 +2918,6 @@ def checked_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], 
     return validate_inputs(data) if problem_sizes is None else problem_sizes
 
 
-def _drop_bindings(predicate) -> None:
-    """Remove the bindings whose plan `predicate` selects (they would keep its memory alive)."""
-    for binding_key in [k for k, b in _BINDINGS.entries.items() if predicate(b.plan)]:
-        del _BINDINGS.entries[binding_key]
-
-
-def _drop_plans(predicate) -> None:
-    """Remove the plans that `predicate` selects, and their bindings."""
-    for key in [key for key, plan in _PLANS.entries.items() if predicate(plan)]:
-        _PLANS.nbytes -= _PLANS.entries.pop(key).nbytes
-    for key in [key for key, plan in _SIZE_PLANS.entries.items() if predicate(plan)]:
-        _SIZE_PLANS.nbytes -= _SIZE_PLANS.entries.pop(key).nbytes
-    _drop_bindings(predicate)
-
-
-def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
-    """The cached plan of these sizes on `device` for `backend`, or a new one on their size
-    plan's kernel (the first of the backend's chain that is not demoted and compiles)."""
-    key = (str(device), problem_sizes, backend.plan_key)
-    plan = _PLANS.get(key)
-    if plan is None:
-        with _RUNTIME_LOCK:
-            size_plan = get_size_plan(backend, problem_sizes, device)
-            plan = Plan(backend, problem_sizes, device, size_plan.choice, size_plan.chain, size_plan.tile_rows)
-        evicted = _PLANS.put(key, plan)
-        if evicted:
-            _drop_bindings(lambda bound_plan: any(bound_plan is gone for gone in evicted))
-    return plan
-
-
-class SizePlan:
-    """What an input set's first call of one size set needs, without device memory: the
-    kernel chosen (and compiled) as get_plan chooses it, its tile rows (`tile_rows`, the
-    backend's PackedTiles) packed after the sizes as the kernels read them (`head`: sizes
-    int32 [G, 4] then tiles int32 [T, W], each on 16 bytes), where the pointer table (int64
-    [G, 5]) and the backend's own table follow, and the backend's DirectLaunch (None: the
-    backend runs bound input sets only). `device_head`: the head copied to the device (a
-    Written) once a second input set of these sizes runs (_launch_first_call); `launched`:
-    whether one has."""
-
-    __slots__ = (
-        "chain", "choice", "device_head", "direct", "extra_offset", "head", "kernel_key", "launched", "nbytes",
-        "num_groups", "num_tiles", "problem_sizes", "ptr_format", "ptrs_offset", "table_bytes", "tile_rows",
-        "tiles_offset",
-    )
-
-    def __init__(self, backend, problem_sizes, device: torch.device):
-        backend.can_implement(problem_sizes)
-        self.chain = backend.kernel_chain(problem_sizes)
-        self.num_groups = len(problem_sizes)
-        self.choice = choose_kernel(backend, self.chain, self.num_groups)
-        self.kernel_key = self.choice.kernel_key(self.num_groups)
-        self.problem_sizes = problem_sizes
-        self.tile_rows = tile_rows = (PackedTiles(b"", 1) if self.choice.host
-                                      else backend.pack_tiles(problem_sizes, self.choice))
-        self.num_tiles = len(tile_rows)
-        self.direct = None
-        if not self.choice.host and self.num_tiles:
-            self.direct = backend.direct_launch(PlanSpec(self.choice, problem_sizes, device, tile_rows))
-        self.tiles_offset = _align_up(16 * self.num_groups, 16)
-        self.ptrs_offset = _align_up(self.tiles_offset + len(tile_rows.data), 16)
-        sizes = struct.pack(f"<{4 * self.num_groups}i", *_flatten(problem_sizes))
-        self.head = b"".join((sizes, bytes(self.tiles_offset - len(sizes)), tile_rows.data,
-                              bytes(self.ptrs_offset - self.tiles_offset - len(tile_rows.data))))
-        self.extra_offset = _align_up(self.ptrs_offset + 8 * NUM_PTR_COLS * self.num_groups, 16)
-        self.table_bytes = self.extra_offset + (0 if self.direct is None else self.direct.extra_bytes)
-        self.ptr_format = f"<{NUM_PTR_COLS * self.num_groups}q"
-        self.device_head, self.launched = None, False
-        # the head, about as much in tile_rows, and the head's device copy once made
-        self.nbytes = 3 * len(self.head)
-
-
-def get_size_plan(backend, problem_sizes, device: torch.device) -> SizePlan:
-    """The cached SizePlan of these sizes on `device` for `backend` (made under the lock)."""
-    key = (str(device), problem_sizes, backend.plan_key)
-    size_plan = _SIZE_PLANS.get(key)
-    if size_plan is None:
-        size_plan = SizePlan(backend, problem_sizes, device)
-        _SIZE_PLANS.put(key, size_plan)
-    return size_plan
-
-
 def pointers_of_key(key: tuple, num_groups: int) -> list[tuple[int, int, int, int, int]]:
     """pointers_of from input_key's pointers (a, b, c of every group, then sfa, sfb of every
     group), without reading the tensors again: per group (a, b, c, sfa, sfb)."""
@@ -3633,142 +2925,65 @@ def pointers_of_key(key: tuple, num_groups: int) -> list[tuple[int, int, int, in
     return [(*abc[3 * g: 3 * g + 3], *scales[2 * g: 2 * g + 2]) for g in range(num_groups)]
 
 
-def table_ring(device: torch.device) -> TableRing:
-    """The device's TableRing, made (with its CaptureArena) on first use."""
-    ring = _TABLE_RINGS.get(device.index)
-    if ring is None:
-        ring = _TABLE_RINGS[device.index] = TableRing(device)
-        _CAPTURE_ARENAS[device.index] = CaptureArena(device)
-    return ring
+# =============================================================================
+# The runtime: plans, bindings, custom_kernel
+# =============================================================================
+# Input sets (bindings) by data pointers, plans by (device, sizes, backend): 32 plans and 1 GiB
+# at most; a binding holds its pointer table and descriptors, and an evicted plan's bindings go
+# with it.
+_BINDINGS = RuntimeCache(max_entries=64)
+_PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
+_BACKEND_BY_DEVICE: dict = {}
 
 
-class DirectTables(typing.NamedTuple):
-    """Device addresses of a first call's tables (TableRing or CaptureArena)."""
-
-    sizes: int
-    tiles: int
-    ptrs: int
-    extra: int
-
-
-def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: int, device: torch.device,
-                       captured: bool):
-    """Write the tables of an input set's first call into staging memory, copy them to the
-    device on `stream` and launch the size plan's DirectLaunch there. Returns (what the launch
-    keeps alive (the scratch), this input set's pointer table on the device (a Written) or
-    None), or None when a capture's arena is full.
-
-    The first input set of a size set (every call of a MoE step) copies all its tables (the
-    size plan's head, its pointers, the DirectLaunch's own table) in one copy to the ring's
-    mirror. From the second on, the head is on the device (copied once), and the input set's
-    pointers and DirectLaunch table go to a table of its own, which its binding reads at its
-    second call: a copy of a few hundred bytes, which the driver queues with the launches,
-    where the head's kilobytes went through a copy engine, and no copy at that second call
-    (EXPERIMENTS E74). Under a capture, all of them to the capture's arena, in one copy."""
-    if captured:
-        staged = _CAPTURE_ARENAS[device.index]
-        offset = staged.take(size_plan.table_bytes)
-        if offset is None:
-            return None
-    else:
-        staged = table_ring(device)
-        if size_plan.launched and size_plan.device_head is None:
-            head = torch.empty(len(size_plan.head), dtype=torch.uint8, device=device)
-            head_offset = staged.take(len(size_plan.head), stream)
-            staged.buffer.host[head_offset: head_offset + len(size_plan.head)] = size_plan.head
-            staged.copy_to(head_offset, len(size_plan.head), head, stream)
-            size_plan.device_head = Written.on_stream(head, stream)
-        size_plan.launched = True
-        head = size_plan.device_head
-        if head is not None:
-            return _launch_on_device_head(size_plan, head, key, staged, stream, stream_handle, device)
-        offset = staged.take(size_plan.table_bytes, stream)
-    host = staged.buffer.host
-    host[offset: offset + len(size_plan.head)] = size_plan.head
-    struct.pack_into(size_plan.ptr_format, host, offset + size_plan.ptrs_offset,
-                     *_flatten(pointers_of_key(key, size_plan.num_groups)))
-    keepalive = size_plan.direct.write_extra(host, offset + size_plan.extra_offset)
-    staged.upload(offset, size_plan.table_bytes, stream)
-    base = staged.device_base + offset
-    tables = DirectTables(base, base + size_plan.tiles_offset, base + size_plan.ptrs_offset,
-                          base + size_plan.extra_offset)
-    size_plan.direct.launch(tables, stream_handle)
-    return (keepalive if keepalive is not None else ()), None
+def select_backend(device_index: int) -> Sm100Backend:
+    """The sm_100 backend of GPU `device_index` (made once); on any other GPU a RuntimeError
+    that names the entry to use there."""
+    backend = _BACKEND_BY_DEVICE.get(device_index)
+    if backend is None:
+        major, minor = torch.cuda.get_device_capability(device_index)
+        if major != 10:
+            raise RuntimeError(
+                f"GPU {device_index} ({torch.cuda.get_device_name(device_index)}) is sm_{major}{minor}; "
+                f"submission.py runs {SUPPORTED_GPUS} only: elsewhere use the library beside it, "
+                "`from nvfp4_group_gemm import custom_kernel` (examples/library_submission.py for a harness)"
+            )
+        num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        backend = _BACKEND_BY_DEVICE[device_index] = Sm100Backend(SM100_KERNEL, num_sms)
+    return backend
 
 
-def _launch_on_device_head(size_plan: SizePlan, head: Written, key: tuple, ring: TableRing, stream,
-                           stream_handle: int, device: torch.device):
-    """_launch_first_call of a known size set: the sizes and tile rows from the size plan's
-    device head; this input set's pointers and the DirectLaunch's table staged in the ring and
-    copied to a table of their own (pointers first, as a Binding reads them)."""
-    if stream is not head.stream and device.type == "cuda":
-        head.order_before(stream)  # written on another stream: wait for it, keep it for this one
-        head.value.record_stream(torch.cuda.current_stream(device))
-    extra_at = size_plan.extra_offset - size_plan.ptrs_offset
-    nbytes = size_plan.table_bytes - size_plan.ptrs_offset
-    table = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    offset = ring.take(nbytes, stream)
-    host = ring.buffer.host
-    struct.pack_into(size_plan.ptr_format, host, offset, *_flatten(pointers_of_key(key, size_plan.num_groups)))
-    keepalive = size_plan.direct.write_extra(host, offset + extra_at)
-    ring.copy_to(offset, nbytes, table, stream)
-    head_base, base = head.value.data_ptr(), table.data_ptr()
-    size_plan.direct.launch(DirectTables(head_base, head_base + size_plan.tiles_offset, base, base + extra_at),
-                            stream_handle)
-    return (keepalive if keepalive is not None else ()), Written.on_stream(table, stream)
+def _drop_plans(predicate) -> None:
+    """Remove the plans that `predicate` selects, and their bindings."""
+    for key in [key for key, plan in _PLANS.entries.items() if predicate(plan)]:
+        _PLANS.nbytes -= _PLANS.entries.pop(key).nbytes
+    for key in [key for key, binding in _BINDINGS.entries.items() if predicate(binding.plan)]:
+        del _BINDINGS.entries[key]
 
 
-def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
-    """An input set's first call, without a binding, where its size plan has a DirectLaunch
-    whose kernel passed its self-check (or the check is off): the outputs, or None when the
-    call takes the binding path (then nothing was launched). Under a caller's capture only an
-    input set that ran once eagerly (its tables then go to the capture's arena)."""
-    device = data[0][0][0].device
-    seen_key = (key, problem_sizes)
-    capturing = _capturing()
-    if capturing and (seen_key not in _SEEN_ONCE or device.index not in _CAPTURE_ARENAS):
-        return None
-    with _RUNTIME_LOCK, _device_context(device):
-        backend = select_backend(device.index)
-        size_plan = get_size_plan(backend, problem_sizes, device)
-        direct = size_plan.direct
-        if (direct is None or (SELF_CHECK and size_plan.kernel_key not in _SELF_CHECKED)
-                or size_plan.table_bytes > TableRing.SEGMENT_BYTES):
-            return None
-        if not capturing and seen_key in _SEEN_ONCE:
-            return None  # its second call: bind it (the hit path from now on)
-        stream = _stream_for_current()
-        try:
-            launched = _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, capturing)
-        except torch.OutOfMemoryError as error:
-            raise torch.OutOfMemoryError(
-                f"custom_kernel: out of GPU memory for the activation scratch of a first call of sizes "
-                f"{list(problem_sizes)}; nothing was launched or cached ({_one_line(error)})"
-            ) from error
-        except Exception:  # the binding path launches again and handles the failure
-            if capturing:
-                raise
-            return None
-        if launched is None:
-            return None
-        keepalive, table = launched
-        if capturing:
-            _CAPTURED.put(("first call", seen_key), (size_plan, keepalive))
-        else:
-            # its second call binds on this table where there is one (_bound_input_set)
-            _SEEN_ONCE.put(seen_key, True if table is None else table)
-    return list(map(_c_of_group, data[0]))
+def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
+    """The cached plan of these sizes on `device` for `backend`, or a new one on the first
+    kernel of the backend's chain that is not demoted and compiles."""
+    key = (str(device), problem_sizes, backend.plan_key)
+    plan = _PLANS.get(key)
+    if plan is None:
+        with _RUNTIME_LOCK:
+            backend.can_implement(problem_sizes)
+            chain = backend.kernel_chain(problem_sizes)
+            plan = Plan(backend, problem_sizes, device, choose_kernel(backend, chain, len(problem_sizes)), chain)
+        for evicted in _PLANS.put(key, plan):
+            _drop_plans(lambda bound_plan, evicted=evicted: bound_plan is evicted)
+    return plan
 
 
-def _new_binding(backend, problem_sizes, device, key: tuple, table: Written | None = None) -> Binding:
-    """A binding on the plan of these sizes (on `table`, its first call's pointer table, where
-    given). Writing its descriptors launches the chosen kernel's init kernel: a failure there
-    that leaves the context usable demotes that kernel, and the binding is made on the next
-    link's plan."""
+def _new_binding(backend, problem_sizes, device, key: tuple) -> Binding:
+    """A binding on the plan of these sizes. Writing its descriptors launches the chosen
+    kernel's init kernel: a failure there that leaves the context usable demotes that kernel,
+    and the binding is made on the next link's plan."""
     while True:
         plan = get_plan(backend, problem_sizes, device)
         try:
-            return Binding(plan, pointers_of_key(key, len(problem_sizes)), table)
+            return Binding(plan, pointers_of_key(key, len(problem_sizes)))
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -3778,16 +2993,10 @@ def _new_binding(backend, problem_sizes, device, key: tuple, table: Written | No
                    f"descriptor init failed ({_one_line(error)})")
 
 
-def _stream_handle(stream) -> int:
-    """The raw handle of a cuda.CUstream (0 for the CPU tests' stand-in streams)."""
-    return int(stream) if isinstance(stream, cuda.CUstream) else 0
-
-
-def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
+def _bound_input_set(data, key: tuple | None) -> Binding:
     """The validating path for an input set of input_key `key` (None: not computed, the input
-    may be malformed): checked sizes, then the cached binding of these pointers, the outputs
-    of a first call launched without a binding (_first_call), or a new binding on the plan of
-    these sizes. One thread at a time (compilation and the caches)."""
+    may be malformed): checked sizes, then the cached binding of these pointers or a new one
+    on the plan of these sizes. One thread at a time (compilation and the caches)."""
     if key is None:
         try:
             key = input_key(data)
@@ -3798,22 +3007,10 @@ def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
     with _RUNTIME_LOCK:
         binding = _BINDINGS.get(key)
         if binding is None or binding.plan.problem_sizes != problem_sizes:
-            if FIRST_CALLS_UNBOUND:
-                outputs = _first_call(data, key, problem_sizes)
-                if outputs is not None:
-                    return outputs
-            if _capturing():
-                raise RuntimeError(
-                    "custom_kernel: this input set (these sizes and tensors) has not run outside a CUDA "
-                    "graph capture yet; call custom_kernel once eagerly with the same tensors before "
-                    "capturing (a first call plans, may compile, and writes tables, which a capture cannot)"
-                )
             device = data[0][0][0].device
-            table = _SEEN_ONCE.entries.get((key, problem_sizes))
             try:
                 with _device_context(device):
-                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key,
-                                           table if isinstance(table, Written) else None)
+                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key)
             except torch.OutOfMemoryError as error:
                 raise torch.OutOfMemoryError(
                     f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
@@ -3829,11 +3026,9 @@ def custom_kernel(data: input_t) -> output_t:
     # Hit: every pointer and the problem sizes equal those of an input set that passed
     # validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a
     # tensor replaced by one with the same address and problem size but another dtype or
-    # layout would be read as the validated one.
-    # (input_key, RuntimeCache.get, _stream_for_current and Binding.run are inlined below:
-    # every Python frame saved is CPU time the leaderboard's 15-call loop times)
+    # layout would be read as the validated one. (input_key and RuntimeCache.get inlined:
+    # a Python frame saved on every call.)
     try:
-        # input_key(data), inlined
         key = (*map(_data_ptr, _flatten(data[0])), *map(_data_ptr, _flatten(data[2])))
         entries = _BINDINGS.entries
         binding = entries.get(key)
@@ -3846,58 +3041,29 @@ def custom_kernel(data: input_t) -> output_t:
     first_use = binding is None
     if first_use:
         binding = _bound_input_set(data, key)
-        if type(binding) is list:  # a first call, launched without a binding
-            return binding
-    if _current_raw_stream is not None:
-        stream = _STREAM_OBJECTS.get(_current_raw_stream(_cuda_get_device()))
-    else:
-        stream = None
-    if stream is None:
-        stream = _stream_for_current()
-    if stream is not binding.stream:
-        with _RUNTIME_LOCK:
-            binding.prepare_launch(stream)
     launch = binding.launch
     if launch is None:  # a host computation (the chain's last link)
         return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
     try:
         launch()
     except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
-        return _after_failed_launch(data, binding, error)
+        return _after_failed_launch(data, binding.plan, error)
     if first_use and binding.plan.kernel_key not in _SELF_CHECKED:
-        return first_use_check(data, binding)
+        return first_use_check(data, binding.plan)
     return list(map(_c_of_group, data[0]))
 
 
 _c_of_group = operator.itemgetter(2)
-
-
-# One cuda.CUstream object per raw stream handle, so backends can compare streams by identity
-_STREAM_OBJECTS: dict = {}
-# torch.cuda.current_stream() builds a Stream object on every call; the raw handle of the
-# current stream is one C call (the same private accessor Triton's launcher uses).
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
-if _cuda_get_device is None:
-    _current_raw_stream = None  # both or neither: the public path otherwise
 
 
-def _current_stream_handle() -> int:
-    if _current_raw_stream is not None:
-        # torch.cuda.current_device() without its lazy-init check (CUDA is initialized
-        # before any stream is asked for: validation reads the device first)
-        return _current_raw_stream(_cuda_get_device())
-    return torch.cuda.current_stream().cuda_stream
-
-
-def _stream_for_current() -> cuda.CUstream:
-    handle = _current_stream_handle()
-    stream = _STREAM_OBJECTS.get(handle)
-    if stream is None:
-        if len(_STREAM_OBJECTS) >= 64:
-            _STREAM_OBJECTS.clear()
-        stream = _STREAM_OBJECTS[handle] = cuda.CUstream(handle)
-    return stream
+def _after_failed_launch(data, plan: Plan, error: Exception) -> list[torch.Tensor]:
+    """A launch raised: demote its kernel and compute the call again on the next link, if
+    the context is still usable; re-raise otherwise."""
+    if not _context_usable(plan.device):
+        raise error
+    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({_one_line(error)})")
+    return custom_kernel(data)
 
 
 # =============================================================================
@@ -3914,21 +3080,24 @@ def _stream_for_current() -> cuda.CUstream:
 SELF_CHECK = env_switch("NVFP4_SELF_CHECK", ("0", "1"), "1") == "1"
 SELF_CHECK_RTOL = SELF_CHECK_ATOL = 1e-3  # the competition's tolerance
 
-# kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle
+# kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle. Shared
+# by every runtime in the process (the library's too): a kernel found wrong is wrong for all.
 _DEMOTED: dict[tuple, str] = {}
 _SELF_CHECKED: set[tuple] = set()
+# What a demotion calls besides dropping this file's plans: a runtime built on this one
+# registers the dropping of its own (each called with the demoted kernel_key)
+DEMOTION_LISTENERS: list[Callable[[tuple], None]] = []
 # One thread at a time through compilation (the DSL's session state is not thread-safe), the
-# caches' misses, the preparation of launches (the private capture stream) and demotions; a
-# hit on a prepared launch takes no lock
+# caches' misses and demotions; a hit takes no lock
 _RUNTIME_LOCK = threading.RLock()
 
 
 def reset_runtime() -> None:
-    """Forget every input set (bound or run once), plan, size plan, backend, demotion and self-check
-    result (compiled kernels stay): the process as it was before its first call, for tests
-    and for a caller that changed an environment switch."""
+    """Forget every input set, plan, backend, demotion and self-check result (compiled kernels
+    stay): the process as it was before its first call, for tests and for a caller that
+    changed an environment switch."""
     with _RUNTIME_LOCK:
-        for cache in (_BINDINGS, _PLANS, _SIZE_PLANS, _SEEN_ONCE, _CAPTURED):
+        for cache in (_BINDINGS, _PLANS):
             cache.clear()
         _BACKEND_BY_DEVICE.clear()
         _DEMOTED.clear()
@@ -3936,11 +3105,8 @@ def reset_runtime() -> None:
         _RESIDENT_CLUSTERS.clear()
 
 
-def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
-    """Compile every kernel the automatic choice can pick for `groups` groups of N = n and
-    K = k, whatever their M, on `device` (the current CUDA device when None), so that no later
-    call of that family compiles: a serving engine calls it once per (G, N, K) at start-up.
-    Returns the kernels compiled (a compile failure demotes the kernel, as in a call)."""
+def check_family(n: int, k: int, groups: int) -> None:
+    """warmup's argument rules: TypeError or ValueError naming the field, value and rule."""
     for field, value, valid, rule in (
         ("groups", groups, lambda v: 1 <= v <= MAX_GROUPS, f"an int, 1 <= groups <= {MAX_GROUPS}"),
         ("n", n, lambda v: v >= 1, "an int >= 1"),
@@ -3950,8 +3116,12 @@ def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
             raise TypeError(f"warmup: {field} = {value!r}; rule: {rule}")
         if not valid(value):
             raise ValueError(f"warmup: {field} = {value!r}; rule: {rule}")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    backend = select_backend(device.index)
+
+
+def compile_family(backend, device: torch.device, n: int, k: int, groups: int) -> list[str]:
+    """Compile every kernel `backend`'s automatic choice can pick for `groups` groups of N = n
+    and K = k, whatever their M, on `device`; the kernels compiled (a compile failure demotes
+    the kernel, as in a call)."""
     compiled = []
     with _RUNTIME_LOCK, _device_context(device):
         backend.prepare_device(device)
@@ -3967,6 +3137,16 @@ def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
                 continue
             compiled.append(choice.describe())
     return compiled
+
+
+def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
+    """Compile every kernel the automatic choice can pick for `groups` groups of N = n and
+    K = k, whatever their M, on `device` (the current CUDA device when None), so that no later
+    call of that family compiles: a serving engine calls it once per (G, N, K) at start-up.
+    Returns the kernels compiled (a compile failure demotes the kernel, as in a call)."""
+    check_family(n, k, groups)
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return compile_family(select_backend(device.index), device, n, k, groups)
 
 
 def report(line: str) -> None:
@@ -3988,6 +3168,8 @@ def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why:
     with _RUNTIME_LOCK:
         _DEMOTED[key] = why
         _drop_plans(lambda plan: plan.kernel_key == key)
+        for listener in DEMOTION_LISTENERS:
+            listener(key)
     report(f"{backend_name} kernel {choice.describe()}, G = {num_groups}: {why}; "
            f"demoted for this process, next: {_next_usable(chain, num_groups, choice)}")
 
@@ -4013,36 +3195,16 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}"
 
 
-def _capturing() -> bool:
-    """Whether torch's current stream is capturing (never before CUDA is initialized)."""
-    return torch.cuda.is_initialized() and _stream_capturing()
-
-
-_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-
-
 def _context_usable(device: torch.device) -> bool:
     """After a failed launch: can the context still run work (a synchronous launch error),
     or did a fault poison it (then nothing in-process can recover)?"""
     if device.type != "cuda":
         return True
-    if _capturing():
-        return False  # a capture cannot synchronize; the caller sees the error
     try:
         torch.cuda.synchronize(device)
     except Exception:  # noqa: BLE001 - a sticky error: the context is gone
         return False
     return True
-
-
-def _after_failed_launch(data, binding: Binding, error: Exception) -> list[torch.Tensor]:
-    """A launch raised: demote its kernel and compute the call again on the next link, if
-    the context is still usable; re-raise otherwise."""
-    plan = binding.plan
-    if not _context_usable(plan.device):
-        raise error
-    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({_one_line(error)})")
-    return custom_kernel(data)
 
 
 def count_mismatches(outputs, expected, rtol: float = SELF_CHECK_RTOL, atol: float = SELF_CHECK_ATOL):
@@ -4064,15 +3226,14 @@ def count_mismatches(outputs, expected, rtol: float = SELF_CHECK_RTOL, atol: flo
     return mismatches, elements, first
 
 
-def first_use_check(data, binding: Binding) -> list[torch.Tensor]:
-    """The first input set a compiled kernel runs is also computed by the backend's oracle
-    (torch._scaled_mm on sm_100, the exact decode on sm_90) and compared at the
-    competition's tolerance. A disagreement demotes the kernel and returns the oracle's
-    result. Skipped under graph capture (it synchronizes) and with NVFP4_SELF_CHECK=0."""
+def first_use_check(data, plan) -> list[torch.Tensor]:
+    """The first input set a compiled kernel runs (`plan`'s) is also computed by the
+    backend's oracle (torch._scaled_mm on sm_100, the exact decode on sm_90) and compared at
+    the competition's tolerance. A disagreement demotes the kernel and returns the oracle's
+    result. Skipped with NVFP4_SELF_CHECK=0."""
     outputs = list(map(_c_of_group, data[0]))
-    plan = binding.plan
     oracle = plan.backend.oracle
-    if not SELF_CHECK or plan.choice.host or _capturing():
+    if not SELF_CHECK or plan.choice.host:
         return outputs
     _SELF_CHECKED.add(plan.kernel_key)
     try:
@@ -4158,58 +3319,3 @@ def exact_decode_group_gemm(data, outputs: list[torch.Tensor]) -> list[torch.Ten
 
 # Host computations by registry name: each writes `outputs` and returns them
 HOST_COMPUTATIONS = {"scaled_mm": scaled_mm_group_gemm, "exact_decode": exact_decode_group_gemm}
-
-
-# =============================================================================
-# The torch op: custom_kernel as torch.ops.nvfp4_group_gemm.grouped_gemm
-# =============================================================================
-# Registered with torch.library so that torch.compile(fullgraph=True) traces a function that
-# calls it without a graph break: it mutates the c tensors and returns nothing, its fake
-# implementation does nothing (the outputs exist already). On CUDA tensors it is
-# custom_kernel; on CPU tensors (tracing, tests) the exact decode.
-def _op_input_set(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes):
-    groups = len(a)
-    return (
-        list(zip(a, b, c)), list(zip(sfa, sfb)), list(zip(sfa_reordered, sfb_reordered)),
-        [tuple(problem_sizes[4 * g : 4 * g + 4]) for g in range(groups)],
-    )
-
-
-def _grouped_gemm_cuda(a: list[torch.Tensor], b: list[torch.Tensor], c: list[torch.Tensor],
-                       sfa: list[torch.Tensor], sfb: list[torch.Tensor], sfa_reordered: list[torch.Tensor],
-                       sfb_reordered: list[torch.Tensor], problem_sizes: list[int]) -> None:
-    custom_kernel(_op_input_set(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes))
-
-
-def _grouped_gemm_cpu(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes) -> None:
-    data = _op_input_set(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes)
-    exact_decode_group_gemm(data, list(c))
-
-
-def _register_op():
-    """torch.ops.nvfp4_group_gemm.grouped_gemm, once per process (a second import of this file
-    under another module name finds it registered)."""
-    try:
-        op = torch.library.custom_op("nvfp4_group_gemm::grouped_gemm", mutates_args=("c",),
-                                     device_types="cuda")(_grouped_gemm_cuda)
-    except RuntimeError:  # registered by an earlier import of this file
-        return torch.ops.nvfp4_group_gemm.grouped_gemm
-    op.register_kernel("cpu")(_grouped_gemm_cpu)
-    op.register_fake(lambda *args: None)
-    return op
-
-
-grouped_gemm_op = _register_op()
-
-
-def grouped_gemm(data: input_t) -> output_t:
-    """custom_kernel through the torch op (the same input and result): what a
-    torch.compile'd model calls."""
-    abc, sfasfb, sfasfb_reordered, problem_sizes = data
-    grouped_gemm_op(
-        [a for a, _, _ in abc], [b for _, b, _ in abc], [c for _, _, c in abc],
-        [sfa for sfa, _ in sfasfb], [sfb for _, sfb in sfasfb],
-        [sfa for sfa, _ in sfasfb_reordered], [sfb for _, sfb in sfasfb_reordered],
-        [int(v) for size in problem_sizes for v in size],
-    )
-    return [c for _, _, c in abc]

@@ -35,7 +35,7 @@ from reference import ref_kernel
 
 
 def config_table():
-    import nvfp4_hopper as hopper
+    import nvfp4_group_gemm.hopper as hopper
 
     labels = ["swap_ab_one_round", "swap_ab_t112", "swap_ab_t112_k128", "swap_ab_one_round_k128", "swap_ab_variable",
               "swap_ab_t128", "swap_ab_variable:chain_calls=False", "swap_ab_t112:chain_calls=False",
@@ -47,8 +47,8 @@ def config_table():
 def breakdown(repeats, shapes, names):
     import cuda.bindings.driver as cuda
 
-    import nvfp4_hopper as hopper
-    import submission
+    import nvfp4_group_gemm.hopper as hopper
+    from nvfp4_group_gemm.launch import make_launcher
 
     configs = config_table()
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
@@ -69,7 +69,7 @@ def breakdown(repeats, shapes, names):
             launches = []
             for state in states:
                 pairs = backend.launch_args(state.plan, state, stream)
-                launches.append([submission.make_launcher(compiled, *args) for compiled, args in pairs])
+                launches.append([make_launcher(compiled, *args) for compiled, args in pairs])
             floor_target = torch.zeros(1, device="cuda")
             figures = [
                 time_calls(lambda state: state.run(stream), states, repeats, device_only=True)[0],
@@ -85,7 +85,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=10)
     parser.add_argument("--shapes", type=shape_list, default=list(range(len(BENCHMARKS))), metavar="I,J")
     parser.add_argument("--configs", default="auto", metavar="NAMES",
-                        help="comma-separated swap-AB configs, e.g. 'auto,swap_ab_one_round' (nvfp4_hopper.CONFIGS names, or a name:field=value variant)")
+                        help="comma-separated swap-AB configs, e.g. 'auto,swap_ab_one_round' (nvfp4_group_gemm.hopper.CONFIGS names, or a name:field=value variant)")
     args = parser.parse_args(argv)
     names = [x.strip() for x in args.configs.split(",") if x.strip()]
     unknown = [name for name in names if name not in config_table()]

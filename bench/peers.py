@@ -86,10 +86,10 @@ def benchmark_inputs(m, n, k):
 def bind_checked(inputs, expected, backend, stream):
     """Every input set bound to `backend`; the first launched once (outputs reset to NaN
     first) and checked against `expected`. (the bindings, None) or (None, the mismatch)."""
-    import submission
+    from nvfp4_group_gemm import bind_input_set
     from reference import match_outputs
 
-    states = [submission.bind_input_set(data, backend) for data in inputs]
+    states = [bind_input_set(data, backend) for data in inputs]
     for _, _, c in inputs[0][0]:
         c.fill_(float("nan"))
     states[0].run(stream)
@@ -105,7 +105,7 @@ def compare_configs(repeats, names=None, shapes=None):
     removed: docs/EXPERIMENTS.md."""
     import cuda.bindings.driver as cuda
 
-    import nvfp4_hopper as hopper
+    import nvfp4_group_gemm.hopper as hopper
     from reference import ref_kernel
 
     # column -> (config, kernel): a config runs as given; None runs the automatic choice of
@@ -202,7 +202,7 @@ def check_machine(configs: bool) -> str | None:
     if configs and (major, minor) != (9, 0):
         return f"--configs compares sm_90 kernel configurations; this GPU is {gpu}"
     if not (major == 10 or (major, minor) == (9, 0)):
-        return f"peers.py times submission.py, which needs a B200 or an H100/H200; this GPU is {gpu}"
+        return f"peers.py times the nvfp4_group_gemm library, which needs a B200 or an H100/H200; this GPU is {gpu}"
     return None
 
 
@@ -221,7 +221,7 @@ def plot_rows(rows, path, device: str) -> None:
         label = f"{row['shape']}".replace(" N=", "\nN=")
         label += f"\nours / cuBLAS {row['ours_us'] / row['cublas_us']:.2f}"
         shapes.append((label, {
-            "ours (submission.py)": row["ours_us"],
+            "ours (nvfp4_group_gemm)": row["ours_us"],
             "cuBLAS bf16, pre-dequantized": row["cublas_us"],
             f"bf16 roofline ({BF16_ROOFLINE_TFLOPS:.0f} TFLOP/s)": row["roofline_us"],
         }))
@@ -233,7 +233,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=positive_int, default=30)
     parser.add_argument("--configs", nargs="?", const="", default=None, metavar="NAMES",
                         help="compare sm_90 kernel configurations (device time only); "
-                        "optional comma-separated subset, e.g. 'swap_ab_t128,auto' (nvfp4_hopper.CONFIGS names)")
+                        "optional comma-separated subset, e.g. 'swap_ab_t128,auto' (nvfp4_group_gemm.hopper.CONFIGS names)")
     parser.add_argument("--shapes", type=shape_list, default=list(range(len(BENCHMARKS))), metavar="I,J",
                         help="benchmark shapes to run, by index (default: all four)")
     parser.add_argument("--json", dest="json_path", help="write the rows here")
@@ -257,7 +257,7 @@ def main(argv=None):
         compare_configs(args.repeats, [x.strip() for x in args.configs.split(",") if x.strip()], args.shapes)
         return 0
 
-    from submission import custom_kernel
+    from nvfp4_group_gemm import custom_kernel
 
     name = torch.cuda.get_device_name()
     print(f"device: {name}  torch {torch.__version__}")

@@ -1,9 +1,14 @@
-"""Shared pytest set-up: the runtime's caches reset around every test, and one summary line
-that says how many tests were skipped for lack of a GPU (the CPU suite skips every test that
-needs a Hopper or Blackwell GPU, with a reason)."""
+"""Shared pytest set-up: the runtime's caches reset around every test, one summary line that
+says how many tests were skipped for lack of a GPU (the CPU suite skips every test that needs
+a Hopper or Blackwell GPU, with a reason), and the run's temporary files under the repository
+(build/pytest-tmp/run-PID, removed when the run ends) instead of the machine's shared
+/tmp/pytest-of-USER."""
 
+import os
 import re
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,13 +16,45 @@ import pytest
 GPU_REASON = re.compile(r"\b(GPU|CUDA|sm_\d+)", re.IGNORECASE)
 
 
+def _stale_runs(folder: Path) -> list[Path]:
+    """The run-PID folders of runs that are no longer alive (killed before their clean-up)."""
+    stale = []
+    for run in folder.glob("run-*"):
+        try:
+            os.kill(int(run.name.removeprefix("run-")), 0)
+        except ValueError:
+            continue  # not one of ours
+        except ProcessLookupError:
+            stale.append(run)
+        except PermissionError:
+            pass  # alive, another user's
+    return stale
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads --basetemp
+def pytest_configure(config):
+    """Unless --basetemp is given: this run's tmp_path folders in build/pytest-tmp/run-PID
+    under the rootdir (build/ is ignored by git), one folder per run so that runs at the same
+    time do not clear each other's, removed at the end of the run (with any a killed run
+    left)."""
+    if config.option.basetemp is not None or hasattr(config, "workerinput"):
+        return
+    folder = Path(config.rootpath) / "build" / "pytest-tmp"
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in _stale_runs(folder):
+        shutil.rmtree(stale, ignore_errors=True)
+    run = folder / f"run-{os.getpid()}"
+    config.option.basetemp = str(run)
+    config.add_cleanup(lambda: shutil.rmtree(run, ignore_errors=True))
+
+
 def _reset_runtime() -> None:
     # Only a submission some test already imported: a test that never imports it does not pay
     # for the import (a fresh import has empty caches anyway).
-    submission = sys.modules.get("submission")
-    reset = getattr(submission, "reset_runtime", None)
-    if reset is not None:
-        reset()
+    for name in ("nvfp4_group_gemm.runtime", "submission"):
+        reset = getattr(sys.modules.get(name), "reset_runtime", None)
+        if reset is not None:
+            reset()
 
 
 @pytest.fixture(autouse=True)

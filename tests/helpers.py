@@ -129,10 +129,9 @@ class PacksItsPlanTiles:
         return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
 
 
-def runtime_on_cpu(monkeypatch, backend, validations: list | None = None) -> None:
-    """custom_kernel on CPU tensors with `backend`: validation's CUDA-device rule the only one
-    waived (in the full rules and the pointer checks; each full validation appended to
-    `validations`), the stream from _stream_for_current ("stream-0")."""
+def _validation_on_cpu(monkeypatch, validations: list | None) -> None:
+    """Validation's CUDA-device rule waived (in the full rules and the pointer checks; each
+    full validation appended to `validations`)."""
     real_validate = submission.validate_inputs
 
     def validate_except_device(data):
@@ -147,9 +146,26 @@ def runtime_on_cpu(monkeypatch, backend, validations: list | None = None) -> Non
 
     monkeypatch.setattr(submission, "validate_inputs", validate_except_device)
     monkeypatch.setattr(submission, "_accepted_device", lambda device: True)
+
+
+def leaderboard_on_cpu(monkeypatch, backend, validations: list | None = None) -> None:
+    """submission.custom_kernel (the leaderboard file's runtime) on CPU tensors with `backend`:
+    validation's CUDA-device rule the only one waived."""
+    _validation_on_cpu(monkeypatch, validations)
     monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {None: backend})
-    monkeypatch.setattr(submission, "_current_raw_stream", None)
-    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-0")
+
+
+def runtime_on_cpu(monkeypatch, backend, validations: list | None = None) -> None:
+    """The library's custom_kernel (nvfp4_group_gemm.runtime) on CPU tensors with `backend`:
+    validation's CUDA-device rule the only one waived, the stream from _stream_for_current
+    ("stream-0")."""
+    from nvfp4_group_gemm import launch, runtime, sm100
+
+    _validation_on_cpu(monkeypatch, validations)
+    monkeypatch.setattr(runtime, "_BACKEND_BY_DEVICE", {None: backend})
+    monkeypatch.setattr(runtime, "_current_raw_stream", None)
+    for module in (runtime, launch, sm100):
+        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream-0")
 
 
 # ----------------------------------------------------------------------------- sm_100 stand-ins
@@ -209,23 +225,37 @@ class FakeKernels:
         return submission.exact_decode_group_gemm(data, outputs)
 
 
-def sm100_runtime(monkeypatch):
-    """A test module's fixture (`sm100_runtime = pytest.fixture(helpers.sm100_runtime)`):
-    custom_kernel on CPU tensors through the real sm_100 backend and runtime, its compilers
-    replaced by FakeKernels, its oracle the exact decode. Yields (fakes, run(data))."""
+def _sm100_on_fakes(monkeypatch, backend_type):
+    """`backend_type` (the leaderboard file's Sm100Backend or the library's) on CPU tensors:
+    every compiler of both replaced by FakeKernels, the oracle the exact decode."""
+    from nvfp4_group_gemm import launch, runtime, sm100
+
     fakes = FakeKernels()
-    monkeypatch.setattr(submission, "compile_persistent_init", fakes.compiler("persistent_init"))
-    monkeypatch.setattr(submission, "compile_persistent_gemm", fakes.compiler("persistent_gemm"))
+    for module in (submission, sm100):
+        monkeypatch.setattr(module, "compile_persistent_init", fakes.compiler("persistent_init"))
+        monkeypatch.setattr(module, "compile_persistent_gemm", fakes.compiler("persistent_gemm"))
     monkeypatch.setattr(submission, "compile_init_tensormaps", fakes.compiler("per_tile_init"))
     monkeypatch.setattr(submission, "compile_gemm", fakes.compiler("per_tile_gemm"))
-    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
+    monkeypatch.setattr(sm100, "compile_per_tile_init", fakes.compiler("per_tile_init"))
+    monkeypatch.setattr(sm100, "compile_per_tile_gemm", fakes.compiler("per_tile_gemm"))
+    for module in (submission, launch, runtime):
+        monkeypatch.setattr(module, "make_launcher", lambda fn, *args: lambda: fn(*args))
     monkeypatch.setitem(submission.HOST_COMPUTATIONS, "scaled_mm", fakes.scaled_mm)
     # the CPU stands in for the B200: sm_100's chain with the exact decode as its oracle
-    backend = submission.Sm100Backend("persistent")
+    backend = backend_type("persistent")
     monkeypatch.setattr(type(backend), "oracle", submission.KernelChoice("sm100", "exact_decode", host=True))
     # the caches, demotions and checks start empty (conftest resets them around every test)
     monkeypatch.setattr(submission, "SELF_CHECK", True)
-    runtime_on_cpu(monkeypatch, backend)
+    return fakes, backend
+
+
+def sm100_runtime(monkeypatch):
+    """A test module's fixture (`sm100_runtime = pytest.fixture(helpers.sm100_runtime)`):
+    the leaderboard file's custom_kernel on CPU tensors through its real sm_100 backend and
+    runtime, its compilers replaced by FakeKernels, its oracle the exact decode. Yields
+    (fakes, run(data))."""
+    fakes, backend = _sm100_on_fakes(monkeypatch, submission.Sm100Backend)
+    leaderboard_on_cpu(monkeypatch, backend)
 
     def run(data):
         fakes.data = data
@@ -234,3 +264,16 @@ def sm100_runtime(monkeypatch):
     return fakes, run
 
 
+def sm100_library_runtime(monkeypatch):
+    """As sm100_runtime, through the library's runtime and its sm_100 backend (launches on
+    the caller's stream: "stream-0" here)."""
+    from nvfp4_group_gemm import runtime, sm100
+
+    fakes, backend = _sm100_on_fakes(monkeypatch, sm100.Sm100StreamBackend)
+    runtime_on_cpu(monkeypatch, backend)
+
+    def run(data):
+        fakes.data = data
+        return runtime.custom_kernel(data)
+
+    return fakes, run

@@ -1,11 +1,11 @@
-"""Host mirrors of the sm_90a kernel's arithmetic (nvfp4_hopper), for the tests: the decode's
+"""Host mirrors of the sm_90a kernel's arithmetic (nvfp4_group_gemm.hopper), for the tests: the decode's
 bit placement and scaling, and the scale and swizzle addressing. The tests compare them with
 independent decodes (reference.py, torch's e4m3) and layouts (the reordered scale tensors).
 """
 
 import numpy as np
 
-from nvfp4_hopper import (
+from nvfp4_group_gemm.hopper import (
     REGISTER_ELEMENTS,
     SF_ATOM_BYTES,
     SF_ATOM_ROWS,
@@ -14,7 +14,7 @@ from nvfp4_hopper import (
 
 
 def emulate_word_registers(word: int) -> dict:
-    """Mirror of nvfp4_hopper.ptx._place_word_ptx: register name -> its 32-bit pattern (two fp16 lanes)."""
+    """Mirror of nvfp4_group_gemm.hopper.ptx._place_word_ptx: register name -> its 32-bit pattern (two fp16 lanes)."""
     mask32 = 0xFFFFFFFF
     x = word & 0x0F0F0F0F
     o = word & 0xF0F0F0F0

@@ -8,8 +8,9 @@ import torch
 from helpers import assert_exact, expected, official_inputs
 
 import submission
+from nvfp4_group_gemm import launch, op, runtime, sm100
 
-sm100_runtime = pytest.fixture(helpers.sm100_runtime)
+sm100_runtime = pytest.fixture(helpers.sm100_library_runtime)
 SIZES = ((128, 256, 512, 1), (40, 256, 256, 1))
 
 
@@ -18,12 +19,13 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     fakes, run = sm100_runtime
     data = official_inputs(SIZES)
     assert_exact(run(data), data)  # the eager call first: plans, compiles, writes the tables
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = runtime._BINDINGS.entries.values()
     recorded, waits = [], []
-    monkeypatch.setattr(submission, "GraphLaunch", lambda *a, **k: recorded.append(a))
-    monkeypatch.setattr(submission.Written, "order_before", lambda self, stream: waits.append(stream))
-    monkeypatch.setattr(submission, "_capturing", lambda: True)
-    monkeypatch.setattr(submission, "_stream_for_current", lambda: "capture-stream")
+    monkeypatch.setattr(runtime, "GraphLaunch", lambda *a, **k: recorded.append(a))
+    monkeypatch.setattr(launch.Written, "order_before", lambda self, stream: waits.append(stream))
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    for module in (runtime, launch, sm100):
+        monkeypatch.setattr(module, "_stream_for_current", lambda: "capture-stream")
     for c in (c for _, _, c in data[0]):
         c.zero_()
     out = run(data)
@@ -33,19 +35,19 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     assert recorded == [] and waits == []
     assert_exact(out, data)
     assert binding.stream is None  # after the capture, the next call prepares again
-    assert submission._CAPTURED.get((binding.plan.problem_sizes, binding.pointers)) is binding
+    assert runtime._CAPTURED.get((binding.plan.problem_sizes, binding.pointers)) is binding
     # The caller's graph keeps the binding's tables alive beyond the LRU bound
-    submission._BINDINGS.clear()
-    assert len(submission._CAPTURED) == 1
+    runtime._BINDINGS.clear()
+    assert len(runtime._CAPTURED) == 1
 
 
 def test_a_new_input_set_under_capture_is_one_clear_error(sm100_runtime, monkeypatch):
     _fakes, run = sm100_runtime
-    monkeypatch.setattr(submission, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
     data = official_inputs(SIZES)
     with pytest.raises(RuntimeError, match="call custom_kernel once eagerly with the same tensors before capturing"):
         run(data)
-    assert len(submission._BINDINGS) == 0 and len(submission._PLANS) == 0
+    assert len(runtime._BINDINGS) == 0 and len(runtime._PLANS) == 0
 
 
 # ----------------------------------------------------------------------------- faults
@@ -53,7 +55,7 @@ def test_a_new_input_set_under_capture_is_one_clear_error(sm100_runtime, monkeyp
 def test_an_allocation_failure_caches_nothing_half_built(sm100_runtime, monkeypatch, failing_table):
     """The first upload_int_tables call builds the plan's tables, the second the binding's."""
     _fakes, run = sm100_runtime
-    real = submission.upload_int_tables
+    real = launch.upload_int_tables
     calls = []
 
     def failing(device, tables):
@@ -62,29 +64,29 @@ def test_an_allocation_failure_caches_nothing_half_built(sm100_runtime, monkeypa
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
         return real(device, tables)
 
-    monkeypatch.setattr(submission, "upload_int_tables", failing)
+    monkeypatch.setattr(runtime, "upload_int_tables", failing)
     data = official_inputs(SIZES)
     before = [c.clone() for _, _, c in data[0]]
     with pytest.raises(torch.OutOfMemoryError, match=r"custom_kernel: out of GPU memory while building the plan "
                                                      r"or binding of sizes \[\(128, 256, 512, 1\), \(40, 256, 256, 1\)\]"):
         run(data)
     assert all(torch.equal(c, b) for (_, _, c), b in zip(data[0], before)), "outputs untouched"
-    assert len(submission._BINDINGS) == 0
+    assert len(runtime._BINDINGS) == 0
     # a plan is cached only whole: with its tables when the binding's failed, not at all otherwise
-    assert len(submission._PLANS) == failing_table
-    assert all(plan.backend_plan is not None for plan in submission._PLANS.entries.values())
+    assert len(runtime._PLANS) == failing_table
+    assert all(plan.backend_plan is not None for plan in runtime._PLANS.entries.values())
     # memory back: the next call works
-    monkeypatch.setattr(submission, "upload_int_tables", real)
+    monkeypatch.setattr(runtime, "upload_int_tables", real)
     assert_exact(run(data), data)
 
 
 # ----------------------------------------------------------------------------- warm-up
 def test_warmup_compiles_every_kernel_of_the_family_so_no_call_compiles(sm100_runtime, monkeypatch):
     fakes, run = sm100_runtime
-    backend = submission._BACKEND_BY_DEVICE[None]
-    monkeypatch.setattr(submission, "select_backend", lambda index: backend)
+    backend = runtime._BACKEND_BY_DEVICE[None]
+    monkeypatch.setattr(runtime, "select_backend", lambda index: backend)
     monkeypatch.setattr(submission, "resident_clusters", lambda device, cluster_size=2: None)
-    compiled = submission.warmup(256, 512, 2, device="cpu")
+    compiled = runtime.warmup(256, 512, 2, device="cpu")
     assert [name.split(" ")[0] for name in compiled] == ["persistent_t128", "persistent_t256"]
     assert sorted(set(fakes.compiled)) == ["persistent_gemm", "persistent_init"]
     warmed = {choice.kernel_key(2) for choice in backend.family_choices(2, 256, 512)}
@@ -94,17 +96,17 @@ def test_warmup_compiles_every_kernel_of_the_family_so_no_call_compiles(sm100_ru
     for seed, ms in enumerate([(128, 40), (300, 8), (4, 1000), (256, 256), (1, 1)]):
         data = official_inputs(((ms[0], 256, 512, 1), (ms[1], 256, 512, 1)), seed=seed)
         assert_exact(run(data), data)
-        ran |= {plan.kernel_key for plan in submission._PLANS.entries.values()}
+        ran |= {plan.kernel_key for plan in runtime._PLANS.entries.values()}
     assert ran and ran <= warmed
 
 
 def test_warmup_checks_its_arguments():
     with pytest.raises(ValueError, match=r"warmup: k = 100; rule: an int, a positive multiple of 256"):
-        submission.warmup(4096, 100, 8)
+        runtime.warmup(4096, 100, 8)
     with pytest.raises(ValueError, match=r"warmup: groups = 65; rule: an int, 1 <= groups <= 64"):
-        submission.warmup(4096, 256, 65)
+        runtime.warmup(4096, 256, 65)
     with pytest.raises(TypeError, match=r"warmup: n = 4096.0; rule: an int >= 1"):
-        submission.warmup(4096.0, 256, 8)
+        runtime.warmup(4096.0, 256, 8)
 
 
 # ----------------------------------------------------------------------------- the torch op
@@ -113,7 +115,7 @@ def test_the_op_traces_without_a_graph_break_and_matches():
     want = expected(data)
 
     def step(data):
-        out = submission.grouped_gemm(data)
+        out = op.grouped_gemm(data)
         return [c.float().sum() for c in out]
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -127,5 +129,5 @@ def test_the_op_schema_and_fake():
     abc, sfs, sfs_r, sizes = data
     args = ([a for a, _, _ in abc], [b for _, b, _ in abc], [c for _, _, c in abc], [s for s, _ in sfs],
             [s for _, s in sfs], [s for s, _ in sfs_r], [s for _, s in sfs_r], [v for s in sizes for v in s])
-    torch.library.opcheck(submission.grouped_gemm_op, args,
+    torch.library.opcheck(op.grouped_gemm_op, args,
                           test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))  # no fp4 copy_ for test_schema

@@ -404,7 +404,8 @@ def test_test_mode_without_a_supported_gpu_runs_the_torch_example(tmp_path):
     completed, _ = run_eval("test", "--json", str(report_path), popcorn=False)
     assert completed.returncode == 0, completed.stderr
     first, *rest = completed.stderr.splitlines()
-    assert first.startswith("submission.py needs an NVIDIA B200 (sm_100) or H100/H200 (sm_90); ")
+    assert first.startswith("submission.py needs an NVIDIA B200 (sm_100), the library an "
+                            "H100/H200 (sm_90); ")
     assert "so examples/torch_submission.py runs instead" in first
     assert "10 of 10 test cases passed (examples/torch_submission.py)" in rest
     assert "check: pass" in completed.stdout and "test.9.status: pass" in completed.stdout
@@ -443,7 +444,11 @@ def test_explicit_submission_and_the_runners_protocol_stay_strict(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
-    (["tset"], {}, "eval.py: argument mode: invalid choice: 'tset'"),
+    (["tset"], {}, ("eval.py: unknown mode 'tset'; the modes are test, benchmark, leaderboard, "
+                    "profile, selfcheck, compile, gate (--help lists the options)")),
+    ([], {}, "eval.py: a mode is required: test, benchmark, leaderboard, profile, selfcheck,"),
+    (["test", "--case-timeout", "-1"], {},
+     "--case-timeout -1: expected seconds >= 0 (0: no limit)"),
     (["test", "--plot", "x.png"], {}, "--plot applies to benchmark and leaderboard, not test"),
     (["profile", "--plot", "x.png"], {}, "--plot applies to benchmark and leaderboard"),
     (["test", "--hardened"], {}, "--hardened applies to benchmark and leaderboard, not test"),
@@ -454,7 +459,7 @@ def test_explicit_submission_and_the_runners_protocol_stay_strict(tmp_path):
     (["compile", "--groups", "abc"], {},
      "compile: --groups 'abc': expected comma-separated group counts between 1 and 64"),
     (["compile", "--groups=0,2"], {}, "compile: --groups '0,2'"),
-    (["test", "--bogus"], {}, "eval.py: unrecognized arguments: --bogus"),
+    (["test", "--bogus"], {}, "eval.py test: unrecognized arguments: --bogus"),
     (["test", "--submission", "absent.py"], {}, "submission file not found: "),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(monkeypatch, capsys, argv, env, message):
@@ -891,8 +896,11 @@ def test_ctrl_c_prints_one_line_exits_130_and_ends_the_submissions_process(tmp_p
      ("compile: --json /nonexistent-folder/r.json: the folder /nonexistent-folder does not "
      "exist")),
     (["compile", "--json", str(REPO_ROOT)], {}, f"compile: --json {REPO_ROOT}: is a folder"),
-    (["compile", "--dump-dir", "/proc/x/y"], {},
-     "compile: --dump-dir /proc/x/y: cannot write in /proc ("),
+    (["compile", "--dump-dir", "/proc/x"], {},
+     "compile: --dump-dir /proc/x: cannot write in /proc ("),
+    (["compile", "--dump-dir", "/nonexistent/d"], {},
+     ("compile: --dump-dir /nonexistent/d: the folder /nonexistent does not exist (create it "
+      "first, or name a folder in an existing one)")),
     (["compile", "--dump-dir", str(REPO_ROOT / "eval.py")], {},
      f"compile: --dump-dir {REPO_ROOT / 'eval.py'}: is a file; expected a folder"),
     (["compile", "--dump-dir", str(REPO_ROOT / "eval.py" / "x")], {},
@@ -928,7 +936,9 @@ def test_output_paths_are_checked_and_leave_nothing_behind(tmp_path, capsys, mon
     harness.check_output_file("--json", str(target))  # an existing file is not truncated
     assert target.read_text() == "kept"
     harness.check_output_file("--json", "/dev/null")
-    harness.check_output_folder("--dump-dir", str(tmp_path / "new" / "deeper"))
+    harness.check_output_folder("--dump-dir", str(tmp_path / "new"))  # made by the run
+    with pytest.raises(harness.UsageError, match=r"the folder .*/new does not exist"):
+        harness.check_output_folder("--dump-dir", str(tmp_path / "new" / "deeper"))
     assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == [target]
 
 
@@ -1206,3 +1216,164 @@ def test_attribute_reads_read_every_tensor_a_check_needs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     figures = host_overhead.fresh_pointer_us(host_overhead.attribute_reads, data, 3)
     assert len(figures) == 3 and all(f > 0 for f in figures)
+
+
+# ---------------------------------------------------------------------------------------
+# What a new user meets first: --help, a hung case, the file that runs, compile's messages
+# ---------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_mode():
+    completed = run_quick("--help")
+    assert completed.returncode == 0 and completed.stderr == ""
+    lines = completed.stdout.splitlines()
+    assert lines[0] == "usage: python eval.py MODE [FILE] [options]"
+    listed = [line.split()[0] for line in lines if line.startswith("  ")]
+    assert listed == ["test", "benchmark", "leaderboard", "profile", "selfcheck", "compile",
+                      "gate"]
+    assert "python eval.py MODE --help" in completed.stdout
+
+
+@pytest.mark.parametrize("mode", ["test", "benchmark", "leaderboard", "profile"])
+def test_each_protocol_mode_has_help_of_its_own(mode, capsys):
+    with pytest.raises(SystemExit) as raised:
+        harness.main([mode, "--help"])
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: eval.py {mode} [-h]")
+    assert "--case-timeout S" in out and "--submission" in out and "--json" in out
+    timed = mode in ("benchmark", "leaderboard")
+    assert ("--hardened" in out) == timed and ("--plot" in out) == timed
+
+
+def test_selfcheck_gate_and_compile_have_help_of_their_own(capsys, monkeypatch):
+    assert harness.main(["selfcheck", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: eval.py selfcheck") and "--random" in out
+    with pytest.raises(SystemExit) as raised:
+        harness.main(["gate", "--help"])
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: eval.py gate") and "--compile-timeout" in out
+    monkeypatch.delitem(sys.modules, "build_report", raising=False)
+    with pytest.raises(SystemExit) as raised:
+        harness.main(["compile", "--help"])
+    assert raised.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("eval.py compile [ARGS...]: build every kernel")
+    assert "--groups" in out and "--dump-dir" in out
+
+
+def test_a_case_that_hangs_is_killed_at_the_case_timeout(tmp_path):
+    """sleeps.py's custom_kernel sleeps 600 s: with --case-timeout 2 the first case fails in
+    one line naming the case and the limit, the second does not run, exit 112, and the
+    submission's process is gone."""
+    cases = tmp_path / "two.txt"
+    cases.write_text(TWO_CASES)
+    ready = tmp_path / "ready"
+    report_path = tmp_path / "report.json"
+    start = time.monotonic()
+    completed = run_quick("test", str(cases), "--submission", str(SUBMISSIONS / "sleeps.py"),
+                          "--case-timeout", "2", "--json", str(report_path),
+                          env_extra={"EVAL_TEST_READY": str(ready)})
+    assert time.monotonic() - start < 45
+    assert completed.returncode == 112, completed.stderr
+    timed_out = "not done after 2 s (--case-timeout): the submission's process was killed"
+    not_run = "not run: an earlier case timed out (--case-timeout)"
+    assert completed.stderr.splitlines()[0] == (
+        f"test: case 1 of 2 (G=1 M=40 N=64 K=256): FAILED: {timed_out}; 1 case not run")
+    lines = protocol(completed.stdout)
+    assert (lines["test.0.status"], lines["test.0.error"]) == ("fail", timed_out)
+    assert (lines["test.1.status"], lines["test.1.error"]) == ("fail", not_run)
+    assert lines["check"] == "fail"
+    report = json.loads(report_path.read_text())
+    assert [case["status"] for case in report["cases"]] == ["fail", "not run"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(ready.read_text()), 0)
+
+
+def test_the_default_case_timeout_leaves_the_competitions_limits_room():
+    args = harness.parse_args(["test"])
+    assert args.case_timeout == harness.CASE_TIMEOUT_S == 600  # > 180 s test, 300 s ranked
+    assert harness.parse_args(["benchmark", "--case-timeout", "0"]).case_timeout == 0
+
+
+@pytest.mark.parametrize(("capability", "entry"), [
+    ((10, 0), "submission.py"),
+    ((10, 3), "submission.py"),
+    ((9, 0), "examples/library_submission.py"),
+    ((8, 0), "examples/torch_submission.py"),
+    ((9, 2), "examples/torch_submission.py"),
+    ((12, 0), "examples/torch_submission.py"),
+    (None, "examples/torch_submission.py"),
+])
+def test_the_file_that_runs_follows_the_gpu(capability, entry):
+    assert harness.default_entry(capability) == REPO_ROOT / entry
+
+
+@pytest.mark.parametrize(("mode", "capability", "entry", "said"), [
+    ("test", (10, 0), "submission.py", None),
+    ("benchmark", (10, 0), "submission.py", None),
+    ("leaderboard", (9, 0), "examples/library_submission.py",
+     ("an H100/H200 (sm_90): examples/library_submission.py runs (the library, "
+     "nvfp4_group_gemm)")),
+    ("benchmark", (8, 0), "examples/torch_submission.py",
+     ("here the GPU is NVIDIA Fake (compute capability 8.0), so examples/torch_submission.py "
+     "runs instead")),
+    ("test", None, "examples/torch_submission.py",
+     f"here torch {torch.__version__} sees no CUDA GPU, so examples/torch_submission.py runs"),
+])
+def test_without_submission_the_mode_runs_the_gpus_file(monkeypatch, capsys, mode, capability,
+                                                        entry, said):
+    monkeypatch.delenv("POPCORN_FD", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Fake")
+    assert harness.choose_submission(harness.parse_args([mode])) == REPO_ROOT / entry
+    err = capsys.readouterr().err
+    assert (said in err) if said else err == ""
+    # the runner's protocol: always submission.py, whatever the GPU
+    monkeypatch.setenv("POPCORN_FD", "1")
+    assert harness.choose_submission(harness.parse_args([mode])) == REPO_ROOT / "submission.py"
+
+
+def test_compile_failure_reasons_are_never_cut_mid_word():
+    import build_report
+
+    reason = ("ValueError: NVFP4_SM100_KERNEL='fastest': must be one of persistent, per_tile, "
+              "scaled_mm (the kernels of the sm100 backend, tried in this order when the "
+              "variable is unset)")
+    report = build_report.failed_report("sm100_persistent_gemm_t256", "sm_100a", 8,
+                                        reason + "\nsecond line of the reason")
+    lines = build_report.format_table([report]).splitlines()[2:]
+    assert max(map(len, lines)) <= build_report.TABLE_WIDTH
+    # the reason whole, wrapped between words: its words come back in order
+    first = lines[0].split("FAILED: ", 1)[1]
+    assert " ".join([first, *(line.strip() for line in lines[1:])]).split() == (
+        reason + " second line of the reason").split()
+    line = build_report.progress_line(1, 3, [report])
+    assert len(line) <= build_report.TABLE_WIDTH and line.endswith(" [cut]")
+    shown = line.split("FAILED: ", 1)[1].removesuffix(" [cut]")
+    assert reason.startswith(shown) and reason[len(shown)] == " "  # a word boundary
+    short = build_report.failed_report("sm100_per_tile_gemm", "sm_100a", 1, "ValueError: bad")
+    assert build_report.progress_line(2, 3, [short]).endswith("FAILED: ValueError: bad")
+
+
+def test_pytest_keeps_its_temporary_files_in_the_repository(tmp_path):
+    """tmp_path lives in build/pytest-tmp/run-PID (not the machine's shared /tmp), and a run
+    removes its folder when it ends."""
+    assert tmp_path.is_relative_to(REPO_ROOT / "build" / "pytest-tmp" / f"run-{os.getpid()}")
+    sample = tmp_path / "sample"
+    sample.mkdir()
+    (sample / "conftest.py").write_text((REPO_ROOT / "tests" / "conftest.py").read_text())
+    (sample / "test_where.py").write_text(
+        "def test_where(tmp_path):\n    (tmp_path / 'x').write_bytes(b'1' * 1000)\n"
+        "    print('TMP', tmp_path)\n")
+    completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p",
+                                "no:cacheprovider", str(sample)], cwd=sample,
+                               capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 0, completed.stdout
+    (where,) = [Path(line.split()[1]) for line in completed.stdout.splitlines()
+                if line.startswith("TMP ")]
+    assert where.parent.parent == sample / "build" / "pytest-tmp"
+    assert not where.parent.exists() and list((sample / "build" / "pytest-tmp").iterdir()) == []

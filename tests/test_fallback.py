@@ -10,6 +10,7 @@ from helpers import PacksItsPlanTiles, assert_exact, expected, official_inputs
 
 import reference
 import submission
+from nvfp4_group_gemm import launch, runtime
 
 sm100_runtime = pytest.fixture(helpers.sm100_runtime)
 
@@ -185,13 +186,13 @@ class FakeEvent:
     event = "event"
 
 
-def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
+def test_a_library_launch_on_another_stream_waits_for_the_writing(monkeypatch):
     waits = []
-    monkeypatch.setattr(submission.cuda, "cuStreamWaitEvent",
+    monkeypatch.setattr(launch.cuda, "cuStreamWaitEvent",
                         lambda stream, event, flags: waits.append((stream, event)) or (0,))
-    monkeypatch.setattr(submission, "_check_cuda", lambda result, what: None)
-    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
-    written = submission.Written(torch.zeros(1), torch.device("cpu"))
+    monkeypatch.setattr(launch, "_check_cuda", lambda result, what: None)
+    monkeypatch.setattr(runtime, "make_launcher", lambda fn, *args: lambda: fn(*args))
+    written = launch.Written(torch.zeros(1), torch.device("cpu"))
     assert written.event is None
     written.order_before("any")  # nothing to wait for off a GPU
     assert waits == []
@@ -218,7 +219,7 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
             return BackendPlan()
 
         def write_descriptors(self, plan, pointers, ptrs):
-            descriptors = submission.Written(torch.zeros(1), torch.device("cpu"))
+            descriptors = launch.Written(torch.zeros(1), torch.device("cpu"))
             descriptors.event, descriptors.stream = FakeEvent(), "stream-D"
             return descriptors
 
@@ -228,11 +229,11 @@ def test_a_launch_on_another_stream_waits_for_the_writing(monkeypatch):
         def launch_args(self, plan, binding, stream):
             return (lambda *a: None), ()
 
-    plan = submission.Plan(Backend(), [(40, 128, 256, 1)], "cpu")
+    plan = runtime.Plan(Backend(), [(40, 128, 256, 1)], "cpu")
     plan.tables.event, plan.tables.stream = FakeEvent(), "stream-A"
-    binding = submission.Binding(plan, [(1, 2, 3, 4, 5)])
+    binding = runtime.Binding(plan, [(1, 2, 3, 4, 5)])
     binding.table.event, binding.table.stream = FakeEvent(), "stream-A"
-    binding.mode = submission.LaunchMode.DIRECT
+    binding.mode = runtime.LaunchMode.DIRECT
     binding.run("stream-A")  # tables written here: only the descriptors (stream-D) are waited for
     assert waits == [("stream-A", "event")]
     waits.clear()

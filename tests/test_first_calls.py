@@ -14,6 +14,7 @@ import torch
 from helpers import PacksItsPlanTiles, make_inputs, runtime_on_cpu
 
 import submission
+from nvfp4_group_gemm import launch, runtime
 
 TILE = 128
 
@@ -115,14 +116,14 @@ def direct_runtime(monkeypatch):
     validations = []
     runtime_on_cpu(monkeypatch, backend, validations)
     monkeypatch.setattr(submission, "SELF_CHECK", False)
-    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
+    monkeypatch.setattr(runtime, "make_launcher", lambda fn, *args: lambda: fn(*args))
 
     def run(data):
         backend.current = data
         for t in submission._flatten((*data[0], *data[2])):
             if t.numel():
                 backend.tensors[t.data_ptr()] = t
-        return submission.custom_kernel(data)
+        return runtime.custom_kernel(data)
 
     return backend, run, validations
 
@@ -147,7 +148,7 @@ def test_a_first_call_reads_its_sizes_tiles_and_pointers_from_the_ring(direct_ru
     assert sizes == SIZES and rows == submission.plan_tiles(SIZES, TILE, TILE)
     # nothing bound, no plan with device tables, no full rules
     assert backend.bound_launches == [] and backend.prepared == [] and validations == []
-    assert submission.input_key(data) not in submission._BINDINGS
+    assert submission.input_key(data) not in runtime._BINDINGS
 
 
 def test_the_second_call_binds_and_later_calls_hit(direct_runtime):
@@ -173,7 +174,7 @@ def test_new_sizes_every_call_never_bind(direct_runtime):
         run(data)
         _assert_exact(data)
     assert len(backend.first_calls) == 6 and backend.bound_launches == [] and backend.prepared == []
-    assert len(submission._BINDINGS) == 0
+    assert len(runtime._BINDINGS) == 0
 
 
 def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them(direct_runtime, monkeypatch):
@@ -183,21 +184,21 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
     upload there."""
     backend, run, _ = direct_runtime
     uploads = []
-    real_upload = submission.upload_int_tables
+    real_upload = launch.upload_int_tables
 
     def counting_upload(device, tables):
         uploads.append([code for code, _rows in tables])
         return real_upload(device, tables)
 
-    monkeypatch.setattr(submission, "upload_int_tables", counting_upload)
+    monkeypatch.setattr(runtime, "upload_int_tables", counting_upload)
     first, second, third = make_inputs(SIZES), make_inputs(SIZES), make_inputs(SIZES)
     run(first)  # a new size set: every table in the ring, no device head
     _assert_exact(first)
-    size_plan, = submission._SIZE_PLANS.entries.values()
-    ring = submission._TABLE_RINGS[None]
+    size_plan, = runtime._SIZE_PLANS.entries.values()
+    ring = launch._TABLE_RINGS[None]
     assert size_plan.device_head is None and size_plan.launched
     assert backend.last_tables.sizes == ring.device_base + ring.offset - submission._align_up(size_plan.table_bytes, 128)
-    assert submission._SEEN_ONCE.get((submission.input_key(first), tuple(SIZES))) is True
+    assert runtime._SEEN_ONCE.get((submission.input_key(first), tuple(SIZES))) is True
 
     run(second)  # a known size set: the head to the device, the pointers to a table of their own
     _assert_exact(second)
@@ -205,8 +206,8 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
     assert head is not None and bytes(head.value.numpy()) == size_plan.head
     assert backend.last_tables.sizes == head.value.data_ptr()
     assert backend.last_tables.tiles == head.value.data_ptr() + size_plan.tiles_offset
-    table = submission._SEEN_ONCE.get((submission.input_key(second), tuple(SIZES)))
-    assert isinstance(table, submission.Written) and backend.last_tables.ptrs == table.value.data_ptr()
+    table = runtime._SEEN_ONCE.get((submission.input_key(second), tuple(SIZES)))
+    assert isinstance(table, launch.Written) and backend.last_tables.ptrs == table.value.data_ptr()
     assert list(_read(table.value.data_ptr(), f"<{5 * len(SIZES)}q")) == [
         p for group in submission.pointers_of(second) for p in group]
 
@@ -221,7 +222,7 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
         c.zero_()
     run(second)  # its second call binds, on its first call's table
     _assert_exact(second)
-    binding = submission._BINDINGS.get(submission.input_key(second))
+    binding = runtime._BINDINGS.get(submission.input_key(second))
     assert binding.table is table and binding.ptrs.data_ptr() == table.value.data_ptr()
     assert binding.ptrs.tolist() == [list(group) for group in submission.pointers_of(second)]
     assert uploads == [["i", "i"]]  # the plan's sizes and tile rows; no pointer table
@@ -235,19 +236,19 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
 def test_ring_segments_wrap(direct_runtime, monkeypatch):
     """More first calls than a segment holds: the ring moves on, its offsets stay in bounds."""
     backend, run, _ = direct_runtime
-    monkeypatch.setattr(submission.TableRing, "SEGMENT_BYTES", 1024)
-    monkeypatch.setattr(submission.TableRing, "SEGMENTS", 2)
+    monkeypatch.setattr(launch.TableRing, "SEGMENT_BYTES", 1024)
+    monkeypatch.setattr(launch.TableRing, "SEGMENTS", 2)
     for i in range(5):
         data = make_inputs([(40 + i, 128, 256, 1)])
         run(data)
         _assert_exact(data)
-    ring = submission._TABLE_RINGS[None]
+    ring = launch._TABLE_RINGS[None]
     assert len(backend.first_calls) == 5 and ring.offset <= 1024 and ring.segment in (0, 1)
 
 
 def test_tables_larger_than_a_segment_bind_at_the_first_call(direct_runtime, monkeypatch):
     backend, run, _ = direct_runtime
-    monkeypatch.setattr(submission.TableRing, "SEGMENT_BYTES", 64)
+    monkeypatch.setattr(launch.TableRing, "SEGMENT_BYTES", 64)
     data = make_inputs(SIZES)
     run(data)
     _assert_exact(data)
@@ -284,7 +285,7 @@ def test_a_failing_first_call_falls_back_to_the_binding_path(direct_runtime, mon
 
 def test_switched_off_every_first_call_binds(direct_runtime, monkeypatch):
     backend, run, _ = direct_runtime
-    monkeypatch.setattr(submission, "FIRST_CALLS_UNBOUND", False)
+    monkeypatch.setattr(runtime, "FIRST_CALLS_UNBOUND", False)
     data = make_inputs(SIZES)
     run(data)
     assert backend.first_calls == [] and len(backend.bound_launches) == 1
@@ -294,15 +295,15 @@ def test_under_capture_an_input_set_seen_once_uses_the_arena(direct_runtime, mon
     backend, run, _ = direct_runtime
     data = make_inputs(SIZES)
     run(data)  # eagerly, once: a first call
-    arena = submission._CAPTURE_ARENAS[None]
+    arena = launch._CAPTURE_ARENAS[None]
     assert arena.offset == 0
-    monkeypatch.setattr(submission, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
     for _, _, c in data[0]:
         c.zero_()
     run(data)
     _assert_exact(data)
     assert len(backend.first_calls) == 2 and arena.offset > 0
-    assert any(key[0] == "first call" for key in submission._CAPTURED.entries)
+    assert any(key[0] == "first call" for key in runtime._CAPTURED.entries)
     # never seen eagerly: the clear error, nothing launched
     fresh = make_inputs(SIZES)
     with pytest.raises(RuntimeError, match="call custom_kernel once eagerly"):
@@ -314,8 +315,8 @@ def test_a_full_arena_refuses_under_capture(direct_runtime, monkeypatch):
     backend, run, _ = direct_runtime
     data = make_inputs(SIZES)
     run(data)
-    submission._CAPTURE_ARENAS[None].offset = submission.CaptureArena.BYTES  # full
-    monkeypatch.setattr(submission, "_capturing", lambda: True)
+    launch._CAPTURE_ARENAS[None].offset = launch.CaptureArena.BYTES  # full
+    monkeypatch.setattr(runtime, "_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="has not run outside a CUDA graph capture"):
         run(data)
     assert len(backend.first_calls) == 1
@@ -325,10 +326,10 @@ def test_a_demoted_kernel_leaves_the_size_plans(direct_runtime):
     backend, run, _ = direct_runtime
     data = make_inputs(SIZES)
     run(data)
-    assert len(submission._SIZE_PLANS) == 1
+    assert len(runtime._SIZE_PLANS) == 1
     choice = submission.KernelChoice("direct", "direct", per_group_count=True)
     submission.demote("direct", choice, [choice, backend.oracle], len(SIZES), "test")
-    assert len(submission._SIZE_PLANS) == 0
+    assert len(runtime._SIZE_PLANS) == 0
     other = make_inputs(SIZES)
     run(other)  # the oracle now: a host computation
     _assert_exact(other)
@@ -406,8 +407,8 @@ def test_out_of_memory_in_a_first_call_is_clear_and_caches_nothing(direct_runtim
     data = make_inputs(SIZES)
     with pytest.raises(torch.OutOfMemoryError, match="activation scratch of a first call of sizes"):
         run(data)
-    assert len(submission._SEEN_ONCE) == 0 and len(submission._BINDINGS) == 0
+    assert len(runtime._SEEN_ONCE) == 0 and len(runtime._BINDINGS) == 0
     monkeypatch.setattr(TableReadingLaunch, "launch", real_launch)
     run(data)  # memory back: a first call as if none had failed
     _assert_exact(data)
-    assert len(backend.first_calls) == 1 and len(submission._BINDINGS) == 0
+    assert len(backend.first_calls) == 1 and len(runtime._BINDINGS) == 0

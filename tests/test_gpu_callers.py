@@ -9,6 +9,7 @@ import torch
 from helpers import supported_gpu
 
 import submission
+from nvfp4_group_gemm import op, runtime
 from reference import generate_input, ref_kernel
 
 pytestmark = pytest.mark.skipif(not supported_gpu(), reason="needs an sm_100 or sm_90 GPU")
@@ -51,21 +52,21 @@ def _replays_are_exact(graph, data, seeds):
 @pytest.mark.parametrize("chain_calls", [True, False], ids=["chained", "unchained"])
 def test_custom_kernel_inside_a_callers_cuda_graph(chain_calls, monkeypatch):
     if torch.cuda.get_device_capability()[0] == 9:
-        import nvfp4_hopper
+        from nvfp4_group_gemm import hopper
 
-        backend = nvfp4_hopper.make_backend(chain_calls=chain_calls)
-        monkeypatch.setitem(submission._BACKEND_BY_DEVICE, torch.cuda.current_device(), backend)
+        backend = hopper.make_backend(chain_calls=chain_calls)
+        monkeypatch.setitem(runtime._BACKEND_BY_DEVICE, torch.cuda.current_device(), backend)
     elif not chain_calls:
         pytest.skip("sm_100 calls are not chained")
     data = generate_input(**SIZES, seed=21)
-    submission.custom_kernel(data)  # one eager call of these tensors first
+    runtime.custom_kernel(data)  # one eager call of these tensors first
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        submission.custom_kernel(data)
+        runtime.custom_kernel(data)
     want = _replays_are_exact(graph, data, (22, 23))
     # eager calls after the capture: still exact
-    out = submission.custom_kernel(data)
+    out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(c, w) for c, w in zip(out, want))
 
@@ -75,9 +76,9 @@ def test_an_unseen_input_set_under_capture_is_one_clear_error():
     graph = torch.cuda.CUDAGraph()
     with (pytest.raises(RuntimeError, match="call custom_kernel once eagerly with the same tensors"),
           torch.cuda.graph(graph)):
-        submission.custom_kernel(data)
+        runtime.custom_kernel(data)
     # the process is fine afterwards
-    out = submission.custom_kernel(data)
+    out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(c, w) for c, w in zip(out, _expected(data)))
 
@@ -85,7 +86,7 @@ def test_an_unseen_input_set_under_capture_is_one_clear_error():
 def _unbound_first_calls() -> bool:
     """Whether this GPU's backend launches an input set's first call without a binding (sm_90
     swap-AB; every sm_100 launch needs its descriptors bound)."""
-    return torch.cuda.get_device_capability()[0] == 9 and submission.FIRST_CALLS_UNBOUND
+    return torch.cuda.get_device_capability()[0] == 9 and runtime.FIRST_CALLS_UNBOUND
 
 
 def test_a_first_call_captured_reads_its_tables_from_the_arena():
@@ -95,16 +96,16 @@ def test_a_first_call_captured_reads_its_tables_from_the_arena():
     # the kernel's self-check, on tensors kept alive: freed, their blocks would come back as
     # the next input set's, whose call would then hit this one's binding (same pointers)
     checked = generate_input(**SIZES, seed=50)
-    submission.custom_kernel(checked)
+    runtime.custom_kernel(checked)
     data = generate_input(**SIZES, seed=51)
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     torch.cuda.synchronize()
-    assert (submission.input_key(data) not in submission._BINDINGS) == _unbound_first_calls()
+    assert (submission.input_key(data) not in runtime._BINDINGS) == _unbound_first_calls()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        submission.custom_kernel(data)
+        runtime.custom_kernel(data)
     if _unbound_first_calls():
-        assert any(key[0] == "first call" for key in submission._CAPTURED.entries)
+        assert any(key[0] == "first call" for key in runtime._CAPTURED.entries)
     _replays_are_exact(graph, data, (52, 53))
 
 
@@ -115,7 +116,7 @@ def test_moe_steps_with_new_sizes_every_call_are_exact():
 
     rng = random.Random(8)
     groups, n, k = 4, 512, 1024
-    submission.warmup(n, k, groups)
+    runtime.warmup(n, k, groups)
     weights = generate_input(m=(1,) * groups, n=(n,) * groups, k=(k,) * groups, g=groups, seed=60)
     for step in range(6):
         ms = [rng.randrange(1, 300) for _ in range(groups)]
@@ -124,13 +125,13 @@ def test_moe_steps_with_new_sizes_every_call_are_exact():
         data = ([(a, wb, c) for (a, _b, c), (_a, wb, _c) in zip(data[0], weights[0])],
                 [(sfa, wsfb) for (sfa, _s), (_sa, wsfb) in zip(data[1], weights[1])],
                 [(sfa, wsfb) for (sfa, _s), (_sa, wsfb) in zip(data[2], weights[2])], data[3])
-        out = submission.custom_kernel(data)
+        out = runtime.custom_kernel(data)
         torch.cuda.synchronize()
         assert all(torch.equal(o, w) for o, w in zip(out, _expected(data))), (step, ms)
         if step and _unbound_first_calls():
             # the first step's kernel was self-checked through a binding; later sizes may pick
             # a kernel not checked yet (bound once), never more than one binding per kernel
-            assert len(submission._BINDINGS) <= len(submission._SELF_CHECKED)
+            assert len(runtime._BINDINGS) <= len(submission._SELF_CHECKED)
 
 
 def test_two_threads_each_on_its_own_stream_compiling_at_once():
@@ -149,7 +150,7 @@ def test_two_threads_each_on_its_own_stream_compiling_at_once():
             start.wait()
             with torch.cuda.stream(stream):
                 for call in range(200):
-                    out = submission.custom_kernel(data)
+                    out = runtime.custom_kernel(data)
                     if call in (0, 1, 2, 199):
                         stream.synchronize()
                         if not all(torch.equal(o, w) for o, w in zip(out, expected[index])):
@@ -171,7 +172,7 @@ def test_the_torch_op_under_torch_compile_matches_eager():
     want = _expected(data)
 
     def step(data):
-        out = submission.grouped_gemm(data)
+        out = op.grouped_gemm(data)
         return [c.float() * 2 for c in out]
 
     compiled = torch.compile(step, fullgraph=True)

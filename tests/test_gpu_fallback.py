@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import submission
+from nvfp4_group_gemm import runtime
 from reference import generate_input, ref_kernel
 
 pytestmark = pytest.mark.skipif(
@@ -30,7 +31,7 @@ def self_check_on(monkeypatch):
 
 
 def _corrupting_backend():
-    import nvfp4_hopper as hopper
+    from nvfp4_group_gemm import hopper
 
     class CorruptingBackend(hopper.backend.Sm90Backend):
         """The default chain behind a first link that runs the automatic choice, then adds
@@ -58,11 +59,11 @@ def _corrupting_backend():
 
 def test_self_check_demotes_a_wrong_kernel_on_the_gpu(self_check_on, monkeypatch, capfd):
     backend = _corrupting_backend()
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {torch.cuda.current_device(): backend})
+    monkeypatch.setattr(runtime, "_BACKEND_BY_DEVICE", {torch.cuda.current_device(): backend})
     data = generate_input(**SIZES, seed=11)
     backend.outputs = [c for _, _, c in data[0]]
     want = _expected(data)
-    out = submission.custom_kernel(data)
+    out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(out, want)), "the oracle's result is returned"
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("nvfp4_group_gemm:")]
@@ -72,22 +73,22 @@ def test_self_check_demotes_a_wrong_kernel_on_the_gpu(self_check_on, monkeypatch
     assert lines[0].endswith("next: swap_ab")
     # The next call runs the real automatic choice, checked at its own first use, and kept
     data[0][0][2].zero_()
-    out = submission.custom_kernel(data)
+    out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(out, want))
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = runtime._BINDINGS.entries.values()
     assert binding.plan.choice.name == "swap_ab" and binding.plan.kernel_key in submission._SELF_CHECKED
     assert [line for line in capfd.readouterr().err.splitlines() if line.startswith("nvfp4_group_gemm:")] == []
     # Later calls: the kept kernel, exact, no oracle run
     for _ in range(3):
-        out = submission.custom_kernel(data)
+        out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(out, want))
 
 
 def test_a_launch_error_falls_back_on_the_gpu(self_check_on, monkeypatch, capfd):
     """A launch that fails synchronously (context still usable) moves down to the next link."""
-    import nvfp4_hopper as hopper
+    from nvfp4_group_gemm import hopper
 
     class FailingLaunchBackend(hopper.backend.Sm90Backend):
         def launch_args(self, plan, binding, stream):
@@ -97,23 +98,23 @@ def test_a_launch_error_falls_back_on_the_gpu(self_check_on, monkeypatch, capfd)
                 return [(refuse, ())]
             return super().launch_args(plan, binding, stream)
 
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {torch.cuda.current_device(): FailingLaunchBackend()})
+    monkeypatch.setattr(runtime, "_BACKEND_BY_DEVICE", {torch.cuda.current_device(): FailingLaunchBackend()})
     data = generate_input(**SIZES, seed=12)
     want = _expected(data)
-    out = submission.custom_kernel(data)
+    out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(out, want))
     (line,) = [line for line in capfd.readouterr().err.splitlines() if line.startswith("nvfp4_group_gemm:")]
     assert "sm90 kernel swap_ab" in line and "launch failed" in line and line.endswith("next: in_gemm_decode")
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = runtime._BINDINGS.entries.values()
     assert binding.plan.choice.name == "in_gemm_decode"
 
 
 def test_the_default_chain_passes_its_self_check(self_check_on, monkeypatch, capfd):
-    monkeypatch.setattr(submission, "_BACKEND_BY_DEVICE", {})
+    monkeypatch.setattr(runtime, "_BACKEND_BY_DEVICE", {})
     data = generate_input(**SIZES, seed=13)
     want = _expected(data)
-    out = submission.custom_kernel(data)
+    out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(out, want))
     assert submission._DEMOTED == {} and len(submission._SELF_CHECKED) == 1

@@ -14,6 +14,7 @@ import torch
 from helpers import supported_gpu
 
 import submission
+from nvfp4_group_gemm import launch, runtime
 from reference import generate_input, match_outputs, ref_kernel
 
 pytestmark = pytest.mark.skipif(not supported_gpu(), reason="needs an sm_100 or sm_90 GPU")
@@ -71,7 +72,7 @@ def _run_back_to_back(variants):
     snapshot on the same stream right after its call (later calls may write the same c)."""
     snapshots = []
     for data in variants:
-        out = submission.custom_kernel(data)
+        out = runtime.custom_kernel(data)
         snapshots.append([c.clone() for c in out])
     torch.cuda.synchronize()
     return snapshots
@@ -106,11 +107,11 @@ def test_steady_state_is_one_launch_without_copies():
     swap-AB kernel, the activation pre-pass and the GEMM) and makes no host-to-device copy
     (torch profiler count)."""
     data = generate_input(**SIZES, seed=99)
-    submission.custom_kernel(data)  # miss: tables, copies, compile
-    submission.custom_kernel(data)  # second call: records the graph
+    runtime.custom_kernel(data)  # miss: tables, copies, compile
+    runtime.custom_kernel(data)  # second call: records the graph
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        submission.custom_kernel(data)
+        runtime.custom_kernel(data)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     names = [e.name for e in kernels]
@@ -123,7 +124,7 @@ def test_steady_state_is_one_launch_without_copies():
 
 
 def _state_of(data):
-    return submission._BINDINGS.get(submission.input_key(data))
+    return runtime._BINDINGS.get(submission.input_key(data))
 
 
 def _zero_outputs(data):
@@ -137,16 +138,16 @@ def test_hit_replays_the_recorded_graph_on_any_stream():
     stream and on another one."""
     data = generate_input(**SIZES, seed=77)
     expected = ref_kernel(_clone(data))
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     state = _state_of(data)
-    assert state.mode is submission.LaunchMode.FIRST_DIRECT and state.launched
-    submission.custom_kernel(data)
-    assert isinstance(state.graph, submission.GraphLaunch)
+    assert state.mode is runtime.LaunchMode.FIRST_DIRECT and state.launched
+    runtime.custom_kernel(data)
+    assert isinstance(state.graph, launch.GraphLaunch)
     graph = state.graph
     for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
         with torch.cuda.stream(stream):
             _zero_outputs(data)
-            out = submission.custom_kernel(data)
+            out = runtime.custom_kernel(data)
         stream.synchronize()
         good, message = match_outputs(expected, out)
         assert good, message
@@ -154,13 +155,13 @@ def test_hit_replays_the_recorded_graph_on_any_stream():
 
 
 def test_direct_launch_when_graphs_are_off(monkeypatch):
-    monkeypatch.setattr(submission, "_GRAPH_LAUNCH", False)
+    monkeypatch.setattr(runtime, "_GRAPH_LAUNCH", False)
     data = generate_input(**SIZES, seed=78)
     expected = ref_kernel(_clone(data))
-    submission.custom_kernel(data)
-    assert _state_of(data).mode is submission.LaunchMode.DIRECT
+    runtime.custom_kernel(data)
+    assert _state_of(data).mode is runtime.LaunchMode.DIRECT
     _zero_outputs(data)
-    good, message = match_outputs(expected, submission.custom_kernel(data))
+    good, message = match_outputs(expected, runtime.custom_kernel(data))
     assert good, message
 
 
@@ -176,8 +177,8 @@ def test_failed_capture_leaves_capture_mode_and_falls_back(monkeypatch):
 
     device = torch.device("cuda", torch.cuda.current_device())
     with pytest.raises(RuntimeError, match="launch refused"):
-        submission.GraphLaunch(failing_record, device)
-    capture_stream = submission._CAPTURE_STREAMS[device.index]
+        launch.GraphLaunch(failing_record, device)
+    capture_stream = launch._CAPTURE_STREAMS[device.index]
     result, status = submission.cuda.cuStreamIsCapturing(
         submission.cuda.CUstream(capture_stream.cuda_stream)
     )
@@ -188,14 +189,14 @@ def test_failed_capture_leaves_capture_mode_and_falls_back(monkeypatch):
         def __init__(self, record, device):
             raise RuntimeError("no graphs here")
 
-    monkeypatch.setattr(submission, "GraphLaunch", RefusingGraphLaunch)
+    monkeypatch.setattr(runtime, "GraphLaunch", RefusingGraphLaunch)
     data = generate_input(**SIZES, seed=79)
     expected = ref_kernel(_clone(data))
-    submission.custom_kernel(data)  # launched directly
+    runtime.custom_kernel(data)  # launched directly
     _zero_outputs(data)
-    out = submission.custom_kernel(data)  # the capture fails: launched directly again
+    out = runtime.custom_kernel(data)  # the capture fails: launched directly again
     torch.cuda.synchronize()
-    assert _state_of(data).mode is submission.LaunchMode.DIRECT
+    assert _state_of(data).mode is runtime.LaunchMode.DIRECT
     good, message = match_outputs(expected, out)
     assert good, message
 
@@ -210,12 +211,12 @@ def test_first_launch_of_a_fresh_process_is_recorded():
         "from reference import generate_input, ref_kernel, match_outputs\n"
         f"data = generate_input(**{SIZES!r}, seed=80)\n"
         "expected = ref_kernel(data)\n"
-        "first = [c.clone() for c in submission.custom_kernel(data)]\n"
+        "first = [c.clone() for c in runtime.custom_kernel(data)]\n"
         "for _, _, c in data[0]: c.zero_()\n"
-        "out = submission.custom_kernel(data)\n"
+        "out = runtime.custom_kernel(data)\n"
         "torch.cuda.synchronize()\n"
         "assert match_outputs(expected, first)[0]\n"
-        "state = submission._BINDINGS.get(submission.input_key(data))\n"
+        "state = runtime._BINDINGS.get(submission.input_key(data))\n"
         "print(type(state.graph).__name__, match_outputs(expected, out)[0])\n"
     )
     root = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Tests of the sm_90a backend (the nvfp4_hopper package).
+"""Tests of the sm_90a backend (the nvfp4_group_gemm.hopper package).
 
 CPU: the decode bit arithmetic and the scale and swizzle addressing (through the host mirrors
 in hopper_emulation.py), shape checks, the schedules and the automatic choice, and sm_90a
@@ -24,8 +24,8 @@ from hopper_emulation import (
 )
 
 import build_report
-import nvfp4_hopper as hopper
 import submission
+from nvfp4_group_gemm import hopper, launch, runtime
 from reference import (
     E2M1_VALUES,
     create_reordered_scale_factor_tensor,
@@ -317,7 +317,7 @@ SM90_SMEM_LIMIT = 232_448  # 227 KB opt-in per block, compute capability 9.0
 @pytest.fixture(scope="module")
 def sm90_builds(tmp_path_factory):
     dump_root = tmp_path_factory.mktemp("sm90_build")
-    reports = build_report.build_all((1, 2, 8), dump_root, modules=("nvfp4_hopper",))
+    reports = build_report.build_all((1, 2, 8), dump_root, modules=("nvfp4_group_gemm.hopper",))
     return {(r.target, r.num_groups): r for r in reports}
 
 
@@ -455,7 +455,7 @@ def _bind(data, sizes, backend):
     """A plan of `sizes` for `backend` and the input set `data` bound to it (on the device of
     data's first a), outside the runtime's caches."""
     device = data[0][0][0].device
-    return submission.Binding(submission.Plan(backend, sizes, device), submission.pointers_of(data))
+    return runtime.Binding(runtime.Plan(backend, sizes, device), submission.pointers_of(data))
 
 
 def _cpu_input_set(sizes):
@@ -493,7 +493,7 @@ def sm90_backend_on_cpu(monkeypatch):
             return lambda: None
 
     monkeypatch.setattr(hopper.backend, "compile_gemm", fake_compile)
-    monkeypatch.setattr(submission, "cell_launcher", FakeCellLauncher)
+    monkeypatch.setattr(launch, "cell_launcher", FakeCellLauncher)
     return compiled, launched
 
 
@@ -739,7 +739,7 @@ CONFIG_CASES = (
     + [("swap_ab_t112_k128", seed) for seed in range(2400, 2430)]
     + [("swap_ab_one_round_k128", seed) for seed in range(2500, 2530)]
 )
-# Test ids are registry names (nvfp4_hopper.CONFIGS) or name:field=value variants; "auto" is what
+# Test ids are registry names (nvfp4_group_gemm.hopper.CONFIGS) or name:field=value variants; "auto" is what
 # custom_kernel runs: make_backend(), the config choose_swap_ab_config picks
 CONFIGS = {label: None if label == "auto" else hopper.config_named(label)
            for label in dict.fromkeys(label for label, _ in CONFIG_CASES)}
@@ -752,7 +752,7 @@ def test_random_group_sets_match_exact_reference(config_name, seed):
     # (128-wide k-tiles: K multiples of 512, what their unrolled loop takes)
     k_step = 256 if config is None else getattr(config, "k_multiple", 256)
     data = _random_group_set(seed, general_scales=seed % 3 == 2, k_step=k_step)
-    out = submission.run_with_backend(data, hopper.make_backend(config))
+    out = runtime.run_with_backend(data, hopper.make_backend(config))
     torch.cuda.synchronize()
     for i, c in enumerate(out):
         assert not torch.isnan(c).any(), f"group {i}: unwritten (NaN) outputs, sizes {data[3][i]}"
@@ -778,7 +778,7 @@ def test_benchmark_shapes_match_exact_reference(case, config_name):
     data = generate_input(tuple(m), tuple(n), tuple(k), len(m), seed=1111)
     for _, _, c in data[0]:
         c.fill_(float("nan"))
-    out = submission.run_with_backend(data, hopper.make_backend(CONFIGS[config_name]))
+    out = runtime.run_with_backend(data, hopper.make_backend(CONFIGS[config_name]))
     torch.cuda.synchronize()
     ok, message = match_outputs(_exact_reference(data), out)
     assert ok, message
@@ -801,7 +801,7 @@ def test_stream_k_state_relaunches_exactly(case):
     for _ in range(3):
         for _, _, c in data[0]:
             c.fill_(float("nan"))
-        state.run(submission._stream_for_current())
+        state.run(launch._stream_for_current())
         torch.cuda.synchronize()
         out = [c.clone() for _, _, c in data[0]]
         ok, message = match_outputs(expected, out)
@@ -829,9 +829,9 @@ def test_chained_calls_back_to_back_exactly(case):
             c.fill_(float("nan"))
     for _ in range(3):
         for data in sets:
-            submission.custom_kernel(data)
+            runtime.custom_kernel(data)
     torch.cuda.synchronize()
-    plans = {submission._BINDINGS.get(submission.input_key(data)).plan for data in sets}
+    plans = {runtime._BINDINGS.get(submission.input_key(data)).plan for data in sets}
     (plan,) = plans
     assert plan.backend_plan.config.chain_calls and not plan.backend_plan.graph_launch
     for index, (data, want) in enumerate(zip(sets, expected)):
@@ -856,12 +856,12 @@ def test_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch, kernel):
             for _, _, c in data[0]:
                 c.fill_(float("nan"))
             with torch.cuda.stream(streams[(index + round_) % 2]):
-                submission.custom_kernel(data)
+                runtime.custom_kernel(data)
         torch.cuda.synchronize()
         for data, want in zip(sets, expected):
             ok, message = match_outputs(want, [c for _, _, c in data[0]])
             assert ok, f"round {round_}: {message}"
-    bindings = [submission._BINDINGS.get(submission.input_key(data)) for data in sets]
+    bindings = [runtime._BINDINGS.get(submission.input_key(data)) for data in sets]
     backend_plan = bindings[0].plan.backend_plan
     assert bindings[0].plan is bindings[1].plan and backend_plan.shared_scratch
     assert (backend_plan.stream_k is not None) == (kernel == "in_gemm_decode")

@@ -19,6 +19,7 @@ from cutlass import cute
 from cutlass.cute.runtime import make_ptr
 
 import submission
+from nvfp4_group_gemm import launch
 
 
 class RecordingCompiled:
@@ -159,7 +160,7 @@ class CellReadingCompiled(RecordingCompiled):
 
 def test_cell_launcher_converts_once_and_reads_each_calls_values(pinned_release):
     compiled = CellReadingCompiled()
-    launcher = submission.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
+    launcher = launch.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
     launcher(1 << 32, 2 << 32, 7, 0)
     launcher(3 << 32, 4 << 32, 9, 5)
     assert compiled.entry_calls == [(1 << 32, 2 << 32, 7, 0), (3 << 32, 4 << 32, 9, 5)]
@@ -168,7 +169,7 @@ def test_cell_launcher_converts_once_and_reads_each_calls_values(pinned_release)
 
 def test_a_bound_cell_launch_keeps_its_own_values(pinned_release):
     compiled = CellReadingCompiled()
-    launcher = submission.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
+    launcher = launch.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
     bound = launcher.bound((16, 32, 3, 0))
     launcher(48, 64, 4, 0)  # the shared cells change; the bound launch's do not
     bound()
@@ -180,7 +181,7 @@ def test_a_bound_cell_launch_keeps_its_own_values(pinned_release):
 def test_cell_launcher_under_any_other_release_takes_the_public_path(monkeypatch, release):
     monkeypatch.setattr(submission, "_DSL_VERSION", release)
     compiled = CellReadingCompiled()
-    launcher = submission.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
+    launcher = launch.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
     launcher(1 << 32, 2 << 32, 7, 0)
     launcher.bound((3 << 32, 4 << 32, 9, 0))()
     assert compiled.conversions == 2 and len(compiled.public_calls) == 2

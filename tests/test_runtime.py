@@ -7,6 +7,7 @@ import torch
 from helpers import PacksItsPlanTiles, make_inputs, runtime_on_cpu
 
 import submission
+from nvfp4_group_gemm import launch, runtime, sm100
 
 TILE = 128
 
@@ -92,8 +93,8 @@ class TableBackend(PacksItsPlanTiles):
 def test_plan_and_binding_tables_contents_and_alignment():
     sizes = [(0, 128, 256, 1), (40, 384, 512, 1), (129, 128, 768, 1)]
     pointers = _pointers(3, 1 << 40)
-    plan = submission.Plan(TableBackend(), sizes, "cpu")
-    binding = submission.Binding(plan, pointers)
+    plan = runtime.Plan(TableBackend(), sizes, "cpu")
+    binding = runtime.Binding(plan, pointers)
     assert plan.num_groups == 3 and plan.problem_sizes == tuple(sizes)
     assert binding.ptrs.dtype == torch.int64 and binding.ptrs.tolist() == [list(p) for p in pointers]
     assert plan.sizes.dtype == torch.int32 and plan.sizes.tolist() == [list(s) for s in sizes]
@@ -108,7 +109,7 @@ def test_plan_and_binding_tables_contents_and_alignment():
 
 
 def test_upload_int_tables_rows_of_any_width():
-    buffer, host, (wide, narrow, empty) = submission.upload_int_tables(
+    buffer, host, (wide, narrow, empty) = launch.upload_int_tables(
         "cpu", [("q", [(1, 2, 3, 4, 5)]), ("i", [(7, 8, 9, 10), (11, 12, 13, 14)]), ("i", [])]
     )
     assert wide.tolist() == [[1, 2, 3, 4, 5]] and narrow.tolist() == [[7, 8, 9, 10], [11, 12, 13, 14]]
@@ -122,8 +123,8 @@ def test_staging_buffer_is_owned_per_input_set():
     # plan: each gets its own staging buffer, so no pending copy can ever read another set's
     # pointers, and all share the plan's tables.
     sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
-    plan = submission.Plan(TableBackend(), sizes, "cpu")
-    built = [submission.Binding(plan, _pointers(2, (i + 1) << 36)) for i in range(15)]
+    plan = runtime.Plan(TableBackend(), sizes, "cpu")
+    built = [runtime.Binding(plan, _pointers(2, (i + 1) << 36)) for i in range(15)]
     assert len({b._host_staging.data_ptr() for b in built}) == 15
     for i, binding in enumerate(built):
         assert binding.ptrs.tolist() == [list(p) for p in _pointers(2, (i + 1) << 36)]
@@ -145,8 +146,8 @@ def test_lru_bounds_and_order():
     for i in range(5, 20):
         cache.put(("k", i), i)
     assert len(cache) == 4 and ("k", 19) in cache and ("k", 15) not in cache
-    assert submission._BINDINGS.max_entries == 64
-    assert submission._PLANS.max_entries == 32 and submission._PLANS.max_bytes == 1 << 30
+    assert runtime._BINDINGS.max_entries == 64
+    assert runtime._PLANS.max_entries == 32 and runtime._PLANS.max_bytes == 1 << 30
 
 
 def test_lru_bounded_in_bytes():
@@ -191,27 +192,27 @@ def test_same_buffers_with_other_sizes_miss(recording_runtime):
     checked and bound to the plan of those sizes."""
     backend, validations = recording_runtime
     data = make_inputs([(64, 384, 512, 1), (129, 128, 768, 1)])
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     # Group 0 read as M = 40: the same tensors are too big for it, so validation must fail
     # before any launch (nothing cached for these sizes is reused).
     smaller = (data[0], data[1], data[2], [(40, 384, 512, 1), (129, 128, 768, 1)])
     with pytest.raises(ValueError, match="group 0: a.shape"):
-        submission.custom_kernel(smaller)
+        runtime.custom_kernel(smaller)
     # the valid set passed the fast acceptor; the bad one went to the full rules
     assert len(validations) == 1 and len(backend.launches) == 1
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     assert len(validations) == 1 and len(backend.launches) == 2
     # Views with the same base pointers and valid smaller shapes: validated, own tables
     (a0, b0, c0), group1 = data[0]
     views = ([(a0[:40], b0, c0[:40]), group1], data[1], data[2], smaller[3])
     assert submission.input_key(views) == submission.input_key(data)
-    submission.custom_kernel(views)
+    runtime.custom_kernel(views)
     # their L-mode strides are the 64-row tensors' (extent 1: unused): the full rules accept them
     assert len(validations) == 2 and len(backend.prepared) == 2
     assert backend.launches[-1][0].problem_sizes[0] == (40, 384, 512, 1)
     # Back to the first sizes: their plan is known (no new plan); the pointers are bound to
     # that plan again
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     assert len(validations) == 2 and len(backend.prepared) == 2
     assert backend.launches[-1][0].problem_sizes[0] == (64, 384, 512, 1)
 
@@ -264,14 +265,14 @@ def recording_runtime(monkeypatch):
     calls = []
     runtime_on_cpu(monkeypatch, backend, calls)
     monkeypatch.setattr(submission, "SELF_CHECK", False)  # the fakes write nothing to check
-    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
+    monkeypatch.setattr(runtime, "make_launcher", lambda fn, *args: lambda: fn(*args))
     return backend, calls
 
 
 def test_hit_is_one_launch_and_no_validation(recording_runtime):
     backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
-    outputs = [submission.custom_kernel(data) for _ in range(5)]
+    outputs = [runtime.custom_kernel(data) for _ in range(5)]
     assert validations == []  # the official layout: the fast acceptor's, no full rules
     assert len(backend.checked) == 1 and len(backend.prepared) == 1 and len(backend.bound) == 1
     # Launch arguments prepared once: a plan whose launch cannot be recorded (CPU tensors)
@@ -286,35 +287,35 @@ def test_hit_is_one_launch_and_no_validation(recording_runtime):
 def test_new_pointers_of_known_sizes_share_the_plan_and_skip_the_full_rules(recording_runtime):
     backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     new_c = data[0][1][2].clone()
     changed = ([data[0][0], (data[0][1][0], data[0][1][1], new_c)], data[1], data[2], data[3])
-    result = submission.custom_kernel(changed)
+    result = runtime.custom_kernel(changed)
     assert result[1] is new_c
     # Known sizes: no full rules (the fast acceptor), no second plan, a second binding
     assert validations == [] and len(backend.prepared) == 1 and len(backend.checked) == 1
     assert len(backend.bound) == 2
-    first, second = submission._BINDINGS.entries.values()  # least recently used first
+    first, second = runtime._BINDINGS.entries.values()  # least recently used first
     assert first.plan is second.plan
     assert first.ptrs[1, submission.PTR_C].item() == data[0][1][2].data_ptr()
     assert second.ptrs[1, submission.PTR_C].item() == new_c.data_ptr()
     assert first._host_staging.data_ptr() != second._host_staging.data_ptr()
     # Back to the first input set: a hit on the first binding
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     assert backend.launches[-1][1] is first and len(backend.bound) == 2
 
 
 def test_a_new_dtype_or_layout_runs_the_full_rules(recording_runtime):
     _backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1)])
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     (a, b, c), = data[0]
     wrong_dtype = ([(a, b, c.to(torch.float32))], data[1], data[2], data[3])
     with pytest.raises(TypeError, match=r"group 0: c.dtype = torch.float32"):
-        submission.custom_kernel(wrong_dtype)
+        runtime.custom_kernel(wrong_dtype)
     transposed = torch.empty_strided(c.shape, (1, c.shape[0], c.numel()), dtype=c.dtype)
     with pytest.raises(ValueError, match=r"group 0: c.stride\(\)"):
-        submission.custom_kernel(([(a, b, transposed)], data[1], data[2], data[3]))
+        runtime.custom_kernel(([(a, b, transposed)], data[1], data[2], data[3]))
     assert len(validations) == 2  # the two bad sets, not the good one
 
 
@@ -323,16 +324,16 @@ def test_what_the_fast_acceptor_declines_runs_the_full_rules(recording_runtime, 
     looser form (a stride on a mode of extent 1), gets validate_inputs' verdict."""
     _backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1)])
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
     assert validations == []
     monkeypatch.setattr(submission, "_accepted_device", lambda device: False)
     moved = make_inputs([(40, 384, 512, 1)])
-    submission.custom_kernel(moved)  # the full rules pass (device waived): bound
+    runtime.custom_kernel(moved)  # the full rules pass (device waived): bound
     assert len(validations) == 1
     monkeypatch.setattr(submission, "_accepted_device", lambda device: True)
     (a, b, c), = moved[0]
     odd = torch.empty_strided(c.shape, (c.shape[1], 1, 7), dtype=c.dtype)  # L = 1: its stride is never used
-    submission.custom_kernel(([(a, b, odd)], moved[1], moved[2], moved[3]))
+    runtime.custom_kernel(([(a, b, odd)], moved[1], moved[2], moved[3]))
     assert len(validations) == 2
 
 
@@ -347,41 +348,41 @@ def test_binding_records_its_graph_on_the_second_call(recording_runtime, monkeyp
         def launcher(self, stream):
             return lambda: backend.launches.append(("graph", None, stream))
 
-    monkeypatch.setattr(submission, "GraphLaunch", FakeGraph)
-    monkeypatch.setattr(submission, "_can_record", lambda plan: True)  # CPU tensors here
+    monkeypatch.setattr(runtime, "GraphLaunch", FakeGraph)
+    monkeypatch.setattr(runtime, "_can_record", lambda plan: True)  # CPU tensors here
     data = make_inputs([(40, 384, 512, 1)])
-    submission.custom_kernel(data)
-    binding = submission._BINDINGS.get(submission.input_key(data))
-    assert captured == [] and binding.mode is submission.LaunchMode.FIRST_DIRECT and binding.launched
+    runtime.custom_kernel(data)
+    binding = runtime._BINDINGS.get(submission.input_key(data))
+    assert captured == [] and binding.mode is runtime.LaunchMode.FIRST_DIRECT and binding.launched
     for _ in range(3):
-        submission.custom_kernel(data)
-    assert len(captured) == 1 and binding.mode is submission.LaunchMode.GRAPH
+        runtime.custom_kernel(data)
+    assert len(captured) == 1 and binding.mode is runtime.LaunchMode.GRAPH
     assert [entry[0] == "graph" for entry in backend.launches] == [False, True, True, True]
 
 
 def test_plan_eviction_drops_its_bindings(recording_runtime, monkeypatch):
     backend, _ = recording_runtime
-    monkeypatch.setattr(submission, "_PLANS", submission.RuntimeCache(max_entries=2))
+    monkeypatch.setattr(runtime, "_PLANS", submission.RuntimeCache(max_entries=2))
     sets = [make_inputs([(40 + 8 * i, 128, 256, 1)]) for i in range(3)]
     for data in sets:
-        submission.custom_kernel(data)
+        runtime.custom_kernel(data)
     # The first size set's plan went, and the binding that held it with it
-    assert len(submission._PLANS) == 2 and len(submission._BINDINGS) == 2
-    assert submission.input_key(sets[0]) not in submission._BINDINGS
-    submission.custom_kernel(sets[0])  # planned and bound again
+    assert len(runtime._PLANS) == 2 and len(runtime._BINDINGS) == 2
+    assert submission.input_key(sets[0]) not in runtime._BINDINGS
+    runtime.custom_kernel(sets[0])  # planned and bound again
     assert len(backend.prepared) == 4
 
 
 def test_lru_evicts_the_oldest_input_set(recording_runtime, monkeypatch):
     backend, validations = recording_runtime
-    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=3))
+    monkeypatch.setattr(runtime, "_BINDINGS", submission.RuntimeCache(max_entries=3))
     sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
     for data in sets:
-        submission.custom_kernel(data)
-    assert len(submission._BINDINGS) == 3 and validations == [] and len(backend.prepared) == 1
-    submission.custom_kernel(sets[3])  # still cached
+        runtime.custom_kernel(data)
+    assert len(runtime._BINDINGS) == 3 and validations == [] and len(backend.prepared) == 1
+    runtime.custom_kernel(sets[3])  # still cached
     assert len(backend.bound) == 4
-    submission.custom_kernel(sets[0])  # evicted: bound again on the same plan
+    runtime.custom_kernel(sets[0])  # evicted: bound again on the same plan
     assert len(backend.bound) == 5 and len(backend.prepared) == 1
 
 
@@ -389,9 +390,9 @@ def test_malformed_input_on_the_fast_path_reaches_validation(recording_runtime):
     _, validations = recording_runtime
     data = make_inputs([(40, 128, 256, 1)])
     with pytest.raises(TypeError, match="4-tuple"):
-        submission.custom_kernel(data[:3])
+        runtime.custom_kernel(data[:3])
     with pytest.raises(TypeError, match=r"group 0: abc\[g\]"):
-        submission.custom_kernel(([data[0][0][:2]], data[1], data[2], data[3]))
+        runtime.custom_kernel(([data[0][0][:2]], data[1], data[2], data[3]))
     assert len(validations) == 2
 
 
@@ -410,8 +411,8 @@ def test_make_launcher_falls_back_to_the_plain_call():
 
 @pytest.fixture(params=["per_tile", "persistent"])
 def sm100_backend_on_cpu(request, monkeypatch):
-    """Sm100Backend (each kernel choice) with its compiled kernels replaced by recorders (no
-    GPU here)."""
+    """The library's Sm100StreamBackend (each kernel choice) with its compiled kernels replaced
+    by recorders (no GPU here)."""
     init_calls, gemm_calls = [], []
 
     def fake_init(ptrs, sizes, tensormaps, num_groups, stream):
@@ -420,17 +421,18 @@ def sm100_backend_on_cpu(request, monkeypatch):
     def fake_gemm(*args):
         gemm_calls.append(args)
 
-    monkeypatch.setattr(submission, "compile_init_tensormaps", lambda num_groups: fake_init)
-    monkeypatch.setattr(submission, "compile_gemm", lambda num_groups: fake_gemm)
-    monkeypatch.setattr(submission, "compile_persistent_init", lambda config: fake_init)
-    monkeypatch.setattr(submission, "compile_persistent_gemm", lambda config: fake_gemm)
-    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream")
-    monkeypatch.setattr(submission, "make_launcher", lambda fn, *args: lambda: fn(*args))
-    return submission.Sm100Backend(request.param), init_calls, gemm_calls
+    monkeypatch.setattr(sm100, "compile_per_tile_init", lambda num_groups: fake_init)
+    monkeypatch.setattr(sm100, "compile_per_tile_gemm", lambda num_groups: fake_gemm)
+    monkeypatch.setattr(sm100, "compile_persistent_init", lambda config: fake_init)
+    monkeypatch.setattr(sm100, "compile_persistent_gemm", lambda config: fake_gemm)
+    for module in (runtime, launch, sm100):
+        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream")
+    monkeypatch.setattr(runtime, "make_launcher", lambda fn, *args: lambda: fn(*args))
+    return sm100.Sm100StreamBackend(request.param), init_calls, gemm_calls
 
 
 def _bind_with(backend, pointers, sizes=((40, 384, 512, 1), (129, 128, 768, 1))):
-    return submission.Binding(submission.Plan(backend, list(sizes), "cpu"), pointers)
+    return runtime.Binding(runtime.Plan(backend, list(sizes), "cpu"), pointers)
 
 
 def test_descriptors_rebuilt_only_when_a_pointer_they_hold_changes(sm100_backend_on_cpu):
@@ -474,12 +476,13 @@ def test_no_launch_when_every_group_is_empty(sm100_backend_on_cpu):
 def test_persistent_launch_arguments(monkeypatch):
     """The persistent GEMM gets the tile table, the descriptors, G, the tile count and
     min(tiles, SMs / 2) clusters."""
-    monkeypatch.setattr(submission, "compile_persistent_init", lambda config: lambda *a: None)
-    monkeypatch.setattr(submission, "compile_persistent_gemm", lambda config: ("gemm", config))
-    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream")
+    monkeypatch.setattr(sm100, "compile_persistent_init", lambda config: lambda *a: None)
+    monkeypatch.setattr(sm100, "compile_persistent_gemm", lambda config: ("gemm", config))
+    for module in (runtime, launch, sm100):
+        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream")
     sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
     for num_sms, clusters in ((148, 4), (4, 2)):
-        backend = submission.Sm100Backend("persistent", num_sms=num_sms)
+        backend = sm100.Sm100StreamBackend("persistent", num_sms=num_sms)
         binding = _bind_with(backend, _pointers(2, 1 << 40), sizes=sizes)
         (fn, config), args = backend.launch_args(binding.plan, binding, "stream")
         assert fn == "gemm" and config.tokens_per_tile == 128
@@ -497,20 +500,21 @@ def test_list_problem_sizes_share_one_binding(recording_runtime):
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])
     as_lists = (data[0], data[1], data[2], [list(p) for p in data[3]])
     for _ in range(3):
-        submission.custom_kernel(as_lists)
+        runtime.custom_kernel(as_lists)
     assert validations == [] and len(backend.prepared) == 1 and len(backend.bound) == 1
     assert len(backend.launches) == 3
-    submission.custom_kernel(data)  # the official tuple form hits the same binding
+    runtime.custom_kernel(data)  # the official tuple form hits the same binding
     assert validations == [] and len(backend.bound) == 1 and len(backend.launches) == 4
 
 
 def test_stream_change_prepares_the_launch_again(recording_runtime, monkeypatch):
     backend, _ = recording_runtime
     data = make_inputs([(40, 384, 512, 1)])
-    submission.custom_kernel(data)
-    monkeypatch.setattr(submission, "_stream_for_current", lambda: "stream-1")
-    submission.custom_kernel(data)
-    submission.custom_kernel(data)
+    runtime.custom_kernel(data)
+    for module in (runtime, launch, sm100):
+        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream-1")
+    runtime.custom_kernel(data)
+    runtime.custom_kernel(data)
     assert backend.args == ["stream-0", "stream-1"]
     assert [s for _, _, s in backend.launches] == ["stream-0", "stream-1", "stream-1"]
 
@@ -529,7 +533,7 @@ def test_backend_constraint_rejects_before_any_launch(recording_runtime):
     data = make_inputs([(40, 256, 512, 1), (129, 384, 768, 1)])
     before = data[0][1][2].clone()
     with pytest.raises(ValueError, match="group 1: N = 384"):
-        submission.custom_kernel(data)
+        runtime.custom_kernel(data)
     assert backend.prepared == [] and backend.launches == []
     assert torch.equal(data[0][1][2], before)
 
@@ -537,15 +541,15 @@ def test_backend_constraint_rejects_before_any_launch(recording_runtime):
 def test_hit_path_keys_and_touches_the_lru_like_the_cache_api(recording_runtime, monkeypatch):
     """custom_kernel inlines input_key and RuntimeCache.get: same key, and a hit makes its
     entry the most recent (the next eviction takes another one)."""
-    monkeypatch.setattr(submission, "_BINDINGS", submission.RuntimeCache(max_entries=3))
+    monkeypatch.setattr(runtime, "_BINDINGS", submission.RuntimeCache(max_entries=3))
     sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
     for data in sets[:3]:
-        submission.custom_kernel(data)
-    assert [submission.input_key(d) in submission._BINDINGS for d in sets[:3]] == [True] * 3
-    submission.custom_kernel(sets[0])  # hit: sets[0] becomes the most recent
-    submission.custom_kernel(sets[3])  # evicts the least recent: sets[1]
-    assert submission.input_key(sets[0]) in submission._BINDINGS
-    assert submission.input_key(sets[1]) not in submission._BINDINGS
+        runtime.custom_kernel(data)
+    assert [submission.input_key(d) in runtime._BINDINGS for d in sets[:3]] == [True] * 3
+    runtime.custom_kernel(sets[0])  # hit: sets[0] becomes the most recent
+    runtime.custom_kernel(sets[3])  # evicts the least recent: sets[1]
+    assert submission.input_key(sets[0]) in runtime._BINDINGS
+    assert submission.input_key(sets[1]) not in runtime._BINDINGS
 
 
 BENCHMARK_SETS = [
@@ -592,7 +596,7 @@ def test_launches_sharing_scratch_wait_only_when_the_stream_changes(monkeypatch)
     stream and makes the new one wait, only at a change of stream; a previous stream that is
     gone (the record fails) makes it wait for the whole context."""
     calls = []
-    fake = submission.cuda
+    fake = launch.cuda
     monkeypatch.setattr(fake, "cuEventCreate", lambda flags: (fake.CUresult.CUDA_SUCCESS, "event"))
     monkeypatch.setattr(fake, "cuEventDestroy", lambda event: calls.append(("destroy", event)))
 
@@ -610,7 +614,7 @@ def test_launches_sharing_scratch_wait_only_when_the_stream_changes(monkeypatch)
         scratch_stream = None
 
     plan = FakePlan()
-    launches = {s: submission._ordered_on_scratch(plan, s, lambda s=s: calls.append(("launch", s))) for s in ("s1", "s2")}
+    launches = {s: runtime._ordered_on_scratch(plan, s, lambda s=s: calls.append(("launch", s))) for s in ("s1", "s2")}
     for stream in ("s1", "s1", "s2", "s2", "s1"):
         launches[stream]()
     assert calls == [
@@ -625,14 +629,16 @@ def test_launches_sharing_scratch_wait_only_when_the_stream_changes(monkeypatch)
 
 
 def test_both_backends_and_their_plans_meet_the_protocols(monkeypatch):
-    import nvfp4_hopper as hopper
+    from nvfp4_group_gemm import hopper
 
     monkeypatch.setattr(hopper.backend, "current_num_sms", lambda: 132)
-    for backend in (submission.Sm100Backend("persistent"), submission.Sm100Backend("per_tile"),
+    for backend in (submission.Sm100Backend("persistent"), submission.Sm100Backend("per_tile")):
+        assert isinstance(backend, submission.Backend), backend  # the leaderboard file's runtime
+    for backend in (sm100.Sm100StreamBackend("persistent"), sm100.Sm100StreamBackend("per_tile"),
                     hopper.make_backend(), hopper.make_backend(kernel="in_gemm_decode")):
-        assert isinstance(backend, submission.Backend), backend
+        assert isinstance(backend, runtime.Backend), backend
         assert isinstance(backend.oracle, submission.KernelChoice) and backend.oracle.host
         chain = backend.kernel_chain([(128, 256, 512, 1)])
         assert chain[-1].host and all(not c.host for c in list(chain)[:-1])
-    assert isinstance(submission.Sm100Plan(None, 1), submission.BackendPlan)
-    assert isinstance(hopper.backend.Sm90Plan(hopper.SWAP_AB_CONFIG), submission.BackendPlan)
+    assert isinstance(sm100.Sm100StreamPlan(submission.Sm100Plan(None, 1)), runtime.BackendPlan)
+    assert isinstance(hopper.backend.Sm90Plan(hopper.SWAP_AB_CONFIG), runtime.BackendPlan)

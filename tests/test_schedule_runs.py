@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-import nvfp4_hopper as hopper
-from nvfp4_hopper import schedules
+from nvfp4_group_gemm import hopper
+from nvfp4_group_gemm.hopper import schedules
 
 
 def per_tile_makespan(problem_sizes, config, num_sms):

@@ -18,7 +18,6 @@ import re
 import shutil
 from pathlib import Path
 
-import cuda.bindings.driver as cuda
 import cutlass
 import pytest
 from cutlass import cute
@@ -70,7 +69,7 @@ def persistent_build(request, tmp_path_factory):
     cubin, ptx = _compile_kept(
         lambda options: cute.compile(
             kernel, fake(cutlass.Int32), fake(cutlass.Int64),
-            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0), options=options,
+            cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), options=options,
         ),
         tmp_path_factory.mktemp(f"persistent_t{request.param}"),
     )
@@ -132,7 +131,7 @@ def test_init_kernel_builds_without_local_memory(tmp_path):
     cubin_path, ptx_path = _compile_kept(
         lambda options: cute.compile(
             kernel.init_tensormaps, fake(cutlass.Int64), fake(cutlass.Int32), fake(cutlass.Int64),
-            cutlass.Int32(1), cuda.CUstream(0), options=options,
+            cutlass.Int32(1), options=options,
         ),
         tmp_path,
     )

@@ -1,4 +1,4 @@
-"""CPU tests of the swap-AB sm_90a kernels (nvfp4_hopper.swap_ab): the pre-pass's addressing
+"""CPU tests of the swap-AB sm_90a kernels (nvfp4_group_gemm.hopper.swap_ab): the pre-pass's addressing
 against the reordered scale layout and the GEMM's swizzled stages, the automatic choice, the
 tile table, the activation scratch, the launches a binding makes, and the sm_90a builds.
 The kernels' numerics run on an H200 in tests/test_hopper.py (configs swap_ab*, auto)."""
@@ -13,9 +13,9 @@ import torch
 from helpers import BENCHMARK_SIZES
 
 import build_report
-import nvfp4_hopper as hopper
 import submission
-from nvfp4_hopper import swap_ab
+from nvfp4_group_gemm import hopper, launch, runtime
+from nvfp4_group_gemm.hopper import swap_ab
 from reference import create_reordered_scale_factor_tensor
 
 
@@ -300,13 +300,13 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     monkeypatch.setattr(hopper.backend, "compile_swap_ab_gemm", lambda g, config: ("gemm", g, config))
     monkeypatch.setattr(hopper.backend, "compile_decode_activations",
                         lambda g, chained=False: ("pre-pass", g, chained))
-    monkeypatch.setattr(submission, "cell_launcher", FakeCellLauncher)
+    monkeypatch.setattr(launch, "cell_launcher", FakeCellLauncher)
     sizes = tuple(BENCHMARK_SIZES[3])
     abc = [(torch.zeros((m, k // 2, 1), dtype=torch.uint8), torch.zeros((n, k // 2, 1), dtype=torch.uint8),
             torch.zeros((m, n, 1), dtype=torch.float16)) for m, n, k, _l in sizes]
     sfs = [(torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)) for _ in sizes]
-    plan = submission.Plan(hopper.make_backend(), sizes, "cpu")
-    binding = submission.Binding(plan, submission.pointers_of((abc, None, sfs, sizes)))
+    plan = runtime.Plan(hopper.make_backend(), sizes, "cpu")
+    binding = runtime.Binding(plan, submission.pointers_of((abc, None, sfs, sizes)))
     assert plan.backend_plan.shared_scratch and plan.backend_plan.config == hopper.SWAP_AB_ONE_ROUND_K128_CONFIG
     assert plan.nbytes >= (128 + 384) * 1536 * 2
     binding.run(FakeStream())
@@ -315,7 +315,7 @@ def test_binding_launches_the_pre_pass_then_the_gemm(monkeypatch):
     assert second_args[2] == plan.tiles.data_ptr() and first_args[2] == second_args[4]
     assert first == ("pre-pass", 2, True) and second == ("gemm", 2, hopper.SWAP_AB_ONE_ROUND_K128_CONFIG)
     # chained calls: launched directly (a graph launch would wait for the kernel before it)
-    assert not plan.backend_plan.graph_launch and not submission._can_record(plan)
+    assert not plan.backend_plan.graph_launch and not runtime._can_record(plan)
     assert int(first_args[3]) == 384 * 1536 // 16 // swap_ab.DECODE_THREADS
     assert int(second_args[3]) == plan.num_tiles == 128
 
@@ -332,11 +332,11 @@ def test_chained_calls_by_environment(monkeypatch):
     chained = hopper.make_backend()
     chosen = hopper.SWAP_AB_T112_K128_CONFIG
     assert chained.config_for(sizes) == chosen and chosen.chain_calls
-    assert not submission.Plan(chained, sizes, "cpu").backend_plan.graph_launch
+    assert not runtime.Plan(chained, sizes, "cpu").backend_plan.graph_launch
     monkeypatch.setenv("NVFP4_SM90_CHAIN_CALLS", "0")
     unchained = hopper.make_backend()
     assert unchained.config_for(sizes) == dataclasses.replace(chosen, chain_calls=False)
-    assert submission.Plan(unchained, sizes, "cpu").backend_plan.graph_launch
+    assert runtime.Plan(unchained, sizes, "cpu").backend_plan.graph_launch
     assert unchained.plan_key != chained.plan_key
     assert hopper.make_backend(hopper.SWAP_AB_T112_CONFIG).config_for(sizes).chain_calls
     monkeypatch.setenv("NVFP4_SM90_CHAIN_CALLS", "yes")
@@ -359,7 +359,7 @@ def test_kernel_selection_by_environment(monkeypatch):
 @pytest.fixture(scope="module")
 def swap_ab_builds(tmp_path_factory):
     dump_root = tmp_path_factory.mktemp("swap_ab_build")
-    reports = build_report.build_all((1, 8), dump_root, modules=("nvfp4_hopper",))
+    reports = build_report.build_all((1, 8), dump_root, modules=("nvfp4_group_gemm.hopper",))
     return {(r.target, r.num_groups): r for r in reports if "swap_ab" in r.target or "decode_act" in r.target}
 
 

@@ -13,6 +13,7 @@ import torch
 from helpers import fp4_operand, make_inputs, reordered_scales, replace_tensor
 
 import submission
+from nvfp4_group_gemm import runtime
 
 SIZES = [(128, 256, 512, 1), (40, 384, 256, 1), (129, 128, 768, 1)]
 
@@ -154,18 +155,31 @@ def test_unsupported_gpu_message(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100")
     with pytest.raises(RuntimeError) as info:
-        submission.select_backend(0)
+        runtime.select_backend(0)
     message = str(info.value)
     assert "NVIDIA A100" in message and "8.0" in message
     assert "B200" in message and "sm_100" in message and "H100/H200" in message
 
 
-def test_missing_hopper_backend_message(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    monkeypatch.setitem(sys.modules, "nvfp4_hopper", None)  # import nvfp4_hopper -> ImportError
-    with pytest.raises(RuntimeError, match=r"sm_90.*nvfp4_hopper package, which could not be imported"):
+@pytest.mark.parametrize("capability, name", [((9, 0), "NVIDIA H200"), ((8, 9), "NVIDIA L40S")])
+def test_the_leaderboard_file_names_the_library_entry_off_sm100(monkeypatch, capability, name):
+    """submission.py runs sm_100 only; elsewhere one line names the entry to use instead."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+    with pytest.raises(RuntimeError) as info:
         submission.select_backend(0)
+    message = str(info.value)
+    assert "\n" not in message and name in message and f"sm_{capability[0]}{capability[1]}" in message
+    assert "from nvfp4_group_gemm import custom_kernel" in message
     assert submission._BACKEND_BY_DEVICE == {}
+
+
+def test_missing_hopper_backend_is_the_import_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setitem(sys.modules, "nvfp4_group_gemm.hopper", None)  # import -> ImportError
+    with pytest.raises(ImportError):
+        runtime.select_backend(0)
+    assert runtime._BACKEND_BY_DEVICE == {}
 
 
 def test_sm100_capability_selects_the_blackwell_backend(monkeypatch):
@@ -174,6 +188,12 @@ def test_sm100_capability_selects_the_blackwell_backend(monkeypatch):
         torch.cuda, "get_device_properties", lambda index=None: types.SimpleNamespace(multi_processor_count=148)
     )
     backend = submission.select_backend(3)
-    assert isinstance(backend, submission.Sm100Backend)
+    assert type(backend) is submission.Sm100Backend
     assert backend.num_sms == 148 and backend.kernel == submission.SM100_KERNEL == "persistent"
     assert submission._BACKEND_BY_DEVICE[3] is backend
+    # the library's runtime drives the same kernels, launched on the caller's stream
+    from nvfp4_group_gemm.sm100 import Sm100StreamBackend
+
+    library_backend = runtime.select_backend(3)
+    assert isinstance(library_backend, Sm100StreamBackend) and isinstance(library_backend, submission.Sm100Backend)
+    assert library_backend.num_sms == 148 and runtime._BACKEND_BY_DEVICE[3] is library_backend

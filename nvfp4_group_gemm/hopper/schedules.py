@@ -11,6 +11,7 @@ import struct
 
 import torch
 
+from .. import launch
 from .config import (
     CTAS_PER_SM,
     SM90_CONFIG,
@@ -462,13 +463,12 @@ class StreamKPlan:
         )
         self.work_offsets = list(work_offsets)
         self.num_workers = len(self.work_offsets) - 1
-        import submission
 
         flat = self.work_offsets + [v for row in self.segments for v in row]
         device = plan.device
         # one asynchronous copy, as for the runtime's tables (a pageable copy would wait for
         # the stream's earlier work: a miss would stall it)
-        self._table, self._host_staging, (work,) = submission.upload_int_tables(device, [("i", [flat])])
+        self._table, self._host_staging, (work,) = launch.upload_int_tables(device, [("i", [flat])])
         self.work = work.view(-1)
         self.workspace = torch.empty(
             max(self.num_slots, 1) * config.tile_m * config.tile_n, dtype=torch.float32, device=device

@@ -11,6 +11,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import torch
 
+from .. import launch
+from ..leaderboard import submission
 from .config import (
     CTAS_PER_SM,
     SM90_CONFIG,
@@ -85,11 +87,10 @@ class ActivationBuffer:
     def __init__(self, problem_sizes, device, config: SwapAbConfig):
         offsets, slabs, total = activation_slabs(problem_sizes, config)
         self.buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        import submission
 
         base = self.buffer.data_ptr()
         table = [(base + offset, slab) for offset, slab in zip(offsets, slabs)]
-        self._table, self._host_staging, (self.addresses,) = submission.upload_int_tables(device, [("q", table)])
+        self._table, self._host_staging, (self.addresses,) = launch.upload_int_tables(device, [("q", table)])
         self.blocks_x = max(1, -(-activation_blocks(problem_sizes) // DECODE_THREADS))
 
     @property
@@ -116,7 +117,7 @@ IN_GEMM_DECODE_ARGS = (("ptr", "ptr", "ptr", "i32", "ptr", "i32", "ptr", "ptr", 
 class DirectLaunch:
     """The swap-AB kernels of one size set launched for an input set that has no binding (its
     first call): the runtime's tables copied to the device from its staging memory
-    (submission.DirectTables), the activations decoded into scratch allocated per call from
+    (runtime.DirectTables), the activations decoded into scratch allocated per call from
     torch's caching allocator on the launch stream (reused only by that stream's later
     work), their address table written after the runtime's tables (`extra_bytes`)."""
 
@@ -124,7 +125,6 @@ class DirectLaunch:
                  "scratch_bytes", "slabs")
 
     def __init__(self, spec, config: SwapAbConfig):
-        import submission
 
         num_groups = spec.num_groups
         self.device = spec.device
@@ -133,9 +133,9 @@ class DirectLaunch:
         self.acts_format = f"<{2 * num_groups}q"
         self.num_tiles = spec.num_tiles
         self.blocks_x = max(1, -(-activation_blocks(spec.problem_sizes) // DECODE_THREADS))
-        self.prepass = submission.cell_launcher(
+        self.prepass = launch.cell_launcher(
             compile_decode_activations(num_groups, chained=config.chain_calls), *PREPASS_ARGS)
-        self.gemm = submission.cell_launcher(compile_swap_ab_gemm(num_groups, config=config), *SWAP_AB_GEMM_ARGS)
+        self.gemm = launch.cell_launcher(compile_swap_ab_gemm(num_groups, config=config), *SWAP_AB_GEMM_ARGS)
 
     def write_extra(self, host, acts_offset: int) -> torch.Tensor:
         """Allocate the scratch (on torch's current stream, the launch's) and write its
@@ -200,7 +200,6 @@ SM90_KERNELS = ("swap_ab", "in_gemm_decode")
 
 def default_kernel() -> str:
     """NVFP4_SM90_KERNEL (swap_ab when unset); ValueError naming the allowed values."""
-    import submission  # its env_switch reads every NVFP4_* switch
 
     return submission.env_switch("NVFP4_SM90_KERNEL", SM90_KERNELS, "swap_ab")
 
@@ -210,7 +209,6 @@ def default_chain_calls() -> bool:
     (SwapAbConfig.chain_calls: the least device time, each call launched directly); "0"
     replays each input set's launches as a CUDA graph instead (about a third of the CPU per
     call, the pre-pass no longer overlapping the kernel before it). ValueError otherwise."""
-    import submission
 
     return submission.env_switch("NVFP4_SM90_CHAIN_CALLS", ("0", "1"), "1") == "1"
 
@@ -267,7 +265,6 @@ class Sm90Backend:
         kernel, the exact decode. A backend made with a config runs that config alone."""
         if self.config is not None:
             return [_choice(config_kind(self.config), self.config)]
-        import submission
 
         links = []
         if self.kernel == "swap_ab":
@@ -358,7 +355,6 @@ class Sm90Backend:
         """plan_tiles(problem_sizes, choice) as submission.PackedTiles: for swap-AB joined from
         cached per-bucket blocks (schedules.packed_swap_ab_tiles: a MoE step plans new sizes
         on every call)."""
-        import submission
 
         config = choice.config
         if isinstance(config, SwapAbConfig):
@@ -386,9 +382,8 @@ class Sm90Backend:
         return DirectLaunch(spec, config)
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):
-        """The launches of this input set on `stream` as submission.CellArgs: for swap-AB the
+        """The launches of this input set on `stream` as launch.CellArgs: for swap-AB the
         pre-pass, then the GEMM; the in-GEMM-decode GEMM alone."""
-        import submission
 
         backend_plan = plan.backend_plan
         activations = backend_plan.activations
@@ -397,9 +392,9 @@ class Sm90Backend:
         if activations is not None:
             addresses = activations.addresses.data_ptr()
             return [
-                submission.CellArgs(compile_decode_activations(plan.num_groups, chained=backend_plan.config.chain_calls),
+                launch.CellArgs(compile_decode_activations(plan.num_groups, chained=backend_plan.config.chain_calls),
                                     *PREPASS_ARGS, (ptrs, sizes, addresses, activations.blocks_x, handle)),
-                submission.CellArgs(compile_swap_ab_gemm(plan.num_groups, config=backend_plan.config),
+                launch.CellArgs(compile_swap_ab_gemm(plan.num_groups, config=backend_plan.config),
                                     *SWAP_AB_GEMM_ARGS, (ptrs, sizes, tiles, plan.num_tiles, addresses, handle)),
             ]
         stream_k = backend_plan.stream_k
@@ -409,7 +404,7 @@ class Sm90Backend:
         else:
             work, num_workers = stream_k.work.data_ptr(), stream_k.num_workers
             workspace, counters = stream_k.workspace.data_ptr(), stream_k.counters.data_ptr()
-        return submission.CellArgs(_compiled_gemm(backend_plan.config, plan.num_groups), *IN_GEMM_DECODE_ARGS,
+        return launch.CellArgs(_compiled_gemm(backend_plan.config, plan.num_groups), *IN_GEMM_DECODE_ARGS,
                                    (ptrs, sizes, tiles, plan.num_tiles, work, num_workers, workspace, counters, handle))
 
 
@@ -433,7 +428,6 @@ def config_kind(config) -> str:
 def _choice(name: str, config=None, host: bool = False):
     """A link of a chain: submission.KernelChoice (the runtime's type; imported here, at plan
     time, since submission imports this package only on its first sm_90 use)."""
-    import submission
 
     return submission.KernelChoice("sm90", name, config, per_group_count=not host, host=host,
                                    label=None if config is None else config_name(config))

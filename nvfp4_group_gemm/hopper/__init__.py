@@ -1,4 +1,4 @@
-"""NVFP4 block-scaled grouped GEMM for Hopper (sm_90a), a backend of submission.py.
+"""NVFP4 block-scaled grouped GEMM for Hopper (sm_90a), the nvfp4_group_gemm library's sm_90 backend.
 
 Computes, for every group i with M_i > 0,
 
@@ -72,7 +72,7 @@ issue slots, needs no descriptors, and zero-fills rows past M without reading th
 swap-AB GEMM's fp16 token rows need no descriptor either: the pre-pass lays them out so that
 a tile's rows of a k-tile are contiguous, and a plain bulk copy (cp.async.bulk) brings them.
 
-Constraints (checked by submission.validate_inputs and by ``can_implement`` here):
+Constraints (checked by the leaderboard file's validate_inputs and by ``can_implement`` here):
   * 1 <= G <= 64, L == 1
   * M >= 0 (groups with M == 0 get no tiles), N a multiple of 128, K a multiple of 256
   * a/b/c row-major with unit stride along K (a, b) or N (c); reordered scale tensors in the
@@ -85,7 +85,7 @@ stream-K), backend (Sm90Backend, make_backend, ActivationBuffer). Options measur
 docs/EXPERIMENTS.md with their figures, each under an id (E1, E2, ...) that a one-line note at its
 decision point here names: ``(EXPERIMENTS E19)``.
 
-Standalone use of one config on an H200: ``submission.run_with_backend(data, make_backend(config))``.
+Standalone use of one config on an H200: ``nvfp4_group_gemm.run_with_backend(data, make_backend(config))``.
 """
 
 from .backend import (

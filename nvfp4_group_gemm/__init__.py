@@ -1,0 +1,29 @@
+"""NVFP4 block-scaled grouped GEMM for every caller beyond the leaderboard.
+
+``submission.py`` beside this package is the B200 leaderboard file: sm_100a kernels, their
+runtime on the default stream, nothing else. This package builds on it (and is never imported
+by it) with what real callers need:
+
+* ``custom_kernel(data)``: the same input and result as the leaderboard file's, launched on the
+  caller's current stream, on a B200 (the file's sm_100a kernels, ``sm100``) or an H100/H200
+  (the Hopper kernels, ``hopper``); callers' CUDA-graph capture, threads on their own streams,
+  graph replay of a bound input set, first calls launched from staged tables (``runtime``);
+* ``warmup(n, k, groups)``: compile a (G, N, K) family before serving;
+* ``grouped_gemm(data)`` / ``grouped_gemm_op``: the torch op ``torch.ops.nvfp4_group_gemm.grouped_gemm``
+  (``torch.compile(fullgraph=True)`` traces it);
+* ``examples/library_submission.py``: this package's entry as a harness submission.
+"""
+
+from .op import grouped_gemm, grouped_gemm_op
+from .runtime import bind_input_set, custom_kernel, reset_runtime, run_with_backend, select_backend, warmup
+
+__all__ = [
+    "bind_input_set",
+    "custom_kernel",
+    "grouped_gemm",
+    "grouped_gemm_op",
+    "reset_runtime",
+    "run_with_backend",
+    "select_backend",
+    "warmup",
+]

@@ -1,0 +1,510 @@
+"""Launch machinery for callers beyond the leaderboard: where each launch goes (the caller's
+current stream, read at every call), tables staged in pinned memory and copied on that
+stream (TableRing; CaptureArena under a caller's capture), launches with argument cells
+(CellLauncher), a launch recorded once as a CUDA graph and replayed (GraphLaunch), and
+buffers written on one stream that another reads (Written)."""
+
+import contextlib
+import ctypes
+import struct
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import torch
+from cutlass import cute
+from cutlass.cute.runtime import make_ptr
+
+from .leaderboard import submission
+
+_align_up = submission._align_up
+_flatten = submission._flatten
+_device_context = submission._device_context
+_current_device_index = submission._current_device_index
+_executor = submission._executor
+make_launcher = submission.make_launcher
+# One lock for both runtimes: compilation (the DSL's session state is not thread-safe), the
+# caches' misses, the shared ring
+_RUNTIME_LOCK = submission._RUNTIME_LOCK
+
+
+def _prepared_launches() -> bool:
+    """Whether the prepared (packed-argument) launch applies: the leaderboard file's rule."""
+    return submission._DSL_VERSION == submission._PREPARED_LAUNCH_DSL_VERSION and not submission._FORCE_PLAIN_LAUNCH
+
+
+class LaunchCell:
+    """One argument of a compiled DSL function whose value is set before each launch: a
+    ctypes value the function's packed arguments point at (the DSL's protocol for an
+    argument already converted: ``__c_pointers__``)."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, ctype):
+        self.storage = ctype()
+
+    def __c_pointers__(self):
+        return [ctypes.addressof(self.storage)]
+
+
+# What each kind of cell holds, and what the plain DSL call takes in its place
+_CELL_TYPES = {"ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "stream": ctypes.c_void_p}
+
+
+class CellLauncher:
+    """``compiled(*args)`` with arguments given per launch, its execution arguments built once
+    (one per compiled function and device): a call sets the cells and launches. `kinds` names
+    each argument: "ptr" (a global address, as cute.Pointer of `dtypes[i]`), "i32", "stream"
+    (a raw CUstream handle). Not thread-safe: the runtime calls it under its lock."""
+
+    __slots__ = ("capi_func", "cells", "cuda_result", "dtypes", "keepalive", "kinds", "packed_args", "plain")
+
+    def __init__(self, compiled, kinds: tuple[str, ...], dtypes: tuple):
+        self.kinds, self.dtypes = kinds, dtypes
+        self.cells = [LaunchCell(_CELL_TYPES[kind]) for kind in kinds]
+        self.plain = compiled
+        self.packed_args = None
+        if _prepared_launches():
+            try:
+                exe_args, _ = compiled.generate_execution_args(*self.cells)
+                executor = _executor(compiled)
+                self.packed_args = executor._get_invoke_packed_args(list(exe_args))
+                self.capi_func = executor.jit_module.capi_func
+                self.cuda_result = executor.cuda_result
+                self.keepalive = (compiled, executor)
+            except Exception:  # noqa: BLE001 - any change in DSL internals selects the plain call
+                self.packed_args = None
+
+    def bound(self, values) -> Callable[[], None]:
+        """A launch of `values` fixed now (a binding's): its own cells and packed arguments,
+        built with ctypes alone (no DSL argument conversion)."""
+        if self.packed_args is None:
+            args = [_plain_argument(kind, dtype, value) for kind, dtype, value in zip(self.kinds, self.dtypes, values)]
+            return lambda: self.plain(*args)
+        cells = [LaunchCell(_CELL_TYPES[kind]) for kind in self.kinds]
+        for cell, value in zip(cells, values):
+            cell.storage.value = value
+        packed_args = self.keepalive[1]._get_invoke_packed_args([ctypes.addressof(c.storage) for c in cells])
+        capi_func, cuda_result = self.capi_func, self.cuda_result
+
+        def launch():
+            capi_func(packed_args)
+            if cuda_result is not None and cuda_result.value != 0:
+                raise RuntimeError(f"kernel launch failed: CUresult {cuda_result.value}")
+
+        launch.keepalive = (cells, self)
+        return launch
+
+    def __call__(self, *values) -> None:
+        if self.packed_args is None:
+            self.plain(*(_plain_argument(kind, dtype, value)
+                         for kind, dtype, value in zip(self.kinds, self.dtypes, values)))
+            return
+        for cell, value in zip(self.cells, values):
+            cell.storage.value = value
+        self.capi_func(self.packed_args)
+        if self.cuda_result is not None and self.cuda_result.value != 0:
+            raise RuntimeError(f"kernel launch failed: CUresult {self.cuda_result.value}")
+
+
+def _plain_argument(kind: str, dtype, value):
+    if kind == "ptr":
+        return make_ptr(dtype, value, cute.AddressSpace.gmem, assumed_align=16)
+    if kind == "i32":
+        return cutlass.Int32(value)
+    return cuda.CUstream(value)
+
+
+class CellArgs(typing.NamedTuple):
+    """One launch of a backend's launch_args as raw values (CellLauncher's kinds and
+    dtypes): a binding's prepared launch is then built with ctypes alone."""
+
+    compiled: Any
+    kinds: tuple
+    dtypes: tuple
+    values: tuple
+
+    def launcher(self) -> Callable[[], None]:
+        return cell_launcher(self.compiled, self.kinds, self.dtypes).bound(self.values)
+
+
+def cell_launcher(compiled, kinds: tuple[str, ...], dtypes: tuple) -> CellLauncher:
+    """The CellLauncher of `compiled` on the current device (kept on the compiled function,
+    as its executors are)."""
+    launchers = compiled.__dict__.setdefault("_nvfp4_cell_launchers", {})
+    device = _current_device_index()
+    launcher = launchers.get(device)
+    if launcher is None:
+        launcher = launchers[device] = CellLauncher(compiled, kinds, dtypes)
+    return launcher
+
+
+
+class PinnedHostBuffer:
+    """Pinned host memory (the source of an asynchronous cuMemcpyHtoDAsync): `host` is the
+    buffer as Python writes it, `base` its address. On a CPU device (the tests) a plain
+    buffer, read by the host-side stand-ins at its own address."""
+
+    __slots__ = ("_storage", "base", "host", "pinned", "size")
+
+    def __init__(self, device: torch.device, size: int):
+        self.size, self.pinned = size, False
+        if device.type == "cuda":
+            with _device_context(device):
+                result, base = cuda.cuMemHostAlloc(size, cuda.CU_MEMHOSTALLOC_PORTABLE)
+                _check_cuda(result, "cuMemHostAlloc")
+                self.base, self.pinned = int(base), True
+            self.host = memoryview((ctypes.c_char * size).from_address(self.base)).cast("B")
+        else:
+            self._storage = storage = (ctypes.c_char * (size + 128))()
+            pad = -ctypes.addressof(storage) % 128  # aligned as a pinned allocation is
+            self.host = memoryview(storage).cast("B")[pad: pad + size]
+            self.base = ctypes.addressof(storage) + pad
+
+    def __del__(self):
+        if getattr(self, "pinned", False):
+            try:
+                cuda.cuMemFreeHost(self.base)
+            except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
+                pass
+
+
+class StagedTables:
+    """Pinned host memory the host writes tables into (`buffer`, a PinnedHostBuffer) and its
+    device mirror of the same size, which the kernels read: upload copies a written range on
+    a stream (one cuMemcpyHtoDAsync). Kernels that read their tables in place from mapped host
+    memory ran slower by the PCIe reads of every CTA (EXPERIMENTS E70). On a CPU device (the
+    tests) no mirror: the device addresses are the host buffer's own."""
+
+    __slots__ = ("buffer", "device_base", "mirror")
+
+    def __init__(self, device: torch.device, size: int):
+        self.buffer = PinnedHostBuffer(device, size)
+        self.mirror = None
+        self.device_base = self.buffer.base
+        if device.type == "cuda":
+            self.mirror = torch.empty(size, dtype=torch.uint8, device=device)
+            self.device_base = self.mirror.data_ptr()
+
+    def upload(self, offset: int, nbytes: int, stream) -> None:
+        """Copy bytes offset .. offset + nbytes to the mirror on `stream` (a cuda.CUstream)."""
+        if self.mirror is not None:
+            _check_cuda(cuda.cuMemcpyHtoDAsync(self.device_base + offset, self.buffer.base + offset, nbytes,
+                                               stream)[0], "cuMemcpyHtoDAsync")
+
+    def copy_to(self, offset: int, nbytes: int, destination: torch.Tensor, stream) -> None:
+        """Copy bytes offset .. offset + nbytes to the start of `destination` (a tensor of at
+        least nbytes on the staging's device) on `stream`; on a CPU device, at once."""
+        if self.mirror is not None:
+            _check_cuda(cuda.cuMemcpyHtoDAsync(destination.data_ptr(), self.buffer.base + offset, nbytes,
+                                               stream)[0], "cuMemcpyHtoDAsync")
+        else:
+            ctypes.memmove(destination.data_ptr(), self.buffer.base + offset, nbytes)
+
+
+class TableRing(StagedTables):
+    """The tables of launches that have no binding (an input set's first call): written by the
+    host into pinned memory right before the launch, copied to the device mirror on the
+    launch's stream (StagedTables).
+
+    A ring of SEGMENTS segments: leaving a segment records an event on every stream that
+    launched from it; entering it again waits for those events (the copies and launches of
+    that segment ran long before, unless the host runs that far ahead of the GPU)."""
+
+    SEGMENTS = 8
+    SEGMENT_BYTES = 1 << 17
+
+    __slots__ = ("events", "offset", "segment", "streams")
+
+    def __init__(self, device: torch.device):
+        super().__init__(device, self.SEGMENTS * self.SEGMENT_BYTES)
+        self.events: list[list] = [[] for _ in range(self.SEGMENTS)]
+        self.streams: list = []
+        self.segment = self.offset = 0
+
+    def take(self, nbytes: int, stream) -> int:
+        """Offset of `nbytes` (at most SEGMENT_BYTES) for a launch on `stream` (a cuda.CUstream;
+        anything else has no events: the CPU tests)."""
+        nbytes = _align_up(nbytes, 128)
+        if nbytes > self.SEGMENT_BYTES:
+            raise ValueError(f"TableRing.take: {nbytes} bytes; a segment holds {self.SEGMENT_BYTES}")
+        if self.offset + nbytes > self.SEGMENT_BYTES:
+            self._next_segment()
+        if stream not in self.streams:
+            self.streams.append(stream)
+        offset = self.segment * self.SEGMENT_BYTES + self.offset
+        self.offset += nbytes
+        return offset
+
+    def _next_segment(self) -> None:
+        left = self.events[self.segment]
+        for stream in self.streams:
+            if isinstance(stream, cuda.CUstream):
+                event = _CudaEvent()
+                if cuda.cuEventRecord(event.event, stream)[0] == cuda.CUresult.CUDA_SUCCESS:
+                    left.append(event)
+                else:  # the stream is gone (a caller's external stream): wait for all work
+                    _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
+        self.streams = []
+        self.segment = (self.segment + 1) % self.SEGMENTS
+        self.offset = 0
+        for event in self.events[self.segment]:
+            _check_cuda(cuda.cuEventSynchronize(event.event)[0], "cuEventSynchronize")
+        self.events[self.segment] = []
+
+
+class CaptureArena(StagedTables):
+    """Tables that a caller's CUDA graph reads at every replay (a first call captured): carved
+    once from StagedTables allocated before any capture, never reused; the capture records
+    their copy to the mirror, which every replay repeats. A capture cannot allocate pinned
+    memory, so an exhausted arena refuses (the caller then runs the input set eagerly once
+    more, which binds it)."""
+
+    BYTES = 1 << 20
+
+    __slots__ = ("offset",)
+
+    def __init__(self, device: torch.device):
+        super().__init__(device, self.BYTES)
+        self.offset = 0
+
+    def take(self, nbytes: int) -> int | None:
+        nbytes = _align_up(nbytes, 128)
+        if self.offset + nbytes > self.BYTES:
+            return None
+        offset, self.offset = self.offset, self.offset + nbytes
+        return offset
+
+
+# A prepared launch recorded once per input set as a CUDA graph and replayed with
+# cuGraphLaunch: a third of the prepared DSL call's CPU (EXPERIMENTS E57). The graph holds the
+# kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
+
+
+def _check_cuda(result, what: str) -> None:
+    if result != cuda.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{what} failed: {result!r}")
+
+
+# a private stream per device, on which GraphLaunch records
+_CAPTURE_STREAMS: dict = {}
+
+
+class GraphLaunch:
+    """One launch recorded as an executable CUDA graph; replayable on any stream.
+
+    A replay is ordered after earlier work on its stream and after earlier replays of the
+    same graph (CUDA's rule for cuGraphLaunch). Destroying it while a replay is pending is
+    safe: the driver frees the graph when that replay completes.
+    """
+
+    __slots__ = ("graph_exec",)
+
+    def __init__(self, record: Callable[[cuda.CUstream], Callable[[], None]], device: torch.device):
+        """Capture what `record(stream)()` launches on a private stream of `device`."""
+        self.graph_exec = None
+        with torch.cuda.device(device):
+            capture_stream = _CAPTURE_STREAMS.get(device.index)
+            if capture_stream is None:
+                capture_stream = _CAPTURE_STREAMS[device.index] = torch.cuda.Stream(device)
+            stream = cuda.CUstream(capture_stream.cuda_stream)
+            launch = record(stream)
+            # Thread-local: CUDA calls of other threads are not captured and not disturbed
+            mode = cuda.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            _check_cuda(cuda.cuStreamBeginCapture(stream, mode)[0], "cuStreamBeginCapture")
+            try:
+                launch()
+            finally:
+                # Always leave capture mode, also when the launch raised
+                result, graph = cuda.cuStreamEndCapture(stream)
+            _check_cuda(result, "cuStreamEndCapture")
+            try:
+                result, graph_exec = cuda.cuGraphInstantiate(graph, 0)
+                _check_cuda(result, "cuGraphInstantiate")
+            finally:
+                cuda.cuGraphDestroy(graph)  # the executable graph does not need it
+        self.graph_exec = graph_exec
+
+    def launcher(self, stream: cuda.CUstream) -> Callable[[], None]:
+        graph_launch = cuda.cuGraphLaunch
+        graph_exec = self.graph_exec
+
+        def launch():
+            result = graph_launch(graph_exec, stream)[0]
+            if result:  # CUresult is an IntEnum, CUDA_SUCCESS == 0
+                raise RuntimeError(f"cuGraphLaunch failed: {result!r}")
+
+        launch.keepalive = self
+        return launch
+
+    def __del__(self):
+        if self.graph_exec is not None:
+            try:
+                cuda.cuGraphExecDestroy(self.graph_exec)
+            except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
+                pass
+
+
+def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """Copy integer tables to `device` in one buffer: (device buffer, host staging, views).
+
+    `tables`: (struct code "q" or "i", rows of equal length). Each table starts on a 128-byte
+    boundary. On a CUDA device the rows are packed into the device's TableRing (pinned, so
+    the one cuMemcpyHtoDAsync on torch's current stream is asynchronous; the ring reuses those
+    bytes only after the copy's stream passed them) and the host staging is None: no pinned
+    allocation per table (torch's pinned allocator went to cudaHostAlloc for most of them
+    when tables were made back to back: EXPERIMENTS E68). Elsewhere (the CPU tests) a plain
+    copy from a host buffer, which is returned.
+    """
+    device = torch.device(device)
+    layout, offset = [], 0
+    for code, rows in tables:
+        width = len(rows[0]) if rows else 1
+        itemsize = struct.calcsize(code)
+        layout.append((offset, code, len(rows), width, itemsize))
+        offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
+    # Packed in Python and copied as one buffer: half the CPU of one torch op per table
+    # (EXPERIMENTS E58)
+    buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+    through_ring = device.type == "cuda" and offset <= TableRing.SEGMENT_BYTES
+    # the ring is shared (bind_input_set runs outside custom_kernel's lock)
+    with _RUNTIME_LOCK if through_ring else contextlib.nullcontext():
+        if through_ring:
+            stream = _stream_for_current()
+            ring = table_ring(device)
+            base = ring.take(offset, stream)
+            staging = ring.buffer.host
+        else:
+            staging, base = bytearray(offset), 0
+        for (start, code, count, width, _), (_, rows) in zip(layout, tables):
+            struct.pack_into(f"<{count * width}{code}", staging, base + start, *_flatten(rows))
+        if through_ring:
+            _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + base, offset, stream)[0],
+                        "cuMemcpyHtoDAsync")
+            host = None
+        else:  # the CPU tests, or tables over a ring segment: a pinned staging block of their own
+            host = torch.frombuffer(staging, dtype=torch.uint8)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            buffer.copy_(host, non_blocking=True)
+    dtypes = {"q": torch.int64, "i": torch.int32}
+    views = [
+        buffer[start : start + count * width * itemsize].view(dtypes[code]).view(count, width)
+        for start, code, count, width, itemsize in layout
+    ]
+    return buffer, host, views
+
+
+class Written:
+    """A device buffer written on torch's current stream (a table copy or the init kernel),
+    with an event recorded right after the writing: a launch on another stream waits for it
+    first (order_before)."""
+
+    __slots__ = ("event", "stream", "value")
+
+    def __init__(self, value, device: torch.device):
+        self.value = value
+        self.event = self.stream = None
+        if device.type == "cuda":
+            self.stream = _stream_for_current()
+            self.event = _CudaEvent()
+            _check_cuda(cuda.cuEventRecord(self.event.event, self.stream)[0], "cuEventRecord")
+
+    @classmethod
+    def on_stream(cls, value, stream) -> "Written":
+        """`value`, written by work just queued on `stream` (a cuda.CUstream; anything else,
+        the CPU tests' stand-in, orders nothing), without an event yet: a first call's table
+        is read on its own stream far more often than anywhere else, so the event is recorded
+        only when another stream needs it (order_before), and then covers the writing too."""
+        written = cls.__new__(cls)
+        written.value, written.event = value, None
+        written.stream = stream if isinstance(stream, cuda.CUstream) else None
+        return written
+
+    def order_before(self, stream: cuda.CUstream) -> None:
+        """Make `stream`'s later work wait for the writing, unless it is the writing stream."""
+        if self.stream is None or stream is self.stream:
+            return
+        if self.event is None:  # on_stream: recorded now, after the writing
+            event = _CudaEvent()
+            if cuda.cuEventRecord(event.event, self.stream)[0] != cuda.CUresult.CUDA_SUCCESS:
+                # the writing stream is gone (a caller's external stream): wait for all work
+                _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
+                self.stream = None
+                return
+            self.event = event
+        _check_cuda(cuda.cuStreamWaitEvent(stream, self.event.event, 0)[0], "cuStreamWaitEvent")
+
+
+class _CudaEvent:
+    """A timing-free CUDA event, destroyed with its owner."""
+
+    __slots__ = ("event",)
+
+    def __init__(self):
+        result, self.event = cuda.cuEventCreate(cuda.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        _check_cuda(result, "cuEventCreate")
+
+    def __del__(self):
+        try:
+            cuda.cuEventDestroy(self.event)
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver may be gone
+            pass
+
+
+# Per device: the tables of first calls (TableRing) and of captured first calls (CaptureArena)
+_TABLE_RINGS: dict = {}
+_CAPTURE_ARENAS: dict = {}
+
+
+def table_ring(device: torch.device) -> TableRing:
+    """The device's TableRing, made (with its CaptureArena) on first use."""
+    ring = _TABLE_RINGS.get(device.index)
+    if ring is None:
+        ring = _TABLE_RINGS[device.index] = TableRing(device)
+        _CAPTURE_ARENAS[device.index] = CaptureArena(device)
+    return ring
+
+
+# One cuda.CUstream object per raw stream handle, so backends can compare streams by identity
+_STREAM_OBJECTS: dict = {}
+# torch.cuda.current_stream() builds a Stream object on every call; the raw handle of the
+# current stream is one C call (the same private accessor Triton's launcher uses).
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_cuda_get_device = submission._cuda_get_device
+if _cuda_get_device is None:
+    _current_raw_stream = None  # both or neither: the public path otherwise
+
+
+def _current_stream_handle() -> int:
+    if _current_raw_stream is not None:
+        # torch.cuda.current_device() without its lazy-init check (CUDA is initialized
+        # before any stream is asked for: validation reads the device first)
+        return _current_raw_stream(_cuda_get_device())
+    return torch.cuda.current_stream().cuda_stream
+
+
+def _stream_for_current() -> cuda.CUstream:
+    """torch's current stream as a cuda.CUstream, one object per handle."""
+    handle = _current_stream_handle()
+    stream = _STREAM_OBJECTS.get(handle)
+    if stream is None:
+        if len(_STREAM_OBJECTS) >= 64:
+            _STREAM_OBJECTS.clear()
+        stream = _STREAM_OBJECTS[handle] = cuda.CUstream(handle)
+    return stream
+
+
+def _stream_handle(stream) -> int:
+    """The raw handle of a cuda.CUstream (0 for the CPU tests' stand-in streams)."""
+    return int(stream) if isinstance(stream, cuda.CUstream) else 0
+
+
+def _capturing() -> bool:
+    """Whether torch's current stream is capturing (never before CUDA is initialized)."""
+    return torch.cuda.is_initialized() and _stream_capturing()
+
+
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
