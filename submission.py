@@ -105,6 +105,11 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from task import input_t, output_t
 
 
+# The operands' major mode: cute.nvgpu.OperandMajorMode from DSL 4.4 on, where tcgen05's own is
+# deprecated; DSL 4.3.5 (the competition's runner) has only tcgen05's.
+OPERAND_MAJOR_MODE = getattr(cute.nvgpu, "OperandMajorMode", None) or tcgen05.OperandMajorMode
+
+
 def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
     """The value of environment switch `name`, one of `allowed` (`default` when unset);
     ValueError naming the allowed values otherwise. Every NVFP4_* switch is read through it."""
@@ -1344,8 +1349,8 @@ class PersistentGemmSm100:
     def _make_tiled_mma(self, cta_group, mma_inst_shape_mn):
         return sm100_utils.make_blockscaled_trivial_tiled_mma(
             ab_dtype,
-            tcgen05.OperandMajorMode.K,
-            tcgen05.OperandMajorMode.K,
+            OPERAND_MAJOR_MODE.K,
+            OPERAND_MAJOR_MODE.K,
             sf_dtype,
             self.sf_vec_size,
             cta_group,

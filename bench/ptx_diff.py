@@ -11,6 +11,9 @@ and `.loc` lines, `.section .debug*` blocks and blank lines go, and every declar
     python bench/ptx_diff.py BASE_DUMP --build         # build this tree's kernels, compare
     python bench/ptx_diff.py BASE_DUMP --build --out DIR   # ... and keep that build in DIR
 
+A library entry of the other build (`<kernel>_on_stream`, nvfp4_group_gemm.sm100) with no
+kernel of its name in the base is compared with the base's `<kernel>`: the same device code.
+
 Prints `identical up to names` or a unified diff of the normalised PTX per kernel; exit 0 when
 every kernel pairs and is identical, 1 otherwise. Only PTX whose `.target` is --arch
 (default sm_100a) is compared.
@@ -78,8 +81,27 @@ def build(dump: Path, groups: str | None) -> None:
         print(f"warning: {' '.join(command)} exited with {result.returncode}", file=sys.stderr)
 
 
+# The library's entries of the same kernels (nvfp4_group_gemm.sm100: `<kernel>_on_stream`) must
+# compile to the same device code as the leaderboard file's `<kernel>`
+LIBRARY_SUFFIX = "_on_stream"
+
+
+def base_key(key: str, base_keys) -> str:
+    """The base kernel `key` of the other build is compared with: itself, or for a library
+    entry the base has no kernel of that name for, the leaderboard kernel it launches."""
+    if key in base_keys:
+        return key
+    kernel, _, groups = key.partition(".")
+    return f"{kernel.removesuffix(LIBRARY_SUFFIX)}.{groups}"
+
+
 def compare(base: Path, other: Path, arch: str, max_lines: int) -> bool:
     a, b = collect(base, arch), collect(other, arch)
+    b_keys = set(b)
+    for key in sorted(b_keys):
+        paired = base_key(key, a)
+        if paired != key and paired in a:
+            a[key] = a[paired]
     if not a and not b:
         print(f"no {arch} PTX found in {base} or {other}")
         return False

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import build_report
 import eval as harness
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ", ".join(build_report.BACKEND_MODULES)  # as compile's --modules messages list them
 TORCH_SUBMISSION = REPO_ROOT / "examples" / "torch_submission.py"
 
 
@@ -884,10 +886,10 @@ def test_ctrl_c_prints_one_line_exits_130_and_ends_the_submissions_process(tmp_p
     (["compile", "--groups=1,8,1,8"], {}, "compile: --groups '1,8,1,8': 1, 8 given more than"),
     (["compile", "--modules", "nvfp4_hoper"], {},
      ("compile: --modules 'nvfp4_hoper': unknown module 'nvfp4_hoper'; the modules are "
-     "submission, nvfp4_hopper (comma-separated)")),
+     f"{BACKENDS} (comma-separated)")),
     (["compile", "--modules", "submission,,"], {}, None),  # valid: checked, then refused below
     (["compile", "--modules", ","], {},
-     "compile: --modules ',': no module named; the modules are submission, nvfp4_hopper"),
+     f"compile: --modules ',': no module named; the modules are {BACKENDS}"),
     (["compile", "--modules", "submission,submission"], {},
      "compile: --modules 'submission,submission': a module named more than once"),
     (["compile", "--json", "/proc/x.json"], {},

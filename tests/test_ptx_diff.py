@@ -72,3 +72,12 @@ def test_compare_pairs_by_kernel_and_group_count(tmp_path, capsys):
     (tmp_path / "b" / "nvfp4_group_gemm.sm100.sm100_gemm.G2").rename(tmp_path / "b" / "x.sm100_gemm.G8")
     assert not ptx_diff.compare(tmp_path / "a", tmp_path / "b", "sm_100a", 50)
     assert "sm100_gemm.G2: only in" in capsys.readouterr().out
+
+
+def test_a_library_entry_pairs_with_the_leaderboard_kernel_it_launches():
+    base = {"sm100_gemm.G2", "sm100_persistent_gemm_t128.G1"}
+    assert ptx_diff.base_key("sm100_gemm_on_stream.G2", base) == "sm100_gemm.G2"
+    assert ptx_diff.base_key("sm100_persistent_gemm_t128_on_stream.G1", base) == "sm100_persistent_gemm_t128.G1"
+    assert ptx_diff.base_key("sm100_gemm.G2", base) == "sm100_gemm.G2"
+    # a base that has the library entry itself compares like with like
+    assert ptx_diff.base_key("sm100_gemm_on_stream.G2", base | {"sm100_gemm_on_stream.G2"}) == "sm100_gemm_on_stream.G2"
