@@ -104,7 +104,6 @@ from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
 from task import input_t, output_t
 
-
 # The operands' major mode: cute.nvgpu.OperandMajorMode from DSL 4.4 on, where tcgen05's own is
 # deprecated; DSL 4.3.5 (the competition's runner) has only tcgen05's.
 OPERAND_MAJOR_MODE = getattr(cute.nvgpu, "OperandMajorMode", None) or tcgen05.OperandMajorMode
@@ -2596,6 +2595,32 @@ def _align_up(x, a):
 
 
 
+def table_layout(tables) -> tuple[list[tuple[int, str, int, int, int]], int]:
+    """Where each of `tables` ((struct code, rows of equal length)) lies in one buffer, each on
+    a 128-byte boundary: ([(offset, code, rows, width, itemsize)], the buffer's bytes)."""
+    layout, offset = [], 0
+    for code, rows in tables:
+        width = len(rows[0]) if rows else 1
+        itemsize = struct.calcsize(code)
+        layout.append((offset, code, len(rows), width, itemsize))
+        offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
+    return layout, offset
+
+
+def in_order(launchers: list[Callable[[], None]]) -> Callable[[], None]:
+    """One launch that runs `launchers` in order (a pre-pass, then the GEMM); the one itself
+    where there is one."""
+    if len(launchers) == 1:
+        return launchers[0]
+
+    def launch_in_order():
+        for launcher in launchers:
+            launcher()
+
+    launch_in_order.keepalive = launchers
+    return launch_in_order
+
+
 def upload_int_tables(device, tables) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Copy integer tables to `device` in one buffer: (the buffer, a [rows, width] view of each).
 
@@ -2605,12 +2630,7 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, list[torch.Tensor]]
     that read it. On a CPU device (the tests) the host buffer itself.
     """
     device = torch.device(device)
-    layout, offset = [], 0
-    for code, rows in tables:
-        width = len(rows[0]) if rows else 1
-        itemsize = struct.calcsize(code)
-        layout.append((offset, code, len(rows), width, itemsize))
-        offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
+    layout, offset = table_layout(tables)
     staging = bytearray(offset)
     for (start, code, count, width, _), (_, rows) in zip(layout, tables):
         struct.pack_into(f"<{count * width}{code}", staging, start, *_flatten(rows))
@@ -3026,23 +3046,31 @@ def _bound_input_set(data, key: tuple | None) -> Binding:
     return binding
 
 
-def custom_kernel(data: input_t) -> output_t:
-    """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
-    # Hit: every pointer and the problem sizes equal those of an input set that passed
-    # validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a
-    # tensor replaced by one with the same address and problem size but another dtype or
-    # layout would be read as the validated one. (input_key and RuntimeCache.get inlined:
-    # a Python frame saved on every call.)
+def cached_binding(entries: collections.OrderedDict, data) -> tuple[Any, tuple | None]:
+    """The hit path's lookup: (the binding of `entries` (a RuntimeCache's) for this input set,
+    touched, or None; its input_key, or None for malformed input, which full validation then
+    names).
+
+    Hit: every pointer and the problem sizes equal those of an input set that passed
+    validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a tensor
+    replaced by one with the same address and problem size but another dtype or layout would
+    be read as the validated one. (input_key and RuntimeCache.get inlined: a Python frame
+    saved on every call.)"""
     try:
         key = (*map(_data_ptr, _flatten(data[0])), *map(_data_ptr, _flatten(data[2])))
-        entries = _BINDINGS.entries
         binding = entries.get(key)
         if binding is not None:
             entries.move_to_end(key)
             if tuple(data[3]) != binding.plan.problem_sizes:
                 binding = None  # same buffers, other sizes: check and bind again
     except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
-        binding = key = None
+        return None, None
+    return binding, key
+
+
+def custom_kernel(data: input_t) -> output_t:
+    """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
+    binding, key = cached_binding(_BINDINGS.entries, data)
     first_use = binding is None
     if first_use:
         binding = _bound_input_set(data, key)

@@ -35,7 +35,7 @@ from reference import ref_kernel
 
 
 def config_table():
-    import nvfp4_group_gemm.hopper as hopper
+    from nvfp4_group_gemm import hopper
 
     labels = ["swap_ab_one_round", "swap_ab_t112", "swap_ab_t112_k128", "swap_ab_one_round_k128", "swap_ab_variable",
               "swap_ab_t128", "swap_ab_variable:chain_calls=False", "swap_ab_t112:chain_calls=False",
@@ -47,7 +47,7 @@ def config_table():
 def breakdown(repeats, shapes, names):
     import cuda.bindings.driver as cuda
 
-    import nvfp4_group_gemm.hopper as hopper
+    from nvfp4_group_gemm import hopper
     from nvfp4_group_gemm.launch import make_launcher
 
     configs = config_table()

@@ -105,7 +105,7 @@ def compare_configs(repeats, names=None, shapes=None):
     removed: docs/EXPERIMENTS.md."""
     import cuda.bindings.driver as cuda
 
-    import nvfp4_group_gemm.hopper as hopper
+    from nvfp4_group_gemm import hopper
     from reference import ref_kernel
 
     # column -> (config, kernel): a config runs as given; None runs the automatic choice of

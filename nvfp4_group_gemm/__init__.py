@@ -15,7 +15,14 @@ by it) with what real callers need:
 """
 
 from .op import grouped_gemm, grouped_gemm_op
-from .runtime import bind_input_set, custom_kernel, reset_runtime, run_with_backend, select_backend, warmup
+from .runtime import (
+    bind_input_set,
+    custom_kernel,
+    reset_runtime,
+    run_with_backend,
+    select_backend,
+    warmup,
+)
 
 __all__ = [
     "bind_input_set",

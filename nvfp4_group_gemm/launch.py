@@ -359,12 +359,7 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
     copy from a host buffer, which is returned.
     """
     device = torch.device(device)
-    layout, offset = [], 0
-    for code, rows in tables:
-        width = len(rows[0]) if rows else 1
-        itemsize = struct.calcsize(code)
-        layout.append((offset, code, len(rows), width, itemsize))
-        offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
+    layout, offset = submission.table_layout(tables)
     # Packed in Python and copied as one buffer: half the CPU of one torch op per table
     # (EXPERIMENTS E58)
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)

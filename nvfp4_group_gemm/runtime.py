@@ -47,6 +47,8 @@ RuntimeCache = submission.RuntimeCache
 NUM_PTR_COLS = submission.NUM_PTR_COLS
 HOST_COMPUTATIONS = submission.HOST_COMPUTATIONS
 input_key = submission.input_key
+cached_binding = submission.cached_binding
+in_order = submission.in_order
 pointers_of = submission.pointers_of
 pointers_of_key = submission.pointers_of_key
 checked_problem_sizes = submission.checked_problem_sizes
@@ -257,17 +259,8 @@ class Binding:
             launches = [launches]
         # each a CellArgs, or a (compiled, DSL arguments) pair; several run in order (a
         # pre-pass, then the GEMM)
-        launchers = [entry.launcher() if isinstance(entry, CellArgs) else make_launcher(entry[0], *entry[1])
-                     for entry in launches]
-        if len(launchers) == 1:
-            return launchers[0]
-
-        def launch_in_order():
-            for launcher in launchers:
-                launcher()
-
-        launch_in_order.keepalive = launchers
-        return launch_in_order
+        return in_order([entry.launcher() if isinstance(entry, CellArgs) else make_launcher(entry[0], *entry[1])
+                         for entry in launches])
 
     def prepare_launch(self, stream: cuda.CUstream) -> None:
         """Prepare the launch for `stream` (torch's current stream).
@@ -698,23 +691,7 @@ def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
 
 def custom_kernel(data: input_t) -> output_t:
     """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
-    # Hit: every pointer and the problem sizes equal those of an input set that passed
-    # validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a
-    # tensor replaced by one with the same address and problem size but another dtype or
-    # layout would be read as the validated one.
-    # (input_key, RuntimeCache.get, _stream_for_current and Binding.run are inlined below:
-    # every Python frame saved is CPU time the leaderboard's 15-call loop times)
-    try:
-        # input_key(data), inlined
-        key = (*map(_data_ptr, _flatten(data[0])), *map(_data_ptr, _flatten(data[2])))
-        entries = _BINDINGS.entries
-        binding = entries.get(key)
-        if binding is not None:
-            entries.move_to_end(key)
-            if tuple(data[3]) != binding.plan.problem_sizes:
-                binding = None  # same buffers, other sizes: check and bind again
-    except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
-        binding = key = None
+    binding, key = cached_binding(_BINDINGS.entries, data)
     first_use = binding is None
     if first_use:
         binding = _bound_input_set(data, key)

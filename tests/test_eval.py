@@ -1124,7 +1124,7 @@ def test_peers_plot_shows_ours_beside_cublas_and_the_roofline(monkeypatch):
     ((path, title, shapes),) = drawn
     assert path == "peers.png" and "NVIDIA H200" in title
     assert shapes == [("G=2 M=192..320\nN=3072 K=4096\nours / cuBLAS 1.05", {
-        "ours (submission.py)": 46.3,
+        "ours (nvfp4_group_gemm)": 46.3,
         "cuBLAS bf16, pre-dequantized": 44.3,
         "bf16 roofline (790 TFLOP/s)": 20.4,
     })]
@@ -1372,7 +1372,8 @@ def test_pytest_keeps_its_temporary_files_in_the_repository(tmp_path):
         "def test_where(tmp_path):\n    (tmp_path / 'x').write_bytes(b'1' * 1000)\n"
         "    print('TMP', tmp_path)\n")
     completed = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p",
-                                "no:cacheprovider", str(sample)], cwd=sample,
+                                "no:cacheprovider", "--rootdir", str(sample), str(sample)],
+                               cwd=sample,
                                capture_output=True, text=True, timeout=120, check=False)
     assert completed.returncode == 0, completed.stdout
     (where,) = [Path(line.split()[1]) for line in completed.stdout.splitlines()

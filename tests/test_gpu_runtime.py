@@ -179,11 +179,11 @@ def test_failed_capture_leaves_capture_mode_and_falls_back(monkeypatch):
     with pytest.raises(RuntimeError, match="launch refused"):
         launch.GraphLaunch(failing_record, device)
     capture_stream = launch._CAPTURE_STREAMS[device.index]
-    result, status = submission.cuda.cuStreamIsCapturing(
-        submission.cuda.CUstream(capture_stream.cuda_stream)
+    result, status = launch.cuda.cuStreamIsCapturing(
+        launch.cuda.CUstream(capture_stream.cuda_stream)
     )
-    assert result == submission.cuda.CUresult.CUDA_SUCCESS
-    assert status == submission.cuda.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    assert result == launch.cuda.CUresult.CUDA_SUCCESS
+    assert status == launch.cuda.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
 
     class RefusingGraphLaunch:
         def __init__(self, record, device):
@@ -208,6 +208,7 @@ def test_first_launch_of_a_fresh_process_is_recorded():
 
     script = (
         "import torch, submission\n"
+        "from nvfp4_group_gemm import runtime\n"
         "from reference import generate_input, ref_kernel, match_outputs\n"
         f"data = generate_input(**{SIZES!r}, seed=80)\n"
         "expected = ref_kernel(data)\n"

@@ -386,16 +386,7 @@ class Sm90Backend:
         as the leaderboard file's runtime launches (submission.Backend): that runtime drives
         this backend as it drives its own, so an H100/H200 runs it (tests/test_gpu_leaderboard_runtime.py)."""
         launches = self.launch_args(plan, binding, cuda.CUstream(0))
-        launchers = [entry.launcher() for entry in (launches if isinstance(launches, list) else [launches])]
-        if len(launchers) == 1:
-            return launchers[0]
-
-        def launch_in_order():
-            for launcher in launchers:
-                launcher()
-
-        launch_in_order.keepalive = launchers
-        return launch_in_order
+        return submission.in_order([entry.launcher() for entry in (launches if isinstance(launches, list) else [launches])])
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):
         """The launches of this input set on `stream` as launch.CellArgs: for swap-AB the
