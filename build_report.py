@@ -713,7 +713,7 @@ def _short(name: str, width: int = 28) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-CUT_MARKER = " [cut]"
+CUT_MARKER = " ..."  # after a whole word: the text goes on (the table has it whole)
 
 
 def _cut_at_word(text: str, width: int) -> str:
@@ -761,7 +761,8 @@ def format_table(reports: list[KernelReport]) -> str:
             first, *rest = _wrap(reason[0], TABLE_WIDTH, len(head), len(indent) * 2)
             lines += [head + first, *rest]
             for line in reason[1:6]:
-                lines += _wrap(line, TABLE_WIDTH, len(indent), len(indent) * 2)
+                first, *rest = _wrap(line, TABLE_WIDTH, len(indent), len(indent) * 2)
+                lines += [indent + first, *rest]
             continue
         spill = "0" if r.spill_bytes_max == 0 else f"<={r.spill_bytes_max}"
         smem = "?" if r.smem_bytes is None else str(r.smem_bytes)

@@ -83,6 +83,7 @@ import random
 import signal
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -1170,7 +1171,7 @@ def main_help() -> str:
         "modes (python eval.py MODE --help: that mode's options):",
         *(f"  {mode:<{width}}  {text}" for mode, text in MODES.items()),
         "",
-        EXIT_CODES,
+        *textwrap.wrap(EXIT_CODES, 79),
     ]) + "\n"
 
 
@@ -1184,16 +1185,17 @@ def mode_parser(mode: str) -> argparse.ArgumentParser:
     )
     default_file = "tests/cases/tests.txt" if mode == "test" else "tests/cases/benchmarks.txt"
     parser.add_argument("file", nargs="?", help=f"case file (default: {default_file})")
-    parser.add_argument("--submission", default=None,
+    parser.add_argument("--submission", default=None, metavar="PATH",
                         help="submission file defining custom_kernel (default, by the GPU: "
                              "submission.py on a B200 (sm_100), examples/library_submission.py "
                              "on an H100/H200 (sm_90), examples/torch_submission.py elsewhere)")
-    parser.add_argument("--json", dest="json_path", help="write the results here")
+    parser.add_argument("--json", dest="json_path", metavar="PATH",
+                        help="write the results here")
     parser.add_argument("--case-timeout", type=float, default=CASE_TIMEOUT_S, metavar="S",
                         help=f"seconds one case may take (default {CASE_TIMEOUT_S:g}; 0: no "
                              "limit): on expiry the submission's process is killed, the case "
                              "fails, the rest do not run, exit 112")
-    parser.add_argument("--plot", dest="plot_path",
+    parser.add_argument("--plot", dest="plot_path", metavar="PATH",
                         help=("draw the results into this PNG (needs matplotlib: pip install "
                               "-e '.[plot]')") if timed else argparse.SUPPRESS)
     parser.add_argument("--hardened", action="store_true",

@@ -1354,8 +1354,8 @@ def test_compile_failure_reasons_are_never_cut_mid_word():
     assert " ".join([first, *(line.strip() for line in lines[1:])]).split() == (
         reason + " second line of the reason").split()
     line = build_report.progress_line(1, 3, [report])
-    assert len(line) <= build_report.TABLE_WIDTH and line.endswith(" [cut]")
-    shown = line.split("FAILED: ", 1)[1].removesuffix(" [cut]")
+    assert len(line) <= build_report.TABLE_WIDTH and line.endswith(build_report.CUT_MARKER)
+    shown = line.split("FAILED: ", 1)[1].removesuffix(build_report.CUT_MARKER)
     assert reason.startswith(shown) and reason[len(shown)] == " "  # a word boundary
     short = build_report.failed_report("sm100_per_tile_gemm", "sm_100a", 1, "ValueError: bad")
     assert build_report.progress_line(2, 3, [short]).endswith("FAILED: ValueError: bad")

@@ -1,6 +1,9 @@
 """`python eval.py gate FILE`: the leaderboard bot's checks. One crafted file per rule (each
-breaks that rule alone), a clean file that passes every check, and the command line."""
+breaks that rule alone), a clean file that passes every check, and the command line; and what
+.ci/run checks on submission.py besides (the gate, both runners' DSL releases, no
+DeprecationWarning from our code under 4.5.2)."""
 
+import os
 import subprocess
 import sys
 import time
@@ -196,3 +199,46 @@ def test_a_missing_file_or_a_bad_timeout_is_one_line_and_exit_2(tmp_path, capsys
 def test_ci_runs_the_gate_on_submission_py():
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert "\npython eval.py gate submission.py\n" in ci
+
+
+def test_ci_checks_both_runners_dsl_releases():
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert "RUNNER_DSL=4.5.2" in ci and "NEWEST_DSL=4.8.1" in ci
+    assert '"$RUNNER_VENV/bin/python" eval.py compile' in ci
+    assert '"$NEWEST_VENV/bin/python" eval.py compile' in ci
+    # every pip call goes through `quiet` (pip's notes on absent local index folders dropped)
+    pip_lines = [line for line in ci.splitlines() if "pip " in line and "install" in line
+                 or "pip index" in line]
+    assert pip_lines and all("quiet " in line for line in pip_lines), pip_lines
+
+
+def test_ci_deprecation_hook_records_the_projects_warnings_only(tmp_path):
+    """.ci/deprecations/sitecustomize.py (PYTHONPATH in the 4.5.2 step): a DeprecationWarning
+    reported against a project file is written to the log, in child processes too; one
+    reported against a library's file or code made at run time (`<string>`) is not."""
+    project = tmp_path / "project"
+    library = tmp_path / "site-packages"
+    project.mkdir()
+    library.mkdir()
+    (library / "dsl.py").write_text(
+        "import warnings\n"
+        "def old_api():\n"
+        "    warnings.warn('old_api is deprecated', DeprecationWarning, stacklevel=2)\n"
+        "warnings.warn('the library itself', DeprecationWarning)\n")
+    (project / "kernel.py").write_text(
+        "import subprocess, sys\n"
+        "import dsl\n"
+        "dsl.old_api()\n"
+        "exec(\"import warnings\\nwarnings.warn('made at run time', DeprecationWarning)\")\n"
+        "subprocess.run([sys.executable, 'child.py'], check=True)\n")
+    (project / "child.py").write_text("import dsl\n\n\ndsl.old_api()\n")
+    log = tmp_path / "deprecations.txt"
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONWARNINGS"}
+    env.update(NVFP4_DEPRECATIONS_LOG=str(log), NVFP4_PROJECT_ROOT=str(project),
+               PYTHONPATH=f"{REPO_ROOT / '.ci' / 'deprecations'}:{library}")
+    completed = subprocess.run([sys.executable, "kernel.py"], cwd=project, env=env,
+                               capture_output=True, text=True, timeout=60, check=False)
+    assert completed.returncode == 0, completed.stderr
+    assert log.read_text().splitlines() == [
+        "kernel.py:3: DeprecationWarning: old_api is deprecated",
+        "child.py:4: DeprecationWarning: old_api is deprecated"]

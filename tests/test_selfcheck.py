@@ -109,3 +109,23 @@ def test_each_kernel_in_its_own_process_survives_a_hang_and_a_crash(monkeypatch,
     rows = json.loads(report.read_text())["rows"]
     assert [(r["kernel"], r["status"]) for r in rows] == [("good", "pass"), ("hangs", "HANG"), ("crashes", "CRASH")]
     assert "1 passed, 2 failed" in out
+
+
+def test_the_runtime_follows_the_architecture():
+    """sm_100: submission.py's runtime (the leaderboard file); sm_90: the library's."""
+    assert selfcheck.runtime_module((10, 0)) is submission
+    assert selfcheck.runtime_module((10, 3)) is submission
+    assert selfcheck.runtime_module((9, 0)).__name__ == "nvfp4_group_gemm.runtime"
+    assert selfcheck.runtime_of(submission.Sm100Backend("persistent")) is submission
+
+
+def test_selfcheck_reads_the_case_files_without_eval(monkeypatch):
+    """The shipped tests and benchmarks come from case_files (eval.py imports selfcheck, not
+    the other way round)."""
+    monkeypatch.delitem(sys.modules, "eval", raising=False)
+    args = selfcheck.parse_args(["--random", "0"])
+    found = selfcheck.cases(args, (10, 0))
+    assert [kind for kind, _, _ in found] == ["test"] * 10 + ["benchmark"] * 4
+    assert found[10][2] == {"m": (80, 176, 128, 72, 64, 248, 96, 160), "n": (4096,) * 8,
+                            "k": (7168,) * 8, "g": 8, "seed": 1111}
+    assert "eval" not in sys.modules

@@ -19,11 +19,15 @@ _ROOT = os.environ.get("NVFP4_PROJECT_ROOT")
 
 
 def _is_project_file(filename: str, root: Path) -> bool:
+    """A file of the project's sources: an existing file under `root` (code made at run time,
+    `<string>`, is nobody's file), outside build/ and the virtual environments."""
+    if not filename or filename.startswith("<"):
+        return False
     try:
         path = Path(filename).resolve()
+        if not path.is_file() or not path.is_relative_to(root):
+            return False
     except (OSError, ValueError):
-        return False
-    if not path.is_relative_to(root):
         return False
     inside = path.relative_to(root).parts
     return not inside or not (inside[0] in ("build", ".venv") or inside[0].startswith(".venv"))
