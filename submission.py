@@ -560,33 +560,6 @@ def gemm_kernel(
     tidx, _, _ = cute.arch.thread_idx()
 
     #
-    # This CTA's tile, from the tile table
-    #
-    bidx, _, _ = cute.arch.block_idx()
-    group_idx = tensor_of_tiles[bidx, 0]
-    coord_x = tensor_of_tiles[bidx, 1]
-    coord_y = tensor_of_tiles[bidx, 2]
-
-    m = tensor_of_problem_sizes[group_idx, 0]
-    n = tensor_of_problem_sizes[group_idx, 1]
-    k = tensor_of_problem_sizes[group_idx, 2]
-
-    #
-    # C of this group, (M, N, L) row-major
-    #
-    mC_mnl_iter = cute.make_ptr(
-        c_dtype, tensor_of_ptrs[group_idx, PTR_C], cute.AddressSpace.gmem
-    ).align(32)
-    # No divisibility promise on the row stride here: validate_inputs accepts any N >= 1. The
-    # full-tile store below states it only where N keeps it.
-    mC_mnl_layout = cute.make_layout((m, n, 1), stride=(n, 1, m * n))
-    mC_mnl = cute.make_tensor(mC_mnl_iter, mC_mnl_layout)
-    # (bM, bN)
-    gC_mnl = cute.local_tile(
-        mC_mnl, cute.slice_(mma_tiler_mnk, (None, None, 0)), (coord_x, coord_y, 0)
-    )
-
-    #
     # Shared storage
     #
     @cute.struct
@@ -643,6 +616,132 @@ def gemm_kernel(
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, threads_per_cta),
     ).make_participants()
+
+    #
+    # MMA fragments
+    #
+    # (MMA, MMA_M, MMA_K, STAGE)
+    tCrA = tiled_mma.make_fragment_A(sA)
+    # (MMA, MMA_N, MMA_K, STAGE)
+    tCrB = tiled_mma.make_fragment_B(sB)
+    # (MMA, MMA_M, MMA_N)
+    acc_shape = tiled_mma.partition_shape_C(mma_tiler_mnk[:2])
+    tCtAcc_fake = tiled_mma.make_fragment_C(acc_shape)
+
+    #
+    # Allocate TMEM
+    #
+    tmem_alloc_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=threads_per_cta)
+    tmem = utils.TmemAllocator(storage.tmem_holding_buf, barrier_for_retrieve=tmem_alloc_barrier)
+    tmem.allocate(num_tmem_alloc_cols)
+    tmem.wait_for_alloc()
+
+    acc_tmem_ptr = tmem.retrieve_ptr(cutlass.Float32)
+    # (MMA, MMA_M, MMA_N)
+    tCtAcc = cute.make_tensor(acc_tmem_ptr, tCtAcc_fake.layout)
+
+    #
+    # SFA/SFB TMEM tensors, placed after the accumulator columns
+    #
+    sfa_tmem_ptr = cute.recast_ptr(
+        acc_tmem_ptr + tcgen05.find_tmem_tensor_col_offset(tCtAcc),
+        dtype=sf_dtype,
+    )
+    # (MMA, MMA_M, MMA_K)
+    tCtSFA_layout = blockscaled_utils.make_tmem_layout_sfa(
+        tiled_mma,
+        mma_tiler_mnk,
+        sf_vec_size,
+        cute.slice_(sfa_smem_layout_staged, (None, None, None, 0)),
+    )
+    tCtSFA = cute.make_tensor(sfa_tmem_ptr, tCtSFA_layout)
+    sfb_tmem_ptr = cute.recast_ptr(
+        acc_tmem_ptr
+        + tcgen05.find_tmem_tensor_col_offset(tCtAcc)
+        + tcgen05.find_tmem_tensor_col_offset(tCtSFA),
+        dtype=sf_dtype,
+    )
+    # (MMA, MMA_N, MMA_K)
+    tCtSFB_layout = blockscaled_utils.make_tmem_layout_sfb(
+        tiled_mma,
+        mma_tiler_mnk,
+        sf_vec_size,
+        cute.slice_(sfb_smem_layout_staged, (None, None, None, 0)),
+    )
+    tCtSFB = cute.make_tensor(sfb_tmem_ptr, tCtSFB_layout)
+
+    #
+    # S2T copy for SFs (smem -> TMEM)
+    #
+    copy_atom_s2t = cute.make_copy_atom(
+        tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE),
+        sf_dtype,
+    )
+    # (MMA, MMA_MN, MMA_K, STAGE)
+    tCsSFA_compact = cute.filter_zeros(sSFA)
+    # (MMA, MMA_MN, MMA_K)
+    tCtSFA_compact = cute.filter_zeros(tCtSFA)
+    tiled_copy_s2t_sfa = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSFA_compact)
+    thr_copy_s2t_sfa = tiled_copy_s2t_sfa.get_slice(0)
+    # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K, STAGE)
+    tCsSFA_compact_s2t_ = thr_copy_s2t_sfa.partition_S(tCsSFA_compact)
+    tCsSFA_compact_s2t = tcgen05.get_s2t_smem_desc_tensor(
+        tiled_copy_s2t_sfa, tCsSFA_compact_s2t_
+    )
+    # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K)
+    tCtSFA_compact_s2t = thr_copy_s2t_sfa.partition_D(tCtSFA_compact)
+
+    tCsSFB_compact = cute.filter_zeros(sSFB)
+    tCtSFB_compact = cute.filter_zeros(tCtSFB)
+    tiled_copy_s2t_sfb = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSFB_compact)
+    thr_copy_s2t_sfb = tiled_copy_s2t_sfb.get_slice(0)
+    tCsSFB_compact_s2t_ = thr_copy_s2t_sfb.partition_S(tCsSFB_compact)
+    tCsSFB_compact_s2t = tcgen05.get_s2t_smem_desc_tensor(
+        tiled_copy_s2t_sfb, tCsSFB_compact_s2t_
+    )
+    tCtSFB_compact_s2t = thr_copy_s2t_sfb.partition_D(tCtSFB_compact)
+
+    #
+    # Chained calls (SM100_CHAIN_CALLS): everything above touches only this CTA's shared
+    # memory, barriers and TMEM, so it overlaps the previous kernel. Once this CTA holds its
+    # TMEM, the next call's grid may launch: a dependent CTA beside this one (74 KB of shared
+    # memory, up to three per SM) allocates TMEM before its wait, so a trigger before this
+    # CTA's allocation could let it take the 512 columns this CTA still waits for, and wait
+    # for this grid to finish: a deadlock. The trigger fires once every CTA of the grid has
+    # issued it (or exited), i.e. with the last wave resident and holding its TMEM.
+    #
+    launch_dependents()
+    # Every global access follows the wait, by every thread: the tile table, the sizes and
+    # pointers, the descriptors (warp 0's acquire), A/B/scales (TMA) and C (all warps' stores;
+    # a caller may hand the same c to consecutive calls).
+    wait_for_previous_grid()
+
+    #
+    # This CTA's tile, from the tile table
+    #
+    bidx, _, _ = cute.arch.block_idx()
+    group_idx = tensor_of_tiles[bidx, 0]
+    coord_x = tensor_of_tiles[bidx, 1]
+    coord_y = tensor_of_tiles[bidx, 2]
+
+    m = tensor_of_problem_sizes[group_idx, 0]
+    n = tensor_of_problem_sizes[group_idx, 1]
+    k = tensor_of_problem_sizes[group_idx, 2]
+
+    #
+    # C of this group, (M, N, L) row-major
+    #
+    mC_mnl_iter = cute.make_ptr(
+        c_dtype, tensor_of_ptrs[group_idx, PTR_C], cute.AddressSpace.gmem
+    ).align(32)
+    # No divisibility promise on the row stride here: validate_inputs accepts any N >= 1. The
+    # full-tile store below states it only where N keeps it.
+    mC_mnl_layout = cute.make_layout((m, n, 1), stride=(n, 1, m * n))
+    mC_mnl = cute.make_tensor(mC_mnl_iter, mC_mnl_layout)
+    # (bM, bN)
+    gC_mnl = cute.local_tile(
+        mC_mnl, cute.slice_(mma_tiler_mnk, (None, None, 0)), (coord_x, coord_y, 0)
+    )
 
     #
     # Proxy tiles
@@ -737,90 +836,6 @@ def gemm_kernel(
     )
     tBsSFB = cute.filter_zeros(tBsSFB)
     tBgSFB = cute.filter_zeros(tBgSFB)
-
-    #
-    # MMA fragments
-    #
-    # (MMA, MMA_M, MMA_K, STAGE)
-    tCrA = tiled_mma.make_fragment_A(sA)
-    # (MMA, MMA_N, MMA_K, STAGE)
-    tCrB = tiled_mma.make_fragment_B(sB)
-    # (MMA, MMA_M, MMA_N)
-    acc_shape = tiled_mma.partition_shape_C(mma_tiler_mnk[:2])
-    tCtAcc_fake = tiled_mma.make_fragment_C(acc_shape)
-
-    #
-    # Allocate TMEM
-    #
-    tmem_alloc_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=threads_per_cta)
-    tmem = utils.TmemAllocator(storage.tmem_holding_buf, barrier_for_retrieve=tmem_alloc_barrier)
-    tmem.allocate(num_tmem_alloc_cols)
-    tmem.wait_for_alloc()
-
-    acc_tmem_ptr = tmem.retrieve_ptr(cutlass.Float32)
-    # (MMA, MMA_M, MMA_N)
-    tCtAcc = cute.make_tensor(acc_tmem_ptr, tCtAcc_fake.layout)
-
-    #
-    # SFA/SFB TMEM tensors, placed after the accumulator columns
-    #
-    sfa_tmem_ptr = cute.recast_ptr(
-        acc_tmem_ptr + tcgen05.find_tmem_tensor_col_offset(tCtAcc),
-        dtype=sf_dtype,
-    )
-    # (MMA, MMA_M, MMA_K)
-    tCtSFA_layout = blockscaled_utils.make_tmem_layout_sfa(
-        tiled_mma,
-        mma_tiler_mnk,
-        sf_vec_size,
-        cute.slice_(sfa_smem_layout_staged, (None, None, None, 0)),
-    )
-    tCtSFA = cute.make_tensor(sfa_tmem_ptr, tCtSFA_layout)
-    sfb_tmem_ptr = cute.recast_ptr(
-        acc_tmem_ptr
-        + tcgen05.find_tmem_tensor_col_offset(tCtAcc)
-        + tcgen05.find_tmem_tensor_col_offset(tCtSFA),
-        dtype=sf_dtype,
-    )
-    # (MMA, MMA_N, MMA_K)
-    tCtSFB_layout = blockscaled_utils.make_tmem_layout_sfb(
-        tiled_mma,
-        mma_tiler_mnk,
-        sf_vec_size,
-        cute.slice_(sfb_smem_layout_staged, (None, None, None, 0)),
-    )
-    tCtSFB = cute.make_tensor(sfb_tmem_ptr, tCtSFB_layout)
-
-    #
-    # S2T copy for SFs (smem -> TMEM)
-    #
-    copy_atom_s2t = cute.make_copy_atom(
-        tcgen05.Cp4x32x128bOp(tcgen05.CtaGroup.ONE),
-        sf_dtype,
-    )
-    # (MMA, MMA_MN, MMA_K, STAGE)
-    tCsSFA_compact = cute.filter_zeros(sSFA)
-    # (MMA, MMA_MN, MMA_K)
-    tCtSFA_compact = cute.filter_zeros(tCtSFA)
-    tiled_copy_s2t_sfa = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSFA_compact)
-    thr_copy_s2t_sfa = tiled_copy_s2t_sfa.get_slice(0)
-    # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K, STAGE)
-    tCsSFA_compact_s2t_ = thr_copy_s2t_sfa.partition_S(tCsSFA_compact)
-    tCsSFA_compact_s2t = tcgen05.get_s2t_smem_desc_tensor(
-        tiled_copy_s2t_sfa, tCsSFA_compact_s2t_
-    )
-    # ((ATOM_V, REST_V), Rest_Tiler, MMA_MN, MMA_K)
-    tCtSFA_compact_s2t = thr_copy_s2t_sfa.partition_D(tCtSFA_compact)
-
-    tCsSFB_compact = cute.filter_zeros(sSFB)
-    tCtSFB_compact = cute.filter_zeros(tCtSFB)
-    tiled_copy_s2t_sfb = tcgen05.make_s2t_copy(copy_atom_s2t, tCtSFB_compact)
-    thr_copy_s2t_sfb = tiled_copy_s2t_sfb.get_slice(0)
-    tCsSFB_compact_s2t_ = thr_copy_s2t_sfb.partition_S(tCsSFB_compact)
-    tCsSFB_compact_s2t = tcgen05.get_s2t_smem_desc_tensor(
-        tiled_copy_s2t_sfb, tCsSFB_compact_s2t_
-    )
-    tCtSFB_compact_s2t = thr_copy_s2t_sfb.partition_D(tCtSFB_compact)
 
     # K tiles. validate_inputs guarantees K % 256 == 0, so this division is exact (the seed
     # truncated K silently here).

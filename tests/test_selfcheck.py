@@ -129,3 +129,21 @@ def test_selfcheck_reads_the_case_files_without_eval(monkeypatch):
     assert found[10][2] == {"m": (80, 176, 128, 72, 64, 248, 96, 160), "n": (4096,) * 8,
                             "k": (7168,) * 8, "g": 8, "seed": 1111}
     assert "eval" not in sys.modules
+
+
+def test_a_forced_sm100_kernel_runs_through_the_leaderboard_files_binding(monkeypatch):
+    """run_forced on sm_100 binds with submission.py's own runtime (its launch on the default
+    stream, prepared once) and hands back that launch for the timing loop."""
+    import helpers
+
+    fakes, _run = helpers.sm100_runtime(monkeypatch)
+    backend = submission._BACKEND_BY_DEVICE[None]
+    data = helpers.official_inputs([(40, 128, 256, 1), (72, 64, 512, 1)])
+    fakes.data = data
+    outputs, launch = selfcheck.run_forced(backend, submission.SM100_CHOICES["per_tile"], data)
+    assert fakes.ran == ["per_tile_gemm"]
+    helpers.assert_exact(outputs, data)
+    launch()
+    assert fakes.ran == ["per_tile_gemm"] * 2
+    outputs, launch = selfcheck.run_forced(backend, submission.SM100_CHOICES["scaled_mm"], data)
+    assert launch is None and fakes.scaled_mm_runs == 1

@@ -127,14 +127,19 @@ def reduce_split_k_partials(tidx, warp_group_idx, reduction_base, accumulators, 
                 accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
 
 
+# The operands' major mode: cute.nvgpu.OperandMajorMode from DSL 4.4 on, where warpgroup's own
+# is deprecated; DSL 4.3.5 (the competition's runner) has only warpgroup's
+OPERAND_MAJOR_MODE = getattr(cute.nvgpu, "OperandMajorMode", None) or cute.nvgpu.warpgroup.OperandMajorMode
+
+
 def make_tiled_mma(config: HopperGemmConfig):
     """The kernel's fp16 wgmma (fp32 accumulators): one warpgroup per 64 rows, A from
     registers, B from shared memory, both K-major."""
     return sm90_utils.make_trivial_tiled_mma(
         cutlass.Float16,
         cutlass.Float16,
-        cute.nvgpu.warpgroup.OperandMajorMode.K,
-        cute.nvgpu.warpgroup.OperandMajorMode.K,
+        OPERAND_MAJOR_MODE.K,
+        OPERAND_MAJOR_MODE.K,
         cutlass.Float32,
         (config.tile_m // 64, 1, 1),
         tiler_mn=(64, config.tile_n),

@@ -47,6 +47,7 @@ from .config import (
     SwapAbConfig,
 )
 from .kernel import (
+    OPERAND_MAJOR_MODE,
     decode_rows_to_fragment,
     reduce_split_k_partials,
     smem_per_sm_known_without_gpu,
@@ -180,8 +181,8 @@ def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
     return sm90_utils.make_trivial_tiled_mma(
         cutlass.Float16,
         cutlass.Float16,
-        cute.nvgpu.warpgroup.OperandMajorMode.K,
-        cute.nvgpu.warpgroup.OperandMajorMode.K,
+        OPERAND_MAJOR_MODE.K,
+        OPERAND_MAJOR_MODE.K,
         cutlass.Float32,
         (config.tile_weights // 64, 1, 1),
         tiler_mn=(64, tile_t),
