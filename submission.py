@@ -133,6 +133,23 @@ def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
 SM100_KERNELS = ("persistent", "per_tile")
 SM100_KERNEL = env_switch("NVFP4_SM100_KERNEL", SM100_KERNELS, "persistent")
 
+# Calls chained by programmatic dependent launch (PDL). "1" (default): every sm_100a kernel
+# (both GEMMs and their descriptor-init kernels) is launched as the programmatic dependent of
+# the kernel before it (the DSL's use_pdl), so that a call's launch, CTA start, barrier init,
+# TMEM allocation and pipeline set-up overlap the end of the kernel before it. Each kernel
+# waits (griddepcontrol.wait) before its first global memory access and lets the next call
+# launch (griddepcontrol.launch_dependents) once its CTAs hold what they need (the kernels
+# say where). "0": plain launches. The device code is the same either way: both instructions
+# do nothing in a grid launched without the attribute. Not measured on a B200 yet: `python
+# eval.py selfcheck` times every sm_100 kernel both ways; bench/b200_model.py predicts it.
+SM100_CHAIN_CALLS = env_switch("NVFP4_SM100_CHAIN_CALLS", ("0", "1"), "1") == "1"
+
+
+def chained_launch() -> dict:
+    """The launch option of every sm_100a kernel (read when its entry is traced; the compile
+    keys carry SM100_CHAIN_CALLS): the programmatic-dependent attribute where calls chain."""
+    return {"use_pdl": SM100_CHAIN_CALLS}
+
 
 # =============================================================================
 # Constants
@@ -394,6 +411,21 @@ def acquire_tensormap(desc_ptr: cute.Pointer) -> None:
     prefetch_tensormap(desc_ptr)
 
 
+def wait_for_previous_grid() -> None:
+    """``griddepcontrol.wait``: the kernels before this grid have completed and their memory
+    writes are visible (returns at once in a grid launched without the PDL attribute). Every
+    thread that touches global memory (loads, stores, descriptor acquires and prefetches, TMA)
+    issues it first: only shared memory, barriers and TMEM may be set up before it."""
+    cute.arch.griddepcontrol_wait()
+
+
+def launch_dependents() -> None:
+    """``griddepcontrol.launch_dependents``: the next call's grid may launch once every CTA of
+    this one has issued it or exited (repeats in a CTA add nothing). Where each kernel issues
+    it, and why there, is stated at the call."""
+    cute.arch.griddepcontrol_launch_dependents()
+
+
 def group_tensormap_gmem_ptrs(tensormap_manager, tensormaps: cute.Tensor, group_idx):
     """Global-memory pointers of the A, B, SFA, SFB descriptors of `group_idx` in
     `tensormaps` [G, 4, 16] (written by the init kernel, read by the GEMM kernel)."""
@@ -417,6 +449,13 @@ def init_tensormaps_kernel(
     warp_idx = cute.arch.warp_idx()
     warp_idx = cute.arch.make_warp_uniform(warp_idx)
     _, _, group_idx = cute.arch.block_idx()
+
+    # Chained calls (SM100_CHAIN_CALLS): the sizes and pointers are read, and the descriptors
+    # written (a buffer the previous GEMM may still read), after the previous kernel is done.
+    # The GEMM after this kernel may launch at once: it holds nothing this kernel needs (no
+    # TMEM here, a few KB of shared memory) and reads the descriptors only after its own wait.
+    wait_for_previous_grid()
+    launch_dependents()
 
     m = tensor_of_problem_sizes[group_idx, 0]
     n = tensor_of_problem_sizes[group_idx, 1]
@@ -704,11 +743,11 @@ def gemm_kernel(
     #
     # Chained calls (SM100_CHAIN_CALLS): everything above touches only this CTA's shared
     # memory, barriers and TMEM, so it overlaps the previous kernel. Once this CTA holds its
-    # TMEM, the next call's grid may launch: a dependent CTA beside this one (74 KB of shared
-    # memory, up to three per SM) allocates TMEM before its wait, so a trigger before this
-    # CTA's allocation could let it take the 512 columns this CTA still waits for, and wait
-    # for this grid to finish: a deadlock. The trigger fires once every CTA of the grid has
-    # issued it (or exited), i.e. with the last wave resident and holding its TMEM.
+    # TMEM, the next call's grid may launch: a dependent CTA can sit beside this one (this
+    # kernel fits two CTAs per SM) and allocates TMEM before its wait, so a trigger before
+    # this CTA's allocation could let it take the 512 columns this CTA still waits for, then
+    # wait for this grid to finish: a deadlock. The trigger takes effect once every CTA of
+    # the grid has issued it (or exited): with the last wave resident and holding its TMEM.
     #
     launch_dependents()
     # Every global access follows the wait, by every thread: the tile table, the sizes and
@@ -1127,7 +1166,8 @@ def per_tile_init_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_group
         tensor_of_problem_sizes,
         tensormaps,
     )
-    return kernel, {"grid": (1, 1, num_groups), "block": [threads_per_cta, 1, 1], "cluster": (1, 1, 1)}
+    return kernel, {"grid": (1, 1, num_groups), "block": [threads_per_cta, 1, 1], "cluster": (1, 1, 1),
+                    **chained_launch()}
 
 
 @cute.jit
@@ -1170,7 +1210,8 @@ def per_tile_gemm_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tiles, ptr_of_tensorm
     )
     # Deviation from the seed: tiles run along grid x (up to 2^31 - 1 CTAs) instead of grid z
     # (at most 65535), so no tile count the tables allow can overflow the grid.
-    return kernel, {"grid": (num_tiles, 1, 1), "block": [threads_per_cta, 1, 1], "cluster": (1, 1, 1)}
+    return kernel, {"grid": (num_tiles, 1, 1), "block": [threads_per_cta, 1, 1], "cluster": (1, 1, 1),
+                    **chained_launch()}
 
 
 @cute.jit
@@ -1468,7 +1509,7 @@ class PersistentGemmSm100:
         tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
         tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
         kernel = self.init_tensormaps_kernel(*atoms, tensor_of_ptrs, tensor_of_problem_sizes, tensormaps)
-        return kernel, {"grid": (1, 1, num_groups), "block": [32, 1, 1], "cluster": (1, 1, 1)}
+        return kernel, {"grid": (1, 1, num_groups), "block": [32, 1, 1], "cluster": (1, 1, 1), **chained_launch()}
 
     @cute.jit
     def init_tensormaps(
@@ -1495,6 +1536,9 @@ class PersistentGemmSm100:
         tensormaps: cute.Tensor,  # [G, 5, 16] int64: MMA a, b, sfa, sfb, c
     ):
         _, _, group_idx = cute.arch.block_idx()
+        # Chained calls: as the per-tile kernel's init (init_tensormaps_kernel)
+        wait_for_previous_grid()
+        launch_dependents()
         m = tensor_of_problem_sizes[group_idx, 0]
         n = tensor_of_problem_sizes[group_idx, 1]
         k = tensor_of_problem_sizes[group_idx, 2]
@@ -1621,6 +1665,7 @@ class PersistentGemmSm100:
             "cluster": (*self.cluster_shape_mn, 1),
             "smem": self.shared_storage.size_in_bytes(),
             "min_blocks_per_mp": 1,
+            **chained_launch(),
         }
 
     # ------------------------------------------------------------------ device
@@ -1796,6 +1841,11 @@ class PersistentGemmSm100:
         if warp_idx == self.tma_warp_id:
             ab_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_ab_stage)
             tile_idx = cluster_idx
+            # Chained calls (SM100_CHAIN_CALLS): the tile table, the descriptors (the first
+            # tile's acquire and prefetch) and A/B/SFA/SFB come after the previous kernel.
+            # This warp holds nothing a dependent could take: its trigger follows the wait.
+            wait_for_previous_grid()
+            launch_dependents()
             tile_row = self._first_tile(tensor_of_tiles, cluster_idx)  # no pair without a tile
             # The first tile's A, B, SFA, SFB descriptors (written by the init kernel):
             # acquired and fetched before the pipeline's first wait
@@ -1849,6 +1899,9 @@ class PersistentGemmSm100:
         #
         if warp_idx == self.mma_warp_id:
             self.tmem_alloc_barrier.arrive_and_wait()
+            # Chained calls: the next call may launch once this CTA holds its TMEM (as the
+            # epilogue warps, below); its CTAs take an SM only once this CTA leaves it
+            launch_dependents()
             acc_tmem_ptr = cute.arch.retrieve_tmem_ptr(
                 self.acc_dtype, alignment=16, ptr_to_buffer_holding_addr=tmem_holding_buf
             )
@@ -1863,6 +1916,8 @@ class PersistentGemmSm100:
             ab_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_ab_stage)
             acc_producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
             tile_idx = cluster_idx
+            # the tile table after the previous kernel (this warp's only global access)
+            wait_for_previous_grid()
             tile_row = self._first_tile(tensor_of_tiles, cluster_idx)
             while tile_idx < num_tiles:
                 k_tile_cnt = tile_row[3]
@@ -1909,6 +1964,13 @@ class PersistentGemmSm100:
             if warp_idx == self.epilog_warp_id[0]:
                 cute.arch.alloc_tmem(self.num_tmem_alloc_cols, tmem_holding_buf, is_two_cta=True)
             self.tmem_alloc_barrier.arrive_and_wait()
+            # Chained calls: the next call's grid may launch now, with this CTA's TMEM
+            # allocated. With 222 KB of shared memory per CTA, a next GEMM CTA fits on an SM
+            # only once this one leaves it: it cannot take an SM, shared memory or TMEM this
+            # grid still needs, and on each SM this grid frees it starts its set-up at once
+            # instead of after this grid's end and a launch. (Only the small init kernels fit
+            # beside this CTA; they allocate no TMEM and wait before anything else.)
+            launch_dependents()
             acc_tmem_ptr = cute.arch.retrieve_tmem_ptr(
                 self.acc_dtype, alignment=16, ptr_to_buffer_holding_addr=tmem_holding_buf
             )
@@ -1938,6 +2000,9 @@ class PersistentGemmSm100:
             acc_consumer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_acc_stage)
             num_subtiles_done = cutlass.Int32(0)
             tile_idx = cluster_idx
+            # the tile table, C's descriptor and C itself after the previous kernel (a caller
+            # may hand the same c to consecutive calls)
+            wait_for_previous_grid()
             tile_row = self._first_tile(tensor_of_tiles, cluster_idx)
             if warp_idx == self.epilog_warp_id[0]:
                 # The one warp that stores C: the first tile's C descriptor, acquired and
@@ -2085,7 +2150,8 @@ def _fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
-# Every sm_100 build, by what is baked into its code: the kernel, G or the config, the options
+# Every sm_100 build, by what is baked into its code: the kernel, G or the config, whether
+# its launch chains to the kernel before it (SM100_CHAIN_CALLS), the options
 _COMPILED: dict = {}
 
 
@@ -2104,7 +2170,7 @@ def compile_once(key: tuple, make: Callable[[], tuple], options: str | None = No
 
 def compile_init_tensormaps(num_groups: int, options: str | None = None):
     """The per-tile kernel's descriptor init (its constants are the module's)."""
-    return compile_once(("per_tile_init", num_groups), lambda: (init_tensormaps_jit, (
+    return compile_once(("per_tile_init", num_groups, SM100_CHAIN_CALLS), lambda: (init_tensormaps_jit, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
         cutlass.Int32(num_groups),
     )), options)
@@ -2112,7 +2178,7 @@ def compile_init_tensormaps(num_groups: int, options: str | None = None):
 
 def compile_gemm(num_groups: int, options: str | None = None):
     """The per-tile GEMM (its constants are the module's)."""
-    return compile_once(("per_tile_gemm", num_groups), lambda: (gemm_jit, (
+    return compile_once(("per_tile_gemm", num_groups, SM100_CHAIN_CALLS), lambda: (gemm_jit, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(num_groups),
     )), options)
@@ -2221,7 +2287,7 @@ persistent_can_implement = PersistentGemmSm100.can_implement
 
 def compile_persistent_init(config: PersistentGemmConfig, options: str | None = None):
     """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
-    return compile_once(("persistent_init", config), lambda: (PersistentGemmSm100(config).init_tensormaps, (
+    return compile_once(("persistent_init", config, SM100_CHAIN_CALLS), lambda: (PersistentGemmSm100(config).init_tensormaps, (
         _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
         cutlass.Int32(1),
     )), options)
@@ -2230,7 +2296,7 @@ def compile_persistent_init(config: PersistentGemmConfig, options: str | None = 
 def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = None):
     """The persistent GEMM for `config`; G, the tile count and the cluster count are runtime
     values, so one build serves every input set of that config."""
-    return compile_once(("persistent_gemm", config), lambda: (PersistentGemmSm100(config), (
+    return compile_once(("persistent_gemm", config, SM100_CHAIN_CALLS), lambda: (PersistentGemmSm100(config), (
         _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
     )), options)

@@ -19,7 +19,7 @@ device), timed the same way on the same clones.
 
 With ``--moe N`` it times N calls of a MoE step per family (G, N, K): every call new per-group
 M (sum 1024, split at random), new activation and output tensors, the same weights, each call
-alone; it first calls ``submission.warmup`` for the family where the submission has one (so
+alone; it first calls the entry runtime's ``warmup`` for the family where it has one (so
 no call compiles) and counts the calls that took over 100 ms (a compile) all the same.
 ``--profile`` adds a cProfile of those calls (the top functions by own time).
 
@@ -49,6 +49,7 @@ from eval import (
     DEFAULT_BENCHMARK_FILE,
     NUM_ITERATIONS_PER_BENCHMARK,
     OneLineArgumentParser,
+    default_entry,
     get_test_cases,
 )
 from reference import generate_input
@@ -73,7 +74,8 @@ non_negative_int.__name__ = "non-negative integer"
 
 
 def load_custom_kernel(path: Path):
-    # under its own name: the sm_90 backend imports `submission` for the runtime's types
+    # as the harness loads it: module `submission` (the library then imports the leaderboard
+    # file under a name of its own)
     spec = importlib.util.spec_from_file_location("submission", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -255,7 +257,7 @@ def first_call_device_us(custom_kernel, data, repeats: int) -> dict[str, float]:
 
 
 def moe_phases(module, family, count: int) -> None:
-    """Host µs of each phase of a new-size call (submission.py's runtime only), median of
+    """Host µs of each phase of a new-size call (the library's runtime only), median of
     `count` MoE steps of `family`, each run as custom_kernel's first call of an input set runs
     it (no binding): the key, the validation, the size plan (kernel choice, tile rows, packed
     tables), the tables' writing, copy and launches; then the same calls whole. The kernels are self-checked first (one
@@ -336,14 +338,16 @@ def breakdown(module, groups: int, iterations: int = 2000) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineArgumentParser(prog="host_overhead.py",
                                    description=__doc__.split("\n\n")[0])
-    parser.add_argument("--submission", type=Path, default=REPO_ROOT / "submission.py")
+    parser.add_argument("--submission", type=Path, default=None,
+                        help="the file to time (default: the entry eval.py picks for this GPU: submission.py on "
+                             "a B200, the library's examples/library_submission.py on an H100/H200)")
     parser.add_argument("--cases", type=Path, default=DEFAULT_BENCHMARK_FILE)
     parser.add_argument("--repeats", type=positive_int, default=50)
     parser.add_argument("--warmup", type=non_negative_int, default=3,
                         help="passes over the 15 inputs first (from 2 on, every input "
                              "set's graph is recorded before the timing)")
     parser.add_argument("--breakdown", action="store_true",
-                        help="also time each step of a hit (submission.py's runtime only)")
+                        help="also time each step of a hit (the library's runtime only)")
     parser.add_argument("--fresh", type=non_negative_int, default=0, metavar="N",
                         help="also time N calls per shape on pointers never seen before "
                              "(same sizes, one call each, synchronized): the eager pattern")
@@ -355,8 +359,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(first_call_device_us)")
     parser.add_argument("--profile", action="store_true", help="with --moe: a cProfile of the MoE steps")
     parser.add_argument("--phases", action="store_true",
-                        help="with --moe: a new-size call's host time by phase (submission.py's runtime only)")
+                        help="with --moe: a new-size call's host time by phase (the library's runtime only)")
     options = parser.parse_args(argv)
+    if options.submission is None:
+        options.submission = default_entry(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     if not options.submission.is_file():
         print(f"submission file not found: {options.submission.resolve()}", file=sys.stderr)
         return 2

@@ -1,8 +1,11 @@
 """The leaderboard file's sm_100a kernels launched on the caller's stream: @cute.jit entries
 that reuse the file's set-up (``per_tile_init_launch``, ``per_tile_gemm_launch``,
 ``PersistentGemmSm100.init_tensormaps_launch`` / ``gemm_launch``) and device code, and add
-where the launch goes; the backend the library's runtime drives on a B200. Compiled for
-sm_100a and checked on a CPU only, as the file's own entries."""
+where the launch goes; the backend the library's runtime drives on a B200. The launch geometry
+the file's helpers return carries its programmatic-dependent attribute
+(``submission.chained_launch``, switch ``NVFP4_SM100_CHAIN_CALLS``), so these launches chain
+to the kernel before them on the caller's stream as the file's own do. Compiled for sm_100a
+and checked on a CPU only, as the file's own entries."""
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -74,28 +77,34 @@ def _ptr(dtype):
     return submission._fake_ptr(dtype)
 
 
+def _key(kernel: str, what) -> tuple:
+    """The build's cache key: the entry, G or the config, and whether its launch chains to the
+    kernel before it (submission.SM100_CHAIN_CALLS, read when it is traced)."""
+    return (kernel, what, submission.SM100_CHAIN_CALLS)
+
+
 def compile_per_tile_init(num_groups: int, options: str | None = None):
-    return submission.compile_once(("per_tile_init_on_stream", num_groups), lambda: (per_tile_init_on_stream, (
+    return submission.compile_once(_key("per_tile_init_on_stream", num_groups), lambda: (per_tile_init_on_stream, (
         _ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int64), cutlass.Int32(num_groups), cuda.CUstream(0),
     )), options)
 
 
 def compile_per_tile_gemm(num_groups: int, options: str | None = None):
-    return submission.compile_once(("per_tile_gemm_on_stream", num_groups), lambda: (per_tile_gemm_on_stream, (
+    return submission.compile_once(_key("per_tile_gemm_on_stream", num_groups), lambda: (per_tile_gemm_on_stream, (
         _ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int32), _ptr(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(num_groups), cuda.CUstream(0),
     )), options)
 
 
 def compile_persistent_init(config, options: str | None = None):
-    return submission.compile_once(("persistent_init_on_stream", config), lambda: (
+    return submission.compile_once(_key("persistent_init_on_stream", config), lambda: (
         PersistentGemmOnStream(config).init_tensormaps,
         (_ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int64), cutlass.Int32(1), cuda.CUstream(0)),
     ), options)
 
 
 def compile_persistent_gemm(config, options: str | None = None):
-    return submission.compile_once(("persistent_gemm_on_stream", config), lambda: (PersistentGemmOnStream(config), (
+    return submission.compile_once(_key("persistent_gemm_on_stream", config), lambda: (PersistentGemmOnStream(config), (
         _ptr(cutlass.Int32), _ptr(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0),
     )), options)
