@@ -167,7 +167,13 @@ class Sm100StreamBackend(submission.Sm100Backend):
         key = self.descriptor_key(plan, pointers)
         written = self._descriptors.get(key)
         if written is None:
-            written = Written(self.init_descriptors(plan, ptrs, _stream_for_current()), plan.device)
+            stream = _stream_for_current()
+            # the init kernel reads the plan's sizes, which another stream may have written (a
+            # plan made there): it waits for that writing, as the GEMM's launch does
+            plan.tables.order_before(stream)
+            if plan.device.type == "cuda":
+                plan.tables.value.record_stream(torch.cuda.current_stream(plan.device))
+            written = Written(self.init_descriptors(plan, ptrs, stream), plan.device)
             self._descriptors.put(key, written)
         return written
 

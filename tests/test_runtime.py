@@ -642,3 +642,17 @@ def test_both_backends_and_their_plans_meet_the_protocols(monkeypatch):
         assert chain[-1].host and all(not c.host for c in list(chain)[:-1])
     assert isinstance(sm100.Sm100StreamPlan(submission.Sm100Plan(None, 1)), runtime.BackendPlan)
     assert isinstance(hopper.backend.Sm90Plan(hopper.SWAP_AB_CONFIG), runtime.BackendPlan)
+
+
+def test_the_library_sm100_init_waits_for_tables_written_on_another_stream(sm100_backend_on_cpu, monkeypatch):
+    """A plan made on one stream, an input set bound on another: the descriptor init kernel
+    (which reads the plan's sizes) waits for the plan's table writing first."""
+    backend, init_calls, _ = sm100_backend_on_cpu
+    waits = []
+    plan = runtime.Plan(backend, [(40, 384, 512, 1), (129, 128, 768, 1)], "cpu")
+    plan.tables.stream, plan.tables.event = "stream-P", type("Event", (), {"event": "event-P"})()
+    monkeypatch.setattr(launch.cuda, "cuStreamWaitEvent",
+                        lambda stream, event, flags: waits.append((stream, event)) or (0,))
+    monkeypatch.setattr(launch, "_check_cuda", lambda result, what: None)
+    runtime.Binding(plan, _pointers(2, 1 << 40))
+    assert init_calls == [2] and waits == [("stream", "event-P")]
