@@ -29,6 +29,11 @@ Where the numbers come from:
   * threads per CTA: the PTX entry's ``.reqntid`` (or ``.maxntid``);
   * MMA: the instruction names in the kernel's PTX entry (``tcgen05.mma ... block_scale`` on
     sm_100a, ``wgmma.mma_async`` on sm_90a).
+  * chaining (kernels launched as programmatic dependents): the control flow of the kernel's
+    PTX entry (``ptx_flow``), read on every path: its ``griddepcontrol.wait`` and
+    ``griddepcontrol.launch_dependents`` instructions, how many triggers come before a wait,
+    and how many global memory, descriptor and tensormap accesses are reachable without a
+    wait (``grid_dependency``; 0 means every one waits for the kernel before).
 
 How it builds: ``build_all`` runs the builds in a child Python process. There the DSL is told
 (``CUTE_DSL_ARCH``) that the machine's GPU is one no target is built for, so every DSL release
@@ -243,6 +248,190 @@ def mma_instructions(ptx_text: str, arch: str) -> list[str]:
 
 
 # =============================================================================
+# Chained calls: griddepcontrol.wait and launch_dependents against global accesses
+# =============================================================================
+# Control flow of one kernel's PTX or SASS, to show where its griddepcontrol.wait and
+# griddepcontrol.launch_dependents sit against its global memory accesses on every path (not
+# only in text order): each instruction's successors (fallthrough, branch targets, call
+# targets); paths end at exit, ret and trap.
+@dataclasses.dataclass
+class Flow:
+    ops: list[str]  # each instruction as written, its predicate removed
+    successors: list[list[int]]
+
+    def reach(self, stop) -> set[int]:
+        """Instructions reachable from the entry without passing one for which `stop(index)`
+        is true (those are reached, and the path ends there)."""
+        seen, todo = {0}, [0]
+        while todo:
+            index = todo.pop()
+            if stop(index):
+                continue
+            for nxt in self.successors[index]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    def always_after(self, targets, blockers) -> bool:
+        """Every path from the entry to each of `targets` passes one of `blockers`."""
+        blockers = set(blockers)
+        return not (set(targets) & self.reach(lambda i: i in blockers))
+
+
+def _flow(instructions, labels) -> Flow:
+    """instructions: (op, predicated, targets, kind) with kind 'branch' (targets, fallthrough
+    if predicated), 'call' (targets and fallthrough), 'end' (no successor unless predicated)
+    or None; labels: name -> index of the instruction that follows it."""
+    successors = []
+    for index, (_op, predicated, targets, kind) in enumerate(instructions):
+        nxt = [labels[t] for t in targets if t in labels] if kind in ("branch", "call") else []
+        if (kind not in ("branch", "end") or predicated) and index + 1 < len(instructions):
+            nxt.append(index + 1)
+        successors.append(nxt)
+    return Flow([op for op, *_ in instructions], successors)
+
+
+_PTX_PREDICATE = re.compile(r"^@!?%?\w+\s+")
+
+
+def ptx_flow(ptx_text: str) -> Flow:
+    """The control flow of the first .entry of `ptx_text`. Inline-asm blocks ({ ... }) have
+    labels of their own (the mbarrier wait loops all say LAB_WAIT): a label resolves in the
+    innermost block that defines it."""
+    start = ptx_text.find(".entry")
+    body = ptx_text[ptx_text.index("{", ptx_text.index(")", start)) + 1:] if start >= 0 else ""
+    instructions, labels, scopes, next_scope, pending = [], {}, [0], 1, []
+    defined: dict[int, set] = {0: set()}
+    for raw in body.splitlines():
+        line = re.sub(r"//.*", "", raw).strip()
+        if not line:
+            continue
+        if line == "{":
+            scopes.append(next_scope)
+            defined[next_scope] = set()
+            next_scope += 1
+            continue
+        if line == "}":
+            if len(scopes) == 1:
+                break  # the end of the entry
+            scopes.pop()
+            continue
+        label = re.fullmatch(r"([$\w.]+):", line)
+        if label:
+            name = (scopes[-1], label.group(1))
+            defined[scopes[-1]].add(label.group(1))
+            pending.append(name)
+            continue
+        if line.startswith(".") or not line.endswith(";"):
+            continue  # directives, declarations
+        for name in pending:
+            labels[name] = len(instructions)
+        pending = []
+        predicated = bool(_PTX_PREDICATE.match(line))
+        op = _PTX_PREDICATE.sub("", line).rstrip(";").strip()
+        opcode = op.split()[0]
+        kind, targets = None, []
+        if opcode.split(".")[0] == "bra":
+            kind, targets = "branch", [(tuple(scopes), op.split()[-1].rstrip(";"))]
+        elif opcode.split(".")[0] in ("ret", "exit", "trap"):
+            kind = "end"
+        instructions.append((op, predicated, targets, kind))
+    # resolve each branch target in the innermost enclosing block that defines it
+    resolved = []
+    for op, predicated, targets, kind in instructions:
+        names = []
+        for chain, name in targets:
+            scope = next((s for s in reversed(chain) if name in defined.get(s, ())), 0)
+            names.append((scope, name))
+        resolved.append((op, predicated, names, kind))
+    return _flow(resolved, labels)
+
+
+# Global memory, descriptor and tensormap accesses in PTX: loads, stores and atomics that are
+# global or generic, bulk and tensor copies from or to global memory, descriptor acquires and
+# prefetches, descriptor copies to global memory
+_PTX_GLOBAL = re.compile(
+    r"^(?:(?:ld|st|atom|red)(?=\.)(?![\w.]*\.(?:shared|param|local|const)\b)[\w.:]*"
+    r"|cp\.async\.bulk\.tensor|cp\.async\.bulk\.(?:[\w:]+\.)?global|cp\.reduce\.async\.bulk"
+    r"|cp\.async\.(?:ca|cg)\.shared[\w:]*\.global|prefetch\.|fence\.proxy\.tensormap"
+    r"|tensormap\.cp_fenceproxy)"
+)
+
+
+def ptx_is_global(op: str) -> bool:
+    return bool(_PTX_GLOBAL.match(op))
+
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)\s*(.*?)\s*;")
+_SASS_LABEL = re.compile(r"^([.$][\w$.]*):\s*$")
+
+
+def sass_flow(sass_text: str) -> Flow:
+    """The control flow of the kernel in nvdisasm's listing (its first .text section, with
+    the subroutines that follow it)."""
+    instructions, labels, pending = [], {}, []
+    for line in sass_text.splitlines():
+        label = _SASS_LABEL.match(line.strip())
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = _SASS_LINE.match(line)
+        if not m:
+            continue
+        for name in pending:
+            labels[name] = len(instructions)
+        pending = []
+        _address, predicate, opcode, operands = m.groups()
+        base = opcode.split(".")[0]
+        targets = re.findall(r"`\(([^)]*)\)", operands)
+        kind = None
+        if base in ("BRA", "JMP"):
+            # BRA.U UP0, `(...)` and BRA.U !UP1, ... are conditional on a uniform predicate
+            kind = "branch"
+            predicate = predicate or re.match(r"!?U?P\d", operands)
+        elif base == "CALL":
+            kind = "call"
+        elif base in ("EXIT", "RET", "BPT") and (base != "BPT" or "TRAP" in opcode):
+            kind, targets = "end", []
+        elif base in ("BRX", "JMX"):
+            raise ValueError(f"indirect branch in the SASS: {line.strip()}")
+        instructions.append((f"{opcode} {operands}".strip(), bool(predicate), targets, kind))
+    return _flow(instructions, labels)
+
+
+# Global memory, descriptor and tensormap accesses in SASS
+_SASS_GLOBAL = {"LDG", "STG", "ATOMG", "REDG", "RED", "LD", "ST", "ATOM", "LDGSTS", "UTMALDG", "UTMASTG",
+                "UTMAPF", "UTMACCTL", "UTMAREDG", "UBLKCP", "UBLKRED", "UBLKPF", "SULD", "SUST", "SURED",
+                "SUATOM"}
+
+
+def sass_is_global(op: str) -> bool:
+    base = op.split(".")[0].split()[0]
+    # CCTL at an address: a descriptor's cached copies invalidated (its acquire); CCTL.IVALL
+    # (the cluster barrier's L1 invalidation) touches no address
+    return base in _SASS_GLOBAL or (base == "CCTL" and "[" in op)
+
+
+def grid_dependency(ptx_text: str) -> dict[str, int] | None:
+    """Where a kernel's programmatic-dependent-launch instructions sit, read on every path of
+    its PTX entry's control flow (ptx_flow): its waits and triggers, how many of the triggers
+    come before a wait (reachable without one), its global memory, descriptor and tensormap
+    accesses and how many of those are reachable without passing a wait (0: every one waits
+    for the kernel before). None for a kernel with neither instruction."""
+    flow = ptx_flow(ptx_text)
+    waits = [i for i, op in enumerate(flow.ops) if op == "griddepcontrol.wait"]
+    triggers = [i for i, op in enumerate(flow.ops) if op == "griddepcontrol.launch_dependents"]
+    if not waits and not triggers:
+        return None
+    accesses = [i for i, op in enumerate(flow.ops) if ptx_is_global(op)]
+    before_wait = flow.reach(lambda i: i in set(waits))
+    return {"waits": len(waits), "triggers": len(triggers),
+            "triggers_before_wait": len(set(triggers) & before_wait),
+            "accesses": len(accesses), "accesses_before_wait": len(set(accesses) & before_wait)}
+
+
+# =============================================================================
 # Dynamic shared memory: the launch's, from the compiled host code
 # =============================================================================
 # The CUDA runtime's cudaLaunchConfig_t as an LLVM struct: dim3 gridDim, dim3 blockDim,
@@ -381,6 +570,7 @@ class KernelReport:
     ptx_path: str | None
     threads: int | None = None
     tensormap: dict | None = None  # tensormap_fences of its PTX entry
+    grid_dependency: dict | None = None  # grid_dependency of its PTX entry (chained calls)
     dynamic_smem_source: str | None = None  # where dynamic_smem_bytes comes from, or why not
     error: str | None = None  # set on a failed build: why; every figure is None then
 
@@ -489,6 +679,7 @@ def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_
                 ptx_path=str(ptx_paths[0]) if ptx_paths else None,
                 threads=entry.threads if entry else None,
                 tensormap=tensormap_fences(entry.text if entry else ptx_text),
+                grid_dependency=grid_dependency(entry.text if entry else ptx_text),
                 dynamic_smem_source=row_source,
             )
         )
@@ -741,6 +932,13 @@ TABLE_WIDTH = 120
 TARGET_WIDTH = (24, 40)  # the target column: at least, at most (longer names are cut)
 
 
+def chaining_line(d: dict) -> str:
+    """The `chaining:` line of a kernel with programmatic-dependent-launch instructions."""
+    return (f"chaining: {d['waits']} wait, {d['triggers']} launch_dependents ({d['triggers_before_wait']} "
+            f"before a wait); {d['accesses_before_wait']} of {d['accesses']} global/descriptor accesses "
+            "reachable without a wait")
+
+
 def format_table(reports: list[KernelReport]) -> str:
     """One row of figures per kernel, then its `mma:` instructions (wrapped) and its
     `kernel:` symbol (cut to fit); a failed build: its reason's first lines. Every line
@@ -778,6 +976,8 @@ def format_table(reports: list[KernelReport]) -> str:
                                subsequent_indent=indent * 2, break_on_hyphens=False)
         if r.tensormap and any(r.tensormap.values()):
             lines.append(f"{indent}descriptors: " + ", ".join(f"{n} {op}" for op, n in r.tensormap.items()))
+        if r.grid_dependency:
+            lines.append(f"{indent}{chaining_line(r.grid_dependency)}")
         lines.append(f"{indent}kernel: {_short(r.kernel or '', TABLE_WIDTH - len(indent) - 8)}")
     return "\n".join(lines)
 

@@ -60,7 +60,8 @@ Additions:
   - python eval.py selfcheck [--json PATH] [--random N] [--repeats R] [--kernels A,B] runs
     selfcheck.main: every kernel this GPU's chain can pick, forced, and custom_kernel, on the
     tests, the benchmarks and N random group sets, checked against the exact sum, timed on
-    the benchmark shapes; one table and a JSON report (exit 2 without a GPU).
+    the benchmark shapes (sm_100 kernels chained and unchained); one table and a JSON report
+    (exit 2 without a GPU).
 Exit codes: 0 every case passed; 112 a case failed (or did not run, or timed out); 113 invalid case file;
 2 the command cannot run as asked (bad option, missing file, unwritable output path, bad
 POPCORN_SEED or POPCORN_FD, no CUDA GPU for a timing mode, matplotlib missing for --plot),

@@ -8,7 +8,9 @@ forced, and custom_kernel itself (the automatic choice, its self-check and fallb
 10 official tests, the 4 benchmarks and random group sets (all 16 fp4 codes, general e4m3
 scales). Every output is checked against the exact sum (float64) at the competition's
 tolerance; the benchmark shapes are timed with the leaderboard's method (L2 flushed, 15
-input sets per timed loop, CUDA events). Each kernel runs in its own process (a fault, a
+input sets per timed loop, CUDA events), every sm_100 kernel twice: with its calls chained by
+programmatic dependent launch (submission.SM100_CHAIN_CALLS, the default) and without, so that
+the first report from a B200 says what chaining is worth. Each kernel runs in its own process (a fault, a
 crash or a hang past --timeout costs that kernel alone and is reported with the case it was
 running; --in-process runs them all here). It prints a progress line per kernel and case, one
 table, and writes a JSON report to attach to a bug report. Exit 0: everything passed; 1: a kernel failed or disagreed; 2: no GPU, or bad
@@ -378,15 +380,42 @@ def run_in_process(args, capability, report_path: Path) -> int:
                                           if row["status"] == "MISMATCH" else row.get("ran", ""))
             print(f"  {label:<12} {name:<16} {row['status']:<8} {detail}", flush=True)
             if kind == "benchmark" and row["status"] == "pass":
-                timings.append(_time_row(backend, choice, source, label, name, args.repeats, generate_input))
+                for chain in chain_settings(backend, choice):
+                    timings.append(_time_row(backend, choice, source, label, name, args.repeats, generate_input,
+                                             chain))
 
     demoted = {str(key): why for key, why in submission._DEMOTED.items()}
     return _finish(rows, timings, demoted, info, report_path, submission.SELF_CHECK, quiet=args.child)
 
 
-def _time_row(backend, choice, source, label, name, repeats, generate_input) -> dict:
+def chain_settings(backend, choice) -> tuple:
+    """How a timed kernel's calls are launched: an sm_100 kernel of the leaderboard file
+    chained (when SM100_CHAIN_CALLS is on) and then unchained; anything else as it is (None)."""
+    if backend.name != "sm100" or choice is None or choice.host:
+        return (None,)
+    return (True, False) if submission.SM100_CHAIN_CALLS else (False,)
+
+
+@contextlib.contextmanager
+def chained_calls(chain):
+    """submission.SM100_CHAIN_CALLS set to `chain` while the launches of one timing are built
+    (their compile keys carry it: chained and plain builds are kept apart); None: unchanged."""
+    if chain is None:
+        yield
+        return
+    saved = submission.SM100_CHAIN_CALLS
+    submission.SM100_CHAIN_CALLS = chain
+    try:
+        yield
+    finally:
+        submission.SM100_CHAIN_CALLS = saved
+
+
+def _time_row(backend, choice, source, label, name, repeats, generate_input, chain=None) -> dict:
     runtime = runtime_of(backend)
     row = {"case": label, "kernel": name}
+    if chain is not None:
+        row["chained"] = chain
     try:
         inputs = []
         for index in range(TIMED_INPUT_SETS):
@@ -406,28 +435,42 @@ def _time_row(backend, choice, source, label, name, repeats, generate_input) -> 
             else:
                 launches[index]()
 
-        row["us"] = round(time_kernel(run_one, len(inputs), repeats), 2)
+        with chained_calls(chain):  # the launches are built in the first runs
+            row["us"] = round(time_kernel(run_one, len(inputs), repeats), 2)
     except Exception as error:  # noqa: BLE001
         row["error"] = _one_line(error)
-    print(f"  {label:<12} {name:<16} {row.get('us', row.get('error'))} us", flush=True)
+    how = "" if chain is None else " chained" if chain else " unchained"
+    print(f"  {label:<12} {name:<16} {row.get('us', row.get('error'))} us{how}", flush=True)
     return row
 
 
 def format_table(rows, timings) -> str:
-    """One line per kernel: cases passed / run, and its µs on each benchmark shape."""
+    """One line per kernel: cases passed / run, and its µs on each benchmark shape (an sm_100
+    kernel's chained calls where it was timed both ways); then, for such a kernel, its
+    unchained µs and what chaining saved per call."""
     kernels = list(dict.fromkeys(row["kernel"] for row in rows))
     benchmarks = sorted({t["case"] for t in timings}, key=lambda c: int(c.split()[-1]))
     head = f"{'kernel':<16} {'passed':>9}  " + "  ".join(f"{b:>12}" for b in benchmarks) + "  geomean"
     lines = [head, "-" * len(head)]
+
+    def figures(us: dict) -> str:
+        cells = [f"{us[b]:>12.2f}" if us.get(b) is not None else f"{'-':>12}" for b in benchmarks]
+        values = [us[b] for b in benchmarks if us.get(b)]
+        geomean = (math.exp(sum(map(math.log, values)) / len(values))
+                   if len(values) == len(benchmarks) and values and min(values) > 0 else None)
+        return "  ".join(cells) + (f"  {geomean:7.2f}" if geomean else "        -")
+
     for kernel in kernels:
         mine = [row for row in rows if row["kernel"] == kernel]
         passed = sum(row["status"] == "pass" for row in mine)
-        us = {t["case"]: t.get("us") for t in timings if t["kernel"] == kernel}
-        cells = [f"{us[b]:>12.2f}" if us.get(b) is not None else f"{'-':>12}" for b in benchmarks]
-        values = [us[b] for b in benchmarks if us.get(b)]
-        geomean = math.exp(sum(map(math.log, values)) / len(values)) if len(values) == len(benchmarks) and values else None
-        lines.append(f"{kernel:<16} {passed:>4} / {len(mine):<3} " + "  ".join(cells)
-                     + (f"  {geomean:7.2f}" if geomean else "        -"))
+        us = {t["case"]: t.get("us") for t in timings if t["kernel"] == kernel and t.get("chained", True)}
+        lines.append(f"{kernel:<16} {passed:>4} / {len(mine):<3} " + figures(us))
+        plain = {t["case"]: t.get("us") for t in timings if t["kernel"] == kernel and t.get("chained") is False}
+        if plain:
+            lines.append(f"{'  unchained':<16} {'':>9}  " + figures(plain))
+            saved = [f"{plain[b] - us[b]:>12.2f}" if plain.get(b) is not None and us.get(b) is not None
+                     else f"{'-':>12}" for b in benchmarks]
+            lines.append(f"{'  chaining saves':<16} {'':>9}  " + "  ".join(saved))
     return "\n".join(lines)
 
 

@@ -139,3 +139,40 @@ def test_persistent_tile_lists_match_the_submission():
             assert model.plan(model.PERSISTENT[t], shape) == [expect[c::74] for c in range(74)]
         tiles = submission.plan_tiles(sizes, 128, 128)
         assert sum(len(w) for w in model.plan(model.PER_TILE, shape)) == len(tiles)
+
+
+def test_chained_calls_take_the_h200_saving_off_t0(run):
+    """The chained-calls term: an assumption anchored on the H200's measured per-call saving
+    (mean of the four benchmark shapes), taken off T0 (never more than T0), printed beside
+    every plain prediction with the range of the H200 savings."""
+    out, text, saved = run
+    t0 = out["constants"]["T0_us"]
+    savings = [p - c for p, c in zip(model.H200_PLAIN_US, model.H200_CHAINED_US)]
+    assert [round(s, 2) for s in savings] == [1.10, 1.49, 1.07, 1.42]
+    saving = out["chaining"]["saving_us"]
+    assert saving == pytest.approx(sum(savings) / 4) and 0 < saving < t0
+    assert out["chaining"]["saving_range_us"] == pytest.approx([min(savings), max(savings)])
+    assert saved["chaining"]["assumption"]
+    assert f"chained calls (ASSUMED overlap): T0 {t0:.2f} -> {t0 - saving:.2f} us a call" in text
+    for p in out["predictions"]:
+        assert p["chained_us"] == pytest.approx(p["us"] - saving)
+        lo, hi = p["chained_range_us"]
+        assert lo <= p["chained_us"] <= hi < p["us"]
+        assert lo >= p["sol_us"]
+        assert f"{p['us']:>9.1f}" in text and f"{p['chained_us']:>9.1f}" in text
+    assert model.chained(1.0, 4.0, 2.0) == -1.0 and model.chained(10.0, 1.0, 2.0) == 9.0  # at most T0
+
+
+def test_geomean_of_the_picks_against_the_fastest_public_entry(run):
+    out, text, _ = run
+    if "geomean" not in out:
+        pytest.skip("submission not importable: no pick, no geomean")
+    g = out["geomean"]
+    assert round(g["published_v6b_us"], 2) == 13.11 == round(model.geomean(model.PUBLISHED["v6b"][1]), 2)
+    picks = [p for p in out["predictions"] if p["chosen"]]
+    assert len(picks) == 4
+    assert g["plain_us"] == pytest.approx(model.geomean(p["us"] for p in picks))
+    assert g["chained_range_us"][0] <= g["chained_us"] <= g["chained_range_us"][1] < g["plain_us"]
+    assert (f"geomean of the picks, MODEL: {g['plain_us']:.2f} us unchained, {g['chained_us']:.2f} us chained"
+            in text)
+    assert "the fastest public entry (v6b) published 13.11 us" in text

@@ -1,6 +1,6 @@
 """No false demotion on real data (an H100/H200): every kernel of the sm_90 chain, forced, runs
 random group sets with general e4m3 scales (G up to 32, M 1-1000, K up to 7168, every e2m1
-code, scales 2^-6 .. 2^4 as a real checkpoint has) with the first-use self-check on for every
+code, scales 2^-6 .. 2^2 x 1.875 as a real checkpoint has, its sums within fp16) with the first-use self-check on for every
 set; none is demoted, and every output lies within the fp32 accumulation bound of the exact
 sum. NVFP4_WIDE_SETS sets the number of group sets per kernel (default 100)."""
 
@@ -21,8 +21,10 @@ pytestmark = pytest.mark.skipif(
 
 SETS = int(os.environ.get("NVFP4_WIDE_SETS", "100"))
 GROUP_COUNTS = (1, 2, 8, 16, 32)  # each G compiles its kernels once: a few values cover 1..32
-# e4m3 bytes of 2^-6 (exponent field 1) up to 2^4 x 1.875 (exponent field 11)
-SCALE_BYTES = (0x08, 0x5F)
+# e4m3 bytes of 2^-6 (exponent field 1) up to 2^2 x 1.875 (exponent field 9): at K = 7168 the
+# sums stay within fp16 (larger scales overflow most outputs to inf on both sides, which checks
+# nothing)
+SCALE_BYTES = (0x08, 0x50)
 
 
 def wide_group_set(rng: random.Random, device="cuda"):

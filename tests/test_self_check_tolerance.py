@@ -4,12 +4,12 @@ competition's data), still catches real defects (one wrong element, a k-block of
 swapped scales), and reads a fault as the kernel's. On CPU tensors through the leaderboard
 file's runtime with stand-in kernels (helpers.sm100_runtime; the oracle is the exact decode)."""
 
+import helpers
 import pytest
 import torch
-
-import helpers
-import submission
 from helpers import official_inputs
+
+import submission
 from reference import create_reordered_scale_factor_tensor
 
 sm100_runtime = pytest.fixture(helpers.sm100_runtime)
@@ -240,3 +240,13 @@ def test_the_scaled_mm_oracle_runs_every_n_the_file_accepts(monkeypatch, n):
     data = official_inputs([(40, n, 512, 1), (8, 24, 256, 1)])
     outputs = submission.scaled_mm_group_gemm(data, [torch.empty_like(c) for _, _, c in data[0]])
     assert_exact(outputs, data)
+
+
+def test_an_inf_on_one_side_within_the_bound_of_fp16_overflow_is_no_mismatch():
+    """A sum near fp16's overflow threshold (65520) rounds to inf where the fp32 error pushes it
+    across: within the bound that is no disagreement; beyond it, or of the other sign, it is."""
+    ref = torch.tensor([[[65500.0], [65500.0], [100.0], [-65500.0]]], dtype=torch.float16)
+    out = torch.tensor([[[float("inf")], [float("-inf")], [float("inf")], [float("-inf")]]], dtype=torch.float16)
+    bound = torch.full((1, 4, 1), 64.0)
+    assert submission.count_mismatches([out], [ref], bounds=[bound])[0] == 2  # the wrong sign, and 100
+    assert submission.count_mismatches([out], [ref])[0] == 4  # without a bound: the competition's rule

@@ -147,3 +147,72 @@ def test_a_forced_sm100_kernel_runs_through_the_leaderboard_files_binding(monkey
     assert fakes.ran == ["per_tile_gemm"] * 2
     outputs, launch = selfcheck.run_forced(backend, submission.SM100_CHOICES["scaled_mm"], data)
     assert launch is None and fakes.scaled_mm_runs == 1
+
+
+def test_table_shows_chained_and_unchained_sm100_timings():
+    """An sm_100 kernel timed both ways: its line holds the chained µs, then its unchained µs
+    and what chaining saved per call; a kernel timed once (no `chained` key) keeps one line."""
+    rows = [{"kernel": "per_tile", "status": "pass"}, {"kernel": "scaled_mm", "status": "pass"}]
+    timings = [{"case": "benchmark 0", "kernel": "per_tile", "us": 30.0, "chained": True},
+               {"case": "benchmark 0", "kernel": "per_tile", "us": 31.5, "chained": False},
+               {"case": "benchmark 1", "kernel": "per_tile", "us": 10.0, "chained": True},
+               {"case": "benchmark 1", "kernel": "per_tile", "us": 11.0, "chained": False},
+               {"case": "benchmark 0", "kernel": "scaled_mm", "us": 90.0},
+               {"case": "benchmark 1", "kernel": "scaled_mm", "us": 40.0}]
+    lines = selfcheck.format_table(rows, timings).splitlines()
+    assert lines[2].split() == ["per_tile", "1", "/", "1", "30.00", "10.00", "17.32"]
+    assert lines[3].split() == ["unchained", "31.50", "11.00", "18.61"]
+    assert lines[4].split() == ["chaining", "saves", "1.50", "1.00"]
+    assert lines[5].split() == ["scaled_mm", "1", "/", "1", "90.00", "40.00", "60.00"]
+    assert len(lines) == 6
+
+
+def test_sm100_kernels_are_timed_chained_and_unchained(monkeypatch):
+    sm100 = submission.Sm100Backend("persistent")
+
+    class Hopper:
+        name = "sm90"
+
+    choices = submission.SM100_CHOICES
+    assert selfcheck.chain_settings(sm100, choices["persistent_t128"]) == (True, False)
+    assert selfcheck.chain_settings(sm100, choices["per_tile"]) == (True, False)
+    assert selfcheck.chain_settings(sm100, choices["scaled_mm"]) == (None,)
+    assert selfcheck.chain_settings(sm100, None) == (None,)  # custom_kernel: as the process runs it
+    assert selfcheck.chain_settings(Hopper(), choices["per_tile"]) == (None,)
+    # NVFP4_SM100_CHAIN_CALLS=0: chaining is off for the whole process, timed unchained only
+    monkeypatch.setattr(submission, "SM100_CHAIN_CALLS", False)
+    assert selfcheck.chain_settings(sm100, choices["per_tile"]) == (False,)
+
+
+def test_an_unchained_timing_builds_unchained_launches(monkeypatch):
+    """_time_row with chain=False builds its launches (compiles keyed on the switch) with
+    SM100_CHAIN_CALLS off, restores it after, and says so in its row."""
+    import helpers
+
+    fakes, _run = helpers.sm100_runtime(monkeypatch)
+    seen = []
+    fake_gemm = submission.compile_gemm
+    monkeypatch.setattr(submission, "compile_gemm",
+                        lambda *args: seen.append(submission.SM100_CHAIN_CALLS) or fake_gemm(*args))
+    backend = submission._BACKEND_BY_DEVICE[None]
+    sizes = [(40, 128, 256, 1), (72, 64, 512, 1)]
+
+    def time_kernel(run_one, count, repeats):
+        for index in range(count):
+            run_one(index)
+            run_one(index)
+        return 12.5
+
+    monkeypatch.setattr(selfcheck, "time_kernel", time_kernel)
+
+    def generate_input(seed, **_):
+        fakes.data = helpers.official_inputs(sizes, seed=seed)
+        return fakes.data
+
+    for chain in (False, True):
+        seen.clear()
+        row = selfcheck._time_row(backend, submission.SM100_CHOICES["per_tile"], {"seed": 1}, "benchmark 0",
+                                  "per_tile", 1, generate_input, chain)
+        assert row == {"case": "benchmark 0", "kernel": "per_tile", "chained": chain, "us": 12.5}
+        assert seen and set(seen) == {chain}
+        assert submission.SM100_CHAIN_CALLS is True
