@@ -933,9 +933,10 @@ TARGET_WIDTH = (24, 40)  # the target column: at least, at most (longer names ar
 
 
 def chaining_line(d: dict) -> str:
-    """The `chaining:` line of a kernel with programmatic-dependent-launch instructions."""
+    """The `chaining:` line of a kernel with programmatic-dependent-launch instructions
+    (global accesses: memory, descriptor and tensormap, as ptx_is_global)."""
     return (f"chaining: {d['waits']} wait, {d['triggers']} launch_dependents ({d['triggers_before_wait']} "
-            f"before a wait); {d['accesses_before_wait']} of {d['accesses']} global/descriptor accesses "
+            f"before a wait); {d['accesses_before_wait']} of {d['accesses']} global accesses "
             "reachable without a wait")
 
 

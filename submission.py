@@ -45,6 +45,10 @@ Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
     instead would put a descriptor write and proxy fence on every CTA's path at every group
     change of every call. Each warp that uses a descriptor acquires it
     (``fence.proxy.tensormap::generic.acquire``) and prefetches it before its first use.
+  * Chained calls (``SM100_CHAIN_CALLS``, on by default): every kernel is launched as the
+    programmatic dependent of the kernel before it, waits (``griddepcontrol.wait``) before its
+    first global access in every warp role and lets the next call launch once its CTAs hold
+    their TMEM, so that a call's launch and set-up overlap the previous call's end.
   * Host side, two levels of state: a ``Plan`` per (device, problem sizes, backend) holds
     the tile rows, the device table of sizes and tiles and the backend's plan (compiled
     kernel, CTA pairs), shared by every input set of those sizes (bounded by count and

@@ -2,8 +2,8 @@
 
 Every sm_100a kernel (the per-tile GEMM and its descriptor init, the persistent GEMM at 128
 and 256 tokens per tile and its descriptor init) is compiled for sm_100a (cubin and PTX kept)
-and its control flow read from the SASS (nvdisasm) and from the PTX, to show on every path,
-not only in text order:
+and its control flow read from the SASS (nvdisasm) and from the PTX (build_report's
+sass_flow and ptx_flow), to show on every path, not only in text order:
   * the wait (griddepcontrol.wait; SASS ACQBULK) comes before every global memory,
     descriptor or tensormap access of the kernel: in each warp role of the persistent GEMM
     (the TMA warp's tile rows, descriptor acquires and prefetches and TMA loads, the MMA
@@ -36,6 +36,8 @@ import submission
 from build_report import Flow, ptx_flow, ptx_is_global, sass_flow, sass_is_global
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
 # ----------------------------------------------------------------------------- builds
 Kernel = collections.namedtuple("Kernel", "name compile waits triggers registers_before")
 
@@ -378,7 +380,7 @@ def test_build_report_reads_the_waits_and_triggers(builds, name):
     assert found["accesses"] == len(_where(build.ptx_flow, ptx_is_global)) > 0
     assert build_report.chaining_line(found) == (
         f"chaining: {kernel.waits} wait, {kernel.triggers} launch_dependents ({TRIGGERS_BEFORE_WAIT[name]} before "
-        f"a wait); 0 of {found['accesses']} global/descriptor accesses reachable without a wait")
+        f"a wait); 0 of {found['accesses']} global accesses reachable without a wait")
 
 
 def test_build_report_prints_the_chaining_line():
@@ -391,7 +393,7 @@ def test_build_report_prints_the_chaining_line():
                          "accesses_before_wait": 0},
     )
     lines = build_report.format_table([report]).splitlines()
-    assert ("    chaining: 3 wait, 3 launch_dependents (2 before a wait); 0 of 57 global/descriptor accesses "
+    assert ("    chaining: 3 wait, 3 launch_dependents (2 before a wait); 0 of 57 global accesses "
             "reachable without a wait") in lines
     assert max(map(len, lines)) <= build_report.TABLE_WIDTH
     plain = build_report.format_table([build_report.dataclasses.replace(report, grid_dependency=None)])
