@@ -1850,11 +1850,12 @@ class PersistentGemmSm100:
             # This warp holds nothing a dependent could take: its trigger follows the wait.
             wait_for_previous_grid()
             launch_dependents()
-            tile_row = self._first_tile(tensor_of_tiles, cluster_idx)  # no pair without a tile
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, num_tiles)
             # The first tile's A, B, SFA, SFB descriptors (written by the init kernel):
             # acquired and fetched before the pipeline's first wait
-            for slot in cutlass.range_constexpr(4):
-                acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], slot))
+            if tile_idx < num_tiles:
+                for slot in cutlass.range_constexpr(4):
+                    acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], slot))
             while tile_idx < num_tiles:
                 group_idx, mma_tile_m, mma_tile_n, k_tile_cnt = tile_row[0], tile_row[1], tile_row[2], tile_row[3]
                 # The next tile's row, one 16-byte load a whole tile ahead of its use
@@ -1922,7 +1923,7 @@ class PersistentGemmSm100:
             tile_idx = cluster_idx
             # the tile table after the previous kernel (this warp's only global access)
             wait_for_previous_grid()
-            tile_row = self._first_tile(tensor_of_tiles, cluster_idx)
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, num_tiles)
             while tile_idx < num_tiles:
                 k_tile_cnt = tile_row[3]
                 tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, num_tiles, num_clusters)
@@ -2007,11 +2008,12 @@ class PersistentGemmSm100:
             # the tile table, C's descriptor and C itself after the previous kernel (a caller
             # may hand the same c to consecutive calls)
             wait_for_previous_grid()
-            tile_row = self._first_tile(tensor_of_tiles, cluster_idx)
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, num_tiles)
             if warp_idx == self.epilog_warp_id[0]:
                 # The one warp that stores C: the first tile's C descriptor, acquired and
                 # fetched before the first accumulator wait
-                acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
+                if tile_idx < num_tiles:
+                    acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
             while tile_idx < num_tiles:
                 group_idx, mma_tile_m, mma_tile_n = tile_row[0], tile_row[1], tile_row[2]
                 tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, num_tiles, num_clusters)
@@ -2064,10 +2066,15 @@ class PersistentGemmSm100:
     # The static persistent tile walk of every role: a pair runs tiles cluster_idx,
     # cluster_idx + num_clusters, ... of the tile table
     @cute.jit
-    def _first_tile(self, tensor_of_tiles: cute.Tensor, cluster_idx):
-        """The pair's first tile row, in registers (every pair has one: clusters <= tiles)."""
+    def _first_tile(self, tensor_of_tiles: cute.Tensor, cluster_idx, num_tiles):
+        """The pair's first tile row, in registers. The host launches no more pairs than tiles;
+        a pair past them all the same (the kernel does not rely on the host for it) reads no
+        row, keeps zeros, walks its loops zero times and tears down as every pair does."""
         tile_row = cute.make_rmem_tensor(cute.make_layout(PERSISTENT_TILE_ROW), cutlass.Int32)
-        cute.autovec_copy(tensor_of_tiles[(cluster_idx, None)], tile_row)
+        for i in cutlass.range_constexpr(PERSISTENT_TILE_ROW):
+            tile_row[i] = cutlass.Int32(0)
+        if cluster_idx < num_tiles:
+            cute.autovec_copy(tensor_of_tiles[(cluster_idx, None)], tile_row)
         return tile_row
 
     @cute.jit

@@ -292,3 +292,21 @@ def test_compile_targets_list_every_persistent_configuration():
     for tokens in submission.PERSISTENT_CONFIGS:
         assert f"sm100_persistent_gemm_t{tokens}" in names
         assert f"sm100_persistent_init_t{tokens}" in names
+
+
+def test_ptx_every_tile_row_load_is_guarded_by_the_tile_count(persistent_build):
+    """The kernel guards its own tile walk: every load of a tile row (the first of each role
+    included, 16 bytes) sits behind a branch on `index >= num_tiles`, num_tiles being the
+    kernel's last parameter, so a pair with no tile reads nothing and tears down as usual."""
+    lines = persistent_build.ptx.replace("\0", "").splitlines()
+    params = [(int(m.group(2)), m.group(1)) for line in lines
+              if (m := re.search(r"ld\.param\.u32\s+(%r\d+),\s*\[\w+_param_(\d+)\]", line))]
+    num_tiles = max(params)[1]
+    guards = {m.group(1) for line in lines
+              if (m := re.search(rf"setp\.ge\.s32\s+(%p\d+),\s*%r\d+,\s*{re.escape(num_tiles)};", line))}
+    loads = [i for i, line in enumerate(lines) if "ld.global.v4.u32" in line]
+    assert len(loads) == 6  # three roles: the first row and the next row each
+    for index in loads:
+        branch = next(line for line in reversed(lines[:index]) if re.search(r"\bbra\b", line))
+        predicate = re.search(r"@(%p\d+)\s+bra", branch)
+        assert predicate and predicate.group(1) in guards, (index, branch)
