@@ -2009,7 +2009,7 @@ class PersistentGemmSm100:
             # may hand the same c to consecutive calls)
             wait_for_previous_grid()
             tile_row = self._first_tile(tensor_of_tiles, cluster_idx, num_tiles)
-            if warp_idx == self.epilog_warp_id[0]:
+            if warp_idx == self.epilog_warp_id[0]:  # noqa: SIM102 - two dynamic conditions, traced as two ifs
                 # The one warp that stores C: the first tile's C descriptor, acquired and
                 # fetched before the first accumulator wait
                 if tile_idx < num_tiles:
