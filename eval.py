@@ -458,6 +458,12 @@ def _run_single_profile_ncu(test: TestCase) -> str:
 
 
 def _describe_machine() -> dict:
+    """Worker: the machine in words, once the submission is imported. The import comes first,
+    before this process touches CUDA: the CuTe DSL imported after CUDA is initialized makes 34
+    driver entry-point queries (cuGetProcAddress_v2) that the driver answers "invalid argument"
+    (harmless; compute-sanitizer's memcheck reports each). A failed import is reported by
+    load_submission, which imports again."""
+    _import_submission()
     info = {"torch": torch.__version__, "dsl": _dsl_version(), "device": "cpu"}
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
