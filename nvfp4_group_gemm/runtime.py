@@ -10,7 +10,6 @@ the caches' type and the host computations are the leaderboard file's (``submiss
 the H200 runs them as a B200 does.
 """
 
-import collections.abc
 import enum
 import operator
 import struct
@@ -111,41 +110,20 @@ class DirectLaunch(typing.Protocol):
 
 
 @typing.runtime_checkable
-class Backend(typing.Protocol):
-    """A device family's kernels, as the shared runtime drives them: Sm100Backend here,
-    nvfp4_group_gemm.hopper.Sm90Backend on Hopper."""
-
-    name: str
-    plan_key: tuple  # what a plan depends on besides the device and the sizes
-    oracle: KernelChoice  # the self-check's reference computation (a host computation)
-
-    def can_implement(self, problem_sizes) -> None:
-        """Raise ValueError (group, field, value, rule) for sizes it cannot run at all."""
-
-    def kernel_chain(self, problem_sizes) -> collections.abc.Sequence[KernelChoice]:
-        """The kernels that can run these sizes, best first; the last is a host computation."""
-
-    def family_choices(self, groups: int, n: int, k: int) -> list[KernelChoice]:
-        """Every first link the automatic choice can pick for this (G, N, K), any M."""
-
-    def prepare_device(self, device: torch.device) -> None:
-        """Ask the driver now what a first plan on `device` would ask it."""
-
-    def compile(self, choice: KernelChoice, num_groups: int) -> None:
-        """Compile (cached) the kernels of `choice`; raise what the compiler raised."""
-
-    def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
-        """The tile rows of `choice` (its table, in launch order)."""
+class Backend(submission.Backend, typing.Protocol):
+    """A device family's kernels as this runtime drives them: the leaderboard file's protocol
+    (chain, tiles, plans, descriptors, a launch on the default stream), and where launches go:
+    nvfp4_group_gemm.sm100.Sm100StreamBackend on a B200, nvfp4_group_gemm.hopper.Sm90Backend
+    on Hopper."""
 
     def pack_tiles(self, problem_sizes, choice: KernelChoice) -> "PackedTiles":
         """plan_tiles(problem_sizes, choice) as PackedTiles (a size set's first call copies them)."""
 
     def prepare(self, spec: "PlanSpec") -> BackendPlan:
-        """Its part of a plan, for spec.choice (compiled by then)."""
+        """Its part of a plan, for spec.choice (compiled by then), as this runtime reads it."""
 
     def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor) -> "Written | None":
-        """Per-pointer device state of an input set (TMA descriptors), or None: `pointers`
-        per group (a, b, c, sfa, sfb), `ptrs` their device table."""
+        """The input set's TMA descriptors as a Written (ordered for other streams), or None."""
 
     def direct_launch(self, spec: "PlanSpec") -> "DirectLaunch | None":
         """What launches an input set of the spec without a binding (its first call), or None."""
