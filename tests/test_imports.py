@@ -3,7 +3,7 @@ submission.py (the one file the leaderboard receives) imports nothing of the pro
 `task`.
 
 Project modules: every .py file in the repository root (a top-level module each, as the runner
-runs them from one folder), the packages nvfp4_group_gemm/ and nvfp4_hopper/ where they exist,
+runs them from one folder), every package in it (a folder with an __init__.py: nvfp4_group_gemm/),
 and the scripts in bench/ and examples/ (each run with its own folder first on sys.path, then
 the root). Every import counts, at any depth: a function's lazy import is an edge as much as
 a top-level one, and so is `importlib.import_module("name")` with a constant name. Relative
@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("nvfp4_group_gemm", "nvfp4_hopper")
 SCRIPT_FOLDERS = ("bench", "examples")
 
 
@@ -45,7 +44,8 @@ def project_modules(root: Path) -> list[Module]:
     modules = []
     for path in sorted(root.glob("*.py")):
         modules.append(Module(path.stem, path, "", (root,)))
-    for package in PACKAGES:
+    packages = sorted(init.parent.name for init in root.glob("*/__init__.py"))
+    for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
