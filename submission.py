@@ -3036,6 +3036,18 @@ def checked_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], 
     return validate_inputs(data) if problem_sizes is None else problem_sizes
 
 
+def checked_input(data, key: tuple | None) -> tuple[tuple, tuple[tuple[int, int, int, int], ...]]:
+    """(input_key, the validated sizes) of an input set whose key the hit path computed, or
+    could not (None: malformed input, which validate_inputs then names)."""
+    if key is None:
+        try:
+            key = input_key(data)
+        except Exception:
+            validate_inputs(data)  # names what is wrong
+            raise
+    return key, checked_problem_sizes(data, key)
+
+
 def pointers_of_key(key: tuple, num_groups: int) -> list[tuple[int, int, int, int, int]]:
     """pointers_of from input_key's pointers (a, b, c of every group, then sfa, sfb of every
     group), without reading the tensors again: per group (a, b, c, sfa, sfb)."""
@@ -3115,13 +3127,7 @@ def _bound_input_set(data, key: tuple | None) -> Binding:
     """The validating path for an input set of input_key `key` (None: not computed, the input
     may be malformed): checked sizes, then the cached binding of these pointers or a new one
     on the plan of these sizes. One thread at a time (compilation and the caches)."""
-    if key is None:
-        try:
-            key = input_key(data)
-        except Exception:
-            validate_inputs(data)  # names what is wrong
-            raise
-    problem_sizes = checked_problem_sizes(data, key)
+    key, problem_sizes = checked_input(data, key)
     with _RUNTIME_LOCK:
         binding = _BINDINGS.get(key)
         if binding is None or binding.plan.problem_sizes != problem_sizes:

@@ -51,6 +51,7 @@ in_order = submission.in_order
 pointers_of = submission.pointers_of
 pointers_of_key = submission.pointers_of_key
 checked_problem_sizes = submission.checked_problem_sizes
+checked_input = submission.checked_input
 choose_kernel = submission.choose_kernel
 demote = submission.demote
 _one_line = submission._one_line
@@ -631,13 +632,7 @@ def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
     may be malformed): checked sizes, then the cached binding of these pointers, the outputs
     of a first call launched without a binding (_first_call), or a new binding on the plan of
     these sizes. One thread at a time (compilation and the caches)."""
-    if key is None:
-        try:
-            key = input_key(data)
-        except Exception:
-            validate_inputs(data)  # names what is wrong
-            raise
-    problem_sizes = checked_problem_sizes(data, key)
+    key, problem_sizes = checked_input(data, key)
     with _RUNTIME_LOCK:
         binding = _BINDINGS.get(key)
         if binding is None or binding.plan.problem_sizes != problem_sizes:
