@@ -162,6 +162,16 @@ from .schedules import (
     wide_split_k_fits,
     with_wide_k_tiles,
 )
+from .moe import (
+    ACTIVATION_SCALE_LAYOUTS,
+    Sm90MoeDecodeActivations,
+    Sm90MoeSwapAbGemm,
+    compile_moe_decode,
+    compile_moe_gemm,
+    max_moe_tiles,
+    moe_compile_targets,
+    slab_rows,
+)
 from .swap_ab import (
     Sm90DecodeActivations,
     Sm90SwapAbGemm,
@@ -174,10 +184,18 @@ from .swap_ab import (
 def compile_targets():
     """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)),
     the swap-AB kernels first."""
-    return swap_ab_compile_targets() + in_gemm_decode_compile_targets()
+    return swap_ab_compile_targets() + moe_compile_targets() + in_gemm_decode_compile_targets()
 
 
 __all__ = [
+    "ACTIVATION_SCALE_LAYOUTS",
+    "Sm90MoeDecodeActivations",
+    "Sm90MoeSwapAbGemm",
+    "compile_moe_decode",
+    "compile_moe_gemm",
+    "max_moe_tiles",
+    "moe_compile_targets",
+    "slab_rows",
     "CHUNK_REGISTERS",
     "CONFIGS",
     "CTAS_PER_SM",

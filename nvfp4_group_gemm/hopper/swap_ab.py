@@ -175,6 +175,27 @@ class Sm90DecodeActivations:
             decode_scale_blocks_global([(src, scale, acts_base + dst_lo, acts_base + dst_hi)])
 
 
+class TableOperands:
+    """Where the GEMM's tile finds its group's operands: the per-size-set tables (pointers,
+    sizes, activation slabs), read at the points of use. The MoE GEMM (moe.py) passes its own,
+    derived on the GPU from the group offsets."""
+
+    def __init__(self, mPtrs, mSizes, mActs):
+        self.mPtrs, self.mSizes, self.mActs = mPtrs, mSizes, mActs
+
+    def size(self, group, field):
+        """M, N or K (field 0, 1, 2) of the group."""
+        return self.mSizes[group, field]
+
+    def address(self, group, column):
+        """The group's global address of pointer-table column `column` (_PTR_B, _PTR_C, ...)."""
+        return self.mPtrs[group, column]
+
+    def activations(self, group, field):
+        """The group's decoded activations: their address (field 0) or slab bytes (field 1)."""
+        return self.mActs[group, field]
+
+
 def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
     """fp16 wgmma (fp32 accumulators): one warpgroup per 64 weight rows, weights from
     registers, tokens from shared memory, both K-major; N = tile_t."""
@@ -220,37 +241,44 @@ class Sm90SwapAbGemm:
         acts: cute.Pointer,
         stream: cuda.CUstream,
     ):
-        x_smem_layout_staged = self.token_smem_layout(self.tile_t)
-
-        @cute.struct
-        class SharedStorage:
-            sX: cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(x_smem_layout_staged)], 1024]
-            raw_w: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Uint8, self.config.weight_stage_bytes * self.config.weight_stages], 128
-            ]
-            # per stage, the mbarrier its token bulk copy completes on
-            token_full: cute.struct.Align[cute.struct.MemRange[cutlass.Int64, self.stages], 8]
-
-        self.shared_storage = SharedStorage
-        if cutlass.const_expr(self.config.split_k > 1):
-            # a summing rank receives its warpgroups' sums at the start of sX, free after its
-            # main loop (and clear of the mbarriers)
-            assert self.config.reduction_bytes <= cute.cosize(x_smem_layout_staged) * 2
-
+        self.define_shared_storage()
         mPtrs = cute.make_tensor(ptrs, cute.make_layout((self.num_groups, 5), stride=(5, 1)))
         mSizes = cute.make_tensor(sizes, cute.make_layout((self.num_groups, 4), stride=(4, 1)))
         width = self.config.tile_row_width
         mTiles = cute.make_tensor(tiles, cute.make_layout((num_tiles, width), stride=(width, 1)))
         mActs = cute.make_tensor(acts, cute.make_layout((self.num_groups, 2), stride=(2, 1)))
+        self.kernel(mPtrs, mSizes, mTiles, mActs).launch(grid=(num_tiles * self.config.split_k, 1, 1),
+                                                         stream=stream, **self.launch_attributes())
+
+    def define_shared_storage(self):
+        """The CTA's shared memory (token stages, weight stages, the token mbarriers) as
+        self.shared_storage (trace time, in __call__)."""
+        x_smem_layout_staged = self.token_smem_layout(self.tile_t)
+
+        # built from evaluated annotations (this module's annotations are strings)
+        fields = {
+            "sX": cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(x_smem_layout_staged)], 1024],
+            "raw_w": cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, self.config.weight_stage_bytes * self.config.weight_stages], 128
+            ],
+            # per stage, the mbarrier its token bulk copy completes on
+            "token_full": cute.struct.Align[cute.struct.MemRange[cutlass.Int64, self.stages], 8],
+        }
+        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        if cutlass.const_expr(self.config.split_k > 1):
+            # a summing rank receives its warpgroups' sums at the start of sX, free after its
+            # main loop (and clear of the mbarriers)
+            assert self.config.reduction_bytes <= cute.cosize(x_smem_layout_staged) * 2
+
+    def launch_attributes(self) -> dict:
+        """The launch's block, cluster, occupancy bound, shared memory and PDL (the grid is the caller's)."""
         split = self.config.split_k
-        self.kernel(mPtrs, mSizes, mTiles, mActs).launch(
-            grid=(num_tiles * split, 1, 1),
+        return dict(
             block=(self.num_threads, 1, 1),
             cluster=(split, 1, 1) if split > 1 else None,
             min_blocks_per_mp=self.config.ctas_per_sm,
             smem=self.config.launch_smem_bytes(self.shared_storage.size_in_bytes()),
             use_pdl=self.config.pdl,
-            stream=stream,
         )
 
     def token_classes(self) -> tuple[int, ...]:
@@ -321,6 +349,27 @@ class Sm90SwapAbGemm:
                       accumulators)
         cute.nvgpu.warpgroup.commit_group()
 
+    def cta_resources(self):
+        """The CTA's shared memory (token stages' pointer, weight stages' and mbarriers'
+        addresses) and register fragments, allocated in the kernel's entry block (allocated
+        inside a class's branch they went to local memory): the A fragment, and per token
+        class its accumulators (only one class's are live in a CTA). Plain Python: traced inline."""
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sX_ptr = storage.sX.data_ptr()
+        w_base = storage.raw_w.data_ptr().toint()
+        mbar_base = storage.token_full.data_ptr().toint()
+        a_frag = cute.make_rmem_tensor(
+            make_swap_ab_tiled_mma(self.config, self.tile_t).partition_shape_A((self.tile_w, self.tile_k)),
+            cutlass.Float16,
+        )
+        accumulators_by_class = {}
+        for tile_t in self.token_classes():
+            thr = make_swap_ab_tiled_mma(self.config, tile_t).get_slice(0)
+            acc_shape = thr.partition_C(cute.make_identity_tensor((self.tile_w, tile_t))).shape
+            accumulators_by_class[tile_t] = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        return sX_ptr, w_base, mbar_base, a_frag, accumulators_by_class
+
     @cute.kernel
     def kernel(self, mPtrs: cute.Tensor, mSizes: cute.Tensor, mTiles: cute.Tensor, mActs: cute.Tensor):
         if cutlass.const_expr(self.config.chain_calls):
@@ -329,30 +378,14 @@ class Sm90SwapAbGemm:
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        sX_ptr = storage.sX.data_ptr()
-        w_base = storage.raw_w.data_ptr().toint()
-        mbar_base = storage.token_full.data_ptr().toint()
-        # Register fragments, allocated here (the kernel's entry block; allocated inside a
-        # class's branch they went to local memory): the A fragment, and per token class its
-        # accumulators (only one class's are live in a CTA)
+        sX_ptr, w_base, mbar_base, a_frag, accumulators_by_class = self.cta_resources()
         classes = self.token_classes()
-        a_frag = cute.make_rmem_tensor(
-            make_swap_ab_tiled_mma(self.config, self.tile_t).partition_shape_A((self.tile_w, self.tile_k)),
-            cutlass.Float16,
-        )
-        accumulators_by_class = {}
-        for tile_t in classes:
-            thr = make_swap_ab_tiled_mma(self.config, tile_t).get_slice(0)
-            acc_shape = thr.partition_C(cute.make_identity_tensor((self.tile_w, tile_t))).shape
-            accumulators_by_class[tile_t] = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
 
         # tile row: (group, first token / 64, weight tile, token class) with variable token
         # tiles, (group, token tile, weight tile) otherwise; split-K rank r of a cluster runs
         # k-tiles r * cnt .. (r + 1) * cnt
         tile_idx = bidx // self.config.split_k
+        operands = TableOperands(mPtrs, mSizes, mActs)
         group = mTiles[tile_idx, 0]
         weight_tile = mTiles[tile_idx, 2]
         if cutlass.const_expr(self.config.variable_tokens):
@@ -362,11 +395,11 @@ class Sm90SwapAbGemm:
             # 2 x, ..., tile_tokens); the CTA runs the one of its tile
             for class_index, tile_t in enumerate(classes):
                 if token_class == class_index:
-                    self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group,
-                                  token0, weight_tile, a_frag, accumulators_by_class[tile_t])
+                    self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, operands, group, token0,
+                                  weight_tile, a_frag, accumulators_by_class[tile_t])
         else:
             token0 = mTiles[tile_idx, 1] * self.tile_t
-            self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group, token0,
+            self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, operands, group, token0,
                           weight_tile, a_frag, accumulators_by_class[self.tile_t])
 
     @cute.jit
@@ -403,8 +436,8 @@ class Sm90SwapAbGemm:
 
     @cute.jit
     def run_tile(
-        self, tile_t: cutlass.Constexpr, tidx, bidx, sX_ptr, w_base, mbar_base, mPtrs, mSizes, mActs, group,
-        token0, weight_tile, a_frag, accumulators,
+        self, tile_t: cutlass.Constexpr, tidx, bidx, sX_ptr, w_base, mbar_base, operands, group, token0,
+        weight_tile, a_frag, accumulators,
     ):
         """The output tile of weight rows weight_tile * 128 .. + 128 and tokens token0 ..
         token0 + tile_t of `group` (this split-K rank's k-tiles): copies, decode, wgmma with
@@ -431,20 +464,20 @@ class Sm90SwapAbGemm:
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
 
         split = self.config.split_k
-        m = mSizes[group, 0]
-        n = mSizes[group, 1]
-        k = mSizes[group, 2]
+        m = operands.size(group, 0)
+        n = operands.size(group, 1)
+        k = operands.size(group, 2)
         n0 = weight_tile * self.tile_w
         k_tile_cnt = k // (self.tile_k * split)
         k_tile_begin = (bidx % split) * k_tile_cnt
         b_row_bytes = k // 2
         rest_k = k // (SF_VEC_SIZE * 4)
-        slab_bytes = mActs[group, 1]
+        slab_bytes = operands.activations(group, 1)
         # the rank's first k-tile moves into the base addresses: its loop runs from 0
         half_begin = k_tile_begin * self.k_halves  # the rank's first 64-wide half
-        b_addr = mPtrs[group, _PTR_B] + cutlass.Int64(half_begin) * self.w_row_bytes
-        sfb_addr = mPtrs[group, _PTR_SFB] + cutlass.Int64(half_begin) * SF_ATOM_BYTES
-        x_addr = mActs[group, 0] + cutlass.Int64(half_begin) * slab_bytes + token0 * self.x_row_bytes
+        b_addr = operands.address(group, _PTR_B) + cutlass.Int64(half_begin) * self.w_row_bytes
+        sfb_addr = operands.address(group, _PTR_SFB) + cutlass.Int64(half_begin) * SF_ATOM_BYTES
+        x_addr = operands.activations(group, 0) + cutlass.Int64(half_begin) * slab_bytes + token0 * self.x_row_bytes
 
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
@@ -487,7 +520,7 @@ class Sm90SwapAbGemm:
         cute.nvgpu.warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)
 
-        c_addr = mPtrs[group, _PTR_C]
+        c_addr = operands.address(group, _PTR_C)
         if cutlass.const_expr(split > 1):
             # the summing rank of this warpgroup's rows holds their sums
             reduce_split_k_partials(tidx, warp_group_idx, x_base, accumulators, split)

@@ -1,0 +1,296 @@
+"""The sm_90a kernels of the MoE entry (nvfp4_group_gemm.moe): stacked activations whose group
+boundaries arrive as an int32 offsets tensor on the GPU, read by the kernels themselves.
+
+A call is two launches whose grids depend only on (T, G, N, K), never on the offsets:
+
+    pre-pass (Sm90MoeDecodeActivations): one thread per 16-element block of each of the T rows;
+        it finds its row's group from the offsets, and decodes the row (a x sfa, plain [T, K/16]
+        or blocked scales) into that group's padded slab rows of X;
+    GEMM (Sm90MoeSwapAbGemm, the swap-AB GEMM of swap_ab.py): a grid of max_moe_tiles(T, G, N)
+        tiles (per split-K rank); each CTA derives its (group, token tile, weight tile) from the
+        offsets, and CTAs past the offsets' tile count run nothing.
+
+Group g holds rows offsets[g] .. offsets[g + 1] of a and c. In X, its rows start at
+P_g = sum over g' < g of round_up(M_g', 16) (token tiles must start on a 16-row boundary for the
+slabs' swizzle), so X holds T + 15 G rows plus one token tile of reads past the last group.
+The tiles run group first, then weight tile, then token tile, as the per-size-set tables.
+
+Offsets are checked on the GPU by both kernels alike: 0 <= offsets[0] <= ... <= offsets[G] <= T.
+Offsets that break it make every CTA of both kernels skip its work (c is left as it was,
+nothing is written outside c) and the pre-pass writes 1 into `status[0]` (0 otherwise),
+which the caller reads when it chooses to synchronize."""
+
+from __future__ import annotations
+
+import functools
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import cute
+
+from ..leaderboard import submission
+from .config import SF_VEC_SIZE, SWAP_AB_HALF_K, SwapAbConfig
+from .ptx import decode_scale_blocks_global
+from .schedules import TOKEN_CLASS_STEP
+from .swap_ab import (
+    DECODE_THREADS,
+    Sm90SwapAbGemm,
+    _fake_ptr,
+    activation_chunk_offsets,
+    activation_scale_offset,
+)
+from .kernel import smem_per_sm_known_without_gpu
+
+# Rows of a group's padded slab start on multiples of this (the slab swizzle repeats every 8
+# rows; token tiles start on multiples of 16)
+GROUP_ROW_ALIGN = 16
+# Activation scale layouts the pre-pass reads: plain [T, K/16] e4m3 (what a quantizer writes),
+# or blocked (cuBLAS's 128x4 atoms over the stacked rows, [ceil(T/128), K/64, 32, 4, 4])
+ACTIVATION_SCALE_LAYOUTS = ("plain", "blocked")
+
+
+def slab_rows(tokens: int, groups: int, config: SwapAbConfig) -> int:
+    """Rows of each k-tile slab of X for T = tokens: every group's rows padded to
+    GROUP_ROW_ALIGN, plus one token tile read past the last group's rows."""
+    padded = tokens + groups * (GROUP_ROW_ALIGN - 1)
+    return -(-(padded + config.tile_tokens) // GROUP_ROW_ALIGN) * GROUP_ROW_ALIGN
+
+
+def max_moe_tiles(tokens: int, groups: int, n: int, config: SwapAbConfig) -> int:
+    """The most (group, token tile, weight tile) tiles any offsets of T = tokens rows in `groups`
+    groups make: sum ceil(M_g / t) <= T / t + G (t - 1) / t token tiles (t: the smallest tile a
+    group's rows are cut into: tile_tokens, or 64 with variable tiles, whose tiles of one group
+    but its last are equal and at least half of tile_tokens) times N / tile_weights."""
+    if config.variable_tokens:
+        # ceil(M / 256) tiles per group: at most T / 256 + G
+        token_tiles = tokens // config.tile_tokens + groups
+    else:
+        t = config.tile_tokens
+        token_tiles = (tokens + groups * (t - 1)) // t
+    return max(1, token_tiles * (n // config.tile_weights))
+
+
+def _at_least_one(x):
+    return max(x, 1) if isinstance(x, int) else cutlass.max(x, cutlass.Int32(1))
+
+
+def group_token_tiles(m, tile_tokens: int, variable: bool):
+    """(token tiles, tokens per tile but the last) of a group of m >= 0 rows (device or Python
+    integers): tiles of tile_tokens, or with variable tiles ceil(m / 256) tiles of equal size
+    rounded up to 64 (schedules.variable_token_split; m = 0: no tiles)."""
+    if variable:
+        per_group = _at_least_one((m + tile_tokens - 1) // tile_tokens)
+        per_tile = (m + per_group - 1) // per_group
+        size = _at_least_one((per_tile + TOKEN_CLASS_STEP - 1) // TOKEN_CLASS_STEP) * TOKEN_CLASS_STEP
+        return (m + size - 1) // size, size
+    return (m + tile_tokens - 1) // tile_tokens, tile_tokens
+
+
+class StackedOperands:
+    """A MoE tile's group operands for Sm90SwapAbGemm.run_tile (swap_ab.TableOperands' interface):
+    values derived on the GPU from the offsets, the same whatever the group argument."""
+
+    def __init__(self, m, n, k, b_addr, sfb_addr, c_addr, x_addr, slab_bytes):
+        self.sizes = (m, n, k)
+        self.addresses = {1: b_addr, 2: c_addr, 4: sfb_addr}  # swap_ab's _PTR_B, _PTR_C, _PTR_SFB
+        self.acts = (x_addr, slab_bytes)
+
+    def size(self, group, field):
+        return self.sizes[field]
+
+    def address(self, group, column):
+        return self.addresses[column]
+
+    def activations(self, group, field):
+        return self.acts[field]
+
+
+class Sm90MoeDecodeActivations:
+    """Pre-pass of the MoE entry: the fp16 decode of every row of a[T, K/2] inside a group into
+    that group's padded rows of X (slab layout of swap_ab.activation_chunk_offsets)."""
+
+    def __init__(self, num_groups: int, scale_layout: str = "plain", chained: bool = False):
+        if scale_layout not in ACTIVATION_SCALE_LAYOUTS:
+            raise ValueError(f"scale_layout={scale_layout!r}: must be one of {', '.join(ACTIVATION_SCALE_LAYOUTS)}")
+        self.num_groups = num_groups
+        self.scale_layout = scale_layout
+        self.chained = chained
+
+    @cute.jit
+    def __call__(
+        self, a: cute.Pointer, sfa: cute.Pointer, offsets: cute.Pointer, acts: cute.Pointer, status: cute.Pointer,
+        tokens: cutlass.Int32, k: cutlass.Int32, slab_bytes: cutlass.Int32, blocks_x: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        mOffsets = cute.make_tensor(offsets, cute.make_layout(self.num_groups + 1))
+        mStatus = cute.make_tensor(status, cute.make_layout(1))
+        self.kernel(a, sfa, mOffsets, acts, mStatus, tokens, k, slab_bytes).launch(
+            grid=(blocks_x, 1, 1), block=(DECODE_THREADS, 1, 1), use_pdl=self.chained, stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, a: cute.Pointer, sfa: cute.Pointer, mOffsets: cute.Tensor, acts: cute.Pointer,
+               mStatus: cute.Tensor, tokens: cutlass.Int32, k: cutlass.Int32, slab_bytes: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.chained):
+            # launched as the previous kernel's programmatic dependent: the offsets and the
+            # activations may be its output, so nothing is read before this
+            cute.arch.griddepcontrol_wait()
+        # the GEMM (this grid's programmatic dependent) reads the offsets before its own wait:
+        # everything before this grid is complete by now
+        cute.arch.griddepcontrol_launch_dependents()
+        blocks_per_row = k // SF_VEC_SIZE
+        item = bidx * DECODE_THREADS + tidx
+        row = item // blocks_per_row
+        block = item - row * blocks_per_row
+        # the row's group g: the last one with offsets[g] <= row; X row = row + P_g - offsets[g]
+        lo = mOffsets[0]
+        first_row = lo
+        bad = lo < 0
+        shift = cutlass.Int32(0)
+        padded = cutlass.Int32(0)
+        for g in cutlass.range_constexpr(self.num_groups):
+            hi = mOffsets[g + 1]
+            bad = bad | (hi < lo)
+            if row >= lo:
+                shift = padded - lo
+            padded = padded + (hi - lo + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN
+            lo = hi
+        bad = bad | (lo > tokens)
+        if bidx == 0 and tidx == 0:
+            if bad:
+                mStatus[0] = cutlass.Int32(1)
+            else:
+                mStatus[0] = cutlass.Int32(0)
+        if not bad and row >= first_row and row < lo:
+            src = a.toint() + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
+            if cutlass.const_expr(self.scale_layout == "plain"):
+                scale = sfa.toint() + cutlass.Int64(row) * blocks_per_row + block
+            else:
+                scale = sfa.toint() + activation_scale_offset(cutlass.Int64(row), block, k)
+            dst_lo, dst_hi = activation_chunk_offsets(cutlass.Int64(row + shift), block, slab_bytes)
+            acts_base = acts.toint()
+            decode_scale_blocks_global([(src, scale, acts_base + dst_lo, acts_base + dst_hi)])
+
+
+class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
+    """The swap-AB GEMM over stacked tokens: Sm90SwapAbGemm's tile (run_tile) with its group,
+    tokens and weight tile derived from the offsets on the GPU (group first, then weight tile,
+    then token tile), weights b[G, N, K/2] and their blocked scales [G, N/128, K/64, 512 bytes],
+    output rows offsets[g] .. offsets[g + 1] of c[T, N]."""
+
+    @cute.jit
+    def __call__(
+        self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer, offsets: cute.Pointer,
+        tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, slab_bytes: cutlass.Int32,
+        max_tiles: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        self.define_shared_storage()
+        mOffsets = cute.make_tensor(offsets, cute.make_layout(self.num_groups + 1))
+        self.kernel(acts, b, sfb, c, mOffsets, tokens, n, k, slab_bytes).launch(
+            grid=(max_tiles * self.config.split_k, 1, 1), stream=stream, **self.launch_attributes())
+
+    @cute.kernel
+    def kernel(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
+               mOffsets: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+               slab_bytes: cutlass.Int32):
+        if cutlass.const_expr(self.config.chain_calls):
+            cute.arch.griddepcontrol_launch_dependents()
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        sX_ptr, w_base, mbar_base, a_frag, accumulators_by_class = self.cta_resources()
+        classes = self.token_classes()
+        variable = self.config.variable_tokens
+
+        # this CTA's tile among every group's (token tiles x weight tiles), group first
+        tile_idx = bidx // self.config.split_k
+        weight_tiles = n // self.tile_w
+        lo = mOffsets[0]
+        bad = lo < 0
+        tiles_before = cutlass.Int32(0)
+        padded = cutlass.Int32(0)
+        group = cutlass.Int32(0)
+        local = cutlass.Int32(0)
+        m = cutlass.Int32(0)
+        row0 = cutlass.Int32(0)
+        pad0 = cutlass.Int32(0)
+        token_tiles = cutlass.Int32(1)
+        tile_size = cutlass.Int32(self.tile_t)
+        for g in cutlass.range_constexpr(self.num_groups):
+            hi = mOffsets[g + 1]
+            m_g = hi - lo
+            bad = bad | (m_g < 0)
+            tiles_g, size_g = group_token_tiles(m_g, self.tile_t, variable)
+            tiles_after = tiles_before + tiles_g * weight_tiles
+            if tile_idx >= tiles_before and tile_idx < tiles_after:
+                group = cutlass.Int32(g)
+                local = tile_idx - tiles_before
+                m = m_g
+                row0 = lo
+                pad0 = padded
+                token_tiles = tiles_g
+                tile_size = size_g
+            tiles_before = tiles_after
+            padded = padded + (m_g + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN
+            lo = hi
+        bad = bad | (lo > tokens)
+
+        if not bad and tile_idx < tiles_before:
+            weight_tile = local // token_tiles
+            token0 = (local - weight_tile * token_tiles) * tile_size
+            operands = StackedOperands(
+                m, n, k,
+                b.toint() + cutlass.Int64(group) * (cutlass.Int64(n) * (k // 2)),
+                sfb.toint() + cutlass.Int64(group) * (cutlass.Int64(n) * (k // SF_VEC_SIZE)),
+                c.toint() + cutlass.Int64(row0) * n * 2,
+                acts.toint() + cutlass.Int64(pad0) * (SWAP_AB_HALF_K * 2),
+                slab_bytes,
+            )
+            if cutlass.const_expr(variable):
+                # the tile's tokens: tile_size, or what is left of the group's rows for its
+                # last tile, rounded up to 64; one main loop per count
+                left = (m - token0 + TOKEN_CLASS_STEP - 1) // TOKEN_CLASS_STEP * TOKEN_CLASS_STEP
+                token_class = (left if left < tile_size else tile_size) // TOKEN_CLASS_STEP - 1
+                for class_index, tile_t in enumerate(classes):
+                    if token_class == class_index:
+                        self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, operands, group, token0,
+                                      weight_tile, a_frag, accumulators_by_class[tile_t])
+            else:
+                self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, operands, group, token0,
+                              weight_tile, a_frag, accumulators_by_class[self.tile_t])
+
+
+def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None):
+    """Compile (cached) the MoE GEMM of `config` for num_groups groups."""
+    from .config import SWAP_AB_CONFIG
+
+    config = SWAP_AB_CONFIG if config is None else config
+    return submission.compile_once(("sm90_moe_gemm", num_groups, config), lambda: (Sm90MoeSwapAbGemm(config, num_groups), (
+        _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8),
+        _fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1),
+        cutlass.Int32(1), cuda.CUstream(0),
+    )), options, context=smem_per_sm_known_without_gpu)
+
+
+def compile_moe_decode(num_groups: int, options: str | None = None, scale_layout: str = "plain",
+                       chained: bool = False):
+    """Compile (cached) the MoE pre-pass for num_groups groups reading `scale_layout` scales."""
+    return submission.compile_once(("sm90_moe_decode", num_groups, scale_layout, chained), lambda: (
+        Sm90MoeDecodeActivations(num_groups, scale_layout, chained),
+        (_fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Uint8),
+         _fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
+         cuda.CUstream(0)),
+    ), options)
+
+
+def moe_compile_targets():
+    """The MoE kernels for the build report: (kernel name, arch, compile(G, options))."""
+    from .config import SWAP_AB_CONFIG, SWAP_AB_VARIABLE_CONFIG
+
+    return [
+        ("sm90_moe_decode_plain", "sm_90a", functools.partial(compile_moe_decode, scale_layout="plain")),
+        ("sm90_moe_decode_blocked", "sm_90a", functools.partial(compile_moe_decode, scale_layout="blocked")),
+        ("sm90_moe_gemm_t128", "sm_90a", functools.partial(compile_moe_gemm, config=SWAP_AB_CONFIG)),
+        ("sm90_moe_gemm_variable", "sm_90a", functools.partial(compile_moe_gemm, config=SWAP_AB_VARIABLE_CONFIG)),
+    ]
