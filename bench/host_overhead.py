@@ -23,6 +23,13 @@ alone; it first calls the entry runtime's ``warmup`` for the family where it has
 no call compiles) and counts the calls that took over 100 ms (a compile) all the same.
 ``--profile`` adds a cProfile of those calls (the top functions by own time).
 
+With ``--moe-entry N`` it times N MoE steps per family on the MoE entry
+(``nvfp4_group_gemm.moe_grouped_gemm``: stacked tokens, offsets on the GPU; an H100/H200), each
+alone, a new routing written into the offsets every step: on the caller's same tensors (a
+serving engine's), on fresh activation, offsets and output tensors every step (the weights
+the same), and as the replay of one CUDA graph captured once; each against a bare launch
+alone in the same run (moe_entry_us).
+
 With ``--first-call-device`` it also times, per shape, 15 first calls back to back (host and
 device µs per call) and their device time alone against hits (first_call_device_us).
 
@@ -211,6 +218,56 @@ def moe_step_us(module, family, count: int, profile: bool):
     return figures, sum(f > 1e5 for f in figures), profiler
 
 
+def moe_entry_us(family, count: int, seed: int = 11) -> dict[str, list[float]]:
+    """Host µs per MoE-entry call of `family` (G, N, K), MOE_TOKENS stacked tokens, each call
+    alone (synchronized before; the new routing's offsets written before the timer starts):
+    "same tensors", "fresh tensors" (a new a, sfa, offsets, c per call, more sets than the
+    bindings kept, so that every call binds anew), "graph replay" (one graph captured once)."""
+    import random
+
+    from nvfp4_group_gemm import moe
+
+    groups, n, k = family
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = moe.random_moe_inputs(MOE_TOKENS, groups, n, k, general_scales=False, generator=generator)
+    routings = [torch.tensor(moe.random_routing(MOE_TOKENS, groups, rng, fill=1.0), dtype=torch.int32,
+                             device="cuda") for _ in range(count)]
+    inputs["offsets"].copy_(routings[0])
+
+    def timed(call, prepare) -> list[float]:
+        call(0)  # compile, plan, bind
+        figures = []
+        for step in range(count):
+            prepare(step)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            call(step)
+            figures.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+        return figures
+
+    results = {}
+    results["same tensors"] = timed(lambda step: moe.moe_grouped_gemm(**inputs),
+                                    lambda step: inputs["offsets"].copy_(routings[step]))
+    pool = []
+    for index in range(moe.MAX_BINDINGS + 8):
+        fresh = {name: (tensor if name in ("b", "sfb") else tensor.clone()) for name, tensor in inputs.items()}
+        pool.append(fresh)
+    results["fresh tensors"] = timed(lambda step: moe.moe_grouped_gemm(**pool[step % len(pool)]),
+                                     lambda step: pool[step % len(pool)]["offsets"].copy_(routings[step]))
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        moe.moe_grouped_gemm(**inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        moe.moe_grouped_gemm(**inputs)
+    results["graph replay"] = timed(lambda step: graph.replay(), lambda step: inputs["offsets"].copy_(routings[step]))
+    return results
+
+
 def with_new_outputs(data):
     """`data` with a fresh c per group: a new input key (a first call), nothing else copied."""
     abc, sfasfb, sfasfb_reordered, problem_sizes = data
@@ -354,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moe", type=non_negative_int, default=0, metavar="N",
                         help="also time N MoE steps per family (new per-group M every call, new "
                              "activations, the same weights), each alone")
+    parser.add_argument("--moe-entry", type=non_negative_int, default=0, metavar="N",
+                        help="also time N MoE steps per family on the MoE entry (offsets on the GPU), each alone: "
+                             "same tensors, fresh tensors, graph replay (moe_entry_us)")
     parser.add_argument("--first-call-device", action="store_true",
                         help="also the device µs per call of 15 first calls back to back against hits, per shape "
                              "(first_call_device_us)")
@@ -451,6 +511,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{index:<5}{case.args['g']:>3}{figures['first calls host']:>12.1f}"
                   f"{figures['first calls device']:>14.1f}{figures['first calls alone device']:>13.1f}"
                   f"{figures['hits alone device']:>12.1f}")
+    if options.moe_entry:
+        print(f"MoE entry (moe_grouped_gemm), {options.moe_entry} steps per family (T = {MOE_TOKENS} stacked tokens, "
+              f"a new routing every step), each alone, against a bare launch alone ({bare_alone_us:.2f} µs) "
+              f"in this run; median µs (ratio to the bare launch):")
+        print(f"{'G':>3}{'N':>6}{'K':>6}{'same tensors':>20}{'fresh tensors':>20}{'graph replay':>20}")
+        for family in MOE_FAMILIES:
+            figures = moe_entry_us(family, options.moe_entry)
+            cells = [f"{statistics.median(f):.1f} ({statistics.median(f) / bare_alone_us:.2f}x)"
+                     for f in figures.values()]
+            print(f"{family[0]:>3}{family[1]:>6}{family[2]:>6}" + "".join(f"{c:>20}" for c in cells))
+        print("goals: same tensors <= 2x, fresh tensors <= 4x, graph replay <= 1.2x the bare launch")
     if options.moe:
         print(f"MoE steps, {options.moe} per family (sum M = {MOE_TOKENS} split at random every call, "
               f"new activations, the same weights), each alone (bare launch {bare_us:.2f} µs back to back, "

@@ -11,10 +11,22 @@ by it) with what real callers need:
 * ``warmup(n, k, groups)``: compile a (G, N, K) family before serving;
 * ``grouped_gemm(data)`` / ``grouped_gemm_op``: the torch op ``torch.ops.nvfp4_group_gemm.grouped_gemm``
   (``torch.compile(fullgraph=True)`` traces it);
+* ``moe_grouped_gemm(a, sfa, b, sfb, offsets, c)`` / ``moe_grouped_gemm_op``: a MoE layer's
+  entry, stacked tokens with int32 group offsets on the GPU, no host read of the sizes, one CUDA
+  graph for every routing (``moe``; Hopper);
 * ``examples/library_submission.py``: this package's entry as a harness submission.
 """
 
-from .op import grouped_gemm, grouped_gemm_op
+from .moe import (
+    blocked_scales,
+    check_moe_inputs,
+    check_status,
+    moe_grouped_gemm,
+    moe_reference,
+    prepare_weight_scales,
+    reset_moe,
+)
+from .op import grouped_gemm, grouped_gemm_op, moe_grouped_gemm_op
 from .runtime import (
     bind_input_set,
     custom_kernel,
@@ -25,6 +37,14 @@ from .runtime import (
 )
 
 __all__ = [
+    "blocked_scales",
+    "check_moe_inputs",
+    "check_status",
+    "moe_grouped_gemm",
+    "moe_grouped_gemm_op",
+    "moe_reference",
+    "prepare_weight_scales",
+    "reset_moe",
     "bind_input_set",
     "custom_kernel",
     "grouped_gemm",

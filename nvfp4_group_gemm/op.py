@@ -3,6 +3,7 @@
 import torch
 
 from .leaderboard import submission
+from .moe import moe_grouped_gemm, moe_reference
 from .runtime import custom_kernel
 
 input_t = submission.input_t
@@ -60,3 +61,31 @@ def grouped_gemm(data: input_t) -> output_t:
         [int(v) for size in problem_sizes for v in size],
     )
     return [c for _, _, c in abc]
+
+
+# The MoE entry as torch.ops.nvfp4_group_gemm.moe_grouped_gemm: mutates c (and status when
+# given), returns nothing; fake implementation does nothing; on CPU tensors the exact decode
+# (which reads the offsets on the host, as only a reference may).
+def _moe_cuda(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
+              c: torch.Tensor, status: torch.Tensor | None = None) -> None:
+    moe_grouped_gemm(a, sfa, b, sfb, offsets, c, status=status)
+
+
+def _moe_cpu(a, sfa, b, sfb, offsets, c, status=None) -> None:
+    moe_reference(a, sfa, b, sfb, offsets, c)
+    if status is not None:
+        status.fill_(0)
+
+
+def _register_moe_op():
+    try:
+        op = torch.library.custom_op("nvfp4_group_gemm::moe_grouped_gemm", mutates_args=("c", "status"),
+                                     device_types="cuda")(_moe_cuda)
+    except RuntimeError:  # registered by an earlier import of this file
+        return torch.ops.nvfp4_group_gemm.moe_grouped_gemm
+    op.register_kernel("cpu")(_moe_cpu)
+    op.register_fake(lambda *args, **kwargs: None)
+    return op
+
+
+moe_grouped_gemm_op = _register_moe_op()

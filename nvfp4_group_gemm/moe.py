@@ -1,0 +1,515 @@
+"""The MoE entry: one NVFP4 grouped GEMM over stacked tokens whose group boundaries stay on the
+GPU.
+
+    c = moe_grouped_gemm(a, sfa, b, sfb, offsets, c=None, status=None)
+
+a        [T, K/2]  float4_e2m1fn_x2 (or uint8), the tokens of every group stacked (T is a
+                   capacity: rows past offsets[G] are neither read nor written)
+sfa      e4m3 scales of a, one per 16 elements: plain [T, K/16] (what a quantizer writes), or
+                   blocked [ceil(T/128), K/64, 32, 4, 4] (cuBLAS's 128x4 atoms over the stacked
+                   rows; blocked_scales makes it from plain)
+b        [G, N, K/2]  float4_e2m1fn_x2 (or uint8), the experts' weights
+sfb      e4m3 scales of b: blocked [G, N/128, K/64, 32, 4, 4] (the competition's reordered layout
+                   per group; what prepare_weight_scales returns), or plain [G, N, K/16]
+                   (converted on every call: one more copy kernel and a fresh binding)
+offsets  [G + 1]  int32 on the GPU: group g is rows offsets[g] .. offsets[g + 1] of a and c
+c        [T, N]   float16, written in the groups' rows only (allocated when None)
+status   [1]      int32 on the GPU, optional: 0 after a call with valid offsets, 1 otherwise
+
+C[rows of g] = (A[rows of g] * SFA) @ (B[g] * SFB[g])^T, exact products accumulated in fp32,
+as custom_kernel computes per group.
+
+No call reads the offsets on the host: a call is two launches (the activation pre-pass, then the
+GEMM) whose grids depend only on (T, G, N, K). The GPU derives each CTA's group and tile from the
+offsets, and CTAs with no tile do nothing. So nothing synchronizes, and one CUDA graph captured
+with this call replays correctly for any offsets and values written into the same tensors.
+
+Everything the host can see is validated before any launch (TypeError / ValueError naming the
+field, the value and the rule; no output is touched). The offsets' values are the GPU's to check:
+unless 0 <= offsets[0] <= offsets[1] <= ... <= offsets[G] <= T, both kernels skip all their
+work, so c keeps its values, nothing outside c is written, and `status` (when given) reads 1.
+The call does not raise on bad offsets (that would need a host read); check_status(status)
+raises, at the cost of a synchronization.
+
+Hopper (sm_90) runs it; the config (token tile, split-K, chaining) is chosen per (T, G, N, K) as
+for G groups of T / G tokens. Launches go on torch's current stream. Per (device, stream, T, G,
+N, K, scale layout) a plan holds the compiled launches and the decoded-activation scratch; per
+set of tensor addresses a binding holds the launches' arguments, so a serving engine that calls
+with the same tensors pays a key and two launches.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+import cutlass
+import torch
+
+from . import launch
+from .leaderboard import submission
+
+SF_VEC_SIZE = 16
+ATOM_ROWS = 128
+ATOM_BLOCKS = 4
+MAX_GROUPS = 64
+# Plans (compiled launches and scratch) kept, and the scratch bytes they may hold together
+MAX_PLANS = 16
+MAX_PLAN_BYTES = 4 << 30
+# Bindings (launch arguments of one set of tensor addresses) kept per stream, and the streams
+MAX_BINDINGS = 64
+MAX_STREAMS = 16
+
+_FP4_DTYPES = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None), torch.uint8) if d is not None)
+_SCALE_DTYPES = tuple(d for d in (torch.float8_e4m3fn, torch.uint8) if d is not None)
+
+
+# =============================================================================
+# Scale layouts
+# =============================================================================
+def blocked_scales(plain: torch.Tensor) -> torch.Tensor:
+    """Plain scales [R, K/16] (or [G, R, K/16]) in cuBLAS's blocked layout,
+    [ceil(R/128), K/64, 32, 4, 4] (or [G, R/128, K/64, 32, 4, 4]): atom (i, j) holds rows
+    128 i .. + 128 and blocks 4 j .. + 4, row 32 r4 + r32 and block b4 at [r32, r4, b4]. Rows
+    past R are zero. A new tensor."""
+    if plain.dim() not in (2, 3):
+        raise ValueError(f"blocked_scales: plain scales are [R, K/16] or [G, R, K/16], got shape {tuple(plain.shape)}")
+    batched = plain.dim() == 3
+    source = plain if batched else plain.unsqueeze(0)
+    groups, rows, blocks = source.shape
+    if blocks % ATOM_BLOCKS:
+        raise ValueError(f"blocked_scales: K/16 = {blocks} must be a multiple of {ATOM_BLOCKS} (K % 64 == 0)")
+    padded_rows = -(-rows // ATOM_ROWS) * ATOM_ROWS
+    if padded_rows != rows:
+        source = torch.nn.functional.pad(source.view(torch.uint8), (0, 0, 0, padded_rows - rows)).view(plain.dtype)
+    blocked = (source.reshape(groups, padded_rows // ATOM_ROWS, 4, 32, blocks // ATOM_BLOCKS, ATOM_BLOCKS)
+               .permute(0, 1, 4, 3, 2, 5).contiguous())
+    return blocked if batched else blocked[0]
+
+
+def _blocked_view(plain: torch.Tensor) -> torch.Tensor:
+    """The [G, N/128, K/64, 32, 4, 4] view of plain [G, N, K/16] scales with N % 128 == 0 (no copy)."""
+    groups, rows, blocks = plain.shape
+    return plain.view(groups, rows // ATOM_ROWS, 4, 32, blocks // ATOM_BLOCKS, ATOM_BLOCKS).permute(0, 1, 4, 3, 2, 5)
+
+
+def prepare_weight_scales(sfb_plain: torch.Tensor) -> torch.Tensor:
+    """The experts' plain scales [G, N, K/16] in the layout every call reads without a copy
+    ([G, N/128, K/64, 32, 4, 4]); weights change rarely, so a server converts them once."""
+    return blocked_scales(sfb_plain)
+
+
+# =============================================================================
+# Validation (host-visible fields only)
+# =============================================================================
+def _fail(kind, field: str, value, rule: str):
+    raise kind(f"moe_grouped_gemm: {field} = {value}: {rule}")
+
+
+def _check_tensor(field: str, tensor, dtypes) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        _fail(TypeError, field, type(tensor).__name__, "must be a torch.Tensor")
+    if tensor.dtype not in dtypes:
+        _fail(TypeError, f"{field}.dtype", tensor.dtype, f"must be one of {', '.join(str(d) for d in dtypes)}")
+
+
+def _check_device(field: str, tensor, device) -> None:
+    if tensor.device.type != "cuda":
+        _fail(ValueError, f"{field}.device", tensor.device, "must be a CUDA device")
+    if tensor.device != device:
+        _fail(ValueError, f"{field}.device", tensor.device, f"must be a's device, {device}")
+
+
+def _check_shape(field: str, tensor, shape: tuple, rule: str) -> None:
+    if tuple(tensor.shape) != shape:
+        _fail(ValueError, f"{field}.shape", tuple(tensor.shape), f"must be {shape} ({rule})")
+
+
+def _check_contiguous(field: str, tensor, align: int = 16) -> None:
+    if not tensor.is_contiguous():
+        _fail(ValueError, f"{field}.stride()", tensor.stride(), "must be contiguous (row-major, no gaps)")
+    if tensor.data_ptr() % align:
+        _fail(ValueError, f"{field}.data_ptr()", hex(tensor.data_ptr()), f"must be {align}-byte aligned")
+
+
+class MoeShape(tuple):
+    """(tokens T, groups G, N, K, activation scale layout, weight scale layout)."""
+
+    __slots__ = ()
+
+    def __new__(cls, tokens, groups, n, k, sfa_layout, sfb_layout):
+        return super().__new__(cls, (tokens, groups, n, k, sfa_layout, sfb_layout))
+
+    tokens = property(lambda self: self[0])
+    groups = property(lambda self: self[1])
+    n = property(lambda self: self[2])
+    k = property(lambda self: self[3])
+    sfa_layout = property(lambda self: self[4])
+    sfb_layout = property(lambda self: self[5])
+
+
+def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None) -> MoeShape:
+    """Validate everything the host can see (types, dtypes, devices, shapes, strides,
+    alignment, G, N, K), before any launch; returns the problem's MoeShape. Raises TypeError
+    or ValueError naming the field, its value and the rule."""
+    _check_tensor("a", a, _FP4_DTYPES)
+    _check_tensor("b", b, _FP4_DTYPES)
+    _check_tensor("sfa", sfa, _SCALE_DTYPES)
+    _check_tensor("sfb", sfb, _SCALE_DTYPES)
+    _check_tensor("offsets", offsets, (torch.int32,))
+    if a.dim() != 2:
+        _fail(ValueError, "a.shape", tuple(a.shape), "must be [T, K/2] (the stacked tokens)")
+    if b.dim() != 3:
+        _fail(ValueError, "b.shape", tuple(b.shape), "must be [G, N, K/2] (the experts' weights)")
+    tokens, half_k = a.shape
+    groups, n, b_half_k = b.shape
+    k = 2 * half_k
+    if tokens < 1:
+        _fail(ValueError, "T (a.shape[0])", tokens, "must be >= 1")
+    if not 1 <= groups <= MAX_GROUPS:
+        _fail(ValueError, "G (b.shape[0])", groups, f"must be in 1..{MAX_GROUPS}")
+    if k % 256 or k == 0:
+        _fail(ValueError, "K (2 x a.shape[1])", k, "must be a positive multiple of 256")
+    if b_half_k != half_k:
+        _fail(ValueError, "b.shape[2]", b_half_k, f"must be K/2 = {half_k}, as a.shape[1]")
+    if n % 128 or n == 0:
+        _fail(ValueError, "N (b.shape[1])", n, "must be a positive multiple of 128 (the weight tile)")
+    _check_contiguous("a", a)
+    _check_contiguous("b", b)
+    blocks = k // SF_VEC_SIZE
+    if sfa.dim() == 2:
+        sfa_layout = "plain"
+        _check_shape("sfa", sfa, (tokens, blocks), "plain activation scales [T, K/16]")
+    elif sfa.dim() == 5:
+        sfa_layout = "blocked"
+        _check_shape("sfa", sfa, (-(-tokens // ATOM_ROWS), k // 64, 32, 4, 4),
+                     "blocked activation scales [ceil(T/128), K/64, 32, 4, 4]")
+    else:
+        _fail(ValueError, "sfa.shape", tuple(sfa.shape), "must be [T, K/16] (plain) or [ceil(T/128), K/64, 32, 4, 4]")
+    _check_contiguous("sfa", sfa, 1 if sfa_layout == "plain" else 16)
+    if sfb.dim() == 3:
+        sfb_layout = "plain"
+        _check_shape("sfb", sfb, (groups, n, blocks), "plain weight scales [G, N, K/16]")
+        _check_contiguous("sfb", sfb, 1)
+    elif sfb.dim() == 6:
+        sfb_layout = "blocked"
+        _check_shape("sfb", sfb, (groups, n // ATOM_ROWS, k // 64, 32, 4, 4),
+                     "blocked weight scales [G, N/128, K/64, 32, 4, 4]")
+        _check_contiguous("sfb", sfb)
+    else:
+        _fail(ValueError, "sfb.shape", tuple(sfb.shape), "must be [G, N/128, K/64, 32, 4, 4] (blocked) or [G, N, K/16]")
+    _check_shape("offsets", offsets, (groups + 1,), "int32 [G + 1], G = b.shape[0]")
+    _check_contiguous("offsets", offsets, 4)
+    if c is not None:
+        _check_tensor("c", c, (torch.float16,))
+        _check_shape("c", c, (tokens, n), "fp16 [T, N]")
+        _check_contiguous("c", c)
+    if status is not None:
+        _check_tensor("status", status, (torch.int32,))
+        if status.numel() < 1:
+            _fail(ValueError, "status.numel()", status.numel(), "must be >= 1 (int32 on the GPU)")
+    # devices last: every other rule can be checked (and tested) on any device
+    for field, tensor in (("a", a), ("b", b), ("sfa", sfa), ("sfb", sfb), ("offsets", offsets), ("c", c),
+                          ("status", status)):
+        if tensor is not None:
+            _check_device(field, tensor, a.device)
+    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout)
+
+
+def check_status(status: torch.Tensor) -> None:
+    """Raise ValueError if the call that wrote `status` had bad offsets (reads it: a sync)."""
+    value = int(status.reshape(-1)[0].item())
+    if value != 0:
+        raise ValueError(
+            "moe_grouped_gemm: offsets were invalid on the GPU (status 1): the rule is "
+            "0 <= offsets[0] <= offsets[1] <= ... <= offsets[G] <= T; nothing was written"
+        )
+
+
+# =============================================================================
+# Plans and bindings
+# =============================================================================
+class MoePlan:
+    """What one (device, stream, MoeShape, config) needs beyond the tensors: the config, the
+    compiled launchers, the decoded-activation scratch and the status word of calls given none
+    (captured: a CUDA graph was captured with it, so it is never evicted)."""
+
+    __slots__ = ("blocks_x", "captured", "config", "decode", "gemm", "max_tiles", "nbytes", "scratch",
+                 "slab_bytes", "status")
+
+    def __init__(self, shape: MoeShape, device: torch.device, config):
+        from .hopper import moe as hopper_moe
+
+        self.config = config
+        rows = hopper_moe.slab_rows(shape.tokens, shape.groups, config)
+        self.slab_bytes = rows * 128
+        self.scratch = torch.empty(self.slab_bytes * (shape.k // 64), dtype=torch.uint8, device=device)
+        self.status = torch.empty(1, dtype=torch.int32, device=device)  # the pre-pass writes it every call
+        self.captured = False
+        self.nbytes = self.scratch.numel() + 4
+        self.max_tiles = hopper_moe.max_moe_tiles(shape.tokens, shape.groups, shape.n, config)
+        self.blocks_x = -(-(shape.tokens * (shape.k // SF_VEC_SIZE)) // hopper_moe.DECODE_THREADS)
+        decode = hopper_moe.compile_moe_decode(shape.groups, scale_layout=shape.sfa_layout, chained=config.chain_calls)
+        gemm = hopper_moe.compile_moe_gemm(shape.groups, config=config)
+        self.decode = launch.cell_launcher(decode, *DECODE_ARGS)
+        self.gemm = launch.cell_launcher(gemm, *GEMM_ARGS)
+
+
+# CellLauncher kinds and pointer dtypes of the two kernels' arguments (hopper/moe.py's __call__s)
+DECODE_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "stream"),
+               (cutlass.Uint8, cutlass.Uint8, cutlass.Int32, cutlass.Uint8, cutlass.Int32, None, None, None, None,
+                None))
+GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "stream"),
+             (cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Int32, None, None, None, None, None,
+              None))
+
+
+class MoeBinding:
+    """The launches of one set of tensor addresses on one stream: arguments fixed once, a call
+    runs `launch()` (plain weight scales: their conversion first)."""
+
+    __slots__ = ("keepalive", "launches", "plan_key", "sfb_blocked", "sfb_plain")
+
+    def __init__(self, plan_key, plan: MoePlan, shape: MoeShape, a, sfa, b, sfb, offsets, c, status, stream_handle: int):
+        self.plan_key = plan_key
+        self.sfb_plain = self.sfb_blocked = None
+        if shape.sfb_layout == "plain":
+            self.sfb_plain = sfb
+            self.sfb_blocked = blocked_scales(sfb)
+            sfb = self.sfb_blocked
+        status = plan.status if status is None else status
+        self.keepalive = (plan, a, sfa, b, sfb, offsets, c, status)
+        tokens, groups, n, k = shape[:4]
+        self.launches = (
+            plan.decode.bound((a.data_ptr(), sfa.data_ptr(), offsets.data_ptr(), plan.scratch.data_ptr(),
+                               status.data_ptr(), tokens, k, plan.slab_bytes, plan.blocks_x, stream_handle)),
+            plan.gemm.bound((plan.scratch.data_ptr(), b.data_ptr(), sfb.data_ptr(), c.data_ptr(), offsets.data_ptr(),
+                             tokens, n, k, plan.slab_bytes, plan.max_tiles, stream_handle)),
+        )
+
+    def launch(self) -> None:
+        if self.sfb_plain is not None:
+            self.sfb_blocked.copy_(_blocked_view(self.sfb_plain))
+        for run in self.launches:
+            run()
+
+
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_LOCK = threading.Lock()
+
+
+def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
+    """The swap-AB config of a MoE shape: the automatic choice for G groups of T / G tokens (the
+    tiles' count, not the offsets, is what the host knows), with K's 128-wide k-tiles where
+    K allows; its calls chained unless chain_calls is False (NVFP4_SM90_CHAIN_CALLS).
+    NVFP4_MOE_CONFIG=<name> (hopper.config_named: "swap_ab_variable", "swap_ab_t128:chain_calls=True", ...)
+    runs that config for every shape instead (experiments)."""
+    import dataclasses
+
+    from .hopper.backend import default_chain_calls
+    from .hopper.schedules import choose_swap_ab_config
+
+    forced = os.environ.get("NVFP4_MOE_CONFIG")
+    if forced:
+        from .hopper.config import config_named
+
+        return config_named(forced)
+    per_group = max(1, shape.tokens // shape.groups)
+    config = choose_swap_ab_config([(per_group, shape.n, shape.k, 1)] * shape.groups, num_sms)
+    chain = default_chain_calls() if chain_calls is None else chain_calls
+    if config.chain_calls and not chain:
+        config = dataclasses.replace(config, chain_calls=False)
+    return config
+
+
+def hopper_config_name(config) -> str:
+    """The config's registered name (hopper.config_name)."""
+    from .hopper.config import config_name
+
+    return config_name(config)
+
+
+def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan:
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        return plan
+    from .hopper.backend import current_num_sms
+
+    with submission._device_context(device):
+        plan = MoePlan(shape, device, moe_config(shape, current_num_sms()))
+    _PLANS[key] = plan
+    # the oldest plans go first; never one a CUDA graph was captured with (its replays use the
+    # plan's scratch): those stay until reset_moe()
+    while len(_PLANS) > MAX_PLANS or sum(p.nbytes for p in _PLANS.values()) > MAX_PLAN_BYTES:
+        evictable = [k for k, p in _PLANS.items() if not p.captured and k != key]
+        if not evictable:
+            break
+        del _PLANS[evictable[0]]
+    return plan
+
+
+def _binding_key(a, sfa, b, sfb, offsets, c, status):
+    # everything a binding's arguments and validation depend on: addresses, shapes, strides,
+    # dtypes (the device follows from the addresses: one virtual address space)
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype, sfa.data_ptr(), sfa.shape, sfa.stride(), sfa.dtype,
+            b.data_ptr(), b.shape, b.stride(), b.dtype, sfb.data_ptr(), sfb.shape, sfb.stride(), sfb.dtype,
+            offsets.data_ptr(), offsets.shape, offsets.stride(), offsets.dtype, c.data_ptr(), c.shape, c.stride(),
+            c.dtype, None if status is None else status.data_ptr())
+
+
+# (stream handle, current device) -> {binding key: (plan key, binding)}: the hit path's dictionary
+_BINDINGS: dict = {}
+
+
+def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
+                     c: torch.Tensor | None = None, *, status: torch.Tensor | None = None) -> torch.Tensor:
+    """C rows of group g = (A rows of g x SFA) @ (B[g] x SFB[g])^T for the groups the GPU's
+    `offsets` give; returns c (module docstring: layouts, validation, bad offsets)."""
+    if c is None:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 3:
+            c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float16, device=a.device)
+    try:
+        key = _binding_key(a, sfa, b, sfb, offsets, c, status)
+    except AttributeError:  # not tensors: the validation names the field
+        check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
+        raise
+    entry = None
+    if _BINDINGS:  # a binding exists, so CUDA is initialized: the hit path
+        per_stream = _BINDINGS.get((launch._current_stream_handle(), submission._current_device_index()))
+        entry = None if per_stream is None else per_stream.get(key)
+    if entry is None:
+        entry = _bind(a, sfa, b, sfb, offsets, c, status, key)
+    entry.launch()
+    return c
+
+
+def _bind(a, sfa, b, sfb, offsets, c, status, key) -> MoeBinding:
+    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
+    device = a.device
+    stream_handle = launch._current_stream_handle()
+    if device.index != submission._current_device_index():
+        raise ValueError(f"moe_grouped_gemm: a.device = {device}: must be torch's current CUDA device "
+                         f"(cuda:{submission._current_device_index()}); use `with torch.cuda.device({device.index})`")
+    capability = torch.cuda.get_device_capability(device)
+    if capability[0] != 9:
+        raise ValueError(f"moe_grouped_gemm: {torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}: "
+                         "the MoE entry runs on Hopper (sm_90) GPUs")
+    with _LOCK:
+        # the config follows from the shape and the two switches (moe_config)
+        plan_key = (device.index, stream_handle, shape, os.environ.get("NVFP4_MOE_CONFIG"),
+                    os.environ.get("NVFP4_SM90_CHAIN_CALLS"))
+        plan = _plan_for(plan_key, shape, device)
+        if launch._capturing():
+            plan.captured = True
+        binding = MoeBinding(plan_key, plan, shape, a, sfa, b, sfb, offsets, c, status, stream_handle)
+        if len(_BINDINGS) >= MAX_STREAMS and (stream_handle, device.index) not in _BINDINGS:
+            _BINDINGS.pop(next(iter(_BINDINGS)))
+        per_stream = _BINDINGS.setdefault((stream_handle, device.index), {})
+        if len(per_stream) >= MAX_BINDINGS:
+            per_stream.pop(next(iter(per_stream)))
+        # bindings of evicted plans go with them
+        for bindings in _BINDINGS.values():
+            for stale in [k for k, v in bindings.items() if v.plan_key not in _PLANS]:
+                del bindings[stale]
+        per_stream[key] = binding
+    return binding
+
+
+def reset_moe() -> None:
+    """Drop every plan and binding (their scratch is freed once no launch holds it), those of
+    captured graphs too: replay no graph captured with this entry afterwards."""
+    with _LOCK:
+        _BINDINGS.clear()
+        _PLANS.clear()
+
+
+# =============================================================================
+# The exact decode: the oracle of the tests, the op's CPU implementation
+# =============================================================================
+def moe_reference(a, sfa, b, sfb, offsets, c=None) -> torch.Tensor:
+    """The exact result (float64 accumulation, rounded to fp16) into c's rows of each group, on
+    any device; reads the offsets on the host. Scales in either layout."""
+    tokens, half_k = a.shape
+    groups, n, _ = b.shape
+    k = 2 * half_k
+    if c is None:
+        c = torch.zeros((tokens, n), dtype=torch.float16, device=a.device)
+    bounds = [int(v) for v in offsets.cpu().tolist()]
+    sfa_plain = sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, tokens, k)
+    sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], n, k) for g in range(groups)])
+    for g in range(groups):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi <= lo:
+            continue
+        a_values = submission.decode_fp4(a[lo:hi], sfa_plain[lo:hi]).double()
+        b_values = submission.decode_fp4(b[g], sfb_plain[g]).double()
+        c[lo:hi] = (a_values @ b_values.T).to(torch.float16)
+    return c
+
+
+def plain_scales_of_blocked(blocked: torch.Tensor, rows: int, k: int) -> torch.Tensor:
+    """blocked_scales' inverse: [ceil(R/128), K/64, 32, 4, 4] -> [R, K/16]."""
+    atoms = blocked.shape[0]
+    plain = blocked.permute(0, 3, 2, 1, 4).reshape(atoms * ATOM_ROWS, k // SF_VEC_SIZE)
+    return plain[:rows]
+
+
+# =============================================================================
+# Random inputs (tests, benchmarks, trying the entry)
+# =============================================================================
+# e4m3 bytes: the competition's scales (1.0 and 2.0), and general ones from 2^-6 up to
+# 2^2 x 1.875 (a checkpoint's range whose sums stay within fp16 at K = 7168)
+COMPETITION_SCALE_BYTES = (0x38, 0x40)
+GENERAL_SCALE_BYTES = (0x08, 0x50)
+
+
+def random_moe_inputs(tokens: int, groups: int, n: int, k: int, *, general_scales: bool = True,
+                      sfa_layout: str = "plain", sfb_layout: str = "blocked", device="cuda",
+                      generator: torch.Generator | None = None) -> dict:
+    """Random a, sfa, b, sfb (every e2m1 code; scales general or the competition's 1.0 and
+    2.0), zero offsets [G + 1] int32 and c [T, N] fp16 filled with NaN, on `device`."""
+
+    def scales(shape):
+        if general_scales:
+            low, high = GENERAL_SCALE_BYTES
+            raw = torch.randint(low, high, shape, dtype=torch.uint8, generator=generator)
+        else:
+            picks = torch.randint(0, 2, shape, dtype=torch.uint8, generator=generator)
+            raw = torch.where(picks == 0, COMPETITION_SCALE_BYTES[0], COMPETITION_SCALE_BYTES[1]).to(torch.uint8)
+        return raw.view(torch.float8_e4m3fn)
+
+    fp4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+    a = torch.randint(0, 256, (tokens, k // 2), dtype=torch.uint8, generator=generator)
+    b = torch.randint(0, 256, (groups, n, k // 2), dtype=torch.uint8, generator=generator)
+    sfa = scales((tokens, k // SF_VEC_SIZE))
+    sfb = scales((groups, n, k // SF_VEC_SIZE))
+    if sfa_layout == "blocked":
+        sfa = blocked_scales(sfa)
+    if sfb_layout == "blocked":
+        sfb = blocked_scales(sfb)
+    return {
+        "a": a.view(fp4).to(device), "sfa": sfa.to(device), "b": b.view(fp4).to(device), "sfb": sfb.to(device),
+        "offsets": torch.zeros(groups + 1, dtype=torch.int32, device=device),
+        "c": torch.full((tokens, n), float("nan"), dtype=torch.float16, device=device),
+    }
+
+
+def random_routing(tokens: int, groups: int, rng, *, fill: float | None = None) -> list[int]:
+    """Offsets [G + 1] of a random routing of at most `tokens` rows (a fraction `fill` of them,
+    random when None): some groups empty, sometimes one group holding every row."""
+    used = tokens if fill is None and rng.random() < 0.3 else int(tokens * (rng.random() if fill is None else fill))
+    choice = rng.random()
+    if choice < 0.15:
+        sizes = [0] * groups
+        sizes[rng.randrange(groups)] = used
+    else:
+        weights = [0.0 if rng.random() < 0.2 else rng.random() for _ in range(groups)]
+        total = sum(weights) or 1.0
+        sizes = [int(used * w / total) for w in weights]
+        sizes[max(range(groups), key=lambda g: weights[g])] += used - sum(sizes)
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    return offsets

@@ -1,0 +1,196 @@
+"""The MoE entry on an H100/H200: random routings (empty groups, one group holding every row,
+T larger than the rows used) against the exact decode, with general e4m3 scales and both scale
+layouts; one CUDA graph replayed over 50 routings; bad offsets write nothing and flag; the torch
+op under torch.compile(fullgraph=True)."""
+
+import random
+
+import pytest
+import torch
+
+import nvfp4_group_gemm as gemm
+from nvfp4_group_gemm import moe
+from reference import exact_mismatches
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 (Hopper) GPU",
+)
+
+# (T, G, N, K): the four benchmark shapes stacked, and smaller families of other configs
+FAMILIES = [
+    (1024, 8, 4096, 7168),   # variable token tiles
+    (1024, 8, 7168, 2048),   # variable token tiles
+    (512, 2, 3072, 4096),    # one round of 128-token tiles, 128-wide k-tiles
+    (512, 2, 4096, 1536),    # one round of 128-token tiles
+    (300, 4, 256, 512),      # split-K (few tiles)
+    (2000, 16, 512, 1024),   # 128/192-token tiles, many groups
+]
+
+
+def per_group_data(inputs, offsets):
+    """The stacked problem as the competition's per-group input (plain scales), for
+    reference.exact_mismatches: its exact sum and fp32 accumulation bound."""
+    a, b, c = inputs["a"], inputs["b"], inputs["c"]
+    tokens, k = a.shape[0], 2 * a.shape[1]
+    n = b.shape[1]
+    sfa = inputs["sfa"] if inputs["sfa"].dim() == 2 else moe.plain_scales_of_blocked(inputs["sfa"], tokens, k)
+    sfb = inputs["sfb"]
+    if sfb.dim() == 6:
+        sfb = torch.stack([moe.plain_scales_of_blocked(sfb[g], n, k) for g in range(b.shape[0])])
+    abc, plain, sizes = [], [], []
+    for g in range(b.shape[0]):
+        lo, hi = offsets[g], offsets[g + 1]
+        abc.append((a[lo:hi].unsqueeze(-1), b[g].unsqueeze(-1), c[lo:hi].unsqueeze(-1)))
+        plain.append((sfa[lo:hi].unsqueeze(-1), sfb[g].unsqueeze(-1)))
+        sizes.append((hi - lo, n, k, 1))
+    return (abc, plain, None, sizes), [c[offsets[g]:offsets[g + 1]].unsqueeze(-1) for g in range(b.shape[0])]
+
+
+def check_call(inputs, offsets, tag):
+    """Every group's rows within the fp32 bound of the exact sum; every other row still NaN."""
+    data, outputs = per_group_data(inputs, offsets)
+    counts = exact_mismatches(data, outputs)
+    assert sum(count for count, _, _ in counts) == 0, (tag, offsets, counts)
+    c = inputs["c"]
+    outside = torch.ones(c.shape[0], dtype=torch.bool, device=c.device)
+    outside[offsets[0]:offsets[-1]] = False
+    assert torch.isnan(c[outside]).all(), (tag, offsets, "rows outside the groups were written")
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: "T{}_G{}_N{}_K{}".format(*f))
+def test_random_routings_match_the_exact_decode(family):
+    tokens, groups, n, k = family
+    rng = random.Random(hash(family) & 0xFFFF)
+    generator = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    for layouts in (("plain", "blocked"), ("blocked", "plain")):
+        inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=layouts[0], sfb_layout=layouts[1],
+                                       generator=generator)
+        status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+        for trial in range(3):
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            inputs["c"].fill_(float("nan"))
+            out = gemm.moe_grouped_gemm(**inputs, status=status)
+            assert out is inputs["c"]
+            torch.cuda.synchronize()
+            assert int(status.item()) == 0
+            check_call(inputs, offsets, (family, layouts, trial))
+
+
+def test_competition_scales_are_bitwise_the_exact_sum():
+    """With the competition's scales every fp32 partial sum is exact: the outputs are the exact
+    sums rounded to fp16, bit for bit, whatever the routing."""
+    rng = random.Random(7)
+    for tokens, groups, n, k in FAMILIES[:4]:
+        inputs = moe.random_moe_inputs(tokens, groups, n, k, general_scales=False)
+        offsets = moe.random_routing(tokens, groups, rng, fill=1.0)
+        inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+        gemm.moe_grouped_gemm(**inputs)
+        expected = moe.moe_reference(inputs["a"], inputs["sfa"], inputs["b"], inputs["sfb"], inputs["offsets"])
+        lo, hi = offsets[0], offsets[-1]
+        assert torch.equal(inputs["c"][lo:hi], expected[lo:hi]), (tokens, groups, n, k, offsets)
+
+
+@pytest.mark.parametrize("family", [FAMILIES[0], FAMILIES[3]], ids=["variable", "one_round"])
+def test_one_graph_replays_every_routing(family):
+    """Captured once; 50 routings (empty groups, one group holding all T, partial fills) and new
+    activations written into the same tensors; each replay against the exact decode."""
+    tokens, groups, n, k = family
+    rng = random.Random(50)
+    inputs = moe.random_moe_inputs(tokens, groups, n, k)
+    inputs["offsets"].copy_(torch.tensor(moe.random_routing(tokens, groups, rng), dtype=torch.int32))
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemm.moe_grouped_gemm(**inputs, status=status)  # warm: compile, plan, binding
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm.moe_grouped_gemm(**inputs, status=status)
+    routings = [[0] * groups + [tokens], [0] + [tokens] * groups]  # all rows in the last, the first group
+    routings += [moe.random_routing(tokens, groups, rng) for _ in range(48)]
+    fresh = moe.random_moe_inputs(tokens, groups, n, k)
+    for index, offsets in enumerate(routings):
+        inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+        inputs["a"].view(torch.uint8).copy_(torch.roll(fresh["a"].view(torch.uint8), shifts=index, dims=0))
+        inputs["c"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(status.item()) == 0
+        check_call(inputs, offsets, ("replay", index))
+
+
+BAD_OFFSETS = {
+    "decreasing": lambda t, g: [0, 100, 50] + [100] * (g - 2),
+    "negative_first": lambda t, g: [-16] + [10 * (i + 1) for i in range(g)],
+    "past_T": lambda t, g: [0] * g + [t + 1],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OFFSETS))
+def test_bad_offsets_write_nothing_and_flag(case):
+    tokens, groups, n, k = 300, 4, 256, 512
+    inputs = moe.random_moe_inputs(tokens, groups, n, k)
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    inputs["offsets"].copy_(torch.tensor(BAD_OFFSETS[case](tokens, groups), dtype=torch.int32))
+    sentinel = torch.randn(tokens, n, device="cuda").half()
+    inputs["c"].copy_(sentinel)
+    gemm.moe_grouped_gemm(**inputs, status=status)
+    torch.cuda.synchronize()
+    assert int(status.item()) == 1
+    assert torch.equal(inputs["c"], sentinel), "c changed under bad offsets"
+    with pytest.raises(ValueError, match="offsets were invalid"):
+        gemm.check_status(status)
+    # the same tensors with good offsets: computed, status back to 0
+    offsets = [0, 10, 10, 200, 300]
+    inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+    gemm.moe_grouped_gemm(**inputs, status=status)
+    torch.cuda.synchronize()
+    assert int(status.item()) == 0
+    gemm.check_status(status)
+    data, outputs = per_group_data(inputs, offsets)
+    assert sum(count for count, _, _ in exact_mismatches(data, outputs)) == 0
+
+
+def test_the_torch_op_under_torch_compile():
+    tokens, groups, n, k = 512, 2, 4096, 1536
+    inputs = moe.random_moe_inputs(tokens, groups, n, k)
+    offsets = [0, 128, 512]
+    inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+
+    def layer(a, sfa, b, sfb, offsets, c):
+        gemm.moe_grouped_gemm_op(a, sfa, b, sfb, offsets, c)
+        return c.float().relu()
+
+    compiled = torch.compile(layer, fullgraph=True)
+    out = compiled(**inputs)
+    data, outputs = per_group_data(inputs, offsets)
+    assert sum(count for count, _, _ in exact_mismatches(data, outputs)) == 0
+    assert torch.equal(out, inputs["c"].float().relu())
+
+
+def test_the_per_size_set_path_gives_the_same_values():
+    """custom_kernel on the same groups (the per-size-set path) and the MoE entry agree bit for
+    bit on the competition's scales."""
+    from reference import create_reordered_scale_factor_tensor
+
+    tokens, groups, n, k = 1024, 8, 4096, 7168
+    ms = [80, 176, 128, 72, 64, 248, 96, 160]
+    inputs = moe.random_moe_inputs(tokens, groups, n, k, general_scales=False, sfb_layout="plain")
+    offsets = [0]
+    for m in ms:
+        offsets.append(offsets[-1] + m)
+    inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+    data, _ = per_group_data(inputs, offsets)
+    abc, plain, _, sizes = data
+    reordered = [(create_reordered_scale_factor_tensor(1, m, k, sfa.cpu(), device="cuda"),
+                  create_reordered_scale_factor_tensor(1, n, k, sfb.cpu(), device="cuda"))
+                 for (sfa, sfb), (m, _, _, _) in zip(plain, sizes)]
+    per_group_c = [torch.empty(m, n, 1, dtype=torch.float16, device="cuda") for m in ms]
+    abc = [(a, b, c) for (a, b, _), c in zip(abc, per_group_c)]
+    gemm.custom_kernel((abc, plain, reordered, sizes))
+    gemm.moe_grouped_gemm(**inputs)
+    torch.cuda.synchronize()
+    assert torch.equal(torch.cat([c[:, :, 0] for c in per_group_c]), inputs["c"][: offsets[-1]])

@@ -1,0 +1,215 @@
+"""The MoE entry without a GPU: its validation (every host-visible rule, before any launch),
+the scale layouts, the tiles the GPU derives from the offsets (emulated with the kernels' own
+group_token_tiles), the scratch and grid bounds, the exact-decode reference and the torch op
+traced by torch.compile(fullgraph=True) on CPU tensors."""
+
+import random
+
+import pytest
+import torch
+
+import nvfp4_group_gemm as gemm
+from nvfp4_group_gemm import moe
+from nvfp4_group_gemm.hopper import moe as hopper_moe
+from nvfp4_group_gemm.hopper.config import (
+    SWAP_AB_CONFIG,
+    SWAP_AB_ONE_ROUND_K128_CONFIG,
+    SWAP_AB_SPLIT_K_CONFIG,
+    SWAP_AB_T112_CONFIG,
+    SWAP_AB_T192_CONFIG,
+    SWAP_AB_VARIABLE_CONFIG,
+)
+from nvfp4_group_gemm.hopper.kernel import stage_scale_offset
+from nvfp4_group_gemm.hopper.schedules import variable_token_split
+from nvfp4_group_gemm.hopper.swap_ab import activation_scale_offset
+
+CONFIGS = [SWAP_AB_CONFIG, SWAP_AB_ONE_ROUND_K128_CONFIG, SWAP_AB_SPLIT_K_CONFIG, SWAP_AB_T112_CONFIG,
+           SWAP_AB_T192_CONFIG, SWAP_AB_VARIABLE_CONFIG]
+
+
+def cpu_inputs(tokens=300, groups=4, n=256, k=512, **layouts):
+    inputs = moe.random_moe_inputs(tokens, groups, n, k, device="cpu", generator=torch.Generator().manual_seed(3),
+                                   **layouts)
+    inputs["offsets"].copy_(torch.tensor([0, 10, 10, 200, 300][: groups + 1], dtype=torch.int32))
+    return inputs
+
+
+# -----------------------------------------------------------------------------
+# Validation
+# -----------------------------------------------------------------------------
+def _replaced(inputs, **changes):
+    out = dict(inputs)
+    out.update(changes)
+    return out
+
+
+BAD_INPUTS = {
+    "a_not_a_tensor": (lambda i: _replaced(i, a=[1, 2]), TypeError, r"a = list: must be a torch.Tensor"),
+    "a_dtype": (lambda i: _replaced(i, a=i["a"].view(torch.uint8).to(torch.int16)), TypeError, r"a\.dtype"),
+    "b_dtype": (lambda i: _replaced(i, b=i["b"].view(torch.uint8).float()), TypeError, r"b\.dtype"),
+    "sfa_dtype": (lambda i: _replaced(i, sfa=i["sfa"].view(torch.uint8).half()), TypeError, r"sfa\.dtype"),
+    "offsets_dtype": (lambda i: _replaced(i, offsets=i["offsets"].long()), TypeError, r"offsets\.dtype .*int32"),
+    "c_dtype": (lambda i: _replaced(i, c=i["c"].float()), TypeError, r"c\.dtype .*float16"),
+    "a_rank": (lambda i: _replaced(i, a=i["a"].unsqueeze(-1)), ValueError, r"a\.shape .*\[T, K/2\]"),
+    "k_multiple": (lambda i: _replaced(i, a=i["a"][:, :192], sfa=i["sfa"][:, :24], b=i["b"][:, :, :192]),
+                   ValueError, r"K \(2 x a\.shape\[1\]\) = 384: must be a positive multiple of 256"),
+    "b_k": (lambda i: _replaced(i, b=i["b"][:, :, :128].contiguous()), ValueError, r"b\.shape\[2\] = 128"),
+    "n_multiple": (lambda i: _replaced(i, b=i["b"][:, :200].contiguous(), sfb=i["sfb"][:, :200].contiguous()),
+                   ValueError, r"N \(b\.shape\[1\]\) = 200: must be a positive multiple of 128"),
+    "too_many_groups": (lambda i: _replaced(i, b=i["b"][:1].expand(65, -1, -1).contiguous()), ValueError,
+                        r"G \(b\.shape\[0\]\) = 65: must be in 1\.\.64"),
+    "a_strided": (lambda i: _replaced(i, a=i["a"].view(torch.uint8).repeat(1, 2)[:, ::2].view(i["a"].dtype)),
+                  ValueError, r"a\.stride\(\) .* must be contiguous"),
+    "sfa_shape": (lambda i: _replaced(i, sfa=i["sfa"][:100]), ValueError, r"sfa\.shape = \(100, 32\): must be \(300, 32\)"),
+    "sfa_rank": (lambda i: _replaced(i, sfa=i["sfa"].unsqueeze(0)), ValueError, r"sfa\.shape"),
+    "sfb_shape": (lambda i: _replaced(i, sfb=i["sfb"][:2]), ValueError, r"sfb\.shape"),
+    "offsets_shape": (lambda i: _replaced(i, offsets=i["offsets"][:4]), ValueError,
+                      r"offsets\.shape = \(4,\): must be \(5,\)"),
+    "c_shape": (lambda i: _replaced(i, c=i["c"][:, :128]), ValueError, r"c\.shape = \(300, 128\): must be \(300, 256\)"),
+    "c_transposed": (lambda i: _replaced(i, c=i["c"].t().contiguous().t()), ValueError, r"c\.stride\(\)"),
+    "device": (lambda i: i, ValueError, r"a\.device = cpu: must be a CUDA device"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_raises_naming_the_field_before_any_launch(case):
+    make, kind, pattern = BAD_INPUTS[case]
+    original = cpu_inputs()
+    before = original["c"].clone()
+    with pytest.raises(kind, match=pattern):
+        gemm.moe_grouped_gemm(**make(original))
+    assert torch.equal(original["c"].view(torch.int16), before.view(torch.int16))
+
+
+def test_both_scale_layouts_pass_every_host_rule():
+    for sfa_layout in ("plain", "blocked"):
+        for sfb_layout in ("plain", "blocked"):
+            inputs = cpu_inputs(sfa_layout=sfa_layout, sfb_layout=sfb_layout)
+            with pytest.raises(ValueError, match="a.device = cpu"):  # only the device rule is left
+                moe.check_moe_inputs(**inputs)
+
+
+# -----------------------------------------------------------------------------
+# Scale layouts
+# -----------------------------------------------------------------------------
+def test_blocked_scales_put_every_scale_where_the_kernels_read_it():
+    rows, k = 300, 1024
+    plain = torch.randint(0, 256, (rows, k // 16), dtype=torch.uint8)
+    blocked = moe.blocked_scales(plain).flatten()
+    for row in range(0, rows, 7):
+        for block in range(0, k // 16, 3):
+            assert blocked[activation_scale_offset(row, block, k)] == plain[row, block]
+    # per group of a [G, N, K/16] stack: the atoms of stage_scale_offset, group after group
+    weights = torch.randint(0, 256, (3, 256, k // 16), dtype=torch.uint8)
+    stacked = moe.blocked_scales(weights)
+    assert stacked.shape == (3, 2, k // 64, 32, 4, 4)
+    flat = stacked.reshape(3, -1)
+    for g in range(3):
+        for row in (0, 31, 32, 127, 128, 255):
+            for block in (0, 3, 4, 63):
+                atom = (row // 128) * (k // 64) + block // 4
+                offset = atom * 512 + stage_scale_offset(row % 128, block % 4)
+                assert flat[g, offset] == weights[g, row, block]
+    assert torch.equal(moe.plain_scales_of_blocked(moe.blocked_scales(plain), rows, k), plain)
+
+
+# -----------------------------------------------------------------------------
+# The tiles the GPU derives from the offsets (the kernels' own arithmetic, on Python ints)
+# -----------------------------------------------------------------------------
+def emulated_tiles(offsets, tokens, n, config):
+    """Sm90MoeSwapAbGemm.kernel's tile derivation for every CTA of the grid: (group, token0,
+    tokens of the tile, weight tile, first X row) or None (no work)."""
+    groups = len(offsets) - 1
+    weight_tiles = n // config.tile_weights
+    variable = config.variable_tokens
+    out = []
+    for tile_idx in range(hopper_moe.max_moe_tiles(tokens, groups, n, config)):
+        tiles_before, padded, found = 0, 0, None
+        for g in range(groups):
+            m = offsets[g + 1] - offsets[g]
+            count, size = hopper_moe.group_token_tiles(m, config.tile_tokens, variable)
+            after = tiles_before + count * weight_tiles
+            if tiles_before <= tile_idx < after:
+                local = tile_idx - tiles_before
+                weight_tile, token_tile = divmod(local, count)
+                token0 = token_tile * size
+                left = -(-(m - token0) // 64) * 64 if variable else size
+                found = (g, token0, min(size, left), weight_tile, padded)
+            tiles_before = after
+            padded += -(-m // hopper_moe.GROUP_ROW_ALIGN) * hopper_moe.GROUP_ROW_ALIGN
+        out.append(found)
+    return out
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: gemm.moe.hopper_config_name(c))
+def test_every_output_element_has_exactly_one_tile_within_the_grid_and_the_scratch(config):
+    rng = random.Random(11)
+    n = 512
+    for trial in range(200):
+        groups = rng.choice([1, 2, 3, 8, 16, 64])
+        tokens = rng.randint(1, 3000)
+        offsets = moe.random_routing(tokens, groups, rng)
+        tiles = emulated_tiles(offsets, tokens, n, config)  # the grid: max_moe_tiles CTAs
+        covered = {}
+        rows = hopper_moe.slab_rows(tokens, groups, config)
+        for tile in filter(None, tiles):
+            g, token0, count, weight_tile, first_row = tile
+            assert token0 % 16 == 0 and first_row % hopper_moe.GROUP_ROW_ALIGN == 0
+            # the GEMM's token copies read `count` rows from here: inside the scratch
+            assert first_row + token0 + config.tile_tokens <= rows
+            m = offsets[g + 1] - offsets[g]
+            for token in range(token0, min(token0 + count, m)):
+                key = (g, token, weight_tile)
+                assert key not in covered, (trial, offsets, key)
+                covered[key] = tile
+        expected = {(g, t, w) for g in range(groups) for t in range(offsets[g + 1] - offsets[g])
+                    for w in range(n // config.tile_weights)}
+        assert set(covered) == expected, (trial, offsets)
+
+
+def test_variable_tiles_split_a_group_as_the_per_size_set_path():
+    for m in [1, 63, 64, 65, 200, 256, 257, 300, 511, 512, 513, 1000, 1024, 3000]:
+        count, size = hopper_moe.group_token_tiles(m, 256, True)
+        full_size, full, rest = variable_token_split(m, 256)
+        assert size == full_size and count == full + (rest > 0), m
+    assert hopper_moe.group_token_tiles(0, 256, True)[0] == 0
+    assert hopper_moe.group_token_tiles(0, 128, False)[0] == 0
+
+
+# -----------------------------------------------------------------------------
+# Reference and op
+# -----------------------------------------------------------------------------
+def test_the_reference_computes_each_group_from_its_rows_only():
+    inputs = cpu_inputs(sfa_layout="blocked", sfb_layout="plain")
+    c = moe.moe_reference(inputs["a"], inputs["sfa"], inputs["b"], inputs["sfb"], inputs["offsets"], inputs["c"])
+    assert torch.isnan(c[300:]).all() and not torch.isnan(c[:300]).any()
+    sfa = moe.plain_scales_of_blocked(inputs["sfa"], 300, 512)
+    from nvfp4_group_gemm.leaderboard import submission
+
+    a = submission.decode_fp4(inputs["a"][200:300], sfa[200:300]).double()
+    b = submission.decode_fp4(inputs["b"][3], inputs["sfb"][3]).double()
+    assert torch.equal(c[200:300], (a @ b.T).half())
+
+
+def test_the_torch_op_traces_with_fullgraph_and_mutates_c():
+    inputs = cpu_inputs()
+    expected = moe.moe_reference(inputs["a"], inputs["sfa"], inputs["b"], inputs["sfb"], inputs["offsets"])
+
+    def layer(a, sfa, b, sfb, offsets, c):
+        gemm.moe_grouped_gemm_op(a, sfa, b, sfb, offsets, c)
+        return c.float().relu()
+
+    out = torch.compile(layer, fullgraph=True, backend="eager")(**inputs)
+    assert torch.equal(inputs["c"], expected)
+    assert torch.equal(out, expected.float().relu())
+
+
+def test_the_config_is_chosen_from_t_g_n_k_alone():
+    from nvfp4_group_gemm.hopper.schedules import choose_swap_ab_config
+
+    shape = moe.MoeShape(1024, 8, 4096, 7168, "plain", "blocked")
+    # G groups of T / G tokens: what the host knows of any routing of T tokens
+    uniform = choose_swap_ab_config([(128, 4096, 7168, 1)] * 8, 132)
+    assert moe.moe_config(shape, 132, chain_calls=True) == uniform
+    small = moe.MoeShape(512, 2, 4096, 1536, "plain", "blocked")
+    assert not moe.moe_config(small, 132, chain_calls=False).chain_calls
