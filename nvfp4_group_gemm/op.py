@@ -63,18 +63,22 @@ def grouped_gemm(data: input_t) -> output_t:
     return [c for _, _, c in abc]
 
 
-# The MoE entry as torch.ops.nvfp4_group_gemm.moe_grouped_gemm: mutates c (and status when
-# given), returns nothing; fake implementation does nothing; on CPU tensors the exact decode
-# (which reads the offsets on the host, as only a reference may).
+# The MoE entry as torch.ops.nvfp4_group_gemm.moe_grouped_gemm(a, sfa, b, sfb, offsets, c,
+# status): mutates c and the status word (int32 [1]: 0, or 1 for bad offsets), returns nothing;
+# the fake implementation does nothing; on CPU tensors the exact decode (which reads the
+# offsets on the host, as only a reference may). status is required: a mutated optional
+# argument left out fails torch 2.11's fake-tensor tracing.
 def _moe_cuda(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
-              c: torch.Tensor, status: torch.Tensor | None = None) -> None:
+              c: torch.Tensor, status: torch.Tensor) -> None:
     moe_grouped_gemm(a, sfa, b, sfb, offsets, c, status=status)
 
 
-def _moe_cpu(a, sfa, b, sfb, offsets, c, status=None) -> None:
-    moe_reference(a, sfa, b, sfb, offsets, c)
-    if status is not None:
-        status.fill_(0)
+def _moe_cpu(a, sfa, b, sfb, offsets, c, status) -> None:
+    bounds = offsets.tolist()
+    valid = 0 <= bounds[0] and all(x <= y for x, y in zip(bounds, bounds[1:])) and bounds[-1] <= a.shape[0]
+    if valid:
+        moe_reference(a, sfa, b, sfb, offsets, c)
+    status.fill_(0 if valid else 1)
 
 
 def _register_moe_op():
@@ -84,7 +88,7 @@ def _register_moe_op():
     except RuntimeError:  # registered by an earlier import of this file
         return torch.ops.nvfp4_group_gemm.moe_grouped_gemm
     op.register_kernel("cpu")(_moe_cpu)
-    op.register_fake(lambda *args, **kwargs: None)
+    op.register_fake(lambda *args: None)
     return op
 
 

@@ -160,12 +160,15 @@ def test_the_torch_op_under_torch_compile():
     offsets = [0, 128, 512]
     inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
 
+    status = torch.full((1,), 7, dtype=torch.int32, device=inputs["a"].device)
+
     def layer(a, sfa, b, sfb, offsets, c):
-        gemm.moe_grouped_gemm_op(a, sfa, b, sfb, offsets, c)
+        gemm.moe_grouped_gemm_op(a, sfa, b, sfb, offsets, c, status)
         return c.float().relu()
 
     compiled = torch.compile(layer, fullgraph=True)
     out = compiled(**inputs)
+    assert int(status.item()) == 0
     data, outputs = per_group_data(inputs, offsets)
     assert sum(count for count, _, _ in exact_mismatches(data, outputs)) == 0
     assert torch.equal(out, inputs["c"].float().relu())

@@ -195,11 +195,14 @@ def test_the_torch_op_traces_with_fullgraph_and_mutates_c():
     inputs = cpu_inputs()
     expected = moe.moe_reference(inputs["a"], inputs["sfa"], inputs["b"], inputs["sfb"], inputs["offsets"])
 
+    status = torch.full((1,), 7, dtype=torch.int32, device=inputs["a"].device)
+
     def layer(a, sfa, b, sfb, offsets, c):
-        gemm.moe_grouped_gemm_op(a, sfa, b, sfb, offsets, c)
+        gemm.moe_grouped_gemm_op(a, sfa, b, sfb, offsets, c, status)
         return c.float().relu()
 
     out = torch.compile(layer, fullgraph=True, backend="eager")(**inputs)
+    assert int(status.item()) == 0
     assert torch.equal(inputs["c"], expected)
     assert torch.equal(out, expected.float().relu())
 
