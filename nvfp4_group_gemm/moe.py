@@ -235,10 +235,10 @@ class MoePlan:
     compiled launchers, the decoded-activation scratch and the status word of calls given none
     (captured: a CUDA graph was captured with it, so it is never evicted)."""
 
-    __slots__ = ("blocks_x", "captured", "config", "decode", "gemm", "max_tiles", "nbytes", "scratch",
+    __slots__ = ("blocks_x", "captured", "config", "fill_ctas", "decode", "gemm", "max_tiles", "nbytes", "scratch",
                  "slab_bytes", "status")
 
-    def __init__(self, shape: MoeShape, device: torch.device, config):
+    def __init__(self, shape: MoeShape, device: torch.device, config, num_sms: int):
         from .hopper import moe as hopper_moe
 
         self.config = config
@@ -248,7 +248,8 @@ class MoePlan:
         self.status = torch.empty(1, dtype=torch.int32, device=device)  # the pre-pass writes it every call
         self.captured = False
         self.nbytes = self.scratch.numel() + 4
-        self.max_tiles = hopper_moe.max_moe_tiles(shape.tokens, shape.groups, shape.n, config)
+        self.fill_ctas = num_sms  # one round of one CTA per SM (variable tiles' cap, moe_token_cap)
+        self.max_tiles = hopper_moe.max_moe_tiles(shape.tokens, shape.groups, shape.n, config, self.fill_ctas)
         self.blocks_x = -(-(shape.tokens * (shape.k // SF_VEC_SIZE)) // hopper_moe.DECODE_THREADS)
         decode = hopper_moe.compile_moe_decode(shape.groups, scale_layout=shape.sfa_layout, chained=config.chain_calls)
         gemm = hopper_moe.compile_moe_gemm(shape.groups, config=config)
@@ -260,9 +261,9 @@ class MoePlan:
 DECODE_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "stream"),
                (cutlass.Uint8, cutlass.Uint8, cutlass.Int32, cutlass.Uint8, cutlass.Int32, None, None, None, None,
                 None))
-GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "stream"),
+GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "stream"),
              (cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Int32, None, None, None, None, None,
-              None))
+              None, None))
 
 
 class MoeBinding:
@@ -285,7 +286,7 @@ class MoeBinding:
             plan.decode.bound((a.data_ptr(), sfa.data_ptr(), offsets.data_ptr(), plan.scratch.data_ptr(),
                                status.data_ptr(), tokens, k, plan.slab_bytes, plan.blocks_x, stream_handle)),
             plan.gemm.bound((plan.scratch.data_ptr(), b.data_ptr(), sfb.data_ptr(), c.data_ptr(), offsets.data_ptr(),
-                             tokens, n, k, plan.slab_bytes, plan.max_tiles, stream_handle)),
+                             tokens, n, k, plan.slab_bytes, plan.max_tiles, plan.fill_ctas, stream_handle)),
         )
 
     def launch(self) -> None:
@@ -299,40 +300,36 @@ _PLANS: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
 
 
-# Routings the config choice models per (T, G), and the spread of their group sizes: weights
-# uniform in [1 - SPREAD, 1 + SPREAD] (benchmark shape 0's M run from 0.5x to 1.9x their mean)
-MOE_CONFIG_SAMPLES = 9
-MOE_CONFIG_SPREAD = 0.75
-
-
 def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
-    """The swap-AB config of a MoE shape, from (T, G, N, K) alone: the automatic choice of the
-    per-size-set path (schedules.choose_swap_ab_config) for MOE_CONFIG_SAMPLES routings of T
-    tokens over G groups drawn with a fixed seed, the most frequent (the first on a tie). Equal
-    groups of T / G are no model of a router's output: for benchmark shapes 0 and 1 they pick
-    128-token tiles, 1.21x the per-size-set path's device time where variable tiles, which real
-    routings pick, give 1.06x (EXPERIMENTS E76). Calls chained unless chain_calls is False
-    (NVFP4_SM90_CHAIN_CALLS). NVFP4_MOE_CONFIG=<name> (hopper.config_named: "swap_ab_variable",
-    ...) runs that config for every shape instead (experiments)."""
+    """The swap-AB config of a MoE shape, from (T, G, N, K) alone (the host never sees the
+    routing): split-K where its CTAs fit one per SM for every routing (2 x max_moe_tiles <= SMs);
+    else one round of 128-token tiles where every routing fits one round (with 128-wide
+    k-tiles where K % 512 == 0); else variable tiles, which the GPU cuts at 128 or 256 tokens
+    from the routing (hopper.moe.moe_token_cap). The per-size-set path's choice for equal groups
+    of T / G, or the choice most frequent over sampled routings, picked 128-, 112- or 192-token
+    tiles that cost 1.21-1.68x the per-size-set path's device time on benchmark routings
+    (EXPERIMENTS E76). Calls chained unless chain_calls is False (NVFP4_SM90_CHAIN_CALLS).
+    NVFP4_MOE_CONFIG=<name> (hopper.config_named: "swap_ab_variable", ...) runs that config for
+    every shape instead (experiments)."""
     import dataclasses
-    import random
 
+    from .hopper import moe as hopper_moe
     from .hopper.backend import default_chain_calls
-    from .hopper.schedules import choose_swap_ab_config
+    from .hopper.config import SWAP_AB_ONE_ROUND_CONFIG, SWAP_AB_SPLIT_K_CONFIG, SWAP_AB_VARIABLE_CONFIG
+    from .hopper.schedules import with_wide_k_tiles
 
     forced = os.environ.get("NVFP4_MOE_CONFIG")
     if forced:
         from .hopper.config import config_named
 
         return config_named(forced)
-    rng = random.Random(shape.tokens * 1009 + shape.groups)
-    votes = collections.Counter()
-    for _ in range(MOE_CONFIG_SAMPLES):
-        weights = [rng.uniform(1 - MOE_CONFIG_SPREAD, 1 + MOE_CONFIG_SPREAD) for _ in range(shape.groups)]
-        sizes = [int(shape.tokens * w / sum(weights)) for w in weights]
-        sizes[0] += shape.tokens - sum(sizes)
-        votes[choose_swap_ab_config([(m, shape.n, shape.k, 1) for m in sizes], num_sms)] += 1
-    config = votes.most_common(1)[0][0]
+    tokens, groups, n, k = shape[:4]
+    if 2 * hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_SPLIT_K_CONFIG) <= num_sms:
+        config = SWAP_AB_SPLIT_K_CONFIG
+    elif hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_ONE_ROUND_CONFIG) <= num_sms:
+        config = with_wide_k_tiles([(tokens, n, k, 1)], SWAP_AB_ONE_ROUND_CONFIG)
+    else:
+        config = SWAP_AB_VARIABLE_CONFIG
     chain = default_chain_calls() if chain_calls is None else chain_calls
     if config.chain_calls and not chain:
         config = dataclasses.replace(config, chain_calls=False)
@@ -354,7 +351,8 @@ def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan:
     from .hopper.backend import current_num_sms
 
     with submission._device_context(device):
-        plan = MoePlan(shape, device, moe_config(shape, current_num_sms()))
+        num_sms = current_num_sms()
+        plan = MoePlan(shape, device, moe_config(shape, num_sms), num_sms)
     _PLANS[key] = plan
     # the oldest plans go first; never one a CUDA graph was captured with (its replays use the
     # plan's scratch): those stay until reset_moe()

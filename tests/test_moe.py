@@ -116,18 +116,19 @@ def test_blocked_scales_put_every_scale_where_the_kernels_read_it():
 # -----------------------------------------------------------------------------
 # The tiles the GPU derives from the offsets (the kernels' own arithmetic, on Python ints)
 # -----------------------------------------------------------------------------
-def emulated_tiles(offsets, tokens, n, config):
+def emulated_tiles(offsets, tokens, n, config, fill_ctas=132):
     """Sm90MoeSwapAbGemm.kernel's tile derivation for every CTA of the grid: (group, token0,
     tokens of the tile, weight tile, first X row) or None (no work)."""
     groups = len(offsets) - 1
     weight_tiles = n // config.tile_weights
     variable = config.variable_tokens
+    rows = [offsets[g + 1] - offsets[g] for g in range(groups)]
+    cap = hopper_moe.moe_token_cap(rows, weight_tiles, fill_ctas) if variable else config.tile_tokens
     out = []
-    for tile_idx in range(hopper_moe.max_moe_tiles(tokens, groups, n, config)):
+    for tile_idx in range(hopper_moe.max_moe_tiles(tokens, groups, n, config, fill_ctas)):
         tiles_before, padded, found = 0, 0, None
-        for g in range(groups):
-            m = offsets[g + 1] - offsets[g]
-            count, size = hopper_moe.group_token_tiles(m, config.tile_tokens, variable)
+        for g, m in enumerate(rows):
+            count, size = hopper_moe.group_token_tiles(m, cap, variable)
             after = tiles_before + count * weight_tiles
             if tiles_before <= tile_idx < after:
                 local = tile_idx - tiles_before
@@ -144,10 +145,10 @@ def emulated_tiles(offsets, tokens, n, config):
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: gemm.moe.hopper_config_name(c))
 def test_every_output_element_has_exactly_one_tile_within_the_grid_and_the_scratch(config):
     rng = random.Random(11)
-    n = 512
     for trial in range(200):
         groups = rng.choice([1, 2, 3, 8, 16, 64])
         tokens = rng.randint(1, 3000)
+        n = rng.choice([128, 512, 4096])
         offsets = moe.random_routing(tokens, groups, rng)
         tiles = emulated_tiles(offsets, tokens, n, config)  # the grid: max_moe_tiles CTAs
         covered = {}
@@ -155,6 +156,7 @@ def test_every_output_element_has_exactly_one_tile_within_the_grid_and_the_scrat
         for tile in filter(None, tiles):
             g, token0, count, weight_tile, first_row = tile
             assert token0 % 16 == 0 and first_row % hopper_moe.GROUP_ROW_ALIGN == 0
+            assert count % 16 == 0 and count <= config.tile_tokens
             # the GEMM's token copies read `count` rows from here: inside the scratch
             assert first_row + token0 + config.tile_tokens <= rows
             m = offsets[g + 1] - offsets[g]
@@ -165,6 +167,16 @@ def test_every_output_element_has_exactly_one_tile_within_the_grid_and_the_scrat
         expected = {(g, t, w) for g in range(groups) for t in range(offsets[g + 1] - offsets[g])
                     for w in range(n // config.tile_weights)}
         assert set(covered) == expected, (trial, offsets)
+
+
+def test_variable_tiles_are_cut_at_128_where_the_routing_fits_one_round():
+    """Benchmark shape 3's routing (128 + 384 tokens, N = 4096: 4 x 32 tiles of 128) fits 132
+    SMs; 200 + 312 (5 x 32) and shape 0's routing do not."""
+    assert hopper_moe.moe_token_cap([128, 384], 32, 132) == 128
+    assert hopper_moe.moe_token_cap([200, 312], 32, 132) == 256
+    assert hopper_moe.moe_token_cap([80, 176, 128, 72, 64, 248, 96, 160], 32, 132) == 256
+    tiles = [t for t in emulated_tiles([0, 128, 512], 512, 4096, SWAP_AB_VARIABLE_CONFIG) if t]
+    assert len(tiles) == 128 and {t[2] for t in tiles} == {128}
 
 
 def test_variable_tiles_split_a_group_as_the_per_size_set_path():
@@ -208,17 +220,21 @@ def test_the_torch_op_traces_with_fullgraph_and_mutates_c():
 
 
 def test_the_config_is_chosen_from_t_g_n_k_alone(monkeypatch):
-    """The most frequent per-size-set choice over routings sampled with a fixed seed: the same
-    for the same (T, G, N, K); variable tiles for benchmark shape 0 (equal groups would pick
-    128-token tiles, slower on real routings); unchained where asked."""
-    from nvfp4_group_gemm.hopper import schedules
+    """Split-K, one round of 128-token tiles, or variable tiles, by what fits one round for
+    every routing of T tokens."""
+    from nvfp4_group_gemm.hopper.config import SWAP_AB_ONE_ROUND_CONFIG, SWAP_AB_SPLIT_K_CONFIG
 
     monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
-    shape = moe.MoeShape(1024, 8, 4096, 7168, "plain", "blocked")
-    assert moe.moe_config(shape, 132) == moe.moe_config(shape, 132)
-    assert moe.moe_config(shape, 132, chain_calls=True).variable_tokens
-    assert not schedules.choose_swap_ab_config([(128, 4096, 7168, 1)] * 8, 132).variable_tokens
-    small = moe.MoeShape(512, 2, 4096, 1536, "plain", "blocked")
-    assert not moe.moe_config(small, 132, chain_calls=False).chain_calls
+
+    def chosen(tokens, groups, n, k, chain=True):
+        return moe.moe_config(moe.MoeShape(tokens, groups, n, k, "plain", "blocked"), 132, chain_calls=chain)
+
+    assert chosen(1024, 8, 4096, 7168) == SWAP_AB_VARIABLE_CONFIG  # benchmark shapes 0, 1
+    assert chosen(1024, 8, 7168, 2048) == SWAP_AB_VARIABLE_CONFIG
+    assert chosen(512, 2, 3072, 4096) == SWAP_AB_ONE_ROUND_K128_CONFIG  # 5 x 24 tiles at most
+    assert chosen(512, 2, 4096, 1536) == SWAP_AB_VARIABLE_CONFIG  # 5 x 32 > 132: cut on the GPU
+    assert chosen(512, 2, 3072, 4352) == SWAP_AB_ONE_ROUND_CONFIG  # K % 512 != 0
+    assert chosen(100, 2, 1024, 1024) == SWAP_AB_SPLIT_K_CONFIG  # 3 x 8 tiles, twice: 48 CTAs
+    assert not chosen(512, 2, 4096, 1536, chain=False).chain_calls
     monkeypatch.setenv("NVFP4_MOE_CONFIG", "swap_ab_t128")
-    assert moe.moe_config(shape, 132) == SWAP_AB_CONFIG
+    assert chosen(1024, 8, 4096, 7168) == SWAP_AB_CONFIG

@@ -8,7 +8,8 @@ A call is two launches whose grids depend only on (T, G, N, K), never on the off
         or blocked scales) into that group's padded slab rows of X;
     GEMM (Sm90MoeSwapAbGemm, the swap-AB GEMM of swap_ab.py): a grid of max_moe_tiles(T, G, N)
         tiles (per split-K rank); each CTA derives its (group, token tile, weight tile) from the
-        offsets, and CTAs past the offsets' tile count run nothing.
+        offsets, and CTAs past the offsets' tile count run nothing. Variable token tiles are cut
+        at 128 or 256 tokens, whichever the offsets make fit (moe_token_cap).
 
 Group g holds rows offsets[g] .. offsets[g + 1] of a and c. In X, its rows start at
 P_g = sum over g' < g of round_up(M_g', 16) (token tiles must start on a 16-row boundary for the
@@ -56,18 +57,33 @@ def slab_rows(tokens: int, groups: int, config: SwapAbConfig) -> int:
     return -(-(padded + config.tile_tokens) // GROUP_ROW_ALIGN) * GROUP_ROW_ALIGN
 
 
-def max_moe_tiles(tokens: int, groups: int, n: int, config: SwapAbConfig) -> int:
+def max_moe_tiles(tokens: int, groups: int, n: int, config: SwapAbConfig, fill_ctas: int = 0) -> int:
     """The most (group, token tile, weight tile) tiles any offsets of T = tokens rows in `groups`
-    groups make: sum ceil(M_g / t) <= T / t + G (t - 1) / t token tiles (t: the smallest tile a
-    group's rows are cut into: tile_tokens, or 64 with variable tiles, whose tiles of one group
-    but its last are equal and at least half of tile_tokens) times N / tile_weights."""
+    groups make, the GEMM's grid: sum ceil(M_g / t) <= (T + G (t - 1)) / t token tiles of t =
+    tile_tokens, times N / tile_weights. Variable tiles cut a group into ceil(M / cap) tiles
+    (cap 256: at most T / 256 + G per weight tile), or with cap 128 where those number no more
+    than `fill_ctas` (moe_token_cap)."""
+    weight_tiles = n // config.tile_weights
     if config.variable_tokens:
-        # ceil(M / 256) tiles per group: at most T / 256 + G
-        token_tiles = tokens // config.tile_tokens + groups
-    else:
-        t = config.tile_tokens
-        token_tiles = (tokens + groups * (t - 1)) // t
-    return max(1, token_tiles * (n // config.tile_weights))
+        return max(1, (tokens // config.tile_tokens + groups) * weight_tiles, fill_ctas)
+    t = config.tile_tokens
+    return max(1, (tokens + groups * (t - 1)) // t * weight_tiles)
+
+
+# Variable token tiles of the MoE GEMM: a group is cut into at most ceil(M / 128) tiles (of 64
+# or 128 tokens) where those tiles, over all groups and weight tiles, fit the CTAs of one round
+# (fill_ctas: one per SM); else into ceil(M / 256) (64 to 256 tokens), as the per-size-set
+# path's variable tiles. Decided on the GPU from the offsets: benchmark shape 3's routing
+# (128 + 384 tokens) fits one round of 128-token tiles, most routings of 512 tokens in two
+# groups do not.
+SMALL_TOKEN_CAP = 128
+
+
+def moe_token_cap(group_rows, weight_tiles: int, fill_ctas: int, tile_tokens: int = 256) -> int:
+    """The variable-tile cap of these group sizes (Python ints; the kernel computes the same
+    on the GPU): SMALL_TOKEN_CAP if sum ceil(M / 128) x weight tiles <= fill_ctas, else 256."""
+    tiles = sum(-(-m // SMALL_TOKEN_CAP) for m in group_rows) * weight_tiles
+    return SMALL_TOKEN_CAP if tiles <= fill_ctas else tile_tokens
 
 
 def _at_least_one(x):
@@ -76,8 +92,8 @@ def _at_least_one(x):
 
 def group_token_tiles(m, tile_tokens: int, variable: bool):
     """(token tiles, tokens per tile but the last) of a group of m >= 0 rows (device or Python
-    integers): tiles of tile_tokens, or with variable tiles ceil(m / 256) tiles of equal size
-    rounded up to 64 (schedules.variable_token_split; m = 0: no tiles)."""
+    integers): tiles of tile_tokens, or with variable tiles ceil(m / cap) tiles of equal size
+    rounded up to 64, cap = tile_tokens (schedules.variable_token_split at 256; m = 0: no tiles)."""
     if variable:
         per_group = _at_least_one((m + tile_tokens - 1) // tile_tokens)
         per_tile = (m + per_group - 1) // per_group
@@ -184,17 +200,17 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
     def __call__(
         self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer, offsets: cute.Pointer,
         tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, slab_bytes: cutlass.Int32,
-        max_tiles: cutlass.Int32, stream: cuda.CUstream,
+        max_tiles: cutlass.Int32, fill_ctas: cutlass.Int32, stream: cuda.CUstream,
     ):
         self.define_shared_storage()
         mOffsets = cute.make_tensor(offsets, cute.make_layout(self.num_groups + 1))
-        self.kernel(acts, b, sfb, c, mOffsets, tokens, n, k, slab_bytes).launch(
+        self.kernel(acts, b, sfb, c, mOffsets, tokens, n, k, slab_bytes, fill_ctas).launch(
             grid=(max_tiles * self.config.split_k, 1, 1), stream=stream, **self.launch_attributes())
 
     @cute.kernel
     def kernel(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
                mOffsets: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-               slab_bytes: cutlass.Int32):
+               slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32):
         if cutlass.const_expr(self.config.chain_calls):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
@@ -206,7 +222,17 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         # this CTA's tile among every group's (token tiles x weight tiles), group first
         tile_idx = bidx // self.config.split_k
         weight_tiles = n // self.tile_w
-        lo = mOffsets[0]
+        bounds = [mOffsets[g] for g in range(self.num_groups + 1)]
+        cap = self.tile_t
+        if cutlass.const_expr(variable):
+            # moe_token_cap on the GPU
+            small_tiles = cutlass.Int32(0)
+            for g in cutlass.range_constexpr(self.num_groups):
+                small_tiles = small_tiles + (bounds[g + 1] - bounds[g] + SMALL_TOKEN_CAP - 1) // SMALL_TOKEN_CAP
+            cap = cutlass.Int32(self.tile_t)
+            if small_tiles * weight_tiles <= fill_ctas:
+                cap = cutlass.Int32(SMALL_TOKEN_CAP)
+        lo = bounds[0]
         bad = lo < 0
         tiles_before = cutlass.Int32(0)
         padded = cutlass.Int32(0)
@@ -218,10 +244,10 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         token_tiles = cutlass.Int32(1)
         tile_size = cutlass.Int32(self.tile_t)
         for g in cutlass.range_constexpr(self.num_groups):
-            hi = mOffsets[g + 1]
+            hi = bounds[g + 1]
             m_g = hi - lo
             bad = bad | (m_g < 0)
-            tiles_g, size_g = group_token_tiles(m_g, self.tile_t, variable)
+            tiles_g, size_g = group_token_tiles(m_g, cap, variable)
             tiles_after = tiles_before + tiles_g * weight_tiles
             if tile_idx >= tiles_before and tile_idx < tiles_after:
                 group = cutlass.Int32(g)
@@ -269,7 +295,7 @@ def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAb
     return submission.compile_once(("sm90_moe_gemm", num_groups, config), lambda: (Sm90MoeSwapAbGemm(config, num_groups), (
         _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8),
         _fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1),
-        cutlass.Int32(1), cuda.CUstream(0),
+        cutlass.Int32(1), cutlass.Int32(132), cuda.CUstream(0),
     )), options, context=smem_per_sm_known_without_gpu)
 
 
@@ -286,11 +312,18 @@ def compile_moe_decode(num_groups: int, options: str | None = None, scale_layout
 
 def moe_compile_targets():
     """The MoE kernels for the build report: (kernel name, arch, compile(G, options))."""
-    from .config import SWAP_AB_CONFIG, SWAP_AB_VARIABLE_CONFIG
+    from .config import (
+        SWAP_AB_ONE_ROUND_CONFIG,
+        SWAP_AB_ONE_ROUND_K128_CONFIG,
+        SWAP_AB_SPLIT_K_CONFIG,
+        SWAP_AB_VARIABLE_CONFIG,
+    )
 
+    gemms = {"split_k": SWAP_AB_SPLIT_K_CONFIG, "one_round": SWAP_AB_ONE_ROUND_CONFIG,
+             "one_round_k128": SWAP_AB_ONE_ROUND_K128_CONFIG, "variable": SWAP_AB_VARIABLE_CONFIG}
     return [
         ("sm90_moe_decode_plain", "sm_90a", functools.partial(compile_moe_decode, scale_layout="plain")),
         ("sm90_moe_decode_blocked", "sm_90a", functools.partial(compile_moe_decode, scale_layout="blocked")),
-        ("sm90_moe_gemm_t128", "sm_90a", functools.partial(compile_moe_gemm, config=SWAP_AB_CONFIG)),
-        ("sm90_moe_gemm_variable", "sm_90a", functools.partial(compile_moe_gemm, config=SWAP_AB_VARIABLE_CONFIG)),
-    ]
+        ("sm90_moe_decode_chained", "sm_90a", functools.partial(compile_moe_decode, chained=True)),
+    ] + [(f"sm90_moe_gemm_{name}", "sm_90a", functools.partial(compile_moe_gemm, config=config))
+         for name, config in gemms.items()]
