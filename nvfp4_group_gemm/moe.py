@@ -308,7 +308,7 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
     from the routing (hopper.moe.moe_token_cap). The per-size-set path's choice for equal groups
     of T / G, or the choice most frequent over sampled routings, picked 128-, 112- or 192-token
     tiles that cost 1.21-1.68x the per-size-set path's device time on benchmark routings
-    (EXPERIMENTS E76). Calls chained unless chain_calls is False (NVFP4_SM90_CHAIN_CALLS).
+    (EXPERIMENTS E77). Calls chained unless chain_calls is False (NVFP4_SM90_CHAIN_CALLS).
     NVFP4_MOE_CONFIG=<name> (hopper.config_named: "swap_ab_variable", ...) runs that config for
     every shape instead (experiments)."""
     import dataclasses
