@@ -266,9 +266,20 @@ GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i3
               None, None))
 
 
+def _launch_values(plan: MoePlan, shape: MoeShape, a, sfa, b, sfb, offsets, c, status, stream_handle: int):
+    """The two kernels' argument values (DECODE_ARGS, GEMM_ARGS order)."""
+    tokens, _groups, n, k = shape[:4]
+    status = plan.status if status is None else status
+    decode = (a.data_ptr(), sfa.data_ptr(), offsets.data_ptr(), plan.scratch.data_ptr(), status.data_ptr(), tokens,
+              k, plan.slab_bytes, plan.blocks_x, stream_handle)
+    gemm = (plan.scratch.data_ptr(), b.data_ptr(), sfb.data_ptr(), c.data_ptr(), offsets.data_ptr(), tokens, n, k,
+            plan.slab_bytes, plan.max_tiles, plan.fill_ctas, stream_handle)
+    return decode, gemm
+
+
 class MoeBinding:
-    """The launches of one set of tensor addresses on one stream: arguments fixed once, a call
-    runs `launch()` (plain weight scales: their conversion first)."""
+    """The launches of one set of tensor addresses on one stream: arguments fixed once (their own
+    argument cells), a call runs `launch()` (plain weight scales: their conversion first)."""
 
     __slots__ = ("keepalive", "launches", "plan_key", "sfb_blocked", "sfb_plain")
 
@@ -279,21 +290,20 @@ class MoeBinding:
             self.sfb_plain = sfb
             self.sfb_blocked = blocked_scales(sfb)
             sfb = self.sfb_blocked
-        status = plan.status if status is None else status
         self.keepalive = (plan, a, sfa, b, sfb, offsets, c, status)
-        tokens, groups, n, k = shape[:4]
-        self.launches = (
-            plan.decode.bound((a.data_ptr(), sfa.data_ptr(), offsets.data_ptr(), plan.scratch.data_ptr(),
-                               status.data_ptr(), tokens, k, plan.slab_bytes, plan.blocks_x, stream_handle)),
-            plan.gemm.bound((plan.scratch.data_ptr(), b.data_ptr(), sfb.data_ptr(), c.data_ptr(), offsets.data_ptr(),
-                             tokens, n, k, plan.slab_bytes, plan.max_tiles, plan.fill_ctas, stream_handle)),
-        )
+        decode, gemm = _launch_values(plan, shape, a, sfa, b, sfb, offsets, c, status, stream_handle)
+        self.launches = (plan.decode.bound(decode), plan.gemm.bound(gemm))
 
     def launch(self) -> None:
         if self.sfb_plain is not None:
             self.sfb_blocked.copy_(_blocked_view(self.sfb_plain))
         for run in self.launches:
             run()
+
+
+# A key's first call launches through the plan's shared argument cells and leaves this in the
+# stream's table; its second call builds the binding (fresh tensors every call bind nothing)
+_SEEN_ONCE = object()
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()
@@ -390,16 +400,20 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
         check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
         raise
     entry = None
-    if _BINDINGS:  # a binding exists, so CUDA is initialized: the hit path
+    if _BINDINGS:  # a key seen before, so CUDA is initialized: the hit path
         per_stream = _BINDINGS.get((launch._current_stream_handle(), submission._current_device_index()))
         entry = None if per_stream is None else per_stream.get(key)
-    if entry is None:
-        entry = _bind(a, sfa, b, sfb, offsets, c, status, key)
-    entry.launch()
+    if entry is None or entry is _SEEN_ONCE:
+        _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE)
+    else:
+        entry.launch()
     return c
 
 
-def _bind(a, sfa, b, sfb, offsets, c, status, key) -> MoeBinding:
+def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
+    """A call whose key has no binding: validate, find (or make) the plan, then launch through
+    the plan's shared cells (`bind` False: the key's first call) or build the key's binding and
+    launch it (its second call)."""
     shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
     device = a.device
     stream_handle = launch._current_stream_handle()
@@ -417,18 +431,26 @@ def _bind(a, sfa, b, sfb, offsets, c, status, key) -> MoeBinding:
         plan = _plan_for(plan_key, shape, device)
         if launch._capturing():
             plan.captured = True
-        binding = MoeBinding(plan_key, plan, shape, a, sfa, b, sfb, offsets, c, status, stream_handle)
         if len(_BINDINGS) >= MAX_STREAMS and (stream_handle, device.index) not in _BINDINGS:
             _BINDINGS.pop(next(iter(_BINDINGS)))
         per_stream = _BINDINGS.setdefault((stream_handle, device.index), {})
-        if len(per_stream) >= MAX_BINDINGS:
-            per_stream.pop(next(iter(per_stream)))
         # bindings of evicted plans go with them
         for bindings in _BINDINGS.values():
-            for stale in [k for k, v in bindings.items() if v.plan_key not in _PLANS]:
+            for stale in [k for k, v in bindings.items() if v is not _SEEN_ONCE and v.plan_key not in _PLANS]:
                 del bindings[stale]
-        per_stream[key] = binding
-    return binding
+        if len(per_stream) >= MAX_BINDINGS:
+            per_stream.pop(next(iter(per_stream)))
+        if bind:
+            binding = per_stream[key] = MoeBinding(plan_key, plan, shape, a, sfa, b, sfb, offsets, c, status,
+                                                   stream_handle)
+            binding.launch()
+            return
+        per_stream[key] = _SEEN_ONCE
+        if shape.sfb_layout == "plain":
+            sfb = blocked_scales(sfb)  # a fresh copy on this stream (the allocator keeps it for the launch)
+        decode, gemm = _launch_values(plan, shape, a, sfa, b, sfb, offsets, c, status, stream_handle)
+        plan.decode(*decode)
+        plan.gemm(*gemm)
 
 
 def reset_moe() -> None:
