@@ -299,11 +299,14 @@ def test_compiles_for_sm90a_on_any_machine(config):
 
 def test_compile_targets_list_what_the_backend_runs():
     targets = {name: arch for name, arch, _ in hopper.compile_targets()}
-    # the two pre-passes, then one build per registered config, named after it
+    # the two pre-passes, one build per registered config, named after it, and the MoE
+    # entry's kernels (its three pre-passes, the GEMM of each config moe_config can return)
     assert targets == {
         "sm90_decode_activations": "sm_90a",
         "sm90_decode_activations_chained": "sm_90a",
         **{f"sm90_{name}": "sm_90a" for name in hopper.CONFIGS},
+        **{f"sm90_moe_decode_{kind}": "sm_90a" for kind in ("plain", "blocked", "chained")},
+        **{f"sm90_moe_gemm_{name}": "sm_90a" for name in ("split_k", "one_round", "one_round_k128", "variable")},
     }
     # every config the automatic choice can return is registered
     for groups, n, k in ((8, 4096, 7168), (2, 3072, 4096), (1, 128, 256)):
