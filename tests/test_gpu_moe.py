@@ -198,3 +198,25 @@ def test_the_per_size_set_path_gives_the_same_values():
     gemm.moe_grouped_gemm(**inputs)
     torch.cuda.synchronize()
     assert torch.equal(torch.cat([c[:, :, 0] for c in per_group_c]), inputs["c"][: offsets[-1]])
+
+
+def test_no_call_synchronizes():
+    """torch's sync debug mode raises on any synchronizing call: none in a first call, a
+    binding's call, a hit, a call on fresh tensors, or a call with plain weight scales."""
+    tokens, groups, n, k = 512, 2, 4096, 1536
+    inputs = moe.random_moe_inputs(tokens, groups, n, k)
+    plain = moe.random_moe_inputs(tokens, groups, n, k, sfb_layout="plain")
+    gemm.moe_grouped_gemm(**inputs)  # compile and plan outside the check (compilation may sync)
+    torch.cuda.synchronize()
+    fresh = {name: (t if name in ("b", "sfb") else t.clone()) for name, t in inputs.items()}
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            gemm.moe_grouped_gemm(**inputs)
+        gemm.moe_grouped_gemm(**fresh)
+        gemm.moe_grouped_gemm(**plain)
+        gemm.moe_grouped_gemm(**plain)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    torch.cuda.synchronize()
