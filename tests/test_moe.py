@@ -117,29 +117,54 @@ def test_blocked_scales_put_every_scale_where_the_kernels_read_it():
 # The tiles the GPU derives from the offsets (the kernels' own arithmetic, on Python ints)
 # -----------------------------------------------------------------------------
 def emulated_tiles(offsets, tokens, n, config, fill_ctas=132):
-    """Sm90MoeSwapAbGemm.kernel's tile derivation for every CTA of the grid: (group, token0,
-    tokens of the tile, weight tile, first X row) or None (no work)."""
+    """Sm90MoeSwapAbGemm.kernel's tile derivation for every CTA of the grid, on Python ints:
+    (group, token0, tokens of the tile, weight tile, first X row) or None (no work)."""
     groups = len(offsets) - 1
     weight_tiles = n // config.tile_weights
     variable = config.variable_tokens
     rows = [offsets[g + 1] - offsets[g] for g in range(groups)]
+    pads = [0]
+    for m in rows:
+        pads.append(pads[-1] + -(-m // hopper_moe.GROUP_ROW_ALIGN) * hopper_moe.GROUP_ROW_ALIGN)
     cap = hopper_moe.moe_token_cap(rows, weight_tiles, fill_ctas) if variable else config.tile_tokens
-    out = []
-    for tile_idx in range(hopper_moe.max_moe_tiles(tokens, groups, n, config, fill_ctas)):
-        tiles_before, padded, found = 0, 0, None
+    runs = []  # (group, tiles of the run, tokens per tile, first token of the run) in CTA order
+    if variable and groups <= hopper_moe.LONGEST_FIRST_MAX_GROUPS:
+        for token_class in range(3, -1, -1):
+            for g, m in enumerate(rows):
+                _count, size = hopper_moe.group_token_tiles(m, cap, True)
+                full, rest_class = hopper_moe.variable_token_classes(m, size)
+                if size // 64 - 1 == token_class and full:
+                    runs.append((g, full, size, 0))
+                if rest_class == token_class:
+                    runs.append((g, 1, size, full * size))
+    else:
         for g, m in enumerate(rows):
             count, size = hopper_moe.group_token_tiles(m, cap, variable)
-            after = tiles_before + count * weight_tiles
-            if tiles_before <= tile_idx < after:
-                local = tile_idx - tiles_before
-                weight_tile, token_tile = divmod(local, count)
-                token0 = token_tile * size
-                left = -(-(m - token0) // 64) * 64 if variable else size
-                found = (g, token0, min(size, left), weight_tile, padded)
-            tiles_before = after
-            padded += -(-m // hopper_moe.GROUP_ROW_ALIGN) * hopper_moe.GROUP_ROW_ALIGN
-        out.append(found)
-    return out
+            if count:
+                runs.append((g, count, size, 0))
+    out = []
+    for g, count, size, base in runs:
+        m = rows[g]
+        for local in range(count * weight_tiles):
+            weight_tile, token_tile = divmod(local, count)
+            token0 = base + token_tile * size
+            tokens_here = min(size, -(-(m - token0) // 64) * 64) if variable else size
+            out.append((g, token0, tokens_here, weight_tile, pads[g]))
+    grid = hopper_moe.max_moe_tiles(tokens, groups, n, config, fill_ctas)
+    assert len(out) <= grid, (offsets, len(out), grid)
+    return out + [None] * (grid - len(out))
+
+
+def test_variable_tiles_of_few_groups_run_longest_first_as_the_per_size_set_path():
+    from nvfp4_group_gemm.hopper.schedules import variable_token_tiles
+
+    ms = [80, 176, 128, 72, 64, 248, 96, 160]  # benchmark shape 0
+    offsets = [0]
+    for m in ms:
+        offsets.append(offsets[-1] + m)
+    ours = [(g, token0 // 64, w, tokens // 64 - 1) for g, token0, tokens, w, _ in
+            filter(None, emulated_tiles(offsets, offsets[-1], 4096, SWAP_AB_VARIABLE_CONFIG))]
+    assert ours == variable_token_tiles([(m, 4096, 7168, 1) for m in ms], SWAP_AB_VARIABLE_CONFIG)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: gemm.moe.hopper_config_name(c))
