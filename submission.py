@@ -1850,16 +1850,17 @@ class PersistentGemmSm100:
             # This warp holds nothing a dependent could take: its trigger follows the wait.
             wait_for_previous_grid()
             launch_dependents()
-            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, num_tiles)
+            tma_num_tiles = self._tile_count(tensor_of_tiles, num_tiles)
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, tma_num_tiles)
             # The first tile's A, B, SFA, SFB descriptors (written by the init kernel):
             # acquired and fetched before the pipeline's first wait
-            if tile_idx < num_tiles:
+            if tile_idx < tma_num_tiles:
                 for slot in cutlass.range_constexpr(4):
                     acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], slot))
-            while tile_idx < num_tiles:
+            while tile_idx < tma_num_tiles:
                 group_idx, mma_tile_m, mma_tile_n, k_tile_cnt = tile_row[0], tile_row[1], tile_row[2], tile_row[3]
                 # The next tile's row, one 16-byte load a whole tile ahead of its use
-                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, num_tiles, num_clusters)
+                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, tma_num_tiles, num_clusters)
                 desc_a = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 0)
                 desc_b = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 1)
                 desc_sfa = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 2)
@@ -1891,7 +1892,7 @@ class PersistentGemmSm100:
                     peek_ab_empty_status = cutlass.Boolean(1)
                     if ab_producer_state.count < k_tile_cnt:
                         peek_ab_empty_status = ab_pipeline.producer_try_acquire(ab_producer_state)
-                if tile_idx < num_tiles and tile_row[0] != group_idx:
+                if tile_idx < tma_num_tiles and tile_row[0] != group_idx:
                     # A group change (a pair's groups never repeat: the tile list is
                     # group-major): acquire and fetch the next group's descriptors while this
                     # tile's last stages are still in flight
@@ -1923,10 +1924,11 @@ class PersistentGemmSm100:
             tile_idx = cluster_idx
             # the tile table after the previous kernel (this warp's only global access)
             wait_for_previous_grid()
-            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, num_tiles)
-            while tile_idx < num_tiles:
+            mma_num_tiles = self._tile_count(tensor_of_tiles, num_tiles)
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, mma_num_tiles)
+            while tile_idx < mma_num_tiles:
                 k_tile_cnt = tile_row[3]
-                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, num_tiles, num_clusters)
+                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, mma_num_tiles, num_clusters)
                 # (MMA, MMA_M, MMA_N)
                 tCtAcc = tCtAcc_base[(None, None, None, acc_producer_state.index)]
 
@@ -2008,15 +2010,16 @@ class PersistentGemmSm100:
             # the tile table, C's descriptor and C itself after the previous kernel (a caller
             # may hand the same c to consecutive calls)
             wait_for_previous_grid()
-            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, num_tiles)
+            epi_num_tiles = self._tile_count(tensor_of_tiles, num_tiles)
+            tile_row = self._first_tile(tensor_of_tiles, cluster_idx, epi_num_tiles)
             if warp_idx == self.epilog_warp_id[0]:  # noqa: SIM102 - two dynamic conditions, traced as two ifs
                 # The one warp that stores C: the first tile's C descriptor, acquired and
                 # fetched before the first accumulator wait
-                if tile_idx < num_tiles:
+                if tile_idx < epi_num_tiles:
                     acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
-            while tile_idx < num_tiles:
+            while tile_idx < epi_num_tiles:
                 group_idx, mma_tile_m, mma_tile_n = tile_row[0], tile_row[1], tile_row[2]
-                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, num_tiles, num_clusters)
+                tile_idx = self._next_tile(tensor_of_tiles, tile_row, tile_idx, epi_num_tiles, num_clusters)
                 desc_c = tensormap_desc_ptr(tensormap_manager, tensormaps, group_idx, 4)
                 # ((ATOM_V, REST_V), EPI_M * EPI_N)
                 bSG_gC = cute.group_modes(bSG_gC_partitioned[(None, None, None, mma_tile_m, mma_tile_n, 0)], 1, 3)
@@ -2047,7 +2050,7 @@ class PersistentGemmSm100:
                     self.epilog_sync_barrier.arrive_and_wait()
                 acc_consumer_state.advance()
                 num_subtiles_done += subtile_cnt
-                if warp_idx == self.epilog_warp_id[0] and tile_idx < num_tiles and tile_row[0] != group_idx:
+                if warp_idx == self.epilog_warp_id[0] and tile_idx < epi_num_tiles and tile_row[0] != group_idx:
                     acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
 
             #
@@ -2065,6 +2068,13 @@ class PersistentGemmSm100:
     # ------------------------------------------------------------------ device helpers
     # The static persistent tile walk of every role: a pair runs tiles cluster_idx,
     # cluster_idx + num_clusters, ... of the tile table
+    def _tile_count(self, tensor_of_tiles: cute.Tensor, num_tiles):
+        """The tiles every role walks, read after the role's wait: here the kernel argument
+        (the host built the table). A subclass whose table another kernel writes on the GPU
+        (nvfp4_group_gemm.sm100_moe) loads the count that kernel stored; num_tiles is then
+        the table's capacity. Emits no code here."""
+        return num_tiles
+
     @cute.jit
     def _first_tile(self, tensor_of_tiles: cute.Tensor, cluster_idx, num_tiles):
         """The pair's first tile row, in registers. The host launches no more pairs than tiles;
