@@ -364,14 +364,18 @@ def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan:
         num_sms = current_num_sms()
         plan = MoePlan(shape, device, moe_config(shape, num_sms), num_sms)
     _PLANS[key] = plan
-    # the oldest plans go first; never one a CUDA graph was captured with (its replays use the
-    # plan's scratch): those stay until reset_moe()
+    _evict_plans(key)
+    return plan
+
+
+def _evict_plans(keep) -> None:
+    """Bound the plans: the oldest go first, never `keep` nor one a CUDA graph was captured
+    with (its replays use the plan's scratch): those stay until reset_moe()."""
     while len(_PLANS) > MAX_PLANS or sum(p.nbytes for p in _PLANS.values()) > MAX_PLAN_BYTES:
-        evictable = [k for k, p in _PLANS.items() if not p.captured and k != key]
+        evictable = [k for k, p in _PLANS.items() if not p.captured and k != keep]
         if not evictable:
             break
         del _PLANS[evictable[0]]
-    return plan
 
 
 def _binding_key(a, sfa, b, sfb, offsets, c, status):
@@ -421,9 +425,12 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
         raise ValueError(f"moe_grouped_gemm: a.device = {device}: must be torch's current CUDA device "
                          f"(cuda:{submission._current_device_index()}); use `with torch.cuda.device({device.index})`")
     capability = torch.cuda.get_device_capability(device)
+    if capability[0] == 10:
+        _launch_sm100(shape, a, sfa, b, sfb, offsets, c, status, key, stream_handle)
+        return
     if capability[0] != 9:
         raise ValueError(f"moe_grouped_gemm: {torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}: "
-                         "the MoE entry runs on Hopper (sm_90) GPUs")
+                         "the MoE entry runs on Hopper (sm_90) GPUs, and on sm_100 with NVFP4_MOE_SM100=1")
     with _LOCK:
         # the config follows from the shape and the two switches (moe_config)
         plan_key = (device.index, stream_handle, shape, os.environ.get("NVFP4_MOE_CONFIG"),
@@ -451,6 +458,79 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
         decode, gemm = _launch_values(plan, shape, a, sfa, b, sfb, offsets, c, status, stream_handle)
         plan.decode(*decode)
         plan.gemm(*gemm)
+
+
+class Sm100MoeBinding:
+    """A call's launches on sm_100 (nvfp4_group_gemm.sm100_moe.Sm100MoeLaunches: the tables and
+    scale-repack kernel, the leaderboard file's descriptor init, the persistent GEMM reading its
+    tile count on the GPU) for one set of tensors: plain DSL calls on the stream."""
+
+    __slots__ = ("args", "buffers", "launches", "plan_key", "sfb_plain", "stream")
+
+    def __init__(self, plan_key, launches, buffers, args, sfb_plain, stream_handle: int):
+        import cuda.bindings.driver as cuda_driver
+
+        self.plan_key, self.launches, self.buffers, self.args = plan_key, launches, buffers, args
+        self.sfb_plain = sfb_plain
+        self.stream = cuda_driver.CUstream(stream_handle)
+
+    def launch(self) -> None:
+        a, sfa, b, sfb, offsets, c = self.args
+        if self.sfb_plain is not None:
+            sfb.copy_(_blocked_view(self.sfb_plain))
+        self.launches.launch(a, sfa, b, sfb, offsets, c, self.buffers, self.stream)
+
+
+def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stream_handle: int) -> None:
+    """The sm_100a version of the entry (compiled for sm_100a; never run here, no B200): only
+    with NVFP4_MOE_SM100=1 (ValueError otherwise, naming the switch), plain activation scales."""
+    if os.environ.get("NVFP4_MOE_SM100") != "1":
+        raise ValueError(
+            "moe_grouped_gemm: the sm_100a MoE kernels (nvfp4_group_gemm.sm100_moe) are compiled for sm_100a "
+            "but have never run on a B200: set NVFP4_MOE_SM100=1 to use them, and check them first with "
+            "`NVFP4_MOE_SM100=1 python -m pytest tests/test_gpu_moe.py`")
+    if shape.sfa_layout != "plain":
+        _fail(ValueError, "sfa.shape", tuple(sfa.shape), "on sm_100 the MoE entry takes plain activation scales "
+              "[T, K/16] (it repacks them per group on the GPU)")
+    from . import sm100_moe
+
+    device = a.device
+    with _LOCK:
+        plan_key = (device.index, stream_handle, shape, "sm100")
+        plan = _PLANS.get(plan_key)
+        if plan is None:
+            launches = sm100_moe.sm100_moe_launches(
+                shape.tokens, shape.groups, shape.n, shape.k,
+                resident_clusters=submission.resident_clusters(device), num_sms=torch.cuda.get_device_properties(
+                    device).multi_processor_count)
+            launches.compile()
+            plan = _PLANS[plan_key] = Sm100MoePlan(launches, launches.allocate(device))
+            _evict_plans(plan_key)
+        if launch._capturing():
+            plan.captured = True
+        sfb_plain = None
+        if shape.sfb_layout == "plain":
+            sfb_plain, sfb = sfb, blocked_scales(sfb)
+        buffers = dict(plan.buffers)
+        if status is not None:
+            buffers["status"] = status
+        binding = Sm100MoeBinding(plan_key, plan.launches, buffers, (a, sfa, b, sfb, offsets, c), sfb_plain,
+                                  stream_handle)
+        per_stream = _BINDINGS.setdefault((stream_handle, device.index), {})
+        if len(per_stream) >= MAX_BINDINGS:
+            per_stream.pop(next(iter(per_stream)))
+        per_stream[key] = binding
+    binding.launch()
+
+
+class Sm100MoePlan:
+    """What one (device, stream, MoeShape) needs on sm_100: the launch sequence and its buffers."""
+
+    __slots__ = ("buffers", "captured", "launches", "nbytes")
+
+    def __init__(self, launches, buffers: dict):
+        self.launches, self.buffers, self.captured = launches, buffers, False
+        self.nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
 
 
 def reset_moe() -> None:

@@ -263,3 +263,17 @@ def test_the_config_is_chosen_from_t_g_n_k_alone(monkeypatch):
     assert not chosen(512, 2, 4096, 1536, chain=False).chain_calls
     monkeypatch.setenv("NVFP4_MOE_CONFIG", "swap_ab_t128")
     assert chosen(1024, 8, 4096, 7168) == SWAP_AB_CONFIG
+
+
+def test_the_sm100_version_is_behind_an_explicit_switch(monkeypatch):
+    """On sm_100 the entry runs the sm_100a MoE kernels (compiled, never run here) only with
+    NVFP4_MOE_SM100=1; otherwise one ValueError naming the switch and the check to run."""
+    monkeypatch.delenv("NVFP4_MOE_SM100", raising=False)
+    inputs = cpu_inputs()
+    shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
+    with pytest.raises(ValueError, match=r"NVFP4_MOE_SM100=1 .*tests/test_gpu_moe\.py"):
+        moe._launch_sm100(shape, *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
+    monkeypatch.setenv("NVFP4_MOE_SM100", "1")
+    blocked = moe.MoeShape(300, 4, 256, 512, "blocked", "blocked")
+    with pytest.raises(ValueError, match=r"plain activation scales"):
+        moe._launch_sm100(blocked, *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
