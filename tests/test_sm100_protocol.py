@@ -205,7 +205,14 @@ KERNEL_PROTOCOL = [
     # warps walk rows cluster_idx, + num_clusters, ...; the even CTA of a pair leads
     "mma_tile_coord_v=bidx%2", "is_leader_cta=mma_tile_coord_v==0", "cluster_idx=bidx//2",
     "num_clusters=grid_dim_x//2", "tile_idx=cluster_idx",
-    "tile_idx=self._next_tile(tensor_of_tiles,tile_row,tile_idx,num_tiles,num_clusters)",
+    # each role walks the count _tile_count gives after its wait (the launch argument here; the
+    # MoE subclass's count from device memory)
+    "tma_num_tiles=self._tile_count(tensor_of_tiles,num_tiles)",
+    "mma_num_tiles=self._tile_count(tensor_of_tiles,num_tiles)",
+    "epi_num_tiles=self._tile_count(tensor_of_tiles,num_tiles)",
+    "tile_idx=self._next_tile(tensor_of_tiles,tile_row,tile_idx,tma_num_tiles,num_clusters)",
+    "tile_idx=self._next_tile(tensor_of_tiles,tile_row,tile_idx,mma_num_tiles,num_clusters)",
+    "tile_idx=self._next_tile(tensor_of_tiles,tile_row,tile_idx,epi_num_tiles,num_clusters)",
     # ab_full: one arrival plus both CTAs' bytes; ab_empty: one arrival (1 + 1 - 1 multicast
     # CTAs of a (2, 1) cluster), the MMA warp's commit to both CTAs
     ("producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),consumer_group=pipeline.CooperativeGroup("
