@@ -370,12 +370,30 @@ def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan:
 
 def _evict_plans(keep) -> None:
     """Bound the plans: the oldest go first, never `keep` nor one a CUDA graph was captured
-    with (its replays use the plan's scratch): those stay until reset_moe()."""
+    with (its replays use the plan's scratch): those stay until reset_moe(). The bindings of an
+    evicted plan go with it."""
+    evicted = False
     while len(_PLANS) > MAX_PLANS or sum(p.nbytes for p in _PLANS.values()) > MAX_PLAN_BYTES:
         evictable = [k for k, p in _PLANS.items() if not p.captured and k != keep]
         if not evictable:
             break
         del _PLANS[evictable[0]]
+        evicted = True
+    if evicted:
+        for bindings in _BINDINGS.values():
+            for stale in [k for k, v in bindings.items() if v is not _SEEN_ONCE and v.plan_key not in _PLANS]:
+                del bindings[stale]
+
+
+_CAPABILITY: dict = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, asked once per device."""
+    capability = _CAPABILITY.get(device.index)
+    if capability is None:
+        capability = _CAPABILITY[device.index] = torch.cuda.get_device_capability(device)
+    return capability
 
 
 def _binding_key(a, sfa, b, sfb, offsets, c, status):
@@ -424,7 +442,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
     if device.index != submission._current_device_index():
         raise ValueError(f"moe_grouped_gemm: a.device = {device}: must be torch's current CUDA device "
                          f"(cuda:{submission._current_device_index()}); use `with torch.cuda.device({device.index})`")
-    capability = torch.cuda.get_device_capability(device)
+    capability = _capability(device)
     if capability[0] == 10:
         _launch_sm100(shape, a, sfa, b, sfb, offsets, c, status, key, stream_handle)
         return
@@ -441,10 +459,6 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
         if len(_BINDINGS) >= MAX_STREAMS and (stream_handle, device.index) not in _BINDINGS:
             _BINDINGS.pop(next(iter(_BINDINGS)))
         per_stream = _BINDINGS.setdefault((stream_handle, device.index), {})
-        # bindings of evicted plans go with them
-        for bindings in _BINDINGS.values():
-            for stale in [k for k, v in bindings.items() if v is not _SEEN_ONCE and v.plan_key not in _PLANS]:
-                del bindings[stale]
         if len(per_stream) >= MAX_BINDINGS:
             per_stream.pop(next(iter(per_stream)))
         if bind:
@@ -537,6 +551,7 @@ def reset_moe() -> None:
     """Drop every plan and binding (their scratch is freed once no launch holds it), those of
     captured graphs too: replay no graph captured with this entry afterwards."""
     with _LOCK:
+        _CAPABILITY.clear()
         _BINDINGS.clear()
         _PLANS.clear()
 

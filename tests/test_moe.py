@@ -128,20 +128,10 @@ def emulated_tiles(offsets, tokens, n, config, fill_ctas=132):
         pads.append(pads[-1] + -(-m // hopper_moe.GROUP_ROW_ALIGN) * hopper_moe.GROUP_ROW_ALIGN)
     cap = hopper_moe.moe_token_cap(rows, weight_tiles, fill_ctas) if variable else config.tile_tokens
     runs = []  # (group, tiles of the run, tokens per tile, first token of the run) in CTA order
-    if variable and groups <= hopper_moe.LONGEST_FIRST_MAX_GROUPS:
-        for token_class in range(3, -1, -1):
-            for g, m in enumerate(rows):
-                _count, size = hopper_moe.group_token_tiles(m, cap, True)
-                full, rest_class = hopper_moe.variable_token_classes(m, size)
-                if size // 64 - 1 == token_class and full:
-                    runs.append((g, full, size, 0))
-                if rest_class == token_class:
-                    runs.append((g, 1, size, full * size))
-    else:
-        for g, m in enumerate(rows):
-            count, size = hopper_moe.group_token_tiles(m, cap, variable)
-            if count:
-                runs.append((g, count, size, 0))
+    for g, m in enumerate(rows):
+        count, size = hopper_moe.group_token_tiles(m, cap, variable)
+        if count:
+            runs.append((g, count, size, 0))
     out = []
     for g, count, size, base in runs:
         m = rows[g]
@@ -153,18 +143,6 @@ def emulated_tiles(offsets, tokens, n, config, fill_ctas=132):
     grid = hopper_moe.max_moe_tiles(tokens, groups, n, config, fill_ctas)
     assert len(out) <= grid, (offsets, len(out), grid)
     return out + [None] * (grid - len(out))
-
-
-def test_variable_tiles_of_few_groups_run_longest_first_as_the_per_size_set_path():
-    from nvfp4_group_gemm.hopper.schedules import variable_token_tiles
-
-    ms = [80, 176, 128, 72, 64, 248, 96, 160]  # benchmark shape 0
-    offsets = [0]
-    for m in ms:
-        offsets.append(offsets[-1] + m)
-    ours = [(g, token0 // 64, w, tokens // 64 - 1) for g, token0, tokens, w, _ in
-            filter(None, emulated_tiles(offsets, offsets[-1], 4096, SWAP_AB_VARIABLE_CONFIG))]
-    assert ours == variable_token_tiles([(m, 4096, 7168, 1) for m in ms], SWAP_AB_VARIABLE_CONFIG)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: gemm.moe.hopper_config_name(c))

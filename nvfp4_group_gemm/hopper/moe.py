@@ -79,25 +79,8 @@ def max_moe_tiles(tokens: int, groups: int, n: int, config: SwapAbConfig, fill_c
 SMALL_TOKEN_CAP = 128
 
 
-# Variable tiles run longest first (as the per-size-set path orders them) for up to this many
-# groups: the order costs every CTA 4 G selections at its start (16 groups took 254 registers)
-LONGEST_FIRST_MAX_GROUPS = 8
 # The GEMM's loops over the groups are unrolled up to this many groups
 UNROLLED_GROUPS = 16
-
-
-def variable_token_classes(m, size):
-    """(equal tiles, token class of the smaller last tile or -1) of a group of m rows cut into
-    tiles of `size` (group_token_tiles; device or Python integers): schedules.variable_token_split
-    as classes (tokens / 64 - 1)."""
-    full = m // size
-    rest_tokens = (m - full * size + TOKEN_CLASS_STEP - 1) // TOKEN_CLASS_STEP * TOKEN_CLASS_STEP
-    if isinstance(m, int):
-        whole = int(rest_tokens == size)
-    else:
-        whole = cutlass.Int32(cutlass.select_(rest_tokens == size, 1, 0))
-    rest_tokens = rest_tokens * (1 - whole)
-    return full + whole, rest_tokens // TOKEN_CLASS_STEP - 1
 
 
 def moe_token_cap(group_rows, weight_tiles: int, fill_ctas: int, tile_tokens: int = 256) -> int:
@@ -214,13 +197,9 @@ class Sm90MoeDecodeActivations:
 class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
     """The swap-AB GEMM over stacked tokens: Sm90SwapAbGemm's tile (run_tile) with its group,
     tokens and weight tile derived from the offsets on the GPU (group first, then weight tile,
-    then token tile; variable tiles of up to LONGEST_FIRST_MAX_GROUPS groups longest first),
-    weights b[G, N, K/2] and their blocked scales [G, N/128, K/64, 512 bytes], output rows
+    then token tile), weights b[G, N, K/2] and their blocked scales [G, N/128, K/64, 512 bytes], output rows
     offsets[g] .. offsets[g + 1] of c[T, N]."""
 
-    def __init__(self, config: SwapAbConfig, num_groups: int):
-        super().__init__(config, num_groups)
-        self.longest_first = config.variable_tokens and num_groups <= min(LONGEST_FIRST_MAX_GROUPS, UNROLLED_GROUPS)
 
     @cute.jit
     def __call__(
@@ -268,8 +247,8 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         classes = self.token_classes()
         variable = self.config.variable_tokens
 
-        # this CTA's tile among every group's (token tiles x weight tiles), group first
-        # (variable tiles of few groups: longest first). Up to UNROLLED_GROUPS groups the loops
+        # this CTA's tile among every group's (token tiles x weight tiles), group first. Up to
+        # UNROLLED_GROUPS groups the loops
         # over them are unrolled; beyond, loops (64 unrolled groups took over 255 registers).
         tile_idx = bidx // self.config.split_k
         weight_tiles = n // self.tile_w
@@ -297,60 +276,24 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         pad0 = cutlass.Int32(0)
         token_tiles = cutlass.Int32(1)
         tile_size = cutlass.Int32(self.tile_t)
-        token_base = cutlass.Int32(0)
-        if cutlass.const_expr(self.longest_first):
-            # longest tiles first (the per-size-set path's order, schedules.variable_token_tiles):
-            # per token class from the largest, every group's tiles of that class (its equal
-            # tiles, or its smaller last one), weight tile, then token tile
-            rows, firsts, pads, sizes, fulls, rest_classes = [], [], [], [], [], []
+        # Variable tiles longest first (the per-size-set path's order), per token class over
+        # every group at each CTA's start: slower (EXPERIMENTS E78).
+        state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
+        if cutlass.const_expr(unrolled):
             for g in cutlass.range_constexpr(self.num_groups):
-                lo, hi = mOffsets[g], mOffsets[g + 1]
-                m_g = hi - lo
-                bad = bad | (m_g < 0)
-                _tiles_g, size_g = group_token_tiles(m_g, cap, variable)
-                full_g, rest_class_g = variable_token_classes(m_g, size_g)
-                rows.append(m_g)
-                firsts.append(lo)
-                pads.append(padded)
-                sizes.append(size_g)
-                fulls.append(full_g)
-                rest_classes.append(rest_class_g)
-                padded = padded + (m_g + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN
-            for token_class in cutlass.range_constexpr(len(classes) - 1, -1, -1):
-                for g in cutlass.range_constexpr(self.num_groups):
-                    size_class = sizes[g] // TOKEN_CLASS_STEP - 1
-                    equal = cutlass.Int32(cutlass.select_(size_class == token_class, fulls[g], 0))
-                    count = equal + cutlass.Int32(cutlass.select_(rest_classes[g] == token_class, 1, 0))
-                    tiles_after = tiles_before + count * weight_tiles
-                    if tile_idx >= tiles_before and tile_idx < tiles_after:
-                        group = cutlass.Int32(g)
-                        local = tile_idx - tiles_before
-                        m = rows[g]
-                        row0 = firsts[g]
-                        pad0 = pads[g]
-                        token_tiles = count
-                        tile_size = sizes[g]
-                        # the smaller last tile starts after the equal ones
-                        token_base = cutlass.Int32(cutlass.select_(size_class == token_class, 0,
-                                                                   fulls[g] * sizes[g]))
-                    tiles_before = tiles_after
+                (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles,
+                 tile_size) = self.group_step(mOffsets, g, tile_idx, weight_tiles, cap, state)
+                state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
         else:
-            state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
-            if cutlass.const_expr(unrolled):
-                for g in cutlass.range_constexpr(self.num_groups):
-                    (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles,
-                     tile_size) = self.group_step(mOffsets, g, tile_idx, weight_tiles, cap, state)
-                    state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
-            else:
-                for g in cutlass.range(0, self.num_groups, 1, unroll=4):
-                    (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles,
-                     tile_size) = self.group_step(mOffsets, g, tile_idx, weight_tiles, cap, state)
-                    state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
+            for g in cutlass.range(0, self.num_groups, 1, unroll=4):
+                (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles,
+                 tile_size) = self.group_step(mOffsets, g, tile_idx, weight_tiles, cap, state)
+                state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
         bad = bad | (mOffsets[self.num_groups] > tokens)
 
         if not bad and tile_idx < tiles_before:
             weight_tile = local // token_tiles
-            token0 = token_base + (local - weight_tile * token_tiles) * tile_size
+            token0 = (local - weight_tile * token_tiles) * tile_size
             operands = StackedOperands(
                 m, n, k,
                 b.toint() + cutlass.Int64(group) * (cutlass.Int64(n) * (k // 2)),
