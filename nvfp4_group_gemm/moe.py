@@ -432,11 +432,39 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
     return c
 
 
+# Validated layouts: (shapes, strides and dtypes of the call's tensors, status's dtype and size)
+# -> (its MoeShape, the alignment each address needs). A call on new tensors of a validated
+# layout checks only what differs: its addresses' alignment and its tensors' devices.
+_LAYOUTS: dict = {}
+MAX_LAYOUTS = 64
+
+
+def _checked_shape(key, a, sfa, b, sfb, offsets, c, status) -> MoeShape:
+    """check_moe_inputs, short where the layout (everything of `key` but the addresses) was
+    validated before: then the addresses' alignment and the devices alone."""
+    layout = (key[1:4], key[5:8], key[9:12], key[13:16], key[17:20], key[21:24],
+              None if status is None else (status.dtype, status.numel()))
+    known = _LAYOUTS.get(layout)
+    if known is not None:
+        shape, alignments = known
+        device = a.get_device()
+        tensors = (a, sfa, b, sfb, offsets, c) if status is None else (a, sfa, b, sfb, offsets, c, status)
+        if device >= 0 and all(address % align == 0 for address, align in zip(key[0:24:4], alignments)) and all(
+                t.get_device() == device for t in tensors):
+            return shape
+    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
+    if len(_LAYOUTS) >= MAX_LAYOUTS:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    _LAYOUTS[layout] = (shape, (16, 1 if shape.sfa_layout == "plain" else 16, 16,
+                                1 if shape.sfb_layout == "plain" else 16, 4, 16))
+    return shape
+
+
 def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
     """A call whose key has no binding: validate, find (or make) the plan, then launch through
     the plan's shared cells (`bind` False: the key's first call) or build the key's binding and
     launch it (its second call)."""
-    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
+    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status)
     device = a.device
     stream_handle = launch._current_stream_handle()
     if device.index != submission._current_device_index():
@@ -552,6 +580,7 @@ def reset_moe() -> None:
     captured graphs too: replay no graph captured with this entry afterwards."""
     with _LOCK:
         _CAPABILITY.clear()
+        _LAYOUTS.clear()
         _BINDINGS.clear()
         _PLANS.clear()
 

@@ -255,3 +255,24 @@ def test_the_sm100_version_is_behind_an_explicit_switch(monkeypatch):
     blocked = moe.MoeShape(300, 4, 256, 512, "blocked", "blocked")
     with pytest.raises(ValueError, match=r"plain activation scales"):
         moe._launch_sm100(blocked, *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
+
+
+def test_new_tensors_of_a_validated_layout_are_checked_for_what_differs(monkeypatch):
+    """The miss path's short check (a layout validated before): the addresses' alignment and
+    the devices; a misaligned address falls back to the full check and its message."""
+    monkeypatch.setattr(moe, "_check_device", lambda *args: None)  # CPU tensors stand in for CUDA ones
+    monkeypatch.setattr(moe, "_LAYOUTS", {})
+    inputs = cpu_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets", "c")
+
+    def checked(tensors):
+        key = moe._binding_key(*(tensors[name] for name in names), None)
+        return moe._checked_shape(key, *(tensors[name] for name in names), None)
+
+    shape = checked(inputs)
+    assert shape == moe.MoeShape(300, 4, 256, 512, "plain", "blocked") and len(moe._LAYOUTS) == 1
+    buffer = torch.empty(inputs["a"].numel() + 8, dtype=torch.uint8)
+    misaligned = dict(inputs, a=buffer[8:].view(inputs["a"].shape).view(inputs["a"].dtype))
+    assert misaligned["a"].data_ptr() % 16 == 8
+    with pytest.raises(ValueError, match=r"a\.data_ptr\(\) = 0x[0-9a-f]+: must be 16-byte aligned"):
+        checked(misaligned)
