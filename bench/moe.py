@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peers import BENCHMARKS, NUM_INPUTS, benchmark_inputs, time_calls  # noqa: E402
+from peers import BENCHMARKS, NUM_INPUTS, benchmark_inputs, time_calls
 
 GOAL_VS_PER_SIZE_SET = 1.15
 
@@ -117,19 +117,19 @@ def main(argv=None) -> int:
         del per_set, expected_sets, outputs
         torch.cuda.empty_cache()
         peer_t, peer_m = triton.get(index), torch_mm.get(index)
-        row = dict(shape=index, moe_mean_us=moe_mean, moe_best_us=moe_best, per_size_set_mean_us=set_mean,
-                   per_size_set_best_us=set_best, triton_kernels_us=peer_t, grouped_mm_us=peer_m,
-                   config=moe.hopper_config_name(config))
+        row = {"shape": index, "moe_mean_us": moe_mean, "moe_best_us": moe_best, "per_size_set_mean_us": set_mean,
+               "per_size_set_best_us": set_best, "triton_kernels_us": peer_t, "grouped_mm_us": peer_m,
+               "config": moe.hopper_config_name(config)}
         rows.append(row)
 
-        def ratio(other):
+        def ratio(other, moe_mean=moe_mean):
             return f"{moe_mean / other:.3f}" if other else "-"
 
         print(f"{index:<6}{f'{moe_mean:.2f} ({moe_best:.2f})':>18}{f'{set_mean:.2f} ({set_best:.2f})':>18}"
               f"{(f'{peer_t:.1f}' if peer_t else '-'):>16}{(f'{peer_m:.1f}' if peer_m else '-'):>13}"
               f"{ratio(set_mean):>13}{ratio(peer_t):>12}{ratio(peer_m):>11}  {row['config']}", flush=True)
     if rows:
-        geo = lambda key: math.exp(sum(math.log(r[key]) for r in rows) / len(rows))  # noqa: E731
+        geo = lambda key: math.exp(sum(math.log(r[key]) for r in rows) / len(rows))
         worst = max(r["moe_mean_us"] / r["per_size_set_mean_us"] for r in rows)
         print(f"geomean: MoE entry {geo('moe_mean_us'):.2f}, per-size-set {geo('per_size_set_mean_us'):.2f}; "
               f"worst MoE / per-size-set {worst:.3f} (goal <= {GOAL_VS_PER_SIZE_SET})")

@@ -37,18 +37,18 @@ from .runtime import (
 )
 
 __all__ = [
+    "bind_input_set",
     "blocked_scales",
     "check_moe_inputs",
     "check_status",
+    "custom_kernel",
+    "grouped_gemm",
+    "grouped_gemm_op",
     "moe_grouped_gemm",
     "moe_grouped_gemm_op",
     "moe_reference",
     "prepare_weight_scales",
     "reset_moe",
-    "bind_input_set",
-    "custom_kernel",
-    "grouped_gemm",
-    "grouped_gemm_op",
     "reset_runtime",
     "run_with_backend",
     "select_backend",

@@ -235,8 +235,19 @@ class MoePlan:
     compiled launchers, the decoded-activation scratch and the status word of calls given none
     (captured: a CUDA graph was captured with it, so it is never evicted)."""
 
-    __slots__ = ("blocks_x", "captured", "config", "fill_ctas", "decode", "gemm", "max_tiles", "nbytes", "scratch",
-                 "slab_bytes", "status")
+    __slots__ = (
+        "blocks_x",
+        "captured",
+        "config",
+        "decode",
+        "fill_ctas",
+        "gemm",
+        "max_tiles",
+        "nbytes",
+        "scratch",
+        "slab_bytes",
+        "status",
+    )
 
     def __init__(self, shape: MoeShape, device: torch.device, config, num_sms: int):
         from .hopper import moe as hopper_moe
@@ -325,7 +336,11 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
 
     from .hopper import moe as hopper_moe
     from .hopper.backend import default_chain_calls
-    from .hopper.config import SWAP_AB_ONE_ROUND_CONFIG, SWAP_AB_SPLIT_K_CONFIG, SWAP_AB_VARIABLE_CONFIG
+    from .hopper.config import (
+        SWAP_AB_ONE_ROUND_CONFIG,
+        SWAP_AB_SPLIT_K_CONFIG,
+        SWAP_AB_VARIABLE_CONFIG,
+    )
     from .hopper.schedules import with_wide_k_tiles
 
     forced = os.environ.get("NVFP4_MOE_CONFIG")
@@ -413,9 +428,8 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
                      c: torch.Tensor | None = None, *, status: torch.Tensor | None = None) -> torch.Tensor:
     """C rows of group g = (A rows of g x SFA) @ (B[g] x SFB[g])^T for the groups the GPU's
     `offsets` give; returns c (module docstring: layouts, validation, bad offsets)."""
-    if c is None:
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 3:
-            c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float16, device=a.device)
+    if c is None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 3:
+        c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float16, device=a.device)
     try:
         key = _binding_key(a, sfa, b, sfb, offsets, c, status)
     except AttributeError:  # not tensors: the validation names the field

@@ -1,5 +1,7 @@
 """custom_kernel as the torch op ``torch.ops.nvfp4_group_gemm.grouped_gemm``."""
 
+import itertools
+
 import torch
 
 from .leaderboard import submission
@@ -75,7 +77,7 @@ def _moe_cuda(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Te
 
 def _moe_cpu(a, sfa, b, sfb, offsets, c, status) -> None:
     bounds = offsets.tolist()
-    valid = 0 <= bounds[0] and all(x <= y for x, y in zip(bounds, bounds[1:])) and bounds[-1] <= a.shape[0]
+    valid = 0 <= bounds[0] and all(x <= y for x, y in itertools.pairwise(bounds)) and bounds[-1] <= a.shape[0]
     if valid:
         moe_reference(a, sfa, b, sfb, offsets, c)
     status.fill_(0 if valid else 1)

@@ -225,7 +225,10 @@ def test_the_torch_op_traces_with_fullgraph_and_mutates_c():
 def test_the_config_is_chosen_from_t_g_n_k_alone(monkeypatch):
     """Split-K, one round of 128-token tiles, or variable tiles, by what fits one round for
     every routing of T tokens."""
-    from nvfp4_group_gemm.hopper.config import SWAP_AB_ONE_ROUND_CONFIG, SWAP_AB_SPLIT_K_CONFIG
+    from nvfp4_group_gemm.hopper.config import (
+        SWAP_AB_ONE_ROUND_CONFIG,
+        SWAP_AB_SPLIT_K_CONFIG,
+    )
 
     monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
 

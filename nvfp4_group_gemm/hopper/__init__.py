@@ -133,6 +133,16 @@ from .kernel import (
     stage_scale_offset,
 )
 from .kernel import compile_targets as in_gemm_decode_compile_targets
+from .moe import (
+    ACTIVATION_SCALE_LAYOUTS,
+    Sm90MoeDecodeActivations,
+    Sm90MoeSwapAbGemm,
+    compile_moe_decode,
+    compile_moe_gemm,
+    max_moe_tiles,
+    moe_compile_targets,
+    slab_rows,
+)
 from .ptx import (
     CHUNK_REGISTERS,
     FRAGMENT_REGISTERS,
@@ -162,16 +172,6 @@ from .schedules import (
     wide_split_k_fits,
     with_wide_k_tiles,
 )
-from .moe import (
-    ACTIVATION_SCALE_LAYOUTS,
-    Sm90MoeDecodeActivations,
-    Sm90MoeSwapAbGemm,
-    compile_moe_decode,
-    compile_moe_gemm,
-    max_moe_tiles,
-    moe_compile_targets,
-    slab_rows,
-)
 from .swap_ab import (
     Sm90DecodeActivations,
     Sm90SwapAbGemm,
@@ -189,13 +189,6 @@ def compile_targets():
 
 __all__ = [
     "ACTIVATION_SCALE_LAYOUTS",
-    "Sm90MoeDecodeActivations",
-    "Sm90MoeSwapAbGemm",
-    "compile_moe_decode",
-    "compile_moe_gemm",
-    "max_moe_tiles",
-    "moe_compile_targets",
-    "slab_rows",
     "CHUNK_REGISTERS",
     "CONFIGS",
     "CTAS_PER_SM",
@@ -231,6 +224,8 @@ __all__ = [
     "HopperGemmConfig",
     "Sm90Backend",
     "Sm90DecodeActivations",
+    "Sm90MoeDecodeActivations",
+    "Sm90MoeSwapAbGemm",
     "Sm90Nvfp4GroupedGemm",
     "Sm90Plan",
     "Sm90SwapAbGemm",
@@ -242,6 +237,8 @@ __all__ = [
     "choose_swap_ab_config",
     "compile_decode_activations",
     "compile_gemm",
+    "compile_moe_decode",
+    "compile_moe_gemm",
     "compile_swap_ab_gemm",
     "compile_targets",
     "config_name",
@@ -251,7 +248,10 @@ __all__ = [
     "default_kernel",
     "make_backend",
     "make_tiled_mma",
+    "max_moe_tiles",
+    "moe_compile_targets",
     "plan_stream_k",
+    "slab_rows",
     "split_k_pays",
     "stage_scale_offset",
     "stream_k_pays",

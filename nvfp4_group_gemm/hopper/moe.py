@@ -31,6 +31,7 @@ from cutlass import cute
 
 from ..leaderboard import submission
 from .config import SF_VEC_SIZE, SWAP_AB_HALF_K, SwapAbConfig
+from .kernel import smem_per_sm_known_without_gpu
 from .ptx import decode_scale_blocks_global
 from .schedules import TOKEN_CLASS_STEP
 from .swap_ab import (
@@ -40,7 +41,6 @@ from .swap_ab import (
     activation_chunk_offsets,
     activation_scale_offset,
 )
-from .kernel import smem_per_sm_known_without_gpu
 
 # Rows of a group's padded slab start on multiples of this (the slab swizzle repeats every 8
 # rows; token tiles start on multiples of 16)
@@ -306,7 +306,7 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                 # the tile's tokens: tile_size, or what is left of the group's rows for its
                 # last tile, rounded up to 64; one main loop per count
                 left = (m - token0 + TOKEN_CLASS_STEP - 1) // TOKEN_CLASS_STEP * TOKEN_CLASS_STEP
-                token_class = (left if left < tile_size else tile_size) // TOKEN_CLASS_STEP - 1
+                token_class = cutlass.min(tile_size, left) // TOKEN_CLASS_STEP - 1
                 for class_index, tile_t in enumerate(classes):
                     if token_class == class_index:
                         self.run_tile(tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, operands, group, token0,

@@ -273,13 +273,13 @@ class Sm90SwapAbGemm:
     def launch_attributes(self) -> dict:
         """The launch's block, cluster, occupancy bound, shared memory and PDL (the grid is the caller's)."""
         split = self.config.split_k
-        return dict(
-            block=(self.num_threads, 1, 1),
-            cluster=(split, 1, 1) if split > 1 else None,
-            min_blocks_per_mp=self.config.ctas_per_sm,
-            smem=self.config.launch_smem_bytes(self.shared_storage.size_in_bytes()),
-            use_pdl=self.config.pdl,
-        )
+        return {
+            "block": (self.num_threads, 1, 1),
+            "cluster": (split, 1, 1) if split > 1 else None,
+            "min_blocks_per_mp": self.config.ctas_per_sm,
+            "smem": self.config.launch_smem_bytes(self.shared_storage.size_in_bytes()),
+            "use_pdl": self.config.pdl,
+        }
 
     def token_classes(self) -> tuple[int, ...]:
         """Token counts the kernel has a main loop for."""
