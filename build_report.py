@@ -45,7 +45,7 @@ one line per finished build on stderr (``build 3 of 16: sm100_gemm G=2 (sm_100a)
 the table (stdout) fits in 120 columns: a row of figures per kernel, then its MMA
 instructions and its kernel symbol on lines of their own.
 
-Options: ``--groups 1,2,8`` (group counts to build), ``--modules submission,nvfp4_group_gemm.hopper,nvfp4_group_gemm.sm100``
+Options: ``--groups 1,2,8`` (group counts to build), ``--modules submission,nvfp4_group_gemm.hopper,nvfp4_group_gemm.sm100,nvfp4_group_gemm.sm100_moe``
 (backends), ``--dump-dir DIR`` (keep artifacts there), ``--json PATH`` (also write the rows
 as JSON).
 """
@@ -84,7 +84,7 @@ MMA_PATTERNS = {
     "sm_90a": re.compile(r"wgmma\.mma_async[\w.:]*"),
 }
 
-BACKEND_MODULES = ("submission", "nvfp4_group_gemm.hopper", "nvfp4_group_gemm.sm100")
+BACKEND_MODULES = ("submission", "nvfp4_group_gemm.hopper", "nvfp4_group_gemm.sm100", "nvfp4_group_gemm.sm100_moe")
 
 # The GPU architecture the build process tells the DSL it runs on: one that no target is
 # built for, so that the DSL compiles for the target without loading the result onto a GPU.

@@ -84,6 +84,7 @@ def main(argv=None) -> int:
         return 2
     import nvfp4_group_gemm as gemm
     from nvfp4_group_gemm import moe
+    from nvfp4_group_gemm.hopper import config_name
     from reference import ref_kernel
 
     triton = peer_rows(args.triton_json, "triton")
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         peer_t, peer_m = triton.get(index), torch_mm.get(index)
         row = {"shape": index, "moe_mean_us": moe_mean, "moe_best_us": moe_best, "per_size_set_mean_us": set_mean,
                "per_size_set_best_us": set_best, "triton_kernels_us": peer_t, "grouped_mm_us": peer_m,
-               "config": moe.hopper_config_name(config)}
+               "config": config_name(config)}
         rows.append(row)
 
         def ratio(other, moe_mean=moe_mean):

@@ -361,13 +361,6 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
     return config
 
 
-def hopper_config_name(config) -> str:
-    """The config's registered name (hopper.config_name)."""
-    from .hopper.config import config_name
-
-    return config_name(config)
-
-
 def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan:
     plan = _PLANS.get(key)
     if plan is not None:

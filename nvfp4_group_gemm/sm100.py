@@ -123,10 +123,7 @@ def compile_targets():
             (f"sm100_persistent_gemm_t{tokens}_on_stream", config.arch,
              lambda g, options, config=config: compile_persistent_gemm(config, options)),
         ]
-    # the MoE entry's tables + repack kernel, descriptor init and GEMM
-    from . import sm100_moe
-
-    return targets + sm100_moe.compile_targets()
+    return targets
 
 
 class Sm100StreamPlan:

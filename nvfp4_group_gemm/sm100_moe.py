@@ -60,6 +60,7 @@ import cutlass
 from cutlass import cute, utils
 
 from .leaderboard import submission
+from .sm100 import PersistentGemmOnStream, compile_persistent_init
 
 SF_VEC_SIZE = 16
 ATOM_ROWS = 128
@@ -438,44 +439,18 @@ class Sm100MoeTables:
 # =============================================================================
 # The GEMM with its tile count in device memory
 # =============================================================================
-class PersistentMoeGemmSm100(submission.PersistentGemmSm100):
-    """PersistentGemmSm100 over a tile table that the tables kernel writes on the GPU: the host
-    passes the table's capacity (max_tiles) as num_tiles, and each warp role loads the count
-    stored after the capacity's rows, after its griddepcontrol.wait (the tables are this call's
-    output), clamped to the capacity. Launched on the caller's stream."""
+class PersistentMoeGemmSm100(PersistentGemmOnStream):
+    """The library's stream-taking PersistentGemmSm100 over a tile table that the tables kernel
+    writes on the GPU: the host passes the table's capacity (max_tiles) as num_tiles, and each
+    warp role loads the count stored after the capacity's rows, after its griddepcontrol.wait
+    (the tables are this call's output), clamped to the capacity. Its descriptor init is the
+    library's (nvfp4_group_gemm.sm100.compile_persistent_init): the same device code."""
 
     @cute.jit
     def _tile_count(self, tensor_of_tiles: cute.Tensor, num_tiles):
         count_ptr = tensor_of_tiles.iterator + num_tiles * TILE_ROW
         count = cute.make_tensor(count_ptr, cute.make_layout(1))[0]
         return cutlass.min(count, num_tiles)
-
-    @cute.jit
-    def init_tensormaps(
-        self,
-        ptr_of_ptrs: cute.Pointer,
-        ptr_of_sizes: cute.Pointer,
-        ptr_of_tensormaps: cute.Pointer,
-        num_groups: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        """The file's descriptor init (init_tensormaps_kernel, unchanged) on `stream`: five
-        descriptors per group with M_g > 0, from the tables kernel's pointers and sizes."""
-        kernel, geometry = self.init_tensormaps_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_groups)
-        kernel.launch(**geometry, stream=stream)
-
-    @cute.jit
-    def __call__(
-        self,
-        ptr_of_tiles: cute.Pointer,
-        ptr_of_tensormaps: cute.Pointer,
-        num_groups: cutlass.Int32,
-        max_tiles: cutlass.Int32,
-        num_clusters: cutlass.Int32,
-        stream: cuda.CUstream,
-    ):
-        kernel, geometry = self.gemm_launch(ptr_of_tiles, ptr_of_tensormaps, num_groups, max_tiles, num_clusters)
-        kernel.launch(**geometry, stream=stream)
 
 
 # =============================================================================
@@ -508,13 +483,6 @@ def compile_moe_tables(config: submission.PersistentGemmConfig, options: str | N
     )), options)
 
 
-def compile_moe_init(config: submission.PersistentGemmConfig, options: str | None = None):
-    """The file's descriptor init for `config` on a given stream (G is a run-time value)."""
-    return submission.compile_once(_key("sm100_moe_init", config), lambda: (PersistentMoeGemmSm100(config).init_tensormaps, (
-        _fake(cutlass.Int64), _fake(cutlass.Int32), _fake(cutlass.Int64), cutlass.Int32(1), cuda.CUstream(0),
-    )), options)
-
-
 def compile_moe_gemm(config: submission.PersistentGemmConfig, options: str | None = None):
     """The persistent GEMM reading its tile count from device memory, for `config`."""
     return submission.compile_once(_key("sm100_moe_gemm", config), lambda: (PersistentMoeGemmSm100(config), (
@@ -531,8 +499,6 @@ def compile_targets():
         targets += [
             (f"sm100_moe_tables_t{tokens}", config.arch,
              lambda g, options, config=config: compile_moe_tables(config, options)),
-            (f"sm100_moe_init_t{tokens}", config.arch,
-             lambda g, options, config=config: compile_moe_init(config, options)),
             (f"sm100_moe_gemm_t{tokens}", config.arch,
              lambda g, options, config=config: compile_moe_gemm(config, options)),
         ]
@@ -625,7 +591,7 @@ class Sm100MoeLaunches:
 
     def compile(self) -> tuple:
         """The three compiled entries (cached): tables, descriptor init, GEMM."""
-        return compile_moe_tables(self.config), compile_moe_init(self.config), compile_moe_gemm(self.config)
+        return compile_moe_tables(self.config), compile_persistent_init(self.config), compile_moe_gemm(self.config)
 
     def launch(self, a, sfa, b, sfb, offsets, c, buffers: dict, stream: cuda.CUstream) -> None:
         """Queue the three launches on `stream` (torch tensors: a [T, K/2], sfa plain [T, K/16],

@@ -18,6 +18,7 @@ from nvfp4_group_gemm.hopper.config import (
     SWAP_AB_T112_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
+    config_name,
 )
 from nvfp4_group_gemm.hopper.kernel import stage_scale_offset
 from nvfp4_group_gemm.hopper.schedules import variable_token_split
@@ -145,7 +146,7 @@ def emulated_tiles(offsets, tokens, n, config, fill_ctas=132):
     return out + [None] * (grid - len(out))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: gemm.moe.hopper_config_name(c))
+@pytest.mark.parametrize("config", CONFIGS, ids=config_name)
 def test_every_output_element_has_exactly_one_tile_within_the_grid_and_the_scratch(config):
     rng = random.Random(11)
     for trial in range(200):
