@@ -34,8 +34,9 @@ raises, at the cost of a synchronization.
 Hopper (sm_90) runs it; the config (token tile, split-K, chaining) is chosen per (T, G, N, K) as
 for G groups of T / G tokens. Launches go on torch's current stream. Per (device, stream, T, G,
 N, K, scale layout) a plan holds the compiled launches and the decoded-activation scratch; per
-set of tensor addresses a binding holds the launches' arguments, so a serving engine that calls
-with the same tensors pays a key and two launches.
+set of tensor addresses a binding holds the launches' arguments and the two launches recorded as
+one CUDA graph, so a serving engine that calls with the same tensors pays a key and one graph
+launch (NVFP4_GRAPH_LAUNCH=0: two direct launches).
 """
 
 from __future__ import annotations
@@ -245,8 +246,10 @@ class MoePlan:
         "max_tiles",
         "nbytes",
         "scratch",
+        "scratch_address",
         "slab_bytes",
         "status",
+        "status_address",
     )
 
     def __init__(self, shape: MoeShape, device: torch.device, config, num_sms: int):
@@ -257,6 +260,7 @@ class MoePlan:
         self.slab_bytes = rows * 128
         self.scratch = torch.empty(self.slab_bytes * (shape.k // 64), dtype=torch.uint8, device=device)
         self.status = torch.empty(1, dtype=torch.int32, device=device)  # the pre-pass writes it every call
+        self.scratch_address, self.status_address = self.scratch.data_ptr(), self.status.data_ptr()
         self.captured = False
         self.nbytes = self.scratch.numel() + 4
         self.fill_ctas = num_sms  # one round of one CTA per SM (variable tiles' cap, moe_token_cap)
@@ -277,38 +281,68 @@ GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i3
               None, None))
 
 
-def _launch_values(plan: MoePlan, shape: MoeShape, a, sfa, b, sfb, offsets, c, status, stream_handle: int):
-    """The two kernels' argument values (DECODE_ARGS, GEMM_ARGS order)."""
+def _launch_values(plan: MoePlan, shape: MoeShape, key, stream_handle: int, sfb_address: int | None = None):
+    """The two kernels' argument values (DECODE_ARGS, GEMM_ARGS order) from the addresses of a
+    binding key; `sfb_address`: the blocked copy of plain weight scales."""
     tokens, _groups, n, k = shape[:4]
-    status = plan.status if status is None else status
-    decode = (a.data_ptr(), sfa.data_ptr(), offsets.data_ptr(), plan.scratch.data_ptr(), status.data_ptr(), tokens,
-              k, plan.slab_bytes, plan.blocks_x, stream_handle)
-    gemm = (plan.scratch.data_ptr(), b.data_ptr(), sfb.data_ptr(), c.data_ptr(), offsets.data_ptr(), tokens, n, k,
-            plan.slab_bytes, plan.max_tiles, plan.fill_ctas, stream_handle)
+    a, sfa, b, sfb, offsets, c, status = key[:7]
+    if status is None:
+        status = plan.status_address
+    if sfb_address is not None:
+        sfb = sfb_address
+    scratch = plan.scratch_address
+    decode = (a, sfa, offsets, scratch, status, tokens, k, plan.slab_bytes, plan.blocks_x, stream_handle)
+    gemm = (scratch, b, sfb, c, offsets, tokens, n, k, plan.slab_bytes, plan.max_tiles, plan.fill_ctas, stream_handle)
     return decode, gemm
 
 
 class MoeBinding:
     """The launches of one set of tensor addresses on one stream: arguments fixed once (their own
-    argument cells), a call runs `launch()` (plain weight scales: their conversion first)."""
+    argument cells), recorded as one CUDA graph of both kernels where GRAPH_LAUNCH allows; a call
+    runs `launch()` (plain weight scales: their conversion first).
 
-    __slots__ = ("keepalive", "launches", "plan_key", "sfb_blocked", "sfb_plain")
+    The graph replay costs a third of the two prepared DSL calls' CPU (one cuGraphLaunch), and
+    its pre-pass no longer starts under the previous call's GEMM (a graph launch waits for all
+    earlier work on its stream; inside the graph the GEMM still starts under the pre-pass):
+    EXPERIMENTS E79 has both. Inside a caller's capture the two kernels go into the caller's
+    graph as direct launches, and the plan is marked captured."""
 
-    def __init__(self, plan_key, plan: MoePlan, shape: MoeShape, a, sfa, b, sfb, offsets, c, status, stream_handle: int):
-        self.plan_key = plan_key
+    __slots__ = ("direct", "graph", "keepalive", "plan", "plan_key", "replay", "sfb_blocked", "sfb_plain")
+
+    def __init__(self, plan_key, plan: MoePlan, shape: MoeShape, key, tensors, stream_handle: int, *,
+                 record_graph: bool = False):
+        self.plan_key, self.plan = plan_key, plan
         self.sfb_plain = self.sfb_blocked = None
+        sfb_address = None
         if shape.sfb_layout == "plain":
-            self.sfb_plain = sfb
-            self.sfb_blocked = blocked_scales(sfb)
-            sfb = self.sfb_blocked
-        self.keepalive = (plan, a, sfa, b, sfb, offsets, c, status)
-        decode, gemm = _launch_values(plan, shape, a, sfa, b, sfb, offsets, c, status, stream_handle)
-        self.launches = (plan.decode.bound(decode), plan.gemm.bound(gemm))
+            self.sfb_plain = tensors[3]
+            self.sfb_blocked = blocked_scales(self.sfb_plain)
+            sfb_address = self.sfb_blocked.data_ptr()
+        self.keepalive = tensors  # (a, sfa, b, sfb, offsets, c, status): the addresses launched
+        decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
+        self.direct = (plan.decode.bound(decode), plan.gemm.bound(gemm))
+        self.graph = self.replay = None
+        if record_graph:
+
+            def record(capture_stream):
+                decode, gemm = _launch_values(plan, shape, key, int(capture_stream), sfb_address)
+                return submission.in_order([plan.decode.bound(decode), plan.gemm.bound(gemm)])
+
+            try:
+                self.graph = launch.GraphLaunch(record, tensors[0].device)
+                self.replay = self.graph.launcher(launch.cuda.CUstream(stream_handle))
+            except Exception:  # noqa: BLE001 - the direct launches run (and report any real error)
+                self.graph = self.replay = None
 
     def launch(self) -> None:
         if self.sfb_plain is not None:
             self.sfb_blocked.copy_(_blocked_view(self.sfb_plain))
-        for run in self.launches:
+        if self.replay is not None and not launch._stream_capturing():
+            self.replay()
+            return
+        if launch._stream_capturing():
+            self.plan.captured = True  # the caller's graph reads the plan's scratch at every replay
+        for run in self.direct:
             run()
 
 
@@ -316,6 +350,10 @@ class MoeBinding:
 # stream's table; its second call builds the binding (fresh tensors every call bind nothing)
 _SEEN_ONCE = object()
 
+
+# A binding's two launches recorded once as a CUDA graph and replayed (MoeBinding);
+# NVFP4_GRAPH_LAUNCH=0 launches them directly (the pre-pass then starts under the previous GEMM)
+GRAPH_LAUNCH = submission.env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
@@ -361,7 +399,7 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
     return config
 
 
-def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan:
+def _plan_for(key, shape: MoeShape, device: torch.device, capturing: bool = False) -> MoePlan:
     plan = _PLANS.get(key)
     if plan is not None:
         _PLANS.move_to_end(key)
@@ -372,11 +410,11 @@ def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan:
         num_sms = current_num_sms()
         plan = MoePlan(shape, device, moe_config(shape, num_sms), num_sms)
     _PLANS[key] = plan
-    _evict_plans(key)
+    _evict_plans(key, capturing)
     return plan
 
 
-def _evict_plans(keep) -> None:
+def _evict_plans(keep, capturing: bool = False) -> None:
     """Bound the plans: the oldest go first, never `keep` nor one a CUDA graph was captured
     with (its replays use the plan's scratch): those stay until reset_moe(). The bindings of an
     evicted plan go with it."""
@@ -390,7 +428,7 @@ def _evict_plans(keep) -> None:
     if evicted:
         for bindings in _BINDINGS.values():
             for stale in [k for k, v in bindings.items() if v is not _SEEN_ONCE and v.plan_key not in _PLANS]:
-                del bindings[stale]
+                _retire((bindings.pop(stale),), capturing)
 
 
 _CAPABILITY: dict = {}
@@ -404,13 +442,18 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return capability
 
 
+_data_ptr = submission._data_ptr
+
+
 def _binding_key(a, sfa, b, sfb, offsets, c, status):
-    # everything a binding's arguments and validation depend on: addresses, shapes, strides,
-    # dtypes (the device follows from the addresses: one virtual address space)
-    return (a.data_ptr(), a.shape, a.stride(), a.dtype, sfa.data_ptr(), sfa.shape, sfa.stride(), sfa.dtype,
-            b.data_ptr(), b.shape, b.stride(), b.dtype, sfb.data_ptr(), sfb.shape, sfb.stride(), sfb.dtype,
-            offsets.data_ptr(), offsets.shape, offsets.stride(), offsets.dtype, c.data_ptr(), c.shape, c.stride(),
-            c.dtype, None if status is None else status.data_ptr())
+    """Everything a binding's arguments and validation depend on: the seven addresses (status's
+    None where none is given), then the layout (shapes, strides and dtypes; _checked_shape's
+    key). The device follows from the addresses: one virtual address space."""
+    layout = (a.shape, a.stride(), a.dtype, sfa.shape, sfa.stride(), sfa.dtype, b.shape, b.stride(), b.dtype,
+              sfb.shape, sfb.stride(), sfb.dtype, offsets.shape, offsets.stride(), offsets.dtype, c.shape, c.stride(),
+              c.dtype, None if status is None else (status.shape, status.dtype))
+    return (_data_ptr(a), _data_ptr(sfa), _data_ptr(b), _data_ptr(sfb), _data_ptr(offsets), _data_ptr(c),
+            None if status is None else _data_ptr(status), layout)
 
 
 # (stream handle, current device) -> {binding key: (plan key, binding)}: the hit path's dictionary
@@ -439,31 +482,32 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
     return c
 
 
-# Validated layouts: (shapes, strides and dtypes of the call's tensors, status's dtype and size)
-# -> (its MoeShape, the alignment each address needs). A call on new tensors of a validated
-# layout checks only what differs: its addresses' alignment and its tensors' devices.
+# Validated layouts (a key's last element) -> (their MoeShape, the alignment mask of each
+# address). A call on new tensors of a validated layout checks only what differs: its
+# addresses' alignment and its tensors' devices.
 _LAYOUTS: dict = {}
 MAX_LAYOUTS = 64
 
 
 def _checked_shape(key, a, sfa, b, sfb, offsets, c, status) -> MoeShape:
-    """check_moe_inputs, short where the layout (everything of `key` but the addresses) was
-    validated before: then the addresses' alignment and the devices alone."""
-    layout = (key[1:4], key[5:8], key[9:12], key[13:16], key[17:20], key[21:24],
-              None if status is None else (status.dtype, status.numel()))
-    known = _LAYOUTS.get(layout)
+    """check_moe_inputs, short where the layout (`key[-1]`) was validated before: then the
+    addresses' alignment and the devices alone."""
+    known = _LAYOUTS.get(key[-1])
     if known is not None:
-        shape, alignments = known
+        shape, masks = known
         device = a.get_device()
-        tensors = (a, sfa, b, sfb, offsets, c) if status is None else (a, sfa, b, sfb, offsets, c, status)
-        if device >= 0 and all(address % align == 0 for address, align in zip(key[0:24:4], alignments)) and all(
-                t.get_device() == device for t in tensors):
+        if (device >= 0 and not (key[0] & masks[0] or key[1] & masks[1] or key[2] & masks[2] or key[3] & masks[3]
+                                 or key[4] & masks[4] or key[5] & masks[5])
+                and sfa.get_device() == device and b.get_device() == device and sfb.get_device() == device
+                and offsets.get_device() == device and c.get_device() == device
+                and (status is None or status.get_device() == device)):
             return shape
     shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
     if len(_LAYOUTS) >= MAX_LAYOUTS:
         _LAYOUTS.pop(next(iter(_LAYOUTS)))
-    _LAYOUTS[layout] = (shape, (16, 1 if shape.sfa_layout == "plain" else 16, 16,
-                                1 if shape.sfb_layout == "plain" else 16, 4, 16))
+    # 16-byte addresses for the TMA-read operands and c, 4 for offsets; plain scales any byte
+    _LAYOUTS[key[-1]] = (shape, (15, 0 if shape.sfa_layout == "plain" else 15, 15,
+                                 0 if shape.sfb_layout == "plain" else 15, 3, 15))
     return shape
 
 
@@ -488,25 +532,41 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
         # the config follows from the shape and the two switches (moe_config)
         plan_key = (device.index, stream_handle, shape, os.environ.get("NVFP4_MOE_CONFIG"),
                     os.environ.get("NVFP4_SM90_CHAIN_CALLS"))
-        plan = _plan_for(plan_key, shape, device)
-        if launch._capturing():
+        capturing = launch._capturing()
+        if not capturing:
+            _RETIRED.clear()
+        plan = _plan_for(plan_key, shape, device, capturing)
+        if capturing:
             plan.captured = True
         if len(_BINDINGS) >= MAX_STREAMS and (stream_handle, device.index) not in _BINDINGS:
-            _BINDINGS.pop(next(iter(_BINDINGS)))
+            _retire(_BINDINGS.pop(next(iter(_BINDINGS))).values(), capturing)
         per_stream = _BINDINGS.setdefault((stream_handle, device.index), {})
         if len(per_stream) >= MAX_BINDINGS:
-            per_stream.pop(next(iter(per_stream)))
+            _retire((per_stream.pop(next(iter(per_stream))),), capturing)
         if bind:
-            binding = per_stream[key] = MoeBinding(plan_key, plan, shape, a, sfa, b, sfb, offsets, c, status,
-                                                   stream_handle)
+            binding = per_stream[key] = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status),
+                                                   stream_handle, record_graph=GRAPH_LAUNCH and not capturing)
             binding.launch()
             return
         per_stream[key] = _SEEN_ONCE
+        sfb_address = None
         if shape.sfb_layout == "plain":
-            sfb = blocked_scales(sfb)  # a fresh copy on this stream (the allocator keeps it for the launch)
-        decode, gemm = _launch_values(plan, shape, a, sfa, b, sfb, offsets, c, status, stream_handle)
+            sfb_blocked = blocked_scales(sfb)  # a fresh copy on this stream (the allocator keeps it for the launch)
+            sfb_address = sfb_blocked.data_ptr()
+        decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
         plan.decode(*decode)
         plan.gemm(*gemm)
+
+
+# Bindings dropped while a caller's graph capture runs: kept to the next call outside a capture,
+# since destroying their CUDA graphs (cuGraphExecDestroy) inside a capture of the global mode
+# (torch.cuda.graph's default) would invalidate the caller's capture
+_RETIRED: list = []
+
+
+def _retire(bindings, capturing: bool) -> None:
+    if capturing:
+        _RETIRED.extend(bindings)
 
 
 class Sm100MoeBinding:
@@ -588,6 +648,7 @@ def reset_moe() -> None:
     with _LOCK:
         _CAPABILITY.clear()
         _LAYOUTS.clear()
+        _RETIRED.clear()
         _BINDINGS.clear()
         _PLANS.clear()
 

@@ -74,7 +74,7 @@ def test_random_routings_match_the_exact_decode(family):
         inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=layouts[0], sfb_layout=layouts[1],
                                        generator=generator)
         status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
-        for trial in range(3):
+        for trial in range(4):  # a first call, the binding's (its graph recorded), two replays
             offsets = moe.random_routing(tokens, groups, rng)
             inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
             inputs["c"].fill_(float("nan"))
@@ -128,6 +128,49 @@ def test_one_graph_replays_every_routing(family):
         torch.cuda.synchronize()
         assert int(status.item()) == 0
         check_call(inputs, offsets, ("replay", index))
+
+
+def test_a_binding_replays_its_graph_and_a_capture_on_its_stream_launches_directly():
+    """Same tensors on one stream: the second call records the binding's two kernels as a CUDA
+    graph and later calls replay it, exact on new routings and bit for bit what the direct
+    launches write; a caller's capture on that same stream takes the two kernels into its own
+    graph (no launch of ours inside it), marks the plan captured, and replays exact."""
+    tokens, groups, n, k = 512, 2, 4096, 1536
+    rng = random.Random(3)
+    inputs = moe.random_moe_inputs(tokens, groups, n, k)
+    inputs["offsets"].copy_(torch.tensor(moe.random_routing(tokens, groups, rng), dtype=torch.int32))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # a first call, then the binding's
+            gemm.moe_grouped_gemm(**inputs)
+        key = moe._binding_key(*(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None)
+        binding = moe._BINDINGS[(stream.cuda_stream, torch.cuda.current_device())][key]
+        assert (binding.replay is not None) == moe.GRAPH_LAUNCH
+        for trial in range(3):
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            inputs["c"].fill_(float("nan"))
+            gemm.moe_grouped_gemm(**inputs)
+            stream.synchronize()
+            check_call(inputs, offsets, ("hit", trial))
+            replayed = inputs["c"].clone()
+            inputs["c"].fill_(float("nan"))
+            for run in binding.direct:
+                run()
+            stream.synchronize()
+            assert torch.equal(inputs["c"].nan_to_num(0.5), replayed.nan_to_num(0.5)), ("direct", trial)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        gemm.moe_grouped_gemm(**inputs)
+    assert binding.plan.captured
+    for trial in range(3):
+        offsets = moe.random_routing(tokens, groups, rng)
+        inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+        inputs["c"].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check_call(inputs, offsets, ("captured", trial))
 
 
 BAD_OFFSETS = {

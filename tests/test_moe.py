@@ -280,3 +280,26 @@ def test_new_tensors_of_a_validated_layout_are_checked_for_what_differs(monkeypa
     assert misaligned["a"].data_ptr() % 16 == 8
     with pytest.raises(ValueError, match=r"a\.data_ptr\(\) = 0x[0-9a-f]+: must be 16-byte aligned"):
         checked(misaligned)
+
+
+def test_bindings_dropped_inside_a_capture_are_kept_to_the_next_call_outside_one(monkeypatch):
+    """An evicted plan's bindings hold CUDA graphs, whose destruction inside a caller's capture
+    (global mode) would invalidate that capture: dropped there, they are retired instead, and
+    dropped for good outside a capture."""
+    import collections
+    import types
+
+    monkeypatch.setattr(moe, "_PLANS", collections.OrderedDict())
+    monkeypatch.setattr(moe, "_BINDINGS", {})
+    monkeypatch.setattr(moe, "_RETIRED", [])
+    for capturing in (True, False):
+        moe._PLANS.clear()
+        for index in range(moe.MAX_PLANS + 1):
+            moe._PLANS[index] = types.SimpleNamespace(captured=False, nbytes=0)
+        oldest, kept = types.SimpleNamespace(plan_key=0), types.SimpleNamespace(plan_key=1)
+        moe._BINDINGS[(0, 0)] = {"oldest": oldest, "kept": kept, "seen": moe._SEEN_ONCE}
+        moe._evict_plans(moe.MAX_PLANS, capturing)
+        assert 0 not in moe._PLANS and len(moe._PLANS) == moe.MAX_PLANS
+        assert moe._BINDINGS[(0, 0)] == {"kept": kept, "seen": moe._SEEN_ONCE}
+        assert moe._RETIRED == ([oldest] if capturing else [])
+        moe._RETIRED.clear()
