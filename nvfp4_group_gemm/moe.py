@@ -359,7 +359,7 @@ _PLANS: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
 
 
-def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
+def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, forced: str | None = "env"):
     """The swap-AB config of a MoE shape, from (T, G, N, K) alone (the host never sees the
     routing): split-K where its CTAs fit one per SM for every routing (2 x max_moe_tiles <= SMs);
     else one round of 128-token tiles where every routing fits one round (with 128-wide
@@ -369,7 +369,8 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
     tiles that cost 1.21-1.68x the per-size-set path's device time on benchmark routings
     (EXPERIMENTS E77). Calls chained unless chain_calls is False (NVFP4_SM90_CHAIN_CALLS).
     NVFP4_MOE_CONFIG=<name> (hopper.config_named: "swap_ab_variable", ...) runs that config for
-    every shape instead (experiments)."""
+    every shape instead (experiments); `forced` gives that name (None: the choice) in place of
+    the environment's."""
     import dataclasses
 
     from .hopper import moe as hopper_moe
@@ -381,7 +382,8 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
     )
     from .hopper.schedules import with_wide_k_tiles
 
-    forced = os.environ.get("NVFP4_MOE_CONFIG")
+    if forced == "env":
+        forced = os.environ.get("NVFP4_MOE_CONFIG")
     if forced:
         from .hopper.config import config_named
 
@@ -399,6 +401,20 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None):
     return config
 
 
+# The two switches a plan's config follows (NVFP4_MOE_CONFIG, NVFP4_SM90_CHAIN_CALLS), read at
+# the first call and again after reset_moe(), as the sm_90 backend reads its own: an environment
+# read on every new set of tensors cost 1-1.5 µs each
+_SWITCHES: list = []
+
+
+def _switches() -> tuple:
+    if not _SWITCHES:
+        from .hopper.backend import default_chain_calls
+
+        _SWITCHES.append((os.environ.get("NVFP4_MOE_CONFIG") or None, default_chain_calls()))
+    return _SWITCHES[0]
+
+
 def _plan_for(key, shape: MoeShape, device: torch.device, capturing: bool = False) -> MoePlan:
     plan = _PLANS.get(key)
     if plan is not None:
@@ -408,7 +424,8 @@ def _plan_for(key, shape: MoeShape, device: torch.device, capturing: bool = Fals
 
     with submission._device_context(device):
         num_sms = current_num_sms()
-        plan = MoePlan(shape, device, moe_config(shape, num_sms), num_sms)
+        forced, chain_calls = key[-2:]
+        plan = MoePlan(shape, device, moe_config(shape, num_sms, chain_calls, forced), num_sms)
     _PLANS[key] = plan
     _evict_plans(key, capturing)
     return plan
@@ -471,12 +488,13 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
     except AttributeError:  # not tensors: the validation names the field
         check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
         raise
-    entry = None
+    entry = where = None
     if _BINDINGS:  # a key seen before, so CUDA is initialized: the hit path
-        per_stream = _BINDINGS.get((launch._current_stream_handle(), submission._current_device_index()))
+        where = (launch._current_stream_handle(), submission._current_device_index())
+        per_stream = _BINDINGS.get(where)
         entry = None if per_stream is None else per_stream.get(key)
     if entry is None or entry is _SEEN_ONCE:
-        _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE)
+        _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where)
     else:
         entry.launch()
     return c
@@ -511,16 +529,17 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status) -> MoeShape:
     return shape
 
 
-def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
+def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tuple | None = None) -> None:
     """A call whose key has no binding: validate, find (or make) the plan, then launch through
     the plan's shared cells (`bind` False: the key's first call) or build the key's binding and
-    launch it (its second call)."""
+    launch it (its second call). `where`: (torch's current stream handle, current device) where
+    the caller read them."""
     shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status)
     device = a.device
-    stream_handle = launch._current_stream_handle()
-    if device.index != submission._current_device_index():
+    stream_handle, current_device = where or (launch._current_stream_handle(), submission._current_device_index())
+    if device.index != current_device:
         raise ValueError(f"moe_grouped_gemm: a.device = {device}: must be torch's current CUDA device "
-                         f"(cuda:{submission._current_device_index()}); use `with torch.cuda.device({device.index})`")
+                         f"(cuda:{current_device}); use `with torch.cuda.device({device.index})`")
     capability = _capability(device)
     if capability[0] == 10:
         _launch_sm100(shape, a, sfa, b, sfb, offsets, c, status, key, stream_handle)
@@ -530,8 +549,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool) -> None:
                          "the MoE entry runs on Hopper (sm_90) GPUs, and on sm_100 with NVFP4_MOE_SM100=1")
     with _LOCK:
         # the config follows from the shape and the two switches (moe_config)
-        plan_key = (device.index, stream_handle, shape, os.environ.get("NVFP4_MOE_CONFIG"),
-                    os.environ.get("NVFP4_SM90_CHAIN_CALLS"))
+        plan_key = (device.index, stream_handle, shape, *_switches())
         capturing = launch._capturing()
         if not capturing:
             _RETIRED.clear()
@@ -644,11 +662,13 @@ class Sm100MoePlan:
 
 def reset_moe() -> None:
     """Drop every plan and binding (their scratch is freed once no launch holds it), those of
-    captured graphs too: replay no graph captured with this entry afterwards."""
+    captured graphs too: replay no graph captured with this entry afterwards. The next call
+    reads the switches NVFP4_MOE_CONFIG and NVFP4_SM90_CHAIN_CALLS again."""
     with _LOCK:
         _CAPABILITY.clear()
         _LAYOUTS.clear()
         _RETIRED.clear()
+        _SWITCHES.clear()
         _BINDINGS.clear()
         _PLANS.clear()
 
