@@ -28,7 +28,7 @@ With ``--moe-entry N`` it times N MoE steps per family on the MoE entry
 alone, a new routing written into the offsets every step: on the caller's same tensors (a
 serving engine's), on fresh activation, offsets and output tensors every step (the weights
 the same), and as the replay of one CUDA graph captured once; each against a bare launch
-alone in the same run (moe_entry_us).
+timed alone right before every call (moe_entry_us).
 
 With ``--first-call-device`` it also times, per shape, 15 first calls back to back (host and
 device µs per call) and their device time alone against hits (first_call_device_us).
@@ -218,9 +218,11 @@ def moe_step_us(module, family, count: int, profile: bool):
     return figures, sum(f > 1e5 for f in figures), profiler
 
 
-def moe_entry_us(family, count: int, seed: int = 11) -> dict[str, list[float]]:
+def moe_entry_us(family, count: int, seed: int = 11) -> dict[str, tuple[list[float], list[float]]]:
     """Host µs per MoE-entry call of `family` (G, N, K), MOE_TOKENS stacked tokens, each call
-    alone (synchronized before; the new routing's offsets written before the timer starts):
+    alone (synchronized before; the new routing's offsets written before the timer starts), and
+    beside each call a bare launch (`x.add_(1)`) timed alone the same way, so that the host's
+    drift over the run weighs on both alike: per scenario (calls, bare launches). Scenarios:
     "same tensors", "fresh tensors" (a new a, sfa, offsets, c per call, more sets than the
     bindings kept, so that every call binds anew), "graph replay" (one graph captured once)."""
     import random
@@ -234,18 +236,23 @@ def moe_entry_us(family, count: int, seed: int = 11) -> dict[str, list[float]]:
     routings = [torch.tensor(moe.random_routing(MOE_TOKENS, groups, rng, fill=1.0), dtype=torch.int32,
                              device="cuda") for _ in range(count)]
     inputs["offsets"].copy_(routings[0])
+    bare_tensor = torch.zeros(16, device="cuda")
 
-    def timed(call, prepare) -> list[float]:
+    def timed(call, prepare) -> tuple[list[float], list[float]]:
         call(0)  # compile, plan, bind
-        figures = []
+        figures, bare = [], []
         for step in range(count):
             prepare(step)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            bare_tensor.add_(1)
+            bare.append((time.perf_counter() - start) * 1e6)
             torch.cuda.synchronize()
             start = time.perf_counter()
             call(step)
             figures.append((time.perf_counter() - start) * 1e6)
         torch.cuda.synchronize()
-        return figures
+        return figures, bare
 
     results = {}
     results["same tensors"] = timed(lambda step: moe.moe_grouped_gemm(**inputs),
@@ -513,14 +520,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{figures['hits alone device']:>12.1f}")
     if options.moe_entry:
         print(f"MoE entry (moe_grouped_gemm), {options.moe_entry} steps per family (T = {MOE_TOKENS} stacked tokens, "
-              f"a new routing every step), each alone, against a bare launch alone ({bare_alone_us:.2f} µs) "
-              f"in this run; median µs (ratio to the bare launch):")
-        print(f"{'G':>3}{'N':>6}{'K':>6}{'same tensors':>20}{'fresh tensors':>20}{'graph replay':>20}")
+              f"a new routing every step), each call alone, a bare launch alone beside every call; median µs of "
+              f"the calls (median of the bare launches beside them, ratio of the two):")
+        print(f"{'G':>3}{'N':>6}{'K':>6}{'same tensors':>24}{'fresh tensors':>24}{'graph replay':>24}")
         for family in MOE_FAMILIES:
             figures = moe_entry_us(family, options.moe_entry)
-            cells = [f"{statistics.median(f):.1f} ({statistics.median(f) / bare_alone_us:.2f}x)"
-                     for f in figures.values()]
-            print(f"{family[0]:>3}{family[1]:>6}{family[2]:>6}" + "".join(f"{c:>20}" for c in cells))
+            cells = [f"{statistics.median(f):.1f} ({statistics.median(b):.1f}, {statistics.median(f) / statistics.median(b):.2f}x)"
+                     for f, b in figures.values()]
+            print(f"{family[0]:>3}{family[1]:>6}{family[2]:>6}" + "".join(f"{c:>24}" for c in cells))
         print("goals: same tensors <= 2x, fresh tensors <= 4x, graph replay <= 1.2x the bare launch")
     if options.moe:
         print(f"MoE steps, {options.moe} per family (sum M = {MOE_TOKENS} split at random every call, "
