@@ -298,16 +298,20 @@ def _launch_values(plan: MoePlan, shape: MoeShape, key, stream_handle: int, sfb_
 
 class MoeBinding:
     """The launches of one set of tensor addresses on one stream: arguments fixed once (their own
-    argument cells), recorded as one CUDA graph of both kernels where GRAPH_LAUNCH allows; a call
-    runs `launch()` (plain weight scales: their conversion first).
+    argument cells), and where GRAPH_LAUNCH allows, the same two launches recorded as one CUDA
+    graph. A call runs `launch()` (plain weight scales: their conversion first):
 
-    The graph replay costs a third of the two prepared DSL calls' CPU (one cuGraphLaunch), and
-    its pre-pass no longer starts under the previous call's GEMM (a graph launch waits for all
-    earlier work on its stream; inside the graph the GEMM still starts under the pre-pass):
-    EXPERIMENTS E79 has both. Inside a caller's capture the two kernels go into the caller's
-    graph as direct launches, and the plan is marked captured."""
+    * the stream idle (cuStreamQuery): the graph replayed, one cuGraphLaunch, a third of the two
+      prepared DSL calls' CPU; there is no earlier kernel for the pre-pass to overlap;
+    * work queued on the stream: the two direct launches, the pre-pass chained under the kernel
+      before it (a graph launch waits for all earlier work: 1.6-2.7 µs more device time per
+      call on the benchmark shapes); the host is ahead, so its CPU is hidden;
+    * inside a caller's capture: the two direct launches into the caller's graph, and the plan
+      is marked captured.
 
-    __slots__ = ("direct", "graph", "keepalive", "plan", "plan_key", "replay", "sfb_blocked", "sfb_plain")
+    EXPERIMENTS E79 has the figures of the three ways."""
+
+    __slots__ = ("direct", "graph", "keepalive", "plan", "plan_key", "replay", "sfb_blocked", "sfb_plain", "stream")
 
     def __init__(self, plan_key, plan: MoePlan, shape: MoeShape, key, tensors, stream_handle: int, *,
                  record_graph: bool = False):
@@ -322,6 +326,7 @@ class MoeBinding:
         decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
         self.direct = (plan.decode.bound(decode), plan.gemm.bound(gemm))
         self.graph = self.replay = None
+        self.stream = launch.cuda.CUstream(stream_handle)
         if record_graph:
 
             def record(capture_stream):
@@ -330,20 +335,23 @@ class MoeBinding:
 
             try:
                 self.graph = launch.GraphLaunch(record, tensors[0].device)
-                self.replay = self.graph.launcher(launch.cuda.CUstream(stream_handle))
+                self.replay = self.graph.launcher(self.stream)
             except Exception:  # noqa: BLE001 - the direct launches run (and report any real error)
                 self.graph = self.replay = None
 
     def launch(self) -> None:
         if self.sfb_plain is not None:
             self.sfb_blocked.copy_(_blocked_view(self.sfb_plain))
-        if self.replay is not None and not launch._stream_capturing():
-            self.replay()
-            return
         if launch._stream_capturing():
             self.plan.captured = True  # the caller's graph reads the plan's scratch at every replay
+        elif self.replay is not None and not _stream_query(self.stream)[0]:  # CUDA_SUCCESS: nothing queued
+            self.replay()
+            return
         for run in self.direct:
             run()
+
+
+_stream_query = launch.cuda.cuStreamQuery
 
 
 # A key's first call launches through the plan's shared argument cells and leaves this in the

@@ -74,7 +74,7 @@ def test_random_routings_match_the_exact_decode(family):
         inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=layouts[0], sfb_layout=layouts[1],
                                        generator=generator)
         status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
-        for trial in range(4):  # a first call, the binding's (its graph recorded), two replays
+        for trial in range(4):  # a first call, the binding's (its graph recorded), two more
             offsets = moe.random_routing(tokens, groups, rng)
             inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
             inputs["c"].fill_(float("nan"))
@@ -130,11 +130,12 @@ def test_one_graph_replays_every_routing(family):
         check_call(inputs, offsets, ("replay", index))
 
 
-def test_a_binding_replays_its_graph_and_a_capture_on_its_stream_launches_directly():
-    """Same tensors on one stream: the second call records the binding's two kernels as a CUDA
-    graph and later calls replay it, exact on new routings and bit for bit what the direct
-    launches write; a caller's capture on that same stream takes the two kernels into its own
-    graph (no launch of ours inside it), marks the plan captured, and replays exact."""
+def test_a_binding_replays_its_graph_when_idle_and_launches_directly_otherwise():
+    """Same tensors on one stream: the second call makes the binding (its two kernels recorded
+    as a CUDA graph). On an idle stream a call replays the graph; behind queued work it launches
+    the two kernels directly (chained); both exact on new routings and bit for bit the same. A
+    caller's capture on that same stream takes the direct launches into its own graph, marks the
+    plan captured, and replays exact."""
     tokens, groups, n, k = 512, 2, 4096, 1536
     rng = random.Random(3)
     inputs = moe.random_moe_inputs(tokens, groups, n, k)
@@ -147,19 +148,26 @@ def test_a_binding_replays_its_graph_and_a_capture_on_its_stream_launches_direct
         key = moe._binding_key(*(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None)
         binding = moe._BINDINGS[(stream.cuda_stream, torch.cuda.current_device())][key]
         assert (binding.replay is not None) == moe.GRAPH_LAUNCH
+        replays = []
+        if binding.replay is not None:
+            recorded = binding.replay
+            binding.replay = lambda: (replays.append(True), recorded())
         for trial in range(3):
             offsets = moe.random_routing(tokens, groups, rng)
             inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
             inputs["c"].fill_(float("nan"))
-            gemm.moe_grouped_gemm(**inputs)
             stream.synchronize()
-            check_call(inputs, offsets, ("hit", trial))
+            gemm.moe_grouped_gemm(**inputs)  # an idle stream: the graph
+            stream.synchronize()
+            assert len(replays) == (trial + 1 if moe.GRAPH_LAUNCH else 0)
+            check_call(inputs, offsets, ("idle", trial))
             replayed = inputs["c"].clone()
             inputs["c"].fill_(float("nan"))
-            for run in binding.direct:
-                run()
+            torch.cuda._sleep(2_000_000)  # work queued for a millisecond or so
+            gemm.moe_grouped_gemm(**inputs)  # behind it: the direct launches
             stream.synchronize()
-            assert torch.equal(inputs["c"].nan_to_num(0.5), replayed.nan_to_num(0.5)), ("direct", trial)
+            assert len(replays) == (trial + 1 if moe.GRAPH_LAUNCH else 0)
+            assert torch.equal(inputs["c"].nan_to_num(0.5), replayed.nan_to_num(0.5)), ("queued", trial)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         gemm.moe_grouped_gemm(**inputs)
