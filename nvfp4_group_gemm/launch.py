@@ -293,6 +293,9 @@ class CaptureArena(StagedTables):
 # A prepared launch recorded once per input set as a CUDA graph and replayed with
 # cuGraphLaunch: a third of the prepared DSL call's CPU (EXPERIMENTS E57). The graph holds the
 # kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
+# NVFP4_GRAPH_LAUNCH=0 launches the prepared calls directly instead, in both runtimes (the
+# per-size-set path's and the MoE entry's; to compare, or to rule graphs out).
+GRAPH_LAUNCH = submission.env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
 
 
 def _check_cuda(result, what: str) -> None:

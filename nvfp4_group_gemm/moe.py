@@ -36,7 +36,7 @@ for G groups of T / G tokens. Launches go on torch's current stream. Per (device
 N, K, scale layout) a plan holds the compiled launches and the decoded-activation scratch; per
 set of tensor addresses a binding holds the launches' arguments and the two launches recorded as
 one CUDA graph, so a serving engine that calls with the same tensors pays a key and one graph
-launch (NVFP4_GRAPH_LAUNCH=0: two direct launches).
+launch where the stream is idle, two direct chained launches behind queued work (MoeBinding).
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def _launch_values(plan: MoePlan, shape: MoeShape, key, stream_handle: int, sfb_
 
 class MoeBinding:
     """The launches of one set of tensor addresses on one stream: arguments fixed once (their own
-    argument cells), and where GRAPH_LAUNCH allows, the same two launches recorded as one CUDA
+    argument cells), and where launch.GRAPH_LAUNCH allows, the same two launches recorded as one CUDA
     graph. A call runs `launch()` (plain weight scales: their conversion first):
 
     * the stream idle (cuStreamQuery): the graph replayed, one cuGraphLaunch, a third of the two
@@ -358,10 +358,6 @@ _stream_query = launch.cuda.cuStreamQuery
 # stream's table; its second call builds the binding (fresh tensors every call bind nothing)
 _SEEN_ONCE = object()
 
-
-# A binding's two launches recorded once as a CUDA graph and replayed (MoeBinding);
-# NVFP4_GRAPH_LAUNCH=0 launches them directly (the pre-pass then starts under the previous GEMM)
-GRAPH_LAUNCH = submission.env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
@@ -571,7 +567,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
             _retire((per_stream.pop(next(iter(per_stream))),), capturing)
         if bind:
             binding = per_stream[key] = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status),
-                                                   stream_handle, record_graph=GRAPH_LAUNCH and not capturing)
+                                                   stream_handle, record_graph=launch.GRAPH_LAUNCH and not capturing)
             binding.launch()
             return
         per_stream[key] = _SEEN_ONCE

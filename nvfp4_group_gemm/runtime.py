@@ -22,6 +22,7 @@ import torch
 from .launch import (
     _CAPTURE_ARENAS,
     _STREAM_OBJECTS,
+    GRAPH_LAUNCH,
     CellArgs,
     GraphLaunch,
     TableRing,
@@ -70,11 +71,8 @@ def validate_inputs(data):
     return submission.validate_inputs(data)
 
 
-# A prepared launch recorded once per input set as a CUDA graph and replayed with
-# cuGraphLaunch: a third of the prepared DSL call's CPU (EXPERIMENTS E57). The graph holds the
-# kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
-# NVFP4_GRAPH_LAUNCH=0 launches the prepared call directly (to compare, or to rule graphs out).
-_GRAPH_LAUNCH = submission.env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
+# A seen input set's launch replayed as a CUDA graph (launch.GRAPH_LAUNCH, EXPERIMENTS E57)
+_GRAPH_LAUNCH = GRAPH_LAUNCH
 # An input set's first call launches without a binding where its backend can (its tables
 # staged and copied with the launch, no binding or plan built: a MoE step's sizes and
 # activations are new at every call); its second call binds it. NVFP4_FIRST_CALL_UNBOUND=0

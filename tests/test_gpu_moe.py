@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nvfp4_group_gemm as gemm
-from nvfp4_group_gemm import moe
+from nvfp4_group_gemm import launch, moe
 from reference import exact_mismatches
 
 # sm_90 runs the entry; sm_100 only with NVFP4_MOE_SM100=1 (its kernels are compiled for
@@ -147,7 +147,7 @@ def test_a_binding_replays_its_graph_when_idle_and_launches_directly_otherwise()
             gemm.moe_grouped_gemm(**inputs)
         key = moe._binding_key(*(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None)
         binding = moe._BINDINGS[(stream.cuda_stream, torch.cuda.current_device())][key]
-        assert (binding.replay is not None) == moe.GRAPH_LAUNCH
+        assert (binding.replay is not None) == launch.GRAPH_LAUNCH
         replays = []
         if binding.replay is not None:
             recorded = binding.replay
@@ -159,14 +159,14 @@ def test_a_binding_replays_its_graph_when_idle_and_launches_directly_otherwise()
             stream.synchronize()
             gemm.moe_grouped_gemm(**inputs)  # an idle stream: the graph
             stream.synchronize()
-            assert len(replays) == (trial + 1 if moe.GRAPH_LAUNCH else 0)
+            assert len(replays) == (trial + 1 if launch.GRAPH_LAUNCH else 0)
             check_call(inputs, offsets, ("idle", trial))
             replayed = inputs["c"].clone()
             inputs["c"].fill_(float("nan"))
             torch.cuda._sleep(2_000_000)  # work queued for a millisecond or so
             gemm.moe_grouped_gemm(**inputs)  # behind it: the direct launches
             stream.synchronize()
-            assert len(replays) == (trial + 1 if moe.GRAPH_LAUNCH else 0)
+            assert len(replays) == (trial + 1 if launch.GRAPH_LAUNCH else 0)
             assert torch.equal(inputs["c"].nan_to_num(0.5), replayed.nan_to_num(0.5)), ("queued", trial)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
