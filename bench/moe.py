@@ -9,6 +9,7 @@ back-to-back calls, elapsed / 15), mean and best µs over --repeats. The per-siz
 library's custom_kernel on the harness's own 15 input sets of the shape.
 
     python bench/moe.py [--repeats 30] [--shapes 0,1,2,3] [--json PATH]
+    python bench/moe.py --layers ...      # real MoE layers' GEMMs: bench/moe_layers.py
         [--triton-json PATH]  # ../shared/peers/bench_triton_kernels_mxfp4.py --json, same run
         [--torch-json PATH]   # ../shared/peers/bench_torch_grouped_mm.py --json, same run
 
@@ -72,6 +73,11 @@ def peer_rows(path: str | None, kind: str) -> dict[int, float]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layers" in argv:  # the real MoE layers' GEMMs (bench/moe_layers.py)
+        import moe_layers
+
+        return moe_layers.main([a for a in argv if a != "--layers"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--shapes", default="0,1,2,3")
