@@ -382,6 +382,8 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     from .hopper.config import (
         SWAP_AB_ONE_ROUND_CONFIG,
         SWAP_AB_SPLIT_K_CONFIG,
+        SWAP_AB_T32_CONFIG,
+        SWAP_AB_T64_CONFIG,
         SWAP_AB_VARIABLE_CONFIG,
     )
     from .hopper.schedules import with_wide_k_tiles
@@ -393,8 +395,14 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
 
         return config_named(forced)
     tokens, groups, n, k = shape[:4]
+    # rows per group where every group that can hold a row holds as many (the routing's mean)
+    rows_per_group = tokens / min(groups, tokens)
     if 2 * hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_SPLIT_K_CONFIG) <= num_sms:
         config = SWAP_AB_SPLIT_K_CONFIG
+    elif rows_per_group <= SWAP_AB_T32_CONFIG.tile_tokens:
+        config = SWAP_AB_T32_CONFIG
+    elif rows_per_group <= SWAP_AB_T64_CONFIG.tile_tokens:
+        config = SWAP_AB_T64_CONFIG
     elif hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_ONE_ROUND_CONFIG) <= num_sms:
         config = with_wide_k_tiles([(tokens, n, k, 1)], SWAP_AB_ONE_ROUND_CONFIG)
     else:

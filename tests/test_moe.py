@@ -15,6 +15,8 @@ from nvfp4_group_gemm.hopper.config import (
     SWAP_AB_CONFIG,
     SWAP_AB_ONE_ROUND_K128_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
+    SWAP_AB_T32_CONFIG,
+    SWAP_AB_T64_CONFIG,
     SWAP_AB_T112_CONFIG,
     SWAP_AB_T192_CONFIG,
     SWAP_AB_VARIABLE_CONFIG,
@@ -25,7 +27,7 @@ from nvfp4_group_gemm.hopper.schedules import variable_token_split
 from nvfp4_group_gemm.hopper.swap_ab import activation_scale_offset
 
 CONFIGS = [SWAP_AB_CONFIG, SWAP_AB_ONE_ROUND_K128_CONFIG, SWAP_AB_SPLIT_K_CONFIG, SWAP_AB_T112_CONFIG,
-           SWAP_AB_T192_CONFIG, SWAP_AB_VARIABLE_CONFIG]
+           SWAP_AB_T192_CONFIG, SWAP_AB_VARIABLE_CONFIG, SWAP_AB_T32_CONFIG, SWAP_AB_T64_CONFIG]
 
 
 def cpu_inputs(tokens=300, groups=4, n=256, k=512, **layouts):
@@ -124,9 +126,7 @@ def emulated_tiles(offsets, tokens, n, config, fill_ctas=132):
     weight_tiles = n // config.tile_weights
     variable = config.variable_tokens
     rows = [offsets[g + 1] - offsets[g] for g in range(groups)]
-    pads = [0]
-    for m in rows:
-        pads.append(pads[-1] + -(-m // hopper_moe.GROUP_ROW_ALIGN) * hopper_moe.GROUP_ROW_ALIGN)
+    pads = [hopper_moe.group_x_row(offsets[g], g) for g in range(groups)]
     cap = hopper_moe.moe_token_cap(rows, weight_tiles, fill_ctas) if variable else config.tile_tokens
     runs = []  # (group, tiles of the run, tokens per tile, first token of the run) in CTA order
     for g, m in enumerate(rows):

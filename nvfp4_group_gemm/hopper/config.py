@@ -267,8 +267,8 @@ class SwapAbConfig:
             raise ValueError(f"weight_stages={self.weight_stages}: must be >= 2")
         if self.split_k not in (1, 2):
             raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
-        if self.ctas_per_sm not in (1, 2, 3):
-            raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2 or 3")
+        if self.ctas_per_sm not in (1, 2, 3, 4):
+            raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2, 3 or 4")
         if self.k_halves not in (1, 2):
             raise ValueError(f"k_halves={self.k_halves}: must be 1 or 2")
         if self.k_halves != 1 and (self.split_k != 1 or self.variable_tokens):
@@ -326,6 +326,11 @@ SWAP_AB_ONE_ROUND_CONFIG = SwapAbConfig(ctas_per_sm=1, pdl=True, chain_calls=Tru
 # 128-token tiles and the tiles still number no more than the SMs (benchmark shape 2: M = 192 and
 # 320 in 2 + 3 tiles of 112 instead of 2 + 3 of 128)
 SWAP_AB_T112_CONFIG = SwapAbConfig(tile_tokens=112, ctas_per_sm=1, pdl=True, chain_calls=True)
+# 32 and 64 tokens per tile, launched as the pre-pass's dependent: the MoE entry's tiles where
+# groups hold few rows (decode): wgmma N and the token stages sized to them, and as many CTAs per
+# SM as their registers allow (61 and 77 unbounded), for more weight bytes in flight per SM
+SWAP_AB_T32_CONFIG = SwapAbConfig(tile_tokens=32, ctas_per_sm=4, pdl=True, chain_calls=True)
+SWAP_AB_T64_CONFIG = SwapAbConfig(tile_tokens=64, ctas_per_sm=3, pdl=True, chain_calls=True)
 # The 112-token and one-round 128-token configs with 128-wide k-tiles (two 64-wide halves)
 SWAP_AB_T112_K128_CONFIG = dataclasses.replace(SWAP_AB_T112_CONFIG, k_halves=2)
 SWAP_AB_ONE_ROUND_K128_CONFIG = dataclasses.replace(SWAP_AB_ONE_ROUND_CONFIG, k_halves=2)
@@ -347,6 +352,8 @@ CONFIGS = {
     "swap_ab_t112": SWAP_AB_T112_CONFIG,
     "swap_ab_t112_k128": SWAP_AB_T112_K128_CONFIG,
     "swap_ab_one_round_k128": SWAP_AB_ONE_ROUND_K128_CONFIG,
+    "swap_ab_t32": SWAP_AB_T32_CONFIG,
+    "swap_ab_t64": SWAP_AB_T64_CONFIG,
 }
 
 

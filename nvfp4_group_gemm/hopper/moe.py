@@ -4,20 +4,28 @@ boundaries arrive as an int32 offsets tensor on the GPU, read by the kernels the
 A call is two launches whose grids depend only on (T, G, N, K), never on the offsets:
 
     pre-pass (Sm90MoeDecodeActivations): one thread per 16-element block of each of the T rows;
-        it finds its row's group from the offsets, and decodes the row (a x sfa, plain [T, K/16]
-        or blocked scales) into that group's padded slab rows of X;
+        it finds its row's group by a binary search of the offsets, and decodes the row (a x sfa,
+        plain [T, K/16] or blocked scales) into that group's slab rows of X;
     GEMM (Sm90MoeSwapAbGemm, the swap-AB GEMM of swap_ab.py): a grid of max_moe_tiles(T, G, N)
         tiles (per split-K rank); each CTA derives its (group, token tile, weight tile) from the
-        offsets, and CTAs past the offsets' tile count run nothing. Variable token tiles are cut
-        at 128 or 256 tokens, whichever the offsets make fit (moe_token_cap).
+        offsets, every warp alike: its lanes read the groups 32 at a time and a warp prefix sum
+        of their tile counts finds the group of the CTA's tile (locate_tile); CTAs past the
+        offsets' tile count run nothing. Variable token tiles are cut at 128 or 256 tokens,
+        whichever the offsets make fit (moe_token_cap).
+        A loop over the groups per thread (two global loads per group): 17 µs per CTA at G = 64,
+        136 µs for a one-token layer (EXPERIMENTS E80).
 
 Group g holds rows offsets[g] .. offsets[g + 1] of a and c. In X, its rows start at
-P_g = sum over g' < g of round_up(M_g', 16) (token tiles must start on a 16-row boundary for the
-slabs' swizzle), so X holds T + 15 G rows plus one token tile of reads past the last group.
-The tiles run group first, then weight tile, then token tile, as the per-size-set tables.
+P_g = 16 (ceil(offsets[g] / 16) + g) (group_x_row: token tiles must start on a 16-row boundary
+for the slabs' swizzle; P_g + M_g <= P_(g+1) for any g), a function of offsets[g] alone, so
+neither kernel sums over the groups before g; X holds 16 (ceil(T / 16) + G) rows plus one
+token tile of reads past the last group. The tiles run group first, then weight tile, then
+token tile, as the per-size-set tables. At most min(G, T) groups hold a row, which bounds
+the grid (max_moe_tiles).
 
-Offsets are checked on the GPU by both kernels alike: 0 <= offsets[0] <= ... <= offsets[G] <= T.
-Offsets that break it make every CTA of both kernels skip its work (c is left as it was,
+Offsets are checked on the GPU by both kernels alike, every warp reading them lane-strided:
+0 <= offsets[0] <= ... <= offsets[G] <= T. Offsets that break it make every CTA of both kernels
+skip its work (c is left as it was,
 nothing is written outside c) and the pre-pass writes 1 into `status[0]` (0 otherwise),
 which the caller reads when it chooses to synchronize."""
 
@@ -50,24 +58,31 @@ GROUP_ROW_ALIGN = 16
 ACTIVATION_SCALE_LAYOUTS = ("plain", "blocked")
 
 
+def group_x_row(first_row, group):
+    """P_g, the first row of group g in X (device or Python integers): 16 (ceil(offsets[g] / 16)
+    + g). A multiple of GROUP_ROW_ALIGN, and P_g + M_g < P_(g+1) for any M_g = offsets[g + 1] -
+    offsets[g] >= 0, from offsets[g] alone (no sum over the groups before g)."""
+    return ((first_row + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN + group) * GROUP_ROW_ALIGN
+
+
 def slab_rows(tokens: int, groups: int, config: SwapAbConfig) -> int:
-    """Rows of each k-tile slab of X for T = tokens: every group's rows padded to
-    GROUP_ROW_ALIGN, plus one token tile read past the last group's rows."""
-    padded = tokens + groups * (GROUP_ROW_ALIGN - 1)
-    return -(-(padded + config.tile_tokens) // GROUP_ROW_ALIGN) * GROUP_ROW_ALIGN
+    """Rows of each k-tile slab of X for T = tokens: up to P_G = group_x_row(T, G), plus one
+    token tile read past the last group's rows."""
+    return group_x_row(tokens, groups) + -(-config.tile_tokens // GROUP_ROW_ALIGN) * GROUP_ROW_ALIGN
 
 
 def max_moe_tiles(tokens: int, groups: int, n: int, config: SwapAbConfig, fill_ctas: int = 0) -> int:
     """The most (group, token tile, weight tile) tiles any offsets of T = tokens rows in `groups`
-    groups make, the GEMM's grid: sum ceil(M_g / t) <= (T + G (t - 1)) / t token tiles of t =
-    tile_tokens, times N / tile_weights. Variable tiles cut a group into ceil(M / cap) tiles
-    (cap 256: at most T / 256 + G per weight tile), or with cap 128 where those number no more
-    than `fill_ctas` (moe_token_cap)."""
+    groups make, the GEMM's grid. At most h = min(G, T) groups hold a row, so sum ceil(M_g / t)
+    <= (T + h (t - 1)) / t token tiles of t = tile_tokens, times N / tile_weights. Variable
+    tiles cut a group into ceil(M / cap) tiles (cap 256: at most T / 256 + h per weight tile),
+    or with cap 128 where those number no more than `fill_ctas` (moe_token_cap)."""
     weight_tiles = n // config.tile_weights
+    holding = min(groups, tokens)
     if config.variable_tokens:
-        return max(1, (tokens // config.tile_tokens + groups) * weight_tiles, fill_ctas)
+        return max(1, (tokens // config.tile_tokens + holding) * weight_tiles, fill_ctas)
     t = config.tile_tokens
-    return max(1, (tokens + groups * (t - 1)) // t * weight_tiles)
+    return max(1, (tokens + holding * (t - 1)) // t * weight_tiles)
 
 
 # Variable token tiles of the MoE GEMM: a group is cut into at most ceil(M / 128) tiles (of 64
@@ -79,8 +94,35 @@ def max_moe_tiles(tokens: int, groups: int, n: int, config: SwapAbConfig, fill_c
 SMALL_TOKEN_CAP = 128
 
 
-# The GEMM's loops over the groups are unrolled up to this many groups
-UNROLLED_GROUPS = 16
+# Lanes of a warp: the kernels read the offsets 32 groups at a time
+WARP = 32
+
+
+@cute.jit
+def offsets_are_bad(mOffsets: cute.Tensor, num_groups: cutlass.Constexpr, lane, tokens):
+    """Whether the offsets break 0 <= offsets[0] <= ... <= offsets[G] <= T, the same answer in
+    every lane: each lane checks the groups lane, lane + 32, ..., then one vote."""
+    bad = (mOffsets[0] < 0) | (mOffsets[num_groups] > tokens)
+    for j in cutlass.range_constexpr((num_groups + WARP - 1) // WARP):
+        g = lane + WARP * j
+        if g < num_groups:
+            bad = bad | (mOffsets[g + 1] < mOffsets[g])
+    return cute.arch.vote_any_sync(bad)
+
+
+@cute.jit
+def warp_inclusive_sum(value, lane):
+    """The sum of `value` over lanes 0 .. lane (Kogge-Stone, five shuffles)."""
+    for d in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(value, 1 << d)
+        if lane >= (1 << d):
+            value = value + other
+    return value
+
+
+def first_lane(ballot):
+    """The lowest set bit's index of a nonzero ballot."""
+    return cute.arch.popc((ballot & (cutlass.Int32(0) - ballot)) - 1)
 
 
 def moe_token_cap(group_rows, weight_tiles: int, fill_ctas: int, tile_tokens: int = 256) -> int:
@@ -164,26 +206,27 @@ class Sm90MoeDecodeActivations:
         item = bidx * DECODE_THREADS + tidx
         row = item // blocks_per_row
         block = item - row * blocks_per_row
-        # the row's group g: the last one with offsets[g] <= row; X row = row + P_g - offsets[g]
-        lo = mOffsets[0]
-        first_row = lo
-        bad = lo < 0
-        shift = cutlass.Int32(0)
-        padded = cutlass.Int32(0)
-        for g in cutlass.range_constexpr(self.num_groups):
-            hi = mOffsets[g + 1]
-            bad = bad | (hi < lo)
-            if row >= lo:
-                shift = padded - lo
-            padded = padded + (hi - lo + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN
-            lo = hi
-        bad = bad | (lo > tokens)
+        lane = tidx % WARP
+        bad = offsets_are_bad(mOffsets, self.num_groups, lane, tokens)
         if bidx == 0 and tidx == 0:
             if bad:
                 mStatus[0] = cutlass.Int32(1)
             else:
                 mStatus[0] = cutlass.Int32(0)
-        if not bad and row >= first_row and row < lo:
+        if not bad and row >= mOffsets[0] and row < mOffsets[self.num_groups]:
+            # the row's group g: the last one with offsets[g] <= row (binary search; groups
+            # emptied in between share their offset with the next); X row = row + P_g - offsets[g].
+            # A loop over every group per thread: 186 µs at T = 32768, G = 64 (EXPERIMENTS E80).
+            lo = cutlass.Int32(0)
+            hi = cutlass.Int32(self.num_groups)
+            for _ in cutlass.range_constexpr((self.num_groups - 1).bit_length()):
+                mid = (lo + hi) // 2
+                if mOffsets[mid] <= row:
+                    lo = mid
+                else:
+                    hi = mid
+            first = mOffsets[lo]
+            shift = group_x_row(first, lo) - first
             src = a.toint() + cutlass.Int64(row) * (k // 2) + block * (SF_VEC_SIZE // 2)
             if cutlass.const_expr(self.scale_layout == "plain"):
                 scale = sfa.toint() + cutlass.Int64(row) * blocks_per_row + block
@@ -213,27 +256,61 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
             grid=(max_tiles * self.config.split_k, 1, 1), stream=stream, **self.launch_attributes())
 
     @cute.jit
-    def group_step(self, mOffsets: cute.Tensor, g, tile_idx, weight_tiles, cap, state):
-        """One group of the group-first walk: its tiles counted after those before it; the
-        tile's fields taken where tile_idx falls among them. `state` and the result: (tiles
-        before, padded rows before, bad, group, local tile, M, first row, first X row, token
-        tiles, tile size)."""
-        tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size = state
-        lo = mOffsets[g]
-        m_g = mOffsets[g + 1] - lo
-        bad = bad | (m_g < 0)
-        tiles_g, size_g = group_token_tiles(m_g, cap, self.config.variable_tokens)
-        tiles_after = tiles_before + tiles_g * weight_tiles
-        if tile_idx >= tiles_before and tile_idx < tiles_after:
-            group = cutlass.Int32(g)
-            local = tile_idx - tiles_before
-            m = m_g
-            row0 = lo
-            pad0 = padded
-            token_tiles = tiles_g
-            tile_size = size_g
-        padded = padded + (m_g + GROUP_ROW_ALIGN - 1) // GROUP_ROW_ALIGN * GROUP_ROW_ALIGN
-        return tiles_after, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size
+    def locate_tile(self, mOffsets: cute.Tensor, tidx, tile_idx, weight_tiles, tokens, fill_ctas):
+        """This CTA's tile among every group's (token tiles x weight tiles), group first, the
+        same in every warp: the lanes read the groups lane, lane + 32, ... (one load pair per
+        32 groups), the variable tiles' cap is one warp sum (moe_token_cap), and per round of
+        32 groups a warp prefix sum of the tile counts, one ballot, and shuffles from the lane
+        whose group holds the tile. Returns (found, group, local tile, M, first row, token
+        tiles, tile size); found is false for a CTA past the tile count or bad offsets."""
+        lane = tidx % WARP
+        rounds = (self.num_groups + WARP - 1) // WARP
+        bad = offsets_are_bad(mOffsets, self.num_groups, lane, tokens)
+        firsts, rows = [], []
+        for j in cutlass.range_constexpr(rounds):
+            g = lane + WARP * j
+            first = cutlass.Int32(0)
+            m_g = cutlass.Int32(0)
+            if g < self.num_groups:
+                first = mOffsets[g]
+                m_g = mOffsets[g + 1] - first
+            firsts.append(first)
+            rows.append(m_g)
+        cap = self.tile_t
+        if cutlass.const_expr(self.config.variable_tokens):
+            small = cutlass.Int32(0)
+            for j in cutlass.range_constexpr(rounds):
+                small = small + (rows[j] + SMALL_TOKEN_CAP - 1) // SMALL_TOKEN_CAP
+            small = cute.arch.warp_reduction_sum(small)
+            cap = cutlass.Int32(self.tile_t)
+            if small * weight_tiles <= fill_ctas:
+                cap = cutlass.Int32(SMALL_TOKEN_CAP)
+        found = cutlass.Int32(0)
+        group = cutlass.Int32(0)
+        local = cutlass.Int32(0)
+        m = cutlass.Int32(0)
+        row0 = cutlass.Int32(0)
+        token_tiles = cutlass.Int32(1)
+        tile_size = cutlass.Int32(self.tile_t)
+        before = cutlass.Int32(0)  # tiles of the rounds before
+        for j in cutlass.range_constexpr(rounds):
+            tiles_g, size_g = group_token_tiles(rows[j], cap, self.config.variable_tokens)
+            count = tiles_g * weight_tiles
+            inclusive = warp_inclusive_sum(count, lane) + before
+            hit = cute.arch.vote_ballot_sync(tile_idx < inclusive)
+            if found == 0 and hit != 0:
+                src = first_lane(hit)
+                found = cutlass.Int32(1)
+                group = src + WARP * j
+                local = tile_idx - cute.arch.shuffle_sync(inclusive - count, src)
+                m = cute.arch.shuffle_sync(rows[j], src)
+                row0 = cute.arch.shuffle_sync(firsts[j], src)
+                token_tiles = cute.arch.shuffle_sync(tiles_g, src)
+                tile_size = cute.arch.shuffle_sync(size_g, src)
+            before = cute.arch.shuffle_sync(inclusive, WARP - 1)
+        if bad:
+            found = cutlass.Int32(0)
+        return found, group, local, m, row0, token_tiles, tile_size
 
     @cute.kernel
     def kernel(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
@@ -246,52 +323,15 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         sX_ptr, w_base, mbar_base, a_frag, accumulators_by_class = self.cta_resources()
         classes = self.token_classes()
         variable = self.config.variable_tokens
-
-        # this CTA's tile among every group's (token tiles x weight tiles), group first. Up to
-        # UNROLLED_GROUPS groups the loops
-        # over them are unrolled; beyond, loops (64 unrolled groups took over 255 registers).
         tile_idx = bidx // self.config.split_k
         weight_tiles = n // self.tile_w
-        unrolled = self.num_groups <= UNROLLED_GROUPS
-        cap = self.tile_t
-        if cutlass.const_expr(variable):
-            # moe_token_cap on the GPU
-            small_tiles = cutlass.Int32(0)
-            if cutlass.const_expr(unrolled):
-                for g in cutlass.range_constexpr(self.num_groups):
-                    small_tiles = small_tiles + small_token_tiles(mOffsets, g)
-            else:
-                for g in cutlass.range(0, self.num_groups, 1, unroll=4):
-                    small_tiles = small_tiles + small_token_tiles(mOffsets, g)
-            cap = cutlass.Int32(self.tile_t)
-            if small_tiles * weight_tiles <= fill_ctas:
-                cap = cutlass.Int32(SMALL_TOKEN_CAP)
-        bad = mOffsets[0] < 0
-        tiles_before = cutlass.Int32(0)
-        padded = cutlass.Int32(0)
-        group = cutlass.Int32(0)
-        local = cutlass.Int32(0)
-        m = cutlass.Int32(0)
-        row0 = cutlass.Int32(0)
-        pad0 = cutlass.Int32(0)
-        token_tiles = cutlass.Int32(1)
-        tile_size = cutlass.Int32(self.tile_t)
         # Variable tiles longest first (the per-size-set path's order), per token class over
         # every group at each CTA's start: slower (EXPERIMENTS E78).
-        state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
-        if cutlass.const_expr(unrolled):
-            for g in cutlass.range_constexpr(self.num_groups):
-                (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles,
-                 tile_size) = self.group_step(mOffsets, g, tile_idx, weight_tiles, cap, state)
-                state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
-        else:
-            for g in cutlass.range(0, self.num_groups, 1, unroll=4):
-                (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles,
-                 tile_size) = self.group_step(mOffsets, g, tile_idx, weight_tiles, cap, state)
-                state = (tiles_before, padded, bad, group, local, m, row0, pad0, token_tiles, tile_size)
-        bad = bad | (mOffsets[self.num_groups] > tokens)
+        found, group, local, m, row0, token_tiles, tile_size = self.locate_tile(
+            mOffsets, tidx, tile_idx, weight_tiles, tokens, fill_ctas)
+        pad0 = group_x_row(row0, group)
 
-        if not bad and tile_idx < tiles_before:
+        if found != 0:
             weight_tile = local // token_tiles
             token0 = (local - weight_tile * token_tiles) * tile_size
             operands = StackedOperands(
@@ -314,11 +354,6 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
             else:
                 self.run_tile(self.tile_t, tidx, bidx, sX_ptr, w_base, mbar_base, operands, group, token0,
                               weight_tile, a_frag, accumulators_by_class[self.tile_t])
-
-
-def small_token_tiles(mOffsets, g):
-    """ceil(M_g / SMALL_TOKEN_CAP) of group g, read from the offsets (moe_token_cap's term)."""
-    return (mOffsets[g + 1] - mOffsets[g] + SMALL_TOKEN_CAP - 1) // SMALL_TOKEN_CAP
 
 
 def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None):
@@ -350,11 +385,14 @@ def moe_compile_targets():
         SWAP_AB_ONE_ROUND_CONFIG,
         SWAP_AB_ONE_ROUND_K128_CONFIG,
         SWAP_AB_SPLIT_K_CONFIG,
+        SWAP_AB_T32_CONFIG,
+        SWAP_AB_T64_CONFIG,
         SWAP_AB_VARIABLE_CONFIG,
     )
 
     gemms = {"split_k": SWAP_AB_SPLIT_K_CONFIG, "one_round": SWAP_AB_ONE_ROUND_CONFIG,
-             "one_round_k128": SWAP_AB_ONE_ROUND_K128_CONFIG, "variable": SWAP_AB_VARIABLE_CONFIG}
+             "one_round_k128": SWAP_AB_ONE_ROUND_K128_CONFIG, "variable": SWAP_AB_VARIABLE_CONFIG,
+             "t32": SWAP_AB_T32_CONFIG, "t64": SWAP_AB_T64_CONFIG}
     return [
         ("sm90_moe_decode_plain", "sm_90a", functools.partial(compile_moe_decode, scale_layout="plain")),
         ("sm90_moe_decode_blocked", "sm_90a", functools.partial(compile_moe_decode, scale_layout="blocked")),
