@@ -112,9 +112,11 @@ def offsets_are_bad(mOffsets: cute.Tensor, num_groups: cutlass.Constexpr, lane, 
 
 @cute.jit
 def warp_inclusive_sum(value, lane):
-    """The sum of `value` over lanes 0 .. lane (Kogge-Stone, five shuffles)."""
+    """The sum of `value` over lanes 0 .. lane (Kogge-Stone, five shuffles). shfl.up's clamp
+    operand is 0 (the lowest source lane): the DSL's default, 31, would make every lane below
+    31 read its own value."""
     for d in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_up(value, 1 << d)
+        other = cute.arch.shuffle_sync_up(value, 1 << d, mask_and_clamp=0)
         if lane >= (1 << d):
             value = value + other
     return value
