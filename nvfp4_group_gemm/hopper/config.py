@@ -334,6 +334,9 @@ SWAP_AB_T64_CONFIG = SwapAbConfig(tile_tokens=64, ctas_per_sm=3, pdl=True, chain
 # The 112-token and one-round 128-token configs with 128-wide k-tiles (two 64-wide halves)
 SWAP_AB_T112_K128_CONFIG = dataclasses.replace(SWAP_AB_T112_CONFIG, k_halves=2)
 SWAP_AB_ONE_ROUND_K128_CONFIG = dataclasses.replace(SWAP_AB_ONE_ROUND_CONFIG, k_halves=2)
+# The 32-token config with 128-wide k-tiles (twice the weight bytes in flight per stage; its
+# 75 registers hold it to three CTAs per SM)
+SWAP_AB_T32_K128_CONFIG = dataclasses.replace(SWAP_AB_T32_CONFIG, k_halves=2, ctas_per_sm=3)
 
 
 # The registry: every named config of the sm_90 backend. Build targets (sm90_<name>), bench
@@ -354,6 +357,7 @@ CONFIGS = {
     "swap_ab_one_round_k128": SWAP_AB_ONE_ROUND_K128_CONFIG,
     "swap_ab_t32": SWAP_AB_T32_CONFIG,
     "swap_ab_t64": SWAP_AB_T64_CONFIG,
+    "swap_ab_t32_k128": SWAP_AB_T32_K128_CONFIG,
 }
 
 
