@@ -304,6 +304,8 @@ def main(argv=None) -> int:
                 wrong |= cell.get("exact") is False
                 cells.append(cell)
                 print_row(cell)
+                if args.json:  # after every cell: a run cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps(cells, indent=1))
     misses = [c for c in cells if c["ratio"] > goal_of(c)[0]]
     print(f"cells: {len(cells)}, goal met: {len(cells) - len(misses)}, missed: {len(misses)}"
           + ("" if not misses else " (" + ", ".join(f"{c['layer']}/{c['gemm']}/{c['tokens']}" for c in misses) + ")"))
