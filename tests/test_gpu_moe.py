@@ -32,6 +32,9 @@ FAMILIES = [
     (512, 2, 4096, 1536),    # variable token tiles cut at 128 or 256 tokens (the routing decides)
     (300, 4, 256, 512),      # split-K (few tiles)
     (2000, 16, 512, 1024),   # variable token tiles, many groups
+    (64, 64, 256, 768),      # 32-token tiles (decode: a row or so per group), warp lookup over 64 groups
+    (96, 32, 512, 1024),     # 32-token tiles with 128-wide k-tiles
+    (2048, 40, 256, 512),    # 64-token tiles, 40 groups (two rounds of the warp lookup)
 ]
 
 
