@@ -102,8 +102,9 @@ def test_competition_scales_are_bitwise_the_exact_sum():
         assert torch.equal(inputs["c"][lo:hi], expected[lo:hi]), (tokens, groups, n, k, offsets)
 
 
-@pytest.mark.parametrize("family", FAMILIES[:4], ids=["variable_N4096", "variable_N7168", "one_round_k128",
-                                                      "variable_cut_at_128_or_256"])
+@pytest.mark.parametrize("family", FAMILIES[:4] + FAMILIES[6:],
+                         ids=["variable_N4096", "variable_N7168", "one_round_k128", "variable_cut_at_128_or_256",
+                              "t32_G64", "t32_k128_G32", "t64_G40"])
 def test_one_graph_replays_every_routing(family):
     """Captured once; 50 routings (empty groups, one group holding all T, partial fills) and new
     activations written into the same tensors; each replay against the exact decode."""
