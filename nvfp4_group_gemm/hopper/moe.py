@@ -96,10 +96,6 @@ SMALL_TOKEN_CAP = 128
 
 # Lanes of a warp: the kernels read the offsets 32 groups at a time
 WARP = 32
-# Up to this many groups every thread of the GEMM walks the groups itself (locate_tile_serial):
-# the warp prefix sum's shuffles cost benchmark shapes 2 and 3 (G = 2) 0.37 and 0.19 µs
-# (EXPERIMENTS E80)
-SERIAL_LOOKUP_GROUPS = 4
 
 
 @cute.jit
@@ -269,8 +265,7 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         32 groups a warp prefix sum of the tile counts, one ballot, and shuffles from the lane
         whose group holds the tile. Returns (found, group, local tile, M, first row, token
         tiles, tile size); found is false for a CTA past the tile count or bad offsets."""
-        if cutlass.const_expr(self.num_groups <= SERIAL_LOOKUP_GROUPS):
-            return self.locate_tile_serial(mOffsets, tile_idx, weight_tiles, tokens, fill_ctas)
+        # Up to 4 groups every thread walking them in turn instead: no faster (EXPERIMENTS E81).
         lane = tidx % WARP
         rounds = (self.num_groups + WARP - 1) // WARP
         bad = offsets_are_bad(mOffsets, self.num_groups, lane, tokens)
@@ -316,47 +311,6 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                 token_tiles = cute.arch.shuffle_sync(tiles_g, src)
                 tile_size = cute.arch.shuffle_sync(size_g, src)
             before = cute.arch.shuffle_sync(inclusive, WARP - 1)
-        if bad:
-            found = cutlass.Int32(0)
-        return found, group, local, m, row0, token_tiles, tile_size
-
-    @cute.jit
-    def locate_tile_serial(self, mOffsets: cute.Tensor, tile_idx, weight_tiles, tokens, fill_ctas):
-        """locate_tile for a few groups: every thread walks them in turn, unrolled."""
-        bad = (mOffsets[0] < 0) | (mOffsets[self.num_groups] > tokens)
-        firsts, rows = [], []
-        for g in cutlass.range_constexpr(self.num_groups):
-            firsts.append(mOffsets[g])
-            rows.append(mOffsets[g + 1] - firsts[g])
-            bad = bad | (rows[g] < 0)
-        cap = self.tile_t
-        if cutlass.const_expr(self.config.variable_tokens):
-            small = cutlass.Int32(0)
-            for g in cutlass.range_constexpr(self.num_groups):
-                small = small + (rows[g] + SMALL_TOKEN_CAP - 1) // SMALL_TOKEN_CAP
-            cap = cutlass.Int32(self.tile_t)
-            if small * weight_tiles <= fill_ctas:
-                cap = cutlass.Int32(SMALL_TOKEN_CAP)
-        found = cutlass.Int32(0)
-        group = cutlass.Int32(0)
-        local = cutlass.Int32(0)
-        m = cutlass.Int32(0)
-        row0 = cutlass.Int32(0)
-        token_tiles = cutlass.Int32(1)
-        tile_size = cutlass.Int32(self.tile_t)
-        before = cutlass.Int32(0)
-        for g in cutlass.range_constexpr(self.num_groups):
-            tiles_g, size_g = group_token_tiles(rows[g], cap, self.config.variable_tokens)
-            after = before + tiles_g * weight_tiles
-            if tile_idx >= before and tile_idx < after:
-                found = cutlass.Int32(1)
-                group = cutlass.Int32(g)
-                local = tile_idx - before
-                m = rows[g]
-                row0 = firsts[g]
-                token_tiles = tiles_g
-                tile_size = size_g
-            before = after
         if bad:
             found = cutlass.Int32(0)
         return found, group, local, m, row0, token_tiles, tile_size
