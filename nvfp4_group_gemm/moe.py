@@ -366,8 +366,10 @@ _LOCK = threading.Lock()
 def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, forced: str | None = "env"):
     """The swap-AB config of a MoE shape, from (T, G, N, K) alone (the host never sees the
     routing): split-K where its CTAs fit one per SM for every routing (2 x max_moe_tiles <= SMs);
-    else one round of 128-token tiles where every routing fits one round (with 128-wide
-    k-tiles where K % 512 == 0); else variable tiles, which the GPU cuts at 128 or 256 tokens
+    else, where the groups that can hold a row hold at most 32 or 64 rows each on average
+    (T / min(G, T): decode, many experts), 32-token tiles (128-wide k-tiles where their tiles fit
+    one round and K % 512 == 0) or 64-token tiles; else one round of 128-token tiles where every
+    routing fits one round (with 128-wide k-tiles where K % 512 == 0); else variable tiles, which the GPU cuts at 128 or 256 tokens
     from the routing (hopper.moe.moe_token_cap). The per-size-set path's choice for equal groups
     of T / G, or the choice most frequent over sampled routings, picked 128-, 112- or 192-token
     tiles that cost 1.21-1.68x the per-size-set path's device time on benchmark routings
