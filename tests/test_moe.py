@@ -16,6 +16,7 @@ from nvfp4_group_gemm.hopper.config import (
     SWAP_AB_ONE_ROUND_K128_CONFIG,
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T32_CONFIG,
+    SWAP_AB_T32_K128_CONFIG,
     SWAP_AB_T64_CONFIG,
     SWAP_AB_T112_CONFIG,
     SWAP_AB_T192_CONFIG,
@@ -173,6 +174,18 @@ def test_every_output_element_has_exactly_one_tile_within_the_grid_and_the_scrat
         assert set(covered) == expected, (trial, offsets)
 
 
+def test_the_grid_counts_only_the_groups_that_can_hold_a_row():
+    """T = 8 rows fill at most 8 of 64 groups: 8 token tiles per weight tile, not 64."""
+    assert hopper_moe.max_moe_tiles(8, 64, 2048, SWAP_AB_T32_CONFIG) == 8 * 16
+    assert hopper_moe.max_moe_tiles(8, 64, 2048, SWAP_AB_VARIABLE_CONFIG, fill_ctas=132) == 132
+    tiles = [t for t in emulated_tiles([0, *range(1, 9)] + [8] * 56, 8, 2048, SWAP_AB_T32_CONFIG) if t]
+    assert len(tiles) == 8 * 16
+    for g in range(64):  # the X rows of every group clear of the next group's
+        for first, m in ((0, 0), (5, 11), (16, 16), (1000, 33)):
+            assert hopper_moe.group_x_row(first, g) % hopper_moe.GROUP_ROW_ALIGN == 0
+            assert hopper_moe.group_x_row(first, g) + m < hopper_moe.group_x_row(first + m, g + 1)
+
+
 def test_variable_tiles_are_cut_at_128_where_the_routing_fits_one_round():
     """Benchmark shape 3's routing (128 + 384 tokens, N = 4096: 4 x 32 tiles of 128) fits 132
     SMs; 200 + 312 (5 x 32) and shape 0's routing do not."""
@@ -243,6 +256,12 @@ def test_the_config_is_chosen_from_t_g_n_k_alone(monkeypatch):
     assert chosen(512, 2, 3072, 4352) == SWAP_AB_ONE_ROUND_CONFIG  # K % 512 != 0
     assert chosen(100, 2, 1024, 1024) == SWAP_AB_SPLIT_K_CONFIG  # 3 x 8 tiles, twice: 48 CTAs
     assert not chosen(512, 2, 4096, 1536, chain=False).chain_calls
+    # decode steps of many experts: a row or so per group holding one
+    assert chosen(8, 64, 2048, 768) == SWAP_AB_T32_CONFIG  # K % 512 != 0
+    assert chosen(8, 64, 1536, 2048) == SWAP_AB_T32_K128_CONFIG  # 8 x 12 tiles: one round of 3 per SM
+    assert chosen(64, 64, 1536, 2048) == SWAP_AB_T32_CONFIG  # 64 x 12 tiles: more than one round
+    assert chosen(4096, 64, 2048, 768) == SWAP_AB_T64_CONFIG  # 64 rows per group
+    assert chosen(1, 32, 4096, 7168) == SWAP_AB_SPLIT_K_CONFIG  # one row: 32 tiles, split in two
     monkeypatch.setenv("NVFP4_MOE_CONFIG", "swap_ab_t128")
     assert chosen(1024, 8, 4096, 7168) == SWAP_AB_CONFIG
 
