@@ -185,7 +185,7 @@ def test_config_check_rejects_unsupported_values():
     hopper.SwapAbConfig(tile_tokens=256, ctas_per_sm=1).check()
     hopper.SwapAbConfig(tile_tokens=112, ctas_per_sm=1).check()
     for bad in ({"tile_tokens": 40}, {"tile_tokens": 16}, {"tile_tokens": 288}, {"stages": 2}, {"split_k": 3},
-                {"ctas_per_sm": 4}, {"weight_stages": 1},
+                {"ctas_per_sm": 5}, {"weight_stages": 1},
                 {"variable_tokens": True}, {"tile_tokens": 256, "variable_tokens": True, "split_k": 2},
                 {"k_halves": 3}, {"k_halves": 2, "split_k": 2, "ctas_per_sm": 1},
                 {"k_halves": 2, "tile_tokens": 256, "variable_tokens": True, "ctas_per_sm": 1}):
