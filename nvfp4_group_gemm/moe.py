@@ -31,8 +31,8 @@ work, so c keeps its values, nothing outside c is written, and `status` (when gi
 The call does not raise on bad offsets (that would need a host read); check_status(status)
 raises, at the cost of a synchronization.
 
-Hopper (sm_90) runs it; the config (token tile, split-K, chaining) is chosen per (T, G, N, K) as
-for G groups of T / G tokens. Launches go on torch's current stream. Per (device, stream, T, G,
+Hopper (sm_90) runs it; the config (token tile, split-K, chaining) is chosen per (T, G, N, K)
+(moe_config). Launches go on torch's current stream. Per (device, stream, T, G,
 N, K, scale layout) a plan holds the compiled launches and the decoded-activation scratch; per
 set of tensor addresses a binding holds the launches' arguments and the two launches recorded as
 one CUDA graph, so a serving engine that calls with the same tensors pays a key and one graph
@@ -369,8 +369,8 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     else, where the groups that can hold a row hold at most 32 or 64 rows each on average
     (T / min(G, T): decode, many experts), 32-token tiles (128-wide k-tiles where their tiles fit
     one round and K % 512 == 0) or 64-token tiles; else one round of 128-token tiles where every
-    routing fits one round (with 128-wide k-tiles where K % 512 == 0); else variable tiles, which the GPU cuts at 128 or 256 tokens
-    from the routing (hopper.moe.moe_token_cap). The per-size-set path's choice for equal groups
+    routing fits one round (with 128-wide k-tiles where K % 512 == 0); else variable tiles,
+    which the GPU cuts at 128 or 256 tokens from the routing (hopper.moe.moe_token_cap). The per-size-set path's choice for equal groups
     of T / G, or the choice most frequent over sampled routings, picked 128-, 112- or 192-token
     tiles that cost 1.21-1.68x the per-size-set path's device time on benchmark routings
     (EXPERIMENTS E77). Calls chained unless chain_calls is False (NVFP4_SM90_CHAIN_CALLS).

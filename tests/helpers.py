@@ -278,3 +278,25 @@ def sm100_library_runtime(monkeypatch):
         return runtime.custom_kernel(data)
 
     return fakes, run
+
+
+def per_group_data(inputs, offsets):
+    """A MoE entry's stacked problem (moe_grouped_gemm's keyword arguments, offsets as a list)
+    as the competition's per-group input (plain scales), and each group's rows of c, for
+    reference.exact_mismatches: its exact sum and fp32 accumulation bound."""
+    from nvfp4_group_gemm import moe
+
+    a, b, c = inputs["a"], inputs["b"], inputs["c"]
+    tokens, k = a.shape[0], 2 * a.shape[1]
+    n = b.shape[1]
+    sfa = inputs["sfa"] if inputs["sfa"].dim() == 2 else moe.plain_scales_of_blocked(inputs["sfa"], tokens, k)
+    sfb = inputs["sfb"]
+    if sfb.dim() == 6:
+        sfb = torch.stack([moe.plain_scales_of_blocked(sfb[g], n, k) for g in range(b.shape[0])])
+    abc, plain, sizes = [], [], []
+    for g in range(b.shape[0]):
+        lo, hi = offsets[g], offsets[g + 1]
+        abc.append((a[lo:hi].unsqueeze(-1), b[g].unsqueeze(-1), c[lo:hi].unsqueeze(-1)))
+        plain.append((sfa[lo:hi].unsqueeze(-1), sfb[g].unsqueeze(-1)))
+        sizes.append((hi - lo, n, k, 1))
+    return (abc, plain, None, sizes), [c[offsets[g]:offsets[g + 1]].unsqueeze(-1) for g in range(b.shape[0])]

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from helpers import per_group_data
 
 import nvfp4_group_gemm as gemm
 from nvfp4_group_gemm import launch, moe
@@ -36,25 +37,6 @@ FAMILIES = [
     (96, 32, 512, 1024),     # 32-token tiles with 128-wide k-tiles
     (2048, 40, 256, 512),    # 64-token tiles, 40 groups (two rounds of the warp lookup)
 ]
-
-
-def per_group_data(inputs, offsets):
-    """The stacked problem as the competition's per-group input (plain scales), for
-    reference.exact_mismatches: its exact sum and fp32 accumulation bound."""
-    a, b, c = inputs["a"], inputs["b"], inputs["c"]
-    tokens, k = a.shape[0], 2 * a.shape[1]
-    n = b.shape[1]
-    sfa = inputs["sfa"] if inputs["sfa"].dim() == 2 else moe.plain_scales_of_blocked(inputs["sfa"], tokens, k)
-    sfb = inputs["sfb"]
-    if sfb.dim() == 6:
-        sfb = torch.stack([moe.plain_scales_of_blocked(sfb[g], n, k) for g in range(b.shape[0])])
-    abc, plain, sizes = [], [], []
-    for g in range(b.shape[0]):
-        lo, hi = offsets[g], offsets[g + 1]
-        abc.append((a[lo:hi].unsqueeze(-1), b[g].unsqueeze(-1), c[lo:hi].unsqueeze(-1)))
-        plain.append((sfa[lo:hi].unsqueeze(-1), sfb[g].unsqueeze(-1)))
-        sizes.append((hi - lo, n, k, 1))
-    return (abc, plain, None, sizes), [c[offsets[g]:offsets[g + 1]].unsqueeze(-1) for g in range(b.shape[0])]
 
 
 def check_call(inputs, offsets, tag):

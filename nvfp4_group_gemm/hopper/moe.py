@@ -23,10 +23,9 @@ token tile of reads past the last group. The tiles run group first, then weight 
 token tile, as the per-size-set tables. At most min(G, T) groups hold a row, which bounds
 the grid (max_moe_tiles).
 
-Offsets are checked on the GPU by both kernels alike, every warp reading them lane-strided:
-0 <= offsets[0] <= ... <= offsets[G] <= T. Offsets that break it make every CTA of both kernels
-skip its work (c is left as it was,
-nothing is written outside c) and the pre-pass writes 1 into `status[0]` (0 otherwise),
+Offsets are checked on the GPU by both kernels alike, every warp reading them lane-strided
+(read_groups): 0 <= offsets[0] <= ... <= offsets[G] <= T. Offsets that break it make every CTA
+of both kernels skip its work (c is left as it was, nothing is written outside c) and the pre-pass writes 1 into `status[0]` (0 otherwise),
 which the caller reads when it chooses to synchronize."""
 
 from __future__ import annotations
@@ -99,15 +98,23 @@ WARP = 32
 
 
 @cute.jit
-def offsets_are_bad(mOffsets: cute.Tensor, num_groups: cutlass.Constexpr, lane, tokens):
-    """Whether the offsets break 0 <= offsets[0] <= ... <= offsets[G] <= T, the same answer in
-    every lane: each lane checks the groups lane, lane + 32, ..., then one vote."""
+def read_groups(mOffsets: cute.Tensor, num_groups: cutlass.Constexpr, lane, tokens):
+    """The groups lane, lane + 32, ... of this lane: (bad, their first rows, their row counts;
+    0 past G). `bad`, the same in every lane (one vote): the offsets break 0 <= offsets[0] <=
+    ... <= offsets[G] <= T."""
     bad = (mOffsets[0] < 0) | (mOffsets[num_groups] > tokens)
+    firsts, rows = [], []
     for j in cutlass.range_constexpr((num_groups + WARP - 1) // WARP):
         g = lane + WARP * j
+        first = cutlass.Int32(0)
+        m_g = cutlass.Int32(0)
         if g < num_groups:
-            bad = bad | (mOffsets[g + 1] < mOffsets[g])
-    return cute.arch.vote_any_sync(bad)
+            first = mOffsets[g]
+            m_g = mOffsets[g + 1] - first
+        bad = bad | (m_g < 0)
+        firsts.append(first)
+        rows.append(m_g)
+    return cute.arch.vote_any_sync(bad), firsts, rows
 
 
 @cute.jit
@@ -209,7 +216,7 @@ class Sm90MoeDecodeActivations:
         row = item // blocks_per_row
         block = item - row * blocks_per_row
         lane = tidx % WARP
-        bad = offsets_are_bad(mOffsets, self.num_groups, lane, tokens)
+        bad, _, _ = read_groups(mOffsets, self.num_groups, lane, tokens)
         if bidx == 0 and tidx == 0:
             if bad:
                 mStatus[0] = cutlass.Int32(1)
@@ -268,17 +275,7 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         # Up to 4 groups every thread walking them in turn instead: no faster (EXPERIMENTS E81).
         lane = tidx % WARP
         rounds = (self.num_groups + WARP - 1) // WARP
-        bad = offsets_are_bad(mOffsets, self.num_groups, lane, tokens)
-        firsts, rows = [], []
-        for j in cutlass.range_constexpr(rounds):
-            g = lane + WARP * j
-            first = cutlass.Int32(0)
-            m_g = cutlass.Int32(0)
-            if g < self.num_groups:
-                first = mOffsets[g]
-                m_g = mOffsets[g + 1] - first
-            firsts.append(first)
-            rows.append(m_g)
+        bad, firsts, rows = read_groups(mOffsets, self.num_groups, lane, tokens)
         cap = self.tile_t
         if cutlass.const_expr(self.config.variable_tokens):
             small = cutlass.Int32(0)
