@@ -199,6 +199,8 @@ def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[in
         moe.reset_moe()
         try:
             lib.moe_grouped_gemm(**inputs)
+            if total * n * k <= args.check_flops:
+                cell.setdefault("configs_exact", {})[label] = within_fp32_bound(inputs, rows)
             cell.setdefault("configs_us", {})[label] = device_us(lambda: lib.moe_grouped_gemm(**inputs),
                                                                  args.repeats, flush)
         except Exception as error:  # noqa: BLE001 - a config that cannot run this cell
@@ -240,6 +242,7 @@ def print_row(cell) -> None:
           f"{cell['entry_us']:>9.1f}{cell['grouped_mm_us']:>9.1f}{triton:>9}{cell['ratio']:>7.2f}{goal:>5.1f} {met:<5}"
           f"{cell['entry_weight_tbps']:>7.2f}{cell['grouped_mm_weight_tbps']:>7.2f}  {exact:<6}{cell['config']}"
           + "".join(f" | {label} {value:.1f}" if isinstance(value, float) else f" | {label} {value}"
+                    + {True: "", False: " WRONG", None: ""}[cell.get("configs_exact", {}).get(label)]
                     for label, value in cell.get("configs_us", {}).items()), flush=True)
 
 
@@ -294,7 +297,7 @@ def main(argv=None) -> int:
                     continue
                 cell = run_cell(layer, gemm, n, k, tokens, rows, args, flush)
                 cell["skewed"] = skew
-                wrong |= cell.get("exact") is False
+                wrong |= cell.get("exact") is False or False in cell.get("configs_exact", {}).values()
                 cells.append(cell)
                 print_row(cell)
                 if args.json:  # after every cell: a run cut short keeps what it measured

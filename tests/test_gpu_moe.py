@@ -90,6 +90,41 @@ def test_competition_scales_are_bitwise_the_exact_sum():
 def test_one_graph_replays_every_routing(family):
     """Captured once; 50 routings (empty groups, one group holding all T, partial fills) and new
     activations written into the same tensors; each replay against the exact decode."""
+    replay_every_routing(family)
+
+
+# Configs the choice may not reach at these sizes, forced (NVFP4_MOE_CONFIG) on small decode
+# families: split-K over 2 and 4 ranks of 32-token tiles (3 and 4 k-tiles per rank)
+FORCED = [("swap_ab_t32_split_k2", (8, 16, 512, 512)), ("swap_ab_t32_split_k4", (40, 64, 256, 768)),
+          ("swap_ab_t32_split_k4", (64, 8, 512, 1024))]
+
+
+@pytest.mark.parametrize("label,family", FORCED, ids=[f"{label}_G{family[1]}" for label, family in FORCED])
+def test_forced_configs_match_the_exact_decode_and_replay(label, family, monkeypatch):
+    if SM100:
+        pytest.skip("sm_90 configs")
+    monkeypatch.setenv("NVFP4_MOE_CONFIG", label)
+    moe.reset_moe()
+    try:
+        tokens, groups, n, k = family
+        rng = random.Random(11)
+        inputs = moe.random_moe_inputs(tokens, groups, n, k)
+        status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+        for trial in range(3):
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            inputs["c"].fill_(float("nan"))
+            gemm.moe_grouped_gemm(**inputs, status=status)
+            torch.cuda.synchronize()
+            assert int(status.item()) == 0
+            check_call(inputs, offsets, (label, family, trial))
+        replay_every_routing(family)
+    finally:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG")
+        moe.reset_moe()
+
+
+def replay_every_routing(family):
     tokens, groups, n, k = family
     rng = random.Random(50)
     inputs = moe.random_moe_inputs(tokens, groups, n, k)

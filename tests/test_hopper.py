@@ -307,7 +307,8 @@ def test_compile_targets_list_what_the_backend_runs():
         **{f"sm90_{name}": "sm_90a" for name in hopper.CONFIGS},
         **{f"sm90_moe_decode_{kind}": "sm_90a" for kind in ("plain", "blocked", "chained")},
         **{f"sm90_moe_gemm_{name}": "sm_90a" for name in ("split_k", "one_round", "one_round_k128", "variable", "t32",
-                                                                  "t32_k128", "t64")},
+                                                                  "t32_k128", "t64", "t32_split_k2",
+                                                                  "t32_split_k4")},
     }
     # every config the automatic choice can return is registered
     for groups, n, k in ((8, 4096, 7168), (2, 3072, 4096), (1, 128, 256)):

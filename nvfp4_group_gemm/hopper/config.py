@@ -265,8 +265,9 @@ class SwapAbConfig:
             raise ValueError(f"stages={self.stages}: must be >= 3")
         if self.weight_stages < 2:
             raise ValueError(f"weight_stages={self.weight_stages}: must be >= 2")
-        if self.split_k not in (1, 2):
-            raise ValueError(f"split_k={self.split_k}: must be 1 or 2")
+        if self.split_k not in (1, 2, 4):
+            # K % 256 == 0 gives a multiple of 4 64-wide k-tiles
+            raise ValueError(f"split_k={self.split_k}: must be 1, 2 or 4")
         if self.ctas_per_sm not in (1, 2, 3, 4):
             raise ValueError(f"ctas_per_sm={self.ctas_per_sm}: must be 1, 2, 3 or 4")
         if self.k_halves not in (1, 2):
@@ -284,8 +285,9 @@ class SwapAbConfig:
 
     @property
     def reduction_bytes(self) -> int:
-        """Split-K: shared memory a summing rank receives (one warpgroup's fp32 sums)."""
-        return 0 if self.split_k == 1 else 64 * self.tile_tokens * 4
+        """Split-K: shared memory a summing rank receives (the fp32 sums of its one warpgroup
+        from each of the split_k - 1 other ranks)."""
+        return (self.split_k - 1) * 64 * self.tile_tokens * 4
 
     def launch_smem_bytes(self, storage_bytes: int) -> int:
         """Dynamic shared memory the GEMM launch asks for: its storage, or with pdl and one CTA
@@ -337,6 +339,11 @@ SWAP_AB_ONE_ROUND_K128_CONFIG = dataclasses.replace(SWAP_AB_ONE_ROUND_CONFIG, k_
 # The 32-token config with 128-wide k-tiles (twice the weight bytes in flight per stage; its
 # 75 registers hold it to three CTAs per SM)
 SWAP_AB_T32_K128_CONFIG = dataclasses.replace(SWAP_AB_T32_CONFIG, k_halves=2, ctas_per_sm=3)
+# The 32-token config split along K over a cluster of 2 or 4 CTAs: where a decode step's tiles
+# would fill at most a quarter or a half of the CTA slots, 2 or 4 times the CTAs each stream a
+# share of K, for more weight bytes in flight per SM
+SWAP_AB_T32_SPLIT_K2_CONFIG = dataclasses.replace(SWAP_AB_T32_CONFIG, split_k=2)
+SWAP_AB_T32_SPLIT_K4_CONFIG = dataclasses.replace(SWAP_AB_T32_CONFIG, split_k=4)
 
 
 # The registry: every named config of the sm_90 backend. Build targets (sm90_<name>), bench
@@ -358,6 +365,8 @@ CONFIGS = {
     "swap_ab_t32": SWAP_AB_T32_CONFIG,
     "swap_ab_t64": SWAP_AB_T64_CONFIG,
     "swap_ab_t32_k128": SWAP_AB_T32_K128_CONFIG,
+    "swap_ab_t32_split_k2": SWAP_AB_T32_SPLIT_K2_CONFIG,
+    "swap_ab_t32_split_k4": SWAP_AB_T32_SPLIT_K4_CONFIG,
 }
 
 

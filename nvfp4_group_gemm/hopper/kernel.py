@@ -100,17 +100,23 @@ def reduce_split_k_partials(tidx, warp_group_idx, reduction_base, accumulators, 
     by rank w % split_k (so the epilogues run in parallel); the other ranks add theirs into
     its accumulators. Each thread's fragment goes to the summing rank's shared memory at
     reduction_base in fragment order (its thread tidx has the same fragment layout), 16 bytes
-    per store, consecutive threads on consecutive 16 bytes."""
+    per store, consecutive threads on consecutive 16 bytes; each sender has its own slot, and
+    the summing rank adds the slots in a fixed order (the same sums on every call)."""
     num_vectors = cute.size(accumulators) // 4
     k_rank = cute.arch.block_idx_in_cluster()
     summing_rank = warp_group_idx % split_k
-    # one rank receives from the warpgroups it sums: warpgroup w uses slot w // split_k of the
-    # buffer, its 128 threads side by side
-    slot_thread = (warp_group_idx // split_k) * 128 * num_vectors + tidx % 128
+    senders = split_k - 1
+    # the slots of warpgroup w: split_k - 1 per warpgroup a rank sums (w // split_k-th of them),
+    # one per sender, 128 threads side by side
+    slot_size = 128 * num_vectors
+    first_slot = (warp_group_idx // split_k) * senders
     # every thread of the cluster is past its main loop: the receiving buffers are free
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
     if k_rank != summing_rank:
+        # the ranks after the summing one (cyclically) are senders 0, 1, ...
+        sender = (k_rank - summing_rank - 1 + split_k) % split_k
+        slot_thread = (first_slot + sender) * slot_size + tidx % 128
         for j in cutlass.range_constexpr(num_vectors):
             store_f32x4_to_rank(
                 reduction_base + (j * 128 + slot_thread) * 16,
@@ -121,10 +127,12 @@ def reduce_split_k_partials(tidx, warp_group_idx, reduction_base, accumulators, 
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
     if k_rank == summing_rank:
-        for j in cutlass.range_constexpr(num_vectors):
-            partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
-            for e in cutlass.range_constexpr(4):
-                accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
+        for sender in cutlass.range_constexpr(senders):
+            slot_thread = (first_slot + sender) * slot_size + tidx % 128
+            for j in cutlass.range_constexpr(num_vectors):
+                partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
+                for e in cutlass.range_constexpr(4):
+                    accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
 
 
 # The operands' major mode: cute.nvgpu.OperandMajorMode from DSL 4.4 on, where warpgroup's own

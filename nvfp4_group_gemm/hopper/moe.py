@@ -387,13 +387,16 @@ def moe_compile_targets():
         SWAP_AB_SPLIT_K_CONFIG,
         SWAP_AB_T32_CONFIG,
         SWAP_AB_T32_K128_CONFIG,
+        SWAP_AB_T32_SPLIT_K2_CONFIG,
+        SWAP_AB_T32_SPLIT_K4_CONFIG,
         SWAP_AB_T64_CONFIG,
         SWAP_AB_VARIABLE_CONFIG,
     )
 
     gemms = {"split_k": SWAP_AB_SPLIT_K_CONFIG, "one_round": SWAP_AB_ONE_ROUND_CONFIG,
              "one_round_k128": SWAP_AB_ONE_ROUND_K128_CONFIG, "variable": SWAP_AB_VARIABLE_CONFIG,
-             "t32": SWAP_AB_T32_CONFIG, "t32_k128": SWAP_AB_T32_K128_CONFIG, "t64": SWAP_AB_T64_CONFIG}
+             "t32": SWAP_AB_T32_CONFIG, "t32_k128": SWAP_AB_T32_K128_CONFIG, "t64": SWAP_AB_T64_CONFIG,
+             "t32_split_k2": SWAP_AB_T32_SPLIT_K2_CONFIG, "t32_split_k4": SWAP_AB_T32_SPLIT_K4_CONFIG}
     return [
         ("sm90_moe_decode_plain", "sm_90a", functools.partial(compile_moe_decode, scale_layout="plain")),
         ("sm90_moe_decode_blocked", "sm_90a", functools.partial(compile_moe_decode, scale_layout="blocked")),

@@ -266,9 +266,10 @@ class Sm90SwapAbGemm:
         }
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         if cutlass.const_expr(self.config.split_k > 1):
-            # a summing rank receives its warpgroups' sums at the start of sX, free after its
-            # main loop (and clear of the mbarriers)
-            assert self.config.reduction_bytes <= cute.cosize(x_smem_layout_staged) * 2
+            # a summing rank receives the other ranks' sums at the start of sX and on into the
+            # weight stages that follow it, all free after its main loop (and clear of the mbarriers)
+            assert self.config.reduction_bytes <= (cute.cosize(x_smem_layout_staged) * 2
+                                                   + self.config.weight_stage_bytes * self.config.weight_stages)
 
     def launch_attributes(self) -> dict:
         """The launch's block, cluster, occupancy bound, shared memory and PDL (the grid is the caller's)."""
