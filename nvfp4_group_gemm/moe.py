@@ -363,10 +363,34 @@ _PLANS: collections.OrderedDict = collections.OrderedDict()
 _LOCK = threading.Lock()
 
 
+# Split-K of 32-token tiles at decode: each rank keeps at least this many 64-wide k-tiles (the
+# cluster's reduction costs about what a short main loop saves: Qwen-like down, K = 768, one
+# token: 10.8 µs unsplit, 13.7 in two, 17.3 in four; EXPERIMENTS E82)
+MIN_K_TILES_PER_RANK = 16
+
+
+def t32_split_k(tokens: int, groups: int, n: int, k: int, num_sms: int) -> int:
+    """Ranks (4, 2 or 1) to split K over for 32-token tiles: where the tiles of every routing
+    number at most half the SMs (one row or so on a few experts: DeepSeek-V3's 32 local experts
+    or Mixtral at one token), the most ranks that leave each MIN_K_TILES_PER_RANK k-tiles, so
+    that 2 or 4 times the CTAs (at most two per SM) stream the experts' weights."""
+    from .hopper import moe as hopper_moe
+    from .hopper.config import SWAP_AB_HALF_K, SWAP_AB_T32_CONFIG
+
+    if 2 * hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_T32_CONFIG) > num_sms:
+        return 1
+    for split in (4, 2):
+        if k // (SWAP_AB_HALF_K * split) >= MIN_K_TILES_PER_RANK:
+            return split
+    return 1
+
+
 def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, forced: str | None = "env"):
     """The swap-AB config of a MoE shape, from (T, G, N, K) alone (the host never sees the
-    routing): split-K where its CTAs fit one per SM for every routing (2 x max_moe_tiles <= SMs);
-    else, where the groups that can hold a row hold at most 32 or 64 rows each on average
+    routing): where the groups that can hold a row hold at most 32 rows each on average and
+    their 32-token tiles number at most half the SMs, those tiles split along K over 4 or 2
+    ranks (t32_split_k); else split-K where its CTAs fit one per SM for every routing
+    (2 x max_moe_tiles <= SMs); else, where the groups that can hold a row hold at most 32 or 64 rows each on average
     (T / min(G, T): decode, many experts), 32-token tiles (128-wide k-tiles where their tiles fit
     one round and K % 512 == 0) or 64-token tiles; else one round of 128-token tiles where every
     routing fits one round (with 128-wide k-tiles where K % 512 == 0); else variable tiles,
@@ -386,6 +410,8 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
         SWAP_AB_SPLIT_K_CONFIG,
         SWAP_AB_T32_CONFIG,
         SWAP_AB_T32_K128_CONFIG,
+        SWAP_AB_T32_SPLIT_K2_CONFIG,
+        SWAP_AB_T32_SPLIT_K4_CONFIG,
         SWAP_AB_T64_CONFIG,
         SWAP_AB_VARIABLE_CONFIG,
     )
@@ -400,7 +426,10 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     tokens, groups, n, k = shape[:4]
     # rows per group where every group that can hold a row holds as many (the routing's mean)
     rows_per_group = tokens / min(groups, tokens)
-    if 2 * hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_SPLIT_K_CONFIG) <= num_sms:
+    decode_split = t32_split_k(tokens, groups, n, k, num_sms) if rows_per_group <= SWAP_AB_T32_CONFIG.tile_tokens else 1
+    if decode_split > 1:
+        config = {2: SWAP_AB_T32_SPLIT_K2_CONFIG, 4: SWAP_AB_T32_SPLIT_K4_CONFIG}[decode_split]
+    elif 2 * hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_SPLIT_K_CONFIG) <= num_sms:
         config = SWAP_AB_SPLIT_K_CONFIG
     elif rows_per_group <= SWAP_AB_T32_CONFIG.tile_tokens:
         # 128-wide k-tiles (twice the bytes in flight per CTA, 3 CTAs per SM instead of 4) where

@@ -17,6 +17,8 @@ from nvfp4_group_gemm.hopper.config import (
     SWAP_AB_SPLIT_K_CONFIG,
     SWAP_AB_T32_CONFIG,
     SWAP_AB_T32_K128_CONFIG,
+    SWAP_AB_T32_SPLIT_K2_CONFIG,
+    SWAP_AB_T32_SPLIT_K4_CONFIG,
     SWAP_AB_T64_CONFIG,
     SWAP_AB_T112_CONFIG,
     SWAP_AB_T192_CONFIG,
@@ -261,7 +263,15 @@ def test_the_config_is_chosen_from_t_g_n_k_alone(monkeypatch):
     assert chosen(8, 64, 1536, 2048) == SWAP_AB_T32_K128_CONFIG  # 8 x 12 tiles: one round of 3 per SM
     assert chosen(64, 64, 1536, 2048) == SWAP_AB_T32_CONFIG  # 64 x 12 tiles: more than one round
     assert chosen(4096, 64, 2048, 768) == SWAP_AB_T64_CONFIG  # 64 rows per group
-    assert chosen(1, 32, 4096, 7168) == SWAP_AB_SPLIT_K_CONFIG  # one row: 32 tiles, split in two
+    # a row or two on a few experts: 32-token tiles split along K where they number at most
+    # half the SMs, into as many ranks as leave each at least 16 k-tiles
+    assert chosen(1, 32, 4096, 7168) == SWAP_AB_T32_SPLIT_K4_CONFIG  # 32 tiles, 28 k-tiles per rank
+    assert chosen(1, 32, 7168, 2048) == SWAP_AB_T32_SPLIT_K2_CONFIG  # 56 tiles; 4 ranks: 8 k-tiles each
+    assert chosen(2, 8, 4096, 14336) == SWAP_AB_T32_SPLIT_K4_CONFIG  # 2 experts x 32 tiles
+    assert chosen(1, 32, 4096, 1024) == SWAP_AB_SPLIT_K_CONFIG  # 8 k-tiles per rank of 2: t128 split-K
+    assert chosen(8, 64, 1536, 2048) == SWAP_AB_T32_K128_CONFIG  # 96 tiles: more than half the SMs
+    assert [moe.t32_split_k(1, 32, 4096, k, 132) for k in (1024, 2048, 4096)] == [1, 2, 4]
+    assert moe.t32_split_k(3, 32, 4096, 7168, 132) == 1  # 96 tiles > 66
     monkeypatch.setenv("NVFP4_MOE_CONFIG", "swap_ab_t128")
     assert chosen(1024, 8, 4096, 7168) == SWAP_AB_CONFIG
 
