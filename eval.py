@@ -263,7 +263,7 @@ def _import_submission() -> str | None:
     try:
         _load_custom_kernel()
     except Exception as E:  # noqa: BLE001 - reported once, as the first case's failure
-        return _one_line(f"could not import the submission: {_describe_error(E)}")
+        return one_line(f"could not import the submission: {_describe_error(E)}")
     return None
 
 
@@ -272,7 +272,7 @@ def _synchronize():
         torch.cuda.synchronize()
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """A message fit for one `key: value` line of the protocol."""
     return " ".join(str(text).split("\n")).strip()
 
@@ -306,7 +306,7 @@ def _match(expected, output) -> tuple[bool, str]:
     try:
         return match_outputs(expected, output)
     except Exception as E:  # noqa: BLE001 - e.g. an output of a dtype torch cannot compare
-        return False, _one_line(f"the output could not be compared: {_describe_error(E)}")
+        return False, one_line(f"the output could not be compared: {_describe_error(E)}")
 
 
 def _run_single_test(test: TestCase):
@@ -536,11 +536,11 @@ def _worker_loop(connection, submission_path: str) -> None:
         except SystemExit:
             raise
         except BaseException as error:  # noqa: BLE001 - answered as the case's failure
-            reply = ("error", _one_line(_describe_error(error)))
+            reply = ("error", one_line(_describe_error(error)))
         try:
             connection.send(reply)
         except Exception as error:  # noqa: BLE001 - e.g. a result that does not pickle
-            connection.send(("error", _one_line(f"the result could not be sent back: "
+            connection.send(("error", one_line(f"the result could not be sent back: "
                                                 f"{_describe_error(error)}")))
 
 

@@ -219,7 +219,7 @@ def time_kernel(run_one, count: int, repeats: int) -> float:
     return sum(durations) / len(durations)
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
 
 
@@ -372,7 +372,7 @@ def run_in_process(args, capability, report_path: Path) -> int:
                 row.update(check(data, outputs))
                 row["status"] = "pass" if row["mismatches"] == 0 else "MISMATCH"
             except Exception as error:  # noqa: BLE001 - every failure is a row of the report
-                row.update(status="ERROR", error=_one_line(error))
+                row.update(status="ERROR", error=one_line(error))
             if stderr.getvalue():
                 row["stderr"] = stderr.getvalue().splitlines()
             rows.append(row)
@@ -438,7 +438,7 @@ def _time_row(backend, choice, source, label, name, repeats, generate_input, cha
         with chained_calls(chain):  # the launches are built in the first runs
             row["us"] = round(time_kernel(run_one, len(inputs), repeats), 2)
     except Exception as error:  # noqa: BLE001
-        row["error"] = _one_line(error)
+        row["error"] = one_line(error)
     how = "" if chain is None else " chained" if chain else " unchained"
     print(f"  {label:<12} {name:<16} {row.get('us', row.get('error'))} us{how}", flush=True)
     return row

@@ -1,3 +1,6 @@
+# GPU MODE nvfp4_group_gemm leaderboard file: nvfp4_group_gemm/core.py, bundled by
+# `python -m nvfp4_group_gemm.bundle`. Edit that module and bundle again; the tests fail
+# while this file differs from the bundle.
 """NVFP4 block-scaled grouped GEMM for GPU MODE's ``nvfp4_group_gemm`` (NVIDIA B200, sm_100a).
 
 For every group ``i`` this computes, in one launch for all groups,
@@ -64,10 +67,12 @@ Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
     demotes the kernel for the process, with one line on stderr; the call still returns a
     correct result (NVFP4_SELF_CHECK=0: no check).
 
-This file is the leaderboard submission and stands alone (torch, cutlass, ``task``, the
-standard library). Everything else a caller may need (Hopper sm_90a kernels, callers' own
-queues of work, graph capture, threads, a torch op) is the ``nvfp4_group_gemm`` package beside
-it, which builds on this file; on a GPU other than sm_100 ``custom_kernel`` says so in one line.
+This module is the package's core (``nvfp4_group_gemm.core``) and, bundled by ``python
+bundle.py`` into ``submission.py``, the leaderboard submission: it stands alone (torch, cutlass,
+``task``, the standard library). Everything else a caller may need (Hopper sm_90a kernels,
+callers' own queues of work, graph capture, threads, a torch op) is the rest of the
+``nvfp4_group_gemm`` package, which builds on this module; on a GPU other than sm_100
+``custom_kernel`` says so in one line.
 
 Status: both sm_100a kernels are compiled for sm_100a and checked from their cubin, SASS and
 PTX, and the persistent kernel's pipeline protocol by a model (``tests/``); neither has run
@@ -107,7 +112,10 @@ from cutlass.cute.runtime import make_ptr
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 
-from task import input_t, output_t
+try:  # the leaderboard's runner and this repository have the task's task.py; an installed package has not
+    from task import input_t, output_t
+except ImportError:
+    input_t = output_t = tuple
 
 # The operands' major mode: cute.nvgpu.OperandMajorMode from DSL 4.4 on, where tcgen05's own is
 # deprecated; DSL 4.3.5 (the competition's runner) has only tcgen05's.
@@ -2167,7 +2175,7 @@ class PersistentGemmSm100:
 # =============================================================================
 # Host code (Python): compile caches, the sm_100 backend
 # =============================================================================
-def _fake_ptr(dtype):
+def fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
@@ -2192,7 +2200,7 @@ def compile_once(key: tuple, make: Callable[[], tuple], options: str | None = No
 def compile_init_tensormaps(num_groups: int, options: str | None = None):
     """The per-tile kernel's descriptor init (its constants are the module's)."""
     return compile_once(("per_tile_init", num_groups, SM100_CHAIN_CALLS), lambda: (init_tensormaps_jit, (
-        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
+        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
         cutlass.Int32(num_groups),
     )), options)
 
@@ -2200,7 +2208,7 @@ def compile_init_tensormaps(num_groups: int, options: str | None = None):
 def compile_gemm(num_groups: int, options: str | None = None):
     """The per-tile GEMM (its constants are the module's)."""
     return compile_once(("per_tile_gemm", num_groups, SM100_CHAIN_CALLS), lambda: (gemm_jit, (
-        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
+        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(num_groups),
     )), options)
 
@@ -2222,7 +2230,7 @@ def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]
     return targets
 
 
-def _gmem_ptr(dtype, tensor: torch.Tensor):
+def gmem_ptr(dtype, tensor: torch.Tensor):
     return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
 
 
@@ -2309,7 +2317,7 @@ persistent_can_implement = PersistentGemmSm100.can_implement
 def compile_persistent_init(config: PersistentGemmConfig, options: str | None = None):
     """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
     return compile_once(("persistent_init", config, SM100_CHAIN_CALLS), lambda: (PersistentGemmSm100(config).init_tensormaps, (
-        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
+        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
         cutlass.Int32(1),
     )), options)
 
@@ -2318,7 +2326,7 @@ def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = 
     """The persistent GEMM for `config`; G, the tile count and the cluster count are runtime
     values, so one build serves every input set of that config."""
     return compile_once(("persistent_gemm", config, SM100_CHAIN_CALLS), lambda: (PersistentGemmSm100(config), (
-        _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64),
+        fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
     )), options)
 
@@ -2404,7 +2412,7 @@ def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None
         try:
             _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
         except Exception as error:  # noqa: BLE001 - a failed query must not fail the call
-            report(f"the resident {cluster_size}-CTA cluster query failed ({_one_line(error)}); "
+            report(f"the resident {cluster_size}-CTA cluster query failed ({one_line(error)}); "
                    "the persistent kernel runs one cluster per two SMs")
             _RESIDENT_CLUSTERS[key] = None
     return _RESIDENT_CLUSTERS[key]
@@ -2539,9 +2547,9 @@ class Sm100Backend:
             (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
         )
         init_fn(
-            _gmem_ptr(cutlass.Int64, ptrs),
-            _gmem_ptr(cutlass.Int32, plan.sizes),
-            _gmem_ptr(cutlass.Int64, tensormaps),
+            gmem_ptr(cutlass.Int64, ptrs),
+            gmem_ptr(cutlass.Int32, plan.sizes),
+            gmem_ptr(cutlass.Int64, tensormaps),
             cutlass.Int32(plan.num_groups),
             *launch_args,
         )
@@ -2563,18 +2571,18 @@ class Sm100Backend:
         config = plan.backend_plan.config
         if config is not None:
             return self.compile_persistent_gemm(config), (
-                _gmem_ptr(cutlass.Int32, plan.tiles),
-                _gmem_ptr(cutlass.Int64, tensormaps),
+                gmem_ptr(cutlass.Int32, plan.tiles),
+                gmem_ptr(cutlass.Int64, tensormaps),
                 cutlass.Int32(plan.num_groups),
                 cutlass.Int32(plan.num_tiles),
                 cutlass.Int32(plan.backend_plan.num_clusters),
                 *launch_args,
             )
         return self.compile_per_tile_gemm(plan.num_groups), (
-            _gmem_ptr(cutlass.Int64, ptrs),
-            _gmem_ptr(cutlass.Int32, plan.sizes),
-            _gmem_ptr(cutlass.Int32, plan.tiles),
-            _gmem_ptr(cutlass.Int64, tensormaps),
+            gmem_ptr(cutlass.Int64, ptrs),
+            gmem_ptr(cutlass.Int32, plan.sizes),
+            gmem_ptr(cutlass.Int32, plan.tiles),
+            gmem_ptr(cutlass.Int64, tensormaps),
             cutlass.Int32(plan.num_tiles),
             cutlass.Int32(plan.num_groups),
             *launch_args,
@@ -2594,8 +2602,8 @@ class Sm100Backend:
 # every call (EXPERIMENTS E56). Checked against the pinned DSL version; anything else falls
 # back to the plain call.
 # NVFP4_PLAIN_LAUNCH=1 forces the plain call (to compare, or to rule the fast path out).
-_PREPARED_LAUNCH_DSL_VERSION = "4.3.5"
-_FORCE_PLAIN_LAUNCH = env_switch("NVFP4_PLAIN_LAUNCH", ("0", "1"), "0") == "1"
+PREPARED_LAUNCH_DSL_VERSION = "4.3.5"
+FORCE_PLAIN_LAUNCH = env_switch("NVFP4_PLAIN_LAUNCH", ("0", "1"), "0") == "1"
 
 
 def _installed_dsl_version() -> str | None:
@@ -2605,15 +2613,15 @@ def _installed_dsl_version() -> str | None:
         return None
 
 
-_DSL_VERSION = _installed_dsl_version()
+DSL_VERSION = _installed_dsl_version()
 
 
-def _executor(compiled):
+def device_executor(compiled):
     """compiled.to(None) once per device: the executor (its module loaded in the device's
     context) is the same for every input set of that kernel, so a new binding builds only its
     argument pack. Kept on the compiled function itself, per device index."""
     executors = compiled.__dict__.setdefault("_nvfp4_executors", {})
-    device = _current_device_index()
+    device = current_device_index()
     executor = executors.get(device)
     if executor is None:
         executor = executors[device] = compiled.to(None)
@@ -2626,10 +2634,10 @@ def make_launcher(compiled, *args) -> Callable[[], None]:
     ``args`` must be DSL objects (cute Pointers, cutlass.Int32, ...) that stay
     alive as long as the launcher: the packed arguments point into them.
     """
-    if _DSL_VERSION == _PREPARED_LAUNCH_DSL_VERSION and not _FORCE_PLAIN_LAUNCH:
+    if DSL_VERSION == PREPARED_LAUNCH_DSL_VERSION and not FORCE_PLAIN_LAUNCH:
         try:
             exe_args, adapted_args = compiled.generate_execution_args(*args)
-            executor = _executor(compiled)
+            executor = device_executor(compiled)
             packed_args = executor._get_invoke_packed_args(list(exe_args))
             capi_func = executor.jit_module.capi_func
             cuda_result = executor.cuda_result
@@ -2677,7 +2685,7 @@ class PackedTiles(collections.abc.Sequence):
     def of(cls, rows) -> "PackedTiles":
         """Rows (tuples of equal length) packed."""
         width = len(rows[0]) if rows else 1
-        return cls(struct.pack(f"<{width * len(rows)}i", *_flatten(rows)), width)
+        return cls(struct.pack(f"<{width * len(rows)}i", *flatten(rows)), width)
 
     def __len__(self) -> int:
         return self.count
@@ -2693,7 +2701,7 @@ class PackedTiles(collections.abc.Sequence):
         return struct.iter_unpack(f"<{self.width}i", self.data)
 
 
-def _align_up(x, a):
+def align_up(x, a):
     return (x + a - 1) // a * a
 
 
@@ -2706,7 +2714,7 @@ def table_layout(tables) -> tuple[list[tuple[int, str, int, int, int]], int]:
         width = len(rows[0]) if rows else 1
         itemsize = struct.calcsize(code)
         layout.append((offset, code, len(rows), width, itemsize))
-        offset = _align_up(offset + max(len(rows), 1) * width * itemsize, 128)
+        offset = align_up(offset + max(len(rows), 1) * width * itemsize, 128)
     return layout, offset
 
 
@@ -2736,7 +2744,7 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, list[torch.Tensor]]
     layout, offset = table_layout(tables)
     staging = bytearray(offset)
     for (start, code, count, width, _), (_, rows) in zip(layout, tables):
-        struct.pack_into(f"<{count * width}{code}", staging, start, *_flatten(rows))
+        struct.pack_into(f"<{count * width}{code}", staging, start, *flatten(rows))
     buffer = torch.frombuffer(staging, dtype=torch.uint8)
     if device.type == "cuda":
         # torch's pinned allocator keeps the block until the copy has run
@@ -2796,8 +2804,8 @@ class RuntimeCache:
 
 # const_data_ptr: the same address as data_ptr, without the mutable-data bookkeeping (the key
 # reads 5G pointers on every call; EXPERIMENTS E59)
-_data_ptr = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
-_flatten = itertools.chain.from_iterable
+data_address = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
+flatten = itertools.chain.from_iterable
 
 
 def input_key(data) -> tuple:
@@ -2812,7 +2820,7 @@ def input_key(data) -> tuple:
     With G = 8 the 40 data_ptr() calls are most of its cost. Raises on malformed input.
     """
     abc, _, sfasfb_reordered, _ = data
-    return (*map(_data_ptr, _flatten(abc)), *map(_data_ptr, _flatten(sfasfb_reordered)))
+    return (*map(data_address, flatten(abc)), *map(data_address, flatten(sfasfb_reordered)))
 
 
 
@@ -2926,10 +2934,10 @@ class Binding:
         if not plan.choice.host:
             self.bound = plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
             # every group with M = 0: nothing to launch (a 0-CTA grid is invalid)
-            self.launch = plan.backend.launcher(plan, self) if plan.num_tiles else _no_launch
+            self.launch = plan.backend.launcher(plan, self) if plan.num_tiles else no_launch
 
 
-def _no_launch() -> None:
+def no_launch() -> None:
     pass
 
 def pointers_of(data) -> list[tuple[int, int, int, int, int]]:
@@ -2943,20 +2951,20 @@ def pointers_of(data) -> list[tuple[int, int, int, int, int]]:
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-def _device_context(device: torch.device):
+def device_context(device: torch.device):
     """`device` made torch's current device for a block (nothing to do where it already is:
     the common case, which a new-size call otherwise pays in Python)."""
-    if device.type != "cuda" or _current_device_index() == device.index:
+    if device.type != "cuda" or current_device_index() == device.index:
         return _NO_CONTEXT
     return torch.cuda.device(device.index)
 
 
-def _current_device_index() -> int | None:
+def current_device_index() -> int | None:
     """torch's current CUDA device; None before CUDA is initialized (the CPU tests). One C
     call, without torch.cuda.current_device()'s lazy-init checks."""
     if not torch.cuda.is_initialized():
         return None
-    return _cuda_get_device() if _cuda_get_device is not None else torch.cuda.current_device()
+    return cuda_get_device() if cuda_get_device is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=4096)
@@ -3107,7 +3115,7 @@ def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
     key = (str(device), problem_sizes, backend.plan_key)
     plan = _PLANS.get(key)
     if plan is None:
-        with _RUNTIME_LOCK:
+        with RUNTIME_LOCK:
             backend.can_implement(problem_sizes)
             chain = backend.kernel_chain(problem_sizes)
             plan = Plan(backend, problem_sizes, device, choose_kernel(backend, chain, len(problem_sizes)), chain)
@@ -3127,10 +3135,10 @@ def _new_binding(backend, problem_sizes, device, key: tuple) -> Binding:
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            if plan.choice.host or not _context_usable(plan.device):
+            if plan.choice.host or not context_usable(plan.device):
                 raise
             demote(backend.name, plan.choice, plan.chain, plan.num_groups,
-                   f"descriptor init failed ({_one_line(error)})")
+                   f"descriptor init failed ({one_line(error)})")
 
 
 def _bound_input_set(data, key: tuple | None) -> Binding:
@@ -3138,18 +3146,18 @@ def _bound_input_set(data, key: tuple | None) -> Binding:
     may be malformed): checked sizes, then the cached binding of these pointers or a new one
     on the plan of these sizes. One thread at a time (compilation and the caches)."""
     key, problem_sizes = checked_input(data, key)
-    with _RUNTIME_LOCK:
+    with RUNTIME_LOCK:
         binding = _BINDINGS.get(key)
         if binding is None or binding.plan.problem_sizes != problem_sizes:
             device = data[0][0][0].device
             try:
-                with _device_context(device):
+                with device_context(device):
                     binding = _new_binding(select_backend(device.index), problem_sizes, device, key)
             except torch.OutOfMemoryError as error:
                 raise torch.OutOfMemoryError(
                     f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
                     f"{list(problem_sizes)}; nothing was cached, a later call builds it again "
-                    f"({_one_line(error)})"
+                    f"({one_line(error)})"
                 ) from error
             _BINDINGS.put(key, binding)
     return binding
@@ -3166,7 +3174,7 @@ def cached_binding(entries: collections.OrderedDict, data) -> tuple[Any, tuple |
     be read as the validated one. (input_key and RuntimeCache.get inlined: a Python frame
     saved on every call.)"""
     try:
-        key = (*map(_data_ptr, _flatten(data[0])), *map(_data_ptr, _flatten(data[2])))
+        key = (*map(data_address, flatten(data[0])), *map(data_address, flatten(data[2])))
         binding = entries.get(key)
         if binding is not None:
             entries.move_to_end(key)
@@ -3190,21 +3198,21 @@ def custom_kernel(data: input_t) -> output_t:
         launch()
     except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
         return _after_failed_launch(data, binding.plan, error)
-    if first_use and binding.plan.kernel_key not in _SELF_CHECKED:
+    if first_use and binding.plan.kernel_key not in SELF_CHECKED:
         return first_use_check(data, binding.plan)
     return list(map(_c_of_group, data[0]))
 
 
 _c_of_group = operator.itemgetter(2)
-_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
+cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _after_failed_launch(data, plan: Plan, error: Exception) -> list[torch.Tensor]:
     """A launch raised: demote its kernel and compute the call again on the next link, if
     the context is still usable; re-raise otherwise."""
-    if not _context_usable(plan.device):
+    if not context_usable(plan.device):
         raise error
-    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({_one_line(error)})")
+    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({one_line(error)})")
     return custom_kernel(data)
 
 
@@ -3225,25 +3233,25 @@ SELF_CHECK_RTOL = SELF_CHECK_ATOL = 1e-3  # the competition's tolerance
 # kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle. Shared
 # by every runtime in the process (the library's too): a kernel found wrong is wrong for all.
 _DEMOTED: dict[tuple, str] = {}
-_SELF_CHECKED: set[tuple] = set()
+SELF_CHECKED: set[tuple] = set()
 # What a demotion calls besides dropping this file's plans: a runtime built on this one
 # registers the dropping of its own (each called with the demoted kernel_key)
 DEMOTION_LISTENERS: list[Callable[[tuple], None]] = []
 # One thread at a time through compilation (the DSL's session state is not thread-safe), the
 # caches' misses and demotions; a hit takes no lock
-_RUNTIME_LOCK = threading.RLock()
+RUNTIME_LOCK = threading.RLock()
 
 
 def reset_runtime() -> None:
     """Forget every input set, plan, backend, demotion and self-check result (compiled kernels
     stay): the process as it was before its first call, for tests and for a caller that
     changed an environment switch."""
-    with _RUNTIME_LOCK:
+    with RUNTIME_LOCK:
         for cache in (_BINDINGS, _PLANS):
             cache.clear()
         _BACKEND_BY_DEVICE.clear()
         _DEMOTED.clear()
-        _SELF_CHECKED.clear()
+        SELF_CHECKED.clear()
         _RESIDENT_CLUSTERS.clear()
 
 
@@ -3265,7 +3273,7 @@ def compile_family(backend, device: torch.device, n: int, k: int, groups: int) -
     and K = k, whatever their M, on `device`; the kernels compiled (a compile failure demotes
     the kernel, as in a call)."""
     compiled = []
-    with _RUNTIME_LOCK, _device_context(device):
+    with RUNTIME_LOCK, device_context(device):
         backend.prepare_device(device)
         # what follows a first link in this family's chains (its fallbacks), for the demotion line
         fallbacks = list(backend.kernel_chain([(128, n, k, 1)] * groups))[1:]
@@ -3275,7 +3283,7 @@ def compile_family(backend, device: torch.device, n: int, k: int, groups: int) -
             try:
                 backend.compile(choice, groups)
             except Exception as error:  # noqa: BLE001 - as in a call: the kernel moves down its chain
-                demote(backend.name, choice, [choice, *fallbacks], groups, f"compile failed ({_one_line(error)})")
+                demote(backend.name, choice, [choice, *fallbacks], groups, f"compile failed ({one_line(error)})")
                 continue
             compiled.append(choice.describe())
     return compiled
@@ -3307,7 +3315,7 @@ def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why:
     why, drop the plans that run it (their size sets plan again on their next call), and
     say so in one line."""
     key = choice.kernel_key(num_groups)
-    with _RUNTIME_LOCK:
+    with RUNTIME_LOCK:
         _DEMOTED[key] = why
         _drop_plans(lambda plan: plan.kernel_key == key)
         for listener in DEMOTION_LISTENERS:
@@ -3325,19 +3333,19 @@ def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
         try:
             backend.compile(choice, num_groups)
         except Exception as error:  # noqa: BLE001 - any compile failure moves down the chain
-            demote(backend.name, choice, chain, num_groups, f"compile failed ({_one_line(error)})")
+            demote(backend.name, choice, chain, num_groups, f"compile failed ({one_line(error)})")
             continue
         return choice
     raise RuntimeError(f"no kernel of the {backend.name} chain {[c.name for c in chain]} is left: "
                        + "; ".join(f"{c.name}: {_DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text[:300]}"
 
 
-def _context_usable(device: torch.device) -> bool:
+def context_usable(device: torch.device) -> bool:
     """After a failed launch: can the context still run work (a synchronous launch error),
     or did a fault poison it (then nothing in-process can recover)?"""
     if device.type != "cuda":
@@ -3472,13 +3480,13 @@ def first_use_check(data, plan) -> list[torch.Tensor]:
         bounds = accumulation_bounds(data, ORACLE_FP32_SIDES.get(oracle.name, 2))
         mismatches, elements, first = count_mismatches(outputs, expected, bounds=bounds)
     except Exception as error:  # the kernel's fault, or an oracle that cannot run
-        if not _context_usable(plan.device):
+        if not context_usable(plan.device):
             raise RuntimeError(f"{what}: the GPU context faulted after this kernel ran, before its self-check "
-                               f"could read its output; the kernel is the suspect ({_one_line(error)})") from error
-        report(f"{what}: self-check skipped, its oracle {oracle.name} failed ({_one_line(error)}); "
+                               f"could read its output; the kernel is the suspect ({one_line(error)})") from error
+        report(f"{what}: self-check skipped, its oracle {oracle.name} failed ({one_line(error)}); "
                "checked again at the next new input set")
         return outputs
-    _SELF_CHECKED.add(plan.kernel_key)
+    SELF_CHECKED.add(plan.kernel_key)
     if mismatches:
         for c, ref in zip(outputs, expected):
             c.copy_(ref)

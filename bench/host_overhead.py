@@ -142,7 +142,7 @@ def fresh_pointer_us(custom_kernel, data, count: int) -> list[float]:
     return figures
 
 
-_data_ptr = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
+data_address = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
 
 
 def attribute_reads(data) -> tuple:
@@ -151,7 +151,7 @@ def attribute_reads(data) -> tuple:
     every group), and the problem sizes. No comparison, no launch: a floor."""
     abc, _, sfasfb_reordered, problem_sizes = data
     tensors = [t for group in abc for t in group] + [t for group in sfasfb_reordered for t in group]
-    return (tuple(map(_data_ptr, tensors)), [(t.dtype, t.shape, t.stride(), t.get_device()) for t in tensors],
+    return (tuple(map(data_address, tensors)), [(t.dtype, t.shape, t.stride(), t.get_device()) for t in tensors],
             tuple(problem_sizes))
 
 

@@ -1,8 +1,10 @@
 """NVFP4 block-scaled grouped GEMM for every caller beyond the leaderboard.
 
-``submission.py`` beside this package is the B200 leaderboard file: sm_100a kernels, their
-runtime on the default stream, nothing else. This package builds on it (and is never imported
-by it) with what real callers need:
+``core`` holds the sm_100a kernels and the host core every entry shares (validation, the
+fallback chain and its self-check, the caches, the prepared launches); bundled, it is the B200
+leaderboard file ``submission.py`` (``python -m nvfp4_group_gemm.bundle``), which imports
+nothing else of this package. The rest of the package builds on it with what real callers
+need:
 
 * ``custom_kernel(data)``: the same input and result as the leaderboard file's, launched on the
   caller's current stream, on a B200 (the file's sm_100a kernels, ``sm100``) or an H100/H200
@@ -16,6 +18,8 @@ by it) with what real callers need:
   graph for every routing (``moe``; Hopper);
 * ``examples/library_submission.py``: this package's entry as a harness submission.
 """
+
+__version__ = "0.2.0"
 
 from .moe import (
     blocked_scales,
@@ -37,6 +41,7 @@ from .runtime import (
 )
 
 __all__ = [
+    "__version__",
     "bind_input_set",
     "blocked_scales",
     "check_moe_inputs",

@@ -17,22 +17,22 @@ import torch
 from cutlass import cute
 from cutlass.cute.runtime import make_ptr
 
-from .leaderboard import submission
+from . import core
 
-_align_up = submission._align_up
-_flatten = submission._flatten
-_device_context = submission._device_context
-_current_device_index = submission._current_device_index
-_executor = submission._executor
-make_launcher = submission.make_launcher
+align_up = core.align_up
+flatten = core.flatten
+device_context = core.device_context
+current_device_index = core.current_device_index
+device_executor = core.device_executor
+make_launcher = core.make_launcher
 # One lock for both runtimes: compilation (the DSL's session state is not thread-safe), the
 # caches' misses, the shared ring
-_RUNTIME_LOCK = submission._RUNTIME_LOCK
+RUNTIME_LOCK = core.RUNTIME_LOCK
 
 
 def _prepared_launches() -> bool:
     """Whether the prepared (packed-argument) launch applies: the leaderboard file's rule."""
-    return submission._DSL_VERSION == submission._PREPARED_LAUNCH_DSL_VERSION and not submission._FORCE_PLAIN_LAUNCH
+    return core.DSL_VERSION == core.PREPARED_LAUNCH_DSL_VERSION and not core.FORCE_PLAIN_LAUNCH
 
 
 class LaunchCell:
@@ -83,7 +83,7 @@ class CellLauncher:
         if _prepared_launches():
             try:
                 exe_args, _ = compiled.generate_execution_args(*self.cells)
-                executor = _executor(compiled)
+                executor = device_executor(compiled)
                 self.packed_args = executor._get_invoke_packed_args(list(exe_args))
                 self.capi_func = executor.jit_module.capi_func
                 self.cuda_result = executor.cuda_result
@@ -146,7 +146,7 @@ def cell_launcher(compiled, kinds: tuple[str, ...], dtypes: tuple) -> CellLaunch
     """The CellLauncher of `compiled` on the current device (kept on the compiled function,
     as its executors are)."""
     launchers = compiled.__dict__.setdefault("_nvfp4_cell_launchers", {})
-    device = _current_device_index()
+    device = current_device_index()
     launcher = launchers.get(device)
     if launcher is None:
         launcher = launchers[device] = CellLauncher(compiled, kinds, dtypes)
@@ -164,7 +164,7 @@ class PinnedHostBuffer:
     def __init__(self, device: torch.device, size: int):
         self.size, self.pinned = size, False
         if device.type == "cuda":
-            with _device_context(device):
+            with device_context(device):
                 result, base = cuda.cuMemHostAlloc(size, cuda.CU_MEMHOSTALLOC_PORTABLE)
                 _check_cuda(result, "cuMemHostAlloc")
                 self.base, self.pinned = int(base), True
@@ -239,7 +239,7 @@ class TableRing(StagedTables):
     def take(self, nbytes: int, stream) -> int:
         """Offset of `nbytes` (at most SEGMENT_BYTES) for a launch on `stream` (a cuda.CUstream;
         anything else has no events: the CPU tests)."""
-        nbytes = _align_up(nbytes, 128)
+        nbytes = align_up(nbytes, 128)
         if nbytes > self.SEGMENT_BYTES:
             raise ValueError(f"TableRing.take: {nbytes} bytes; a segment holds {self.SEGMENT_BYTES}")
         if self.offset + nbytes > self.SEGMENT_BYTES:
@@ -283,7 +283,7 @@ class CaptureArena(StagedTables):
         self.offset = 0
 
     def take(self, nbytes: int) -> int | None:
-        nbytes = _align_up(nbytes, 128)
+        nbytes = align_up(nbytes, 128)
         if self.offset + nbytes > self.BYTES:
             return None
         offset, self.offset = self.offset, self.offset + nbytes
@@ -295,7 +295,7 @@ class CaptureArena(StagedTables):
 # kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
 # NVFP4_GRAPH_LAUNCH=0 launches the prepared calls directly instead, in both runtimes (the
 # per-size-set path's and the MoE entry's; to compare, or to rule graphs out).
-GRAPH_LAUNCH = submission.env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
+GRAPH_LAUNCH = core.env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
 
 
 def _check_cuda(result, what: str) -> None:
@@ -374,13 +374,13 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
     copy from a host buffer, which is returned.
     """
     device = torch.device(device)
-    layout, offset = submission.table_layout(tables)
+    layout, offset = core.table_layout(tables)
     # Packed in Python and copied as one buffer: half the CPU of one torch op per table
     # (EXPERIMENTS E58)
     buffer = torch.empty(offset, dtype=torch.uint8, device=device)
     through_ring = device.type == "cuda" and offset <= TableRing.SEGMENT_BYTES
     # the ring is shared (bind_input_set runs outside custom_kernel's lock)
-    with _RUNTIME_LOCK if through_ring else contextlib.nullcontext():
+    with RUNTIME_LOCK if through_ring else contextlib.nullcontext():
         if through_ring:
             stream = _stream_for_current()
             ring = table_ring(device)
@@ -389,7 +389,7 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
         else:
             staging, base = bytearray(offset), 0
         for (start, code, count, width, _), (_, rows) in zip(layout, tables):
-            struct.pack_into(f"<{count * width}{code}", staging, base + start, *_flatten(rows))
+            struct.pack_into(f"<{count * width}{code}", staging, base + start, *flatten(rows))
         if through_ring:
             _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + base, offset, stream)[0],
                         "cuMemcpyHtoDAsync")
@@ -483,8 +483,8 @@ _STREAM_OBJECTS: dict = {}
 # torch.cuda.current_stream() builds a Stream object on every call; the raw handle of the
 # current stream is one C call (the same private accessor Triton's launcher uses).
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_cuda_get_device = submission._cuda_get_device
-if _cuda_get_device is None:
+cuda_get_device = core.cuda_get_device
+if cuda_get_device is None:
     _current_raw_stream = None  # both or neither: the public path otherwise
 
 
@@ -492,7 +492,7 @@ def _current_stream_handle() -> int:
     if _current_raw_stream is not None:
         # torch.cuda.current_device() without its lazy-init check (CUDA is initialized
         # before any stream is asked for: validation reads the device first)
-        return _current_raw_stream(_cuda_get_device())
+        return _current_raw_stream(cuda_get_device())
     return torch.cuda.current_stream().cuda_stream
 
 

@@ -48,8 +48,7 @@ import threading
 import cutlass
 import torch
 
-from . import launch
-from .leaderboard import submission
+from . import core, launch
 
 SF_VEC_SIZE = 16
 ATOM_ROWS = 128
@@ -331,7 +330,7 @@ class MoeBinding:
 
             def record(capture_stream):
                 decode, gemm = _launch_values(plan, shape, key, int(capture_stream), sfb_address)
-                return submission.in_order([plan.decode.bound(decode), plan.gemm.bound(gemm)])
+                return core.in_order([plan.decode.bound(decode), plan.gemm.bound(gemm)])
 
             try:
                 self.graph = launch.GraphLaunch(record, tensors[0].device)
@@ -471,7 +470,7 @@ def _plan_for(key, shape: MoeShape, device: torch.device, capturing: bool = Fals
         return plan
     from .hopper.backend import current_num_sms
 
-    with submission._device_context(device):
+    with core.device_context(device):
         num_sms = current_num_sms()
         forced, chain_calls = key[-2:]
         plan = MoePlan(shape, device, moe_config(shape, num_sms, chain_calls, forced), num_sms)
@@ -508,7 +507,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return capability
 
 
-_data_ptr = submission._data_ptr
+data_address = core.data_address
 
 
 def _binding_key(a, sfa, b, sfb, offsets, c, status):
@@ -518,8 +517,8 @@ def _binding_key(a, sfa, b, sfb, offsets, c, status):
     layout = (a.shape, a.stride(), a.dtype, sfa.shape, sfa.stride(), sfa.dtype, b.shape, b.stride(), b.dtype,
               sfb.shape, sfb.stride(), sfb.dtype, offsets.shape, offsets.stride(), offsets.dtype, c.shape, c.stride(),
               c.dtype, None if status is None else (status.shape, status.dtype))
-    return (_data_ptr(a), _data_ptr(sfa), _data_ptr(b), _data_ptr(sfb), _data_ptr(offsets), _data_ptr(c),
-            None if status is None else _data_ptr(status), layout)
+    return (data_address(a), data_address(sfa), data_address(b), data_address(sfb), data_address(offsets), data_address(c),
+            None if status is None else data_address(status), layout)
 
 
 # (stream handle, current device) -> {binding key: (plan key, binding)}: the hit path's dictionary
@@ -539,7 +538,7 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
         raise
     entry = where = None
     if _BINDINGS:  # a key seen before, so CUDA is initialized: the hit path
-        where = (launch._current_stream_handle(), submission._current_device_index())
+        where = (launch._current_stream_handle(), core.current_device_index())
         per_stream = _BINDINGS.get(where)
         entry = None if per_stream is None else per_stream.get(key)
     if entry is None or entry is _SEEN_ONCE:
@@ -585,7 +584,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
     the caller read them."""
     shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status)
     device = a.device
-    stream_handle, current_device = where or (launch._current_stream_handle(), submission._current_device_index())
+    stream_handle, current_device = where or (launch._current_stream_handle(), core.current_device_index())
     if device.index != current_device:
         raise ValueError(f"moe_grouped_gemm: a.device = {device}: must be torch's current CUDA device "
                          f"(cuda:{current_device}); use `with torch.cuda.device({device.index})`")
@@ -677,7 +676,7 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
         if plan is None:
             launches = sm100_moe.sm100_moe_launches(
                 shape.tokens, shape.groups, shape.n, shape.k,
-                resident_clusters=submission.resident_clusters(device), num_sms=torch.cuda.get_device_properties(
+                resident_clusters=core.resident_clusters(device), num_sms=torch.cuda.get_device_properties(
                     device).multi_processor_count)
             launches.compile()
             plan = _PLANS[plan_key] = Sm100MoePlan(launches, launches.allocate(device))
@@ -740,8 +739,8 @@ def moe_reference(a, sfa, b, sfb, offsets, c=None) -> torch.Tensor:
         lo, hi = bounds[g], bounds[g + 1]
         if hi <= lo:
             continue
-        a_values = submission.decode_fp4(a[lo:hi], sfa_plain[lo:hi]).double()
-        b_values = submission.decode_fp4(b[g], sfb_plain[g]).double()
+        a_values = core.decode_fp4(a[lo:hi], sfa_plain[lo:hi]).double()
+        b_values = core.decode_fp4(b[g], sfb_plain[g]).double()
         c[lo:hi] = (a_values @ b_values.T).to(torch.float16)
     return c
 

@@ -4,13 +4,13 @@ import itertools
 
 import torch
 
-from .leaderboard import submission
+from . import core
 from .moe import moe_grouped_gemm, moe_reference
 from .runtime import custom_kernel
 
-input_t = submission.input_t
-output_t = submission.output_t
-exact_decode_group_gemm = submission.exact_decode_group_gemm
+input_t = core.input_t
+output_t = core.output_t
+exact_decode_group_gemm = core.exact_decode_group_gemm
 
 
 # Registered with torch.library so that torch.compile(fullgraph=True) traces a function that

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import cuda.bindings.driver as cuda
 import torch
 
+from . import core
 from .launch import (
     _CAPTURE_ARENAS,
     _STREAM_OBJECTS,
@@ -29,46 +30,45 @@ from .launch import (
     Written,
     _capturing,
     _check_cuda,
-    _cuda_get_device,
     _CudaEvent,
     _current_raw_stream,
     _stream_for_current,
     _stream_handle,
+    cuda_get_device,
     make_launcher,
     table_ring,
     upload_int_tables,
 )
-from .leaderboard import submission
 
-KernelChoice = submission.KernelChoice
-PackedTiles = submission.PackedTiles
-PlanSpec = submission.PlanSpec
-RuntimeCache = submission.RuntimeCache
-NUM_PTR_COLS = submission.NUM_PTR_COLS
-HOST_COMPUTATIONS = submission.HOST_COMPUTATIONS
-input_key = submission.input_key
-cached_binding = submission.cached_binding
-in_order = submission.in_order
-pointers_of = submission.pointers_of
-pointers_of_key = submission.pointers_of_key
-checked_problem_sizes = submission.checked_problem_sizes
-checked_input = submission.checked_input
-choose_kernel = submission.choose_kernel
-demote = submission.demote
-_one_line = submission._one_line
-_align_up = submission._align_up
-_flatten = submission._flatten
-_data_ptr = submission._data_ptr
-_device_context = submission._device_context
-_RUNTIME_LOCK = submission._RUNTIME_LOCK
-_SELF_CHECKED = submission._SELF_CHECKED
-input_t = submission.input_t
-output_t = submission.output_t
+KernelChoice = core.KernelChoice
+PackedTiles = core.PackedTiles
+PlanSpec = core.PlanSpec
+RuntimeCache = core.RuntimeCache
+NUM_PTR_COLS = core.NUM_PTR_COLS
+HOST_COMPUTATIONS = core.HOST_COMPUTATIONS
+input_key = core.input_key
+cached_binding = core.cached_binding
+in_order = core.in_order
+pointers_of = core.pointers_of
+pointers_of_key = core.pointers_of_key
+checked_problem_sizes = core.checked_problem_sizes
+checked_input = core.checked_input
+choose_kernel = core.choose_kernel
+demote = core.demote
+one_line = core.one_line
+align_up = core.align_up
+flatten = core.flatten
+data_address = core.data_address
+device_context = core.device_context
+RUNTIME_LOCK = core.RUNTIME_LOCK
+SELF_CHECKED = core.SELF_CHECKED
+input_t = core.input_t
+output_t = core.output_t
 
 
 def validate_inputs(data):
     """The leaderboard file's rules (looked up at each call: the CPU tests waive one)."""
-    return submission.validate_inputs(data)
+    return core.validate_inputs(data)
 
 
 # A seen input set's launch replayed as a CUDA graph (launch.GRAPH_LAUNCH, EXPERIMENTS E57)
@@ -77,7 +77,7 @@ _GRAPH_LAUNCH = GRAPH_LAUNCH
 # staged and copied with the launch, no binding or plan built: a MoE step's sizes and
 # activations are new at every call); its second call binds it. NVFP4_FIRST_CALL_UNBOUND=0
 # binds every input set at its first call (EXPERIMENTS E64).
-FIRST_CALLS_UNBOUND = submission.env_switch("NVFP4_FIRST_CALL_UNBOUND", ("0", "1"), "1") == "1"
+FIRST_CALLS_UNBOUND = core.env_switch("NVFP4_FIRST_CALL_UNBOUND", ("0", "1"), "1") == "1"
 
 
 @typing.runtime_checkable
@@ -109,7 +109,7 @@ class DirectLaunch(typing.Protocol):
 
 
 @typing.runtime_checkable
-class Backend(submission.Backend, typing.Protocol):
+class Backend(core.Backend, typing.Protocol):
     """A device family's kernels as this runtime drives them: the leaderboard file's protocol
     (chain, tiles, plans, descriptors, a launch on the default stream), and where launches go:
     nvfp4_group_gemm.sm100.Sm100StreamBackend on a B200, nvfp4_group_gemm.hopper.Sm90Backend
@@ -259,7 +259,7 @@ class Binding:
             self.launch = None
             return
         if self.mode is LaunchMode.NOTHING:
-            self.launch = _no_launch
+            self.launch = no_launch
             return
         if _capturing():
             self.launch = self._direct_launcher(stream)
@@ -351,7 +351,7 @@ def bind_input_set(data, backend, kernel: str | None = None) -> Binding:
         if kernel not in names:
             raise ValueError(f"kernel {kernel!r}: these sizes' chain on {backend.name} is {names}")
         chain = chain[names.index(kernel):]
-    with _device_context(device):
+    with device_context(device):
         return Binding(Plan(backend, problem_sizes, device, chain[0], chain), pointers_of(data))
 
 
@@ -362,7 +362,7 @@ def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Ten
     if binding.plan.choice.host:
         return HOST_COMPUTATIONS[binding.plan.choice.name](data, outputs)
     binding.mode = LaunchMode.DIRECT  # one launch: nothing to record
-    with _device_context(binding.plan.device):
+    with device_context(binding.plan.device):
         binding.run(_stream_for_current())
     return outputs
 
@@ -392,7 +392,7 @@ def select_backend(device_index: int):
             from .sm100 import Sm100StreamBackend
 
             num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            backend = Sm100StreamBackend(submission.SM100_KERNEL, num_sms)
+            backend = Sm100StreamBackend(core.SM100_KERNEL, num_sms)
         elif capability == (9, 0):
             from .hopper import make_backend
 
@@ -428,7 +428,7 @@ def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
     key = (str(device), problem_sizes, backend.plan_key)
     plan = _PLANS.get(key)
     if plan is None:
-        with _RUNTIME_LOCK:
+        with RUNTIME_LOCK:
             size_plan = get_size_plan(backend, problem_sizes, device)
             plan = Plan(backend, problem_sizes, device, size_plan.choice, size_plan.chain, size_plan.tile_rows)
         evicted = _PLANS.put(key, plan)
@@ -466,12 +466,12 @@ class SizePlan:
         self.direct = None
         if not self.choice.host and self.num_tiles:
             self.direct = backend.direct_launch(PlanSpec(self.choice, problem_sizes, device, tile_rows))
-        self.tiles_offset = _align_up(16 * self.num_groups, 16)
-        self.ptrs_offset = _align_up(self.tiles_offset + len(tile_rows.data), 16)
-        sizes = struct.pack(f"<{4 * self.num_groups}i", *_flatten(problem_sizes))
+        self.tiles_offset = align_up(16 * self.num_groups, 16)
+        self.ptrs_offset = align_up(self.tiles_offset + len(tile_rows.data), 16)
+        sizes = struct.pack(f"<{4 * self.num_groups}i", *flatten(problem_sizes))
         self.head = b"".join((sizes, bytes(self.tiles_offset - len(sizes)), tile_rows.data,
                               bytes(self.ptrs_offset - self.tiles_offset - len(tile_rows.data))))
-        self.extra_offset = _align_up(self.ptrs_offset + 8 * NUM_PTR_COLS * self.num_groups, 16)
+        self.extra_offset = align_up(self.ptrs_offset + 8 * NUM_PTR_COLS * self.num_groups, 16)
         self.table_bytes = self.extra_offset + (0 if self.direct is None else self.direct.extra_bytes)
         self.ptr_format = f"<{NUM_PTR_COLS * self.num_groups}q"
         self.device_head, self.launched = None, False
@@ -533,7 +533,7 @@ def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: i
     host = staged.buffer.host
     host[offset: offset + len(size_plan.head)] = size_plan.head
     struct.pack_into(size_plan.ptr_format, host, offset + size_plan.ptrs_offset,
-                     *_flatten(pointers_of_key(key, size_plan.num_groups)))
+                     *flatten(pointers_of_key(key, size_plan.num_groups)))
     keepalive = size_plan.direct.write_extra(host, offset + size_plan.extra_offset)
     staged.upload(offset, size_plan.table_bytes, stream)
     base = staged.device_base + offset
@@ -556,7 +556,7 @@ def _launch_on_device_head(size_plan: SizePlan, head: Written, key: tuple, ring:
     table = torch.empty(nbytes, dtype=torch.uint8, device=device)
     offset = ring.take(nbytes, stream)
     host = ring.buffer.host
-    struct.pack_into(size_plan.ptr_format, host, offset, *_flatten(pointers_of_key(key, size_plan.num_groups)))
+    struct.pack_into(size_plan.ptr_format, host, offset, *flatten(pointers_of_key(key, size_plan.num_groups)))
     keepalive = size_plan.direct.write_extra(host, offset + extra_at)
     ring.copy_to(offset, nbytes, table, stream)
     head_base, base = head.value.data_ptr(), table.data_ptr()
@@ -575,11 +575,11 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
     capturing = _capturing()
     if capturing and (seen_key not in _SEEN_ONCE or device.index not in _CAPTURE_ARENAS):
         return None
-    with _RUNTIME_LOCK, _device_context(device):
+    with RUNTIME_LOCK, device_context(device):
         backend = select_backend(device.index)
         size_plan = get_size_plan(backend, problem_sizes, device)
         direct = size_plan.direct
-        if (direct is None or (submission.SELF_CHECK and size_plan.kernel_key not in _SELF_CHECKED)
+        if (direct is None or (core.SELF_CHECK and size_plan.kernel_key not in SELF_CHECKED)
                 or size_plan.table_bytes > TableRing.SEGMENT_BYTES):
             return None
         if not capturing and seen_key in _SEEN_ONCE:
@@ -590,7 +590,7 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(
                 f"custom_kernel: out of GPU memory for the activation scratch of a first call of sizes "
-                f"{list(problem_sizes)}; nothing was launched or cached ({_one_line(error)})"
+                f"{list(problem_sizes)}; nothing was launched or cached ({one_line(error)})"
             ) from error
         except Exception:  # the binding path launches again and handles the failure
             if capturing:
@@ -619,10 +619,10 @@ def _new_binding(backend, problem_sizes, device, key: tuple, table: Written | No
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            if plan.choice.host or not _context_usable(plan.device):
+            if plan.choice.host or not context_usable(plan.device):
                 raise
             demote(backend.name, plan.choice, plan.chain, plan.num_groups,
-                   f"descriptor init failed ({_one_line(error)})")
+                   f"descriptor init failed ({one_line(error)})")
 
 
 def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
@@ -631,7 +631,7 @@ def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
     of a first call launched without a binding (_first_call), or a new binding on the plan of
     these sizes. One thread at a time (compilation and the caches)."""
     key, problem_sizes = checked_input(data, key)
-    with _RUNTIME_LOCK:
+    with RUNTIME_LOCK:
         binding = _BINDINGS.get(key)
         if binding is None or binding.plan.problem_sizes != problem_sizes:
             if FIRST_CALLS_UNBOUND:
@@ -647,14 +647,14 @@ def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
             device = data[0][0][0].device
             table = _SEEN_ONCE.entries.get((key, problem_sizes))
             try:
-                with _device_context(device):
+                with device_context(device):
                     binding = _new_binding(select_backend(device.index), problem_sizes, device, key,
                                            table if isinstance(table, Written) else None)
             except torch.OutOfMemoryError as error:
                 raise torch.OutOfMemoryError(
                     f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
                     f"{list(problem_sizes)}; nothing was cached, a later call builds it again "
-                    f"({_one_line(error)})"
+                    f"({one_line(error)})"
                 ) from error
             _BINDINGS.put(key, binding)
     return binding
@@ -669,13 +669,13 @@ def custom_kernel(data: input_t) -> output_t:
         if type(binding) is list:  # a first call, launched without a binding
             return binding
     if _current_raw_stream is not None:
-        stream = _STREAM_OBJECTS.get(_current_raw_stream(_cuda_get_device()))
+        stream = _STREAM_OBJECTS.get(_current_raw_stream(cuda_get_device()))
     else:
         stream = None
     if stream is None:
         stream = _stream_for_current()
     if stream is not binding.stream:
-        with _RUNTIME_LOCK:
+        with RUNTIME_LOCK:
             binding.prepare_launch(stream)
     launch = binding.launch
     if launch is None:  # a host computation (the chain's last link)
@@ -684,30 +684,30 @@ def custom_kernel(data: input_t) -> output_t:
         launch()
     except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
         return _after_failed_launch(data, binding, error)
-    if first_use and binding.plan.kernel_key not in _SELF_CHECKED:
+    if first_use and binding.plan.kernel_key not in SELF_CHECKED:
         return first_use_check(data, binding)
     return list(map(_c_of_group, data[0]))
 
 
 
 _c_of_group = operator.itemgetter(2)
-_no_launch = submission._no_launch
+no_launch = core.no_launch
 SUPPORTED_GPUS = "NVIDIA B200/GB200 (sm_100, compute capability 10.x) and H100/H200 (sm_90, 9.0)"
 
 
-def _context_usable(device: torch.device) -> bool:
+def context_usable(device: torch.device) -> bool:
     """After a failed launch: can the context still run work? Never under a capture (it
     cannot synchronize; the caller sees the error)."""
-    return not _capturing() and submission._context_usable(device)
+    return not _capturing() and core.context_usable(device)
 
 
 def _after_failed_launch(data, binding: Binding, error: Exception) -> list[torch.Tensor]:
     """A launch raised: demote its kernel and compute the call again on the next link, if
     the context is still usable; re-raise otherwise."""
     plan = binding.plan
-    if not _context_usable(plan.device):
+    if not context_usable(plan.device):
         raise error
-    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({_one_line(error)})")
+    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({one_line(error)})")
     return custom_kernel(data)
 
 
@@ -716,7 +716,7 @@ def first_use_check(data, binding: Binding) -> list[torch.Tensor]:
     caller's graph capture (it synchronizes)."""
     if _capturing():
         return list(map(_c_of_group, data[0]))
-    return submission.first_use_check(data, binding.plan)
+    return core.first_use_check(data, binding.plan)
 
 
 def _forget_plans_of(kernel_key: tuple) -> None:
@@ -725,18 +725,18 @@ def _forget_plans_of(kernel_key: tuple) -> None:
     _drop_plans(lambda plan: plan.kernel_key == kernel_key)
 
 
-submission.DEMOTION_LISTENERS.append(_forget_plans_of)
+core.DEMOTION_LISTENERS.append(_forget_plans_of)
 
 
 def reset_runtime() -> None:
     """Forget every input set (bound or run once), plan, size plan, backend, demotion and
     self-check result of both runtimes (compiled kernels stay): the process as it was before
     its first call, for tests and for a caller that changed an environment switch."""
-    with _RUNTIME_LOCK:
+    with RUNTIME_LOCK:
         for cache in (_BINDINGS, _PLANS, _SIZE_PLANS, _SEEN_ONCE, _CAPTURED):
             cache.clear()
         _BACKEND_BY_DEVICE.clear()
-        submission.reset_runtime()
+        core.reset_runtime()
 
 
 def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
@@ -744,6 +744,6 @@ def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
     K = k, whatever their M, on `device` (the current CUDA device when None), so that no later
     call of that family compiles: a serving engine calls it once per (G, N, K) at start-up.
     Returns the kernels compiled (a compile failure demotes the kernel, as in a call)."""
-    submission.check_family(n, k, groups)
+    core.check_family(n, k, groups)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    return submission.compile_family(select_backend(device.index), device, n, k, groups)
+    return core.compile_family(select_backend(device.index), device, n, k, groups)

@@ -3,7 +3,7 @@ that reuse the file's set-up (``per_tile_init_launch``, ``per_tile_gemm_launch``
 ``PersistentGemmSm100.init_tensormaps_launch`` / ``gemm_launch``) and device code, and add
 where the launch goes; the backend the library's runtime drives on a B200. The launch geometry
 the file's helpers return carries its programmatic-dependent attribute
-(``submission.chained_launch``, switch ``NVFP4_SM100_CHAIN_CALLS``), so these launches chain
+(``core.chained_launch``, switch ``NVFP4_SM100_CHAIN_CALLS``), so these launches chain
 to the kernel before them on the caller's stream as the file's own do. Compiled for sm_100a
 and checked on a CPU only, as the file's own entries."""
 
@@ -12,8 +12,8 @@ import cutlass
 import torch
 from cutlass import cute
 
+from . import core
 from .launch import Written, _stream_for_current
-from .leaderboard import submission
 
 
 @cute.jit
@@ -24,7 +24,7 @@ def per_tile_init_on_stream(
     num_groups: cutlass.Int32,
     stream: cuda.CUstream,
 ):
-    kernel, geometry = submission.per_tile_init_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_groups)
+    kernel, geometry = core.per_tile_init_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_groups)
     kernel.launch(**geometry, stream=stream)
 
 
@@ -38,13 +38,13 @@ def per_tile_gemm_on_stream(
     num_groups: cutlass.Int32,
     stream: cuda.CUstream,
 ):
-    kernel, geometry = submission.per_tile_gemm_launch(
+    kernel, geometry = core.per_tile_gemm_launch(
         ptr_of_ptrs, ptr_of_sizes, ptr_of_tiles, ptr_of_tensormaps, num_tiles, num_groups
     )
     kernel.launch(**geometry, stream=stream)
 
 
-class PersistentGemmOnStream(submission.PersistentGemmSm100):
+class PersistentGemmOnStream(core.PersistentGemmSm100):
     """PersistentGemmSm100 whose entries take the stream to launch on."""
 
     @cute.jit
@@ -74,37 +74,37 @@ class PersistentGemmOnStream(submission.PersistentGemmSm100):
 
 
 def _ptr(dtype):
-    return submission._fake_ptr(dtype)
+    return core.fake_ptr(dtype)
 
 
 def _key(kernel: str, what) -> tuple:
     """The build's cache key: the entry, G or the config, and whether its launch chains to the
-    kernel before it (submission.SM100_CHAIN_CALLS, read when it is traced)."""
-    return (kernel, what, submission.SM100_CHAIN_CALLS)
+    kernel before it (core.SM100_CHAIN_CALLS, read when it is traced)."""
+    return (kernel, what, core.SM100_CHAIN_CALLS)
 
 
 def compile_per_tile_init(num_groups: int, options: str | None = None):
-    return submission.compile_once(_key("per_tile_init_on_stream", num_groups), lambda: (per_tile_init_on_stream, (
+    return core.compile_once(_key("per_tile_init_on_stream", num_groups), lambda: (per_tile_init_on_stream, (
         _ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int64), cutlass.Int32(num_groups), cuda.CUstream(0),
     )), options)
 
 
 def compile_per_tile_gemm(num_groups: int, options: str | None = None):
-    return submission.compile_once(_key("per_tile_gemm_on_stream", num_groups), lambda: (per_tile_gemm_on_stream, (
+    return core.compile_once(_key("per_tile_gemm_on_stream", num_groups), lambda: (per_tile_gemm_on_stream, (
         _ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int32), _ptr(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(num_groups), cuda.CUstream(0),
     )), options)
 
 
 def compile_persistent_init(config, options: str | None = None):
-    return submission.compile_once(_key("persistent_init_on_stream", config), lambda: (
+    return core.compile_once(_key("persistent_init_on_stream", config), lambda: (
         PersistentGemmOnStream(config).init_tensormaps,
         (_ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int64), cutlass.Int32(1), cuda.CUstream(0)),
     ), options)
 
 
 def compile_persistent_gemm(config, options: str | None = None):
-    return submission.compile_once(_key("persistent_gemm_on_stream", config), lambda: (PersistentGemmOnStream(config), (
+    return core.compile_once(_key("persistent_gemm_on_stream", config), lambda: (PersistentGemmOnStream(config), (
         _ptr(cutlass.Int32), _ptr(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0),
     )), options)
@@ -113,10 +113,10 @@ def compile_persistent_gemm(config, options: str | None = None):
 def compile_targets():
     """This module's kernels for the build report: (kernel name, arch, compile(G, options))."""
     targets = [
-        ("sm100_init_tensormaps_on_stream", submission.SM100_ARCH, compile_per_tile_init),
-        ("sm100_gemm_on_stream", submission.SM100_ARCH, compile_per_tile_gemm),
+        ("sm100_init_tensormaps_on_stream", core.SM100_ARCH, compile_per_tile_init),
+        ("sm100_gemm_on_stream", core.SM100_ARCH, compile_per_tile_gemm),
     ]
-    for tokens, config in submission.PERSISTENT_CONFIGS.items():
+    for tokens, config in core.PERSISTENT_CONFIGS.items():
         targets += [
             (f"sm100_persistent_init_t{tokens}_on_stream", config.arch,
              lambda g, options, config=config: compile_persistent_init(config, options)),
@@ -127,7 +127,7 @@ def compile_targets():
 
 
 class Sm100StreamPlan:
-    """submission.Sm100Plan as the library's runtime reads it: no scratch shared between input
+    """core.Sm100Plan as the library's runtime reads it: no scratch shared between input
     sets, graph replay allowed."""
 
     __slots__ = ("config", "num_clusters")
@@ -142,7 +142,7 @@ class Sm100StreamPlan:
         pass
 
 
-class Sm100StreamBackend(submission.Sm100Backend):
+class Sm100StreamBackend(core.Sm100Backend):
     """The leaderboard file's sm_100 backend (chain, tiles, descriptors) with launches on the
     caller's stream."""
 

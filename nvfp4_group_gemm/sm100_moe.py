@@ -39,7 +39,7 @@ Offsets are checked on the GPU: unless 0 <= offsets[0] <= ... <= offsets[G] <= T
 size is 0 (the init kernel writes no descriptor), the tile count is 0 (the GEMM runs no tile),
 the repack writes nothing, and status[0] is 1 (0 otherwise).
 
-Chaining: with submission.SM100_CHAIN_CALLS (the file's switch) every launch is the
+Chaining: with core.SM100_CHAIN_CALLS (the file's switch) every launch is the
 programmatic dependent of the one before. The tables kernel waits (griddepcontrol.wait) before
 it reads the offsets or writes anything (the previous call's GEMM reads the same tables); the
 init kernel waits for it, and the GEMM waits for the init kernel, which cannot complete before
@@ -59,7 +59,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import cute, utils
 
-from .leaderboard import submission
+from . import core
 from .sm100 import PersistentGemmOnStream, compile_persistent_init
 
 SF_VEC_SIZE = 16
@@ -67,8 +67,8 @@ ATOM_ROWS = 128
 ATOM_BYTES = 512
 # K elements of one atom column (4 scale blocks)
 ATOM_K = 64
-MAX_GROUPS = submission.MAX_GROUPS
-TILE_ROW = submission.PERSISTENT_TILE_ROW
+MAX_GROUPS = core.MAX_GROUPS
+TILE_ROW = core.PERSISTENT_TILE_ROW
 # Threads of every CTA of the tables kernel
 TABLES_THREADS = 256
 # Scale bytes one repack thread moves: one 16-byte load of a plain row (4 atom columns)
@@ -154,7 +154,7 @@ class Sm100MoeTables:
     scales, one 16-byte unit of a plain row per thread. `config` (the GEMM's) fixes the token
     tile; G, T, N, K and the table capacity are run-time values."""
 
-    def __init__(self, config: submission.PersistentGemmConfig):
+    def __init__(self, config: core.PersistentGemmConfig):
         config.check()
         self.config = config
 
@@ -191,7 +191,7 @@ class Sm100MoeTables:
         """The kernel and its launch geometry, traced inside a @cute.jit entry."""
         mOffsets = cute.make_tensor(offsets, cute.make_layout(num_groups + 1))
         mPtrs = cute.make_tensor(
-            ptrs, cute.make_layout((num_groups, submission.NUM_PTR_COLS), stride=(submission.NUM_PTR_COLS, 1))
+            ptrs, cute.make_layout((num_groups, core.NUM_PTR_COLS), stride=(core.NUM_PTR_COLS, 1))
         )
         mSizes = cute.make_tensor(sizes, cute.make_layout((num_groups, 4), stride=(4, 1)))
         mTiles = cute.make_tensor(tiles, cute.make_layout((max_tiles + 1, TILE_ROW), stride=(TILE_ROW, 1)))
@@ -206,7 +206,7 @@ class Sm100MoeTables:
             tokens, n, k, num_groups, max_tiles,
         )
         return kernel, {"grid": (1 + repack_ctas, 1, 1), "block": [TABLES_THREADS, 1, 1], "cluster": (1, 1, 1),
-                        **submission.chained_launch()}
+                        **core.chained_launch()}
 
     @cute.kernel
     def kernel(
@@ -255,8 +255,8 @@ class Sm100MoeTables:
         # Chained calls: the offsets may be the previous kernel's output, and the previous
         # call's GEMM reads the tables and scales this grid rewrites: nothing before the wait.
         # The init kernel (this grid's dependent) waits for this grid's end before its reads.
-        submission.wait_for_previous_grid()
-        submission.launch_dependents()
+        core.wait_for_previous_grid()
+        core.launch_dependents()
 
         #
         # Warp 0 of every CTA: the offsets, their check, each group's padded first row
@@ -367,11 +367,11 @@ class Sm100MoeTables:
             g, has, lo, m, padded = (g0, has0, lo0, m0, p0) if which == 0 else (g1, has1, hi0, m1, p1)
             if has:
                 g64 = cutlass.Int64(g)
-                mPtrs[g, submission.PTR_A] = a.toint() + cutlass.Int64(lo) * half_k
-                mPtrs[g, submission.PTR_B] = b.toint() + g64 * (cutlass.Int64(n) * half_k)
-                mPtrs[g, submission.PTR_C] = c.toint() + cutlass.Int64(lo) * (n * 2)
-                mPtrs[g, submission.PTR_SFA] = sfa_blocked.toint() + cutlass.Int64(padded) * scale_row_bytes
-                mPtrs[g, submission.PTR_SFB] = sfb.toint() + g64 * (cutlass.Int64(n) * scale_row_bytes)
+                mPtrs[g, core.PTR_A] = a.toint() + cutlass.Int64(lo) * half_k
+                mPtrs[g, core.PTR_B] = b.toint() + g64 * (cutlass.Int64(n) * half_k)
+                mPtrs[g, core.PTR_C] = c.toint() + cutlass.Int64(lo) * (n * 2)
+                mPtrs[g, core.PTR_SFA] = sfa_blocked.toint() + cutlass.Int64(padded) * scale_row_bytes
+                mPtrs[g, core.PTR_SFB] = sfb.toint() + g64 * (cutlass.Int64(n) * scale_row_bytes)
                 mSizes[g, 0] = m
                 mSizes[g, 1] = n
                 mSizes[g, 2] = k
@@ -390,7 +390,7 @@ class Sm100MoeTables:
         with tiles come first in the order, with strictly increasing first tiles)."""
         t = self.config.tokens_per_tile
         count = sFlags[1]
-        k_tiles = k // submission.K_TILE
+        k_tiles = k // core.K_TILE
         tile_row = cute.make_rmem_tensor(cute.make_layout(TILE_ROW), cutlass.Int32)
         for tile in cutlass.range(tidx, count, TABLES_THREADS, unroll=1):
             position = cutlass.Int32(0)
@@ -457,13 +457,13 @@ class PersistentMoeGemmSm100(PersistentGemmOnStream):
 # Builds (compiled for sm_100a; the keys carry what is baked into the code)
 # =============================================================================
 def _fake(dtype):
-    return submission._fake_ptr(dtype)
+    return core.fake_ptr(dtype)
 
 
 def _key(kernel: str, config) -> tuple:
     """The build's cache key: the entry, the GEMM config, and whether its launch chains to the
-    kernel before it (submission.SM100_CHAIN_CALLS, read when it is traced)."""
-    return (kernel, config, submission.SM100_CHAIN_CALLS)
+    kernel before it (core.SM100_CHAIN_CALLS, read when it is traced)."""
+    return (kernel, config, core.SM100_CHAIN_CALLS)
 
 
 # Pointer dtypes of the tables entry's arguments (a caller's make_ptr must use the same)
@@ -473,19 +473,19 @@ TABLES_POINTER_DTYPES = (
 )
 
 
-def compile_moe_tables(config: submission.PersistentGemmConfig, options: str | None = None):
+def compile_moe_tables(config: core.PersistentGemmConfig, options: str | None = None):
     """The tables + repack kernel for `config`'s token tile (T, G, N, K, the capacity and the
     repack grid are run-time values)."""
-    return submission.compile_once(_key("sm100_moe_tables", config), lambda: (Sm100MoeTables(config), (
+    return core.compile_once(_key("sm100_moe_tables", config), lambda: (Sm100MoeTables(config), (
         *(_fake(dtype) for dtype in TABLES_POINTER_DTYPES),
         cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
         cutlass.Int32(1), cuda.CUstream(0),
     )), options)
 
 
-def compile_moe_gemm(config: submission.PersistentGemmConfig, options: str | None = None):
+def compile_moe_gemm(config: core.PersistentGemmConfig, options: str | None = None):
     """The persistent GEMM reading its tile count from device memory, for `config`."""
-    return submission.compile_once(_key("sm100_moe_gemm", config), lambda: (PersistentMoeGemmSm100(config), (
+    return core.compile_once(_key("sm100_moe_gemm", config), lambda: (PersistentMoeGemmSm100(config), (
         _fake(cutlass.Int32), _fake(cutlass.Int64),
         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0),
     )), options)
@@ -495,7 +495,7 @@ def compile_targets():
     """This module's kernels for the build report: (kernel name, arch, compile(G, options)); one
     build serves every G."""
     targets = []
-    for tokens, config in submission.PERSISTENT_CONFIGS.items():
+    for tokens, config in core.PERSISTENT_CONFIGS.items():
         targets += [
             (f"sm100_moe_tables_t{tokens}", config.arch,
              lambda g, options, config=config: compile_moe_tables(config, options)),
@@ -530,11 +530,11 @@ class Sm100MoeLaunches:
     routing. CTA pairs: min(resident 2-CTA clusters, or SMs / 2 without a device, max_tiles)."""
 
     def __init__(self, tokens: int, groups: int, n: int, k: int, *, config=None,
-                 resident_clusters: int | None = None, num_sms: int = submission.B200_NUM_SMS):
+                 resident_clusters: int | None = None, num_sms: int = core.B200_NUM_SMS):
         if not 1 <= groups <= MAX_GROUPS:
             raise ValueError(f"G = {groups}: must be in 1..{MAX_GROUPS} (the tables kernel's warp holds 64 groups)")
-        if k <= 0 or k % submission.K_TILE:
-            raise ValueError(f"K = {k}: must be a positive multiple of {submission.K_TILE}")
+        if k <= 0 or k % core.K_TILE:
+            raise ValueError(f"K = {k}: must be a positive multiple of {core.K_TILE}")
         if n <= 0 or n % ATOM_ROWS:
             raise ValueError(f"N = {n}: must be a positive multiple of {ATOM_ROWS} (the weights' scale atoms)")
         if tokens < 1:
@@ -542,7 +542,7 @@ class Sm100MoeLaunches:
         self.tokens, self.groups, self.n, self.k = tokens, groups, n, k
         if config is None:
             even = [(_ceil_div(tokens, groups), n, k, 1)] * groups
-            config = submission.PERSISTENT_CONFIGS[submission.choose_tokens_per_tile(even, num_sms)]
+            config = core.PERSISTENT_CONFIGS[core.choose_tokens_per_tile(even, num_sms)]
         self.config = config
         self.max_tiles = max_moe_tiles(tokens, groups, n, config.tokens_per_tile, config.mma_m)
         self.repack_ctas = moe_repack_ctas(tokens, k)
@@ -552,8 +552,8 @@ class Sm100MoeLaunches:
 
     def sequence(self) -> list[Sm100MoeLaunch]:
         """The three launches in order (each the programmatic dependent of the one before where
-        submission.SM100_CHAIN_CALLS)."""
-        gemm = submission.PersistentGemmSm100
+        core.SM100_CHAIN_CALLS)."""
+        gemm = core.PersistentGemmSm100
         return [
             Sm100MoeLaunch(
                 "sm100_moe_tables", (1 + self.repack_ctas, 1, 1), (TABLES_THREADS, 1, 1), (1, 1, 1),
@@ -574,10 +574,10 @@ class Sm100MoeLaunches:
     def buffer_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Device buffers one call needs besides its operands: name -> (dtype, shape)."""
         return {
-            "ptrs": ("int64", (self.groups, submission.NUM_PTR_COLS)),
+            "ptrs": ("int64", (self.groups, core.NUM_PTR_COLS)),
             "sizes": ("int32", (self.groups, 4)),
             "tiles": ("int32", (self.max_tiles + 1, TILE_ROW)),
-            "tensormaps": ("int64", (self.groups, submission.PERSISTENT_NUM_TENSORMAPS, 16)),
+            "tensormaps": ("int64", (self.groups, core.PERSISTENT_NUM_TENSORMAPS, 16)),
             "sfa_blocked": ("uint8", (self.scratch_rows, self.k // SF_VEC_SIZE)),
             "status": ("int32", (1,)),
         }
@@ -600,7 +600,7 @@ class Sm100MoeLaunches:
         tables, init, gemm = self.compile()
 
         def ptr(dtype, tensor):
-            return submission._gmem_ptr(dtype, tensor)
+            return core.gmem_ptr(dtype, tensor)
 
         tables(
             *(ptr(dtype, tensor) for dtype, tensor in zip(TABLES_POINTER_DTYPES, (

@@ -8,7 +8,7 @@ CPU tensors, each compiled 'kernel' writing the exact result, or a wrong one, or
 import torch
 
 import reference
-import submission
+from nvfp4_group_gemm import core as submission
 from reference import generate_input
 
 # The competition's four benchmark shapes: per group (M, N, K, L).

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import assert_exact, expected, official_inputs
 
-import submission
+from nvfp4_group_gemm import core as submission
 from nvfp4_group_gemm import launch, op, runtime, sm100
 
 sm100_runtime = pytest.fixture(helpers.sm100_library_runtime)

@@ -1207,7 +1207,7 @@ def test_attribute_reads_read_every_tensor_a_check_needs(monkeypatch):
     tensor's dtype, shape, strides and device, a, b, c then the reordered scales; the timing
     runs on clones (new pointers), one figure per clone."""
     host_overhead = load_bench("host_overhead")
-    import submission
+    from nvfp4_group_gemm import core as submission
     from reference import generate_input
 
     data = generate_input(m=(40, 72), n=(128, 128), k=(256, 256), g=2, seed=3, device="cpu")

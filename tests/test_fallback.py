@@ -9,7 +9,7 @@ import torch
 from helpers import PacksItsPlanTiles, assert_exact, expected, official_inputs
 
 import reference
-import submission
+from nvfp4_group_gemm import core as submission
 from nvfp4_group_gemm import launch, runtime
 
 sm100_runtime = pytest.fixture(helpers.sm100_runtime)
@@ -37,7 +37,7 @@ def test_no_fault_runs_the_first_link_and_checks_it_once(sm100_runtime, capsys):
     assert_exact(run(data), data)
     assert fakes.ran == ["persistent_gemm"] and submission._DEMOTED == {}
     key = submission.SM100_CHOICES["persistent_t128"].kernel_key(2)
-    assert key in submission._SELF_CHECKED
+    assert key in submission.SELF_CHECKED
     assert stderr_lines(capsys) == []
 
 
@@ -93,7 +93,7 @@ def test_launch_failure_with_a_usable_context_moves_down_and_returns_a_correct_r
 def test_launch_failure_that_poisoned_the_context_is_raised(sm100_runtime, monkeypatch, capsys):
     fakes, run = sm100_runtime
     fakes.launch_fails.add("persistent_gemm")
-    monkeypatch.setattr(submission, "_context_usable", lambda device: False)
+    monkeypatch.setattr(submission, "context_usable", lambda device: False)
     data = official_inputs(SIZES_PERSISTENT)
     with pytest.raises(RuntimeError, match="CUresult 1"):
         run(data)
@@ -112,7 +112,7 @@ def test_self_check_demotes_a_wrong_kernel_and_returns_the_oracles_result(sm100_
     # The next call runs the per-tile kernel, which gets its own first-use check
     assert_exact(run(data), data)
     assert fakes.ran == ["persistent_gemm", "per_tile_gemm"]
-    assert submission.SM100_CHOICES["per_tile"].kernel_key(2) in submission._SELF_CHECKED
+    assert submission.SM100_CHOICES["per_tile"].kernel_key(2) in submission.SELF_CHECKED
 
 
 def test_self_check_runs_once_per_compiled_kernel_not_per_size_set(sm100_runtime, monkeypatch):
@@ -313,7 +313,7 @@ def test_an_oracle_that_cannot_run_skips_the_check_in_one_line(sm100_runtime, mo
     (line,) = stderr_lines(capsys)
     assert "sm100 kernel persistent_t128" in line
     assert "self-check skipped, its oracle exact_decode failed (RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED)" in line
-    assert submission._DEMOTED == {} and submission._SELF_CHECKED == set()
+    assert submission._DEMOTED == {} and submission.SELF_CHECKED == set()
     # not checked: the next new input set tries the oracle again (and says so again)
     run(official_inputs(((64, 256, 256, 1), (8, 256, 256, 1)), seed=3))
     (line,) = stderr_lines(capsys)

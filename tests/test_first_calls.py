@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import PacksItsPlanTiles, make_inputs, runtime_on_cpu
 
-import submission
+from nvfp4_group_gemm import core as submission
 from nvfp4_group_gemm import launch, runtime
 
 TILE = 128
@@ -120,7 +120,7 @@ def direct_runtime(monkeypatch):
 
     def run(data):
         backend.current = data
-        for t in submission._flatten((*data[0], *data[2])):
+        for t in submission.flatten((*data[0], *data[2])):
             if t.numel():
                 backend.tensors[t.data_ptr()] = t
         return runtime.custom_kernel(data)
@@ -197,7 +197,7 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
     size_plan, = runtime._SIZE_PLANS.entries.values()
     ring = launch._TABLE_RINGS[None]
     assert size_plan.device_head is None and size_plan.launched
-    assert backend.last_tables.sizes == ring.device_base + ring.offset - submission._align_up(size_plan.table_bytes, 128)
+    assert backend.last_tables.sizes == ring.device_base + ring.offset - submission.align_up(size_plan.table_bytes, 128)
     assert runtime._SEEN_ONCE.get((submission.input_key(first), tuple(SIZES))) is True
 
     run(second)  # a known size set: the head to the device, the pointers to a table of their own
@@ -215,7 +215,7 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
     run(third)  # the head is not copied again: the ring holds only the pointers and the launch's table
     _assert_exact(third)
     assert size_plan.device_head is head and backend.last_tables.sizes == head.value.data_ptr()
-    assert ring.offset - offset_before == submission._align_up(size_plan.table_bytes - size_plan.ptrs_offset, 128)
+    assert ring.offset - offset_before == submission.align_up(size_plan.table_bytes - size_plan.ptrs_offset, 128)
     assert uploads == []  # no binding yet, no plan with device tables
 
     for _, _, c in second[0]:
@@ -263,7 +263,7 @@ def test_an_unchecked_kernel_runs_its_first_call_bound(direct_runtime, monkeypat
     run(data)
     assert backend.first_calls == [] and len(backend.bound_launches) == 1
     key = submission.KernelChoice("direct", "direct", per_group_count=True).kernel_key(len(SIZES))
-    assert key in submission._SELF_CHECKED
+    assert key in submission.SELF_CHECKED
     other = make_inputs(SIZES)
     run(other)  # checked now: a first call without a binding
     _assert_exact(other)

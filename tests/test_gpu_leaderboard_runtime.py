@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import submission
+from nvfp4_group_gemm import core as submission
 from reference import check_implementation, generate_input, ref_kernel
 
 pytestmark = pytest.mark.skipif(
@@ -61,7 +61,7 @@ def test_the_official_cases_are_exact_through_the_leaderboard_runtime(hopper_in_
             assert ok, (case, message)
             assert all(torch.equal(got, want) for got, want in zip(outputs, expected)), case
     assert capsys.readouterr().err == ""  # no demotion, no skipped check
-    assert submission._SELF_CHECKED and not submission._DEMOTED
+    assert submission.SELF_CHECKED and not submission._DEMOTED
 
 
 def test_a_wrong_first_link_is_demoted_by_the_leaderboard_self_check(hopper_in_the_leaderboard_runtime, monkeypatch,

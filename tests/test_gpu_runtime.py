@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import supported_gpu
 
-import submission
+from nvfp4_group_gemm import core as submission
 from nvfp4_group_gemm import launch, runtime
 from reference import generate_input, match_outputs, ref_kernel
 

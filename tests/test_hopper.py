@@ -24,7 +24,7 @@ from hopper_emulation import (
 )
 
 import build_report
-import submission
+from nvfp4_group_gemm import core as submission
 from nvfp4_group_gemm import hopper, launch, runtime
 from reference import (
     E2M1_VALUES,

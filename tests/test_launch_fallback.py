@@ -18,7 +18,7 @@ import pytest
 from cutlass import cute
 from cutlass.cute.runtime import make_ptr
 
-import submission
+from nvfp4_group_gemm import core as submission
 from nvfp4_group_gemm import launch
 
 
@@ -69,8 +69,8 @@ def launch_args():
 
 @pytest.fixture
 def pinned_release(monkeypatch):
-    monkeypatch.setattr(submission, "_DSL_VERSION", submission._PREPARED_LAUNCH_DSL_VERSION)
-    monkeypatch.setattr(submission, "_FORCE_PLAIN_LAUNCH", False)
+    monkeypatch.setattr(submission, "DSL_VERSION", submission.PREPARED_LAUNCH_DSL_VERSION)
+    monkeypatch.setattr(submission, "FORCE_PLAIN_LAUNCH", False)
 
 
 def _packed(args):
@@ -78,8 +78,8 @@ def _packed(args):
 
 
 def test_the_installed_release_is_the_one_checked():
-    assert submission._DSL_VERSION == importlib.metadata.version("nvidia-cutlass-dsl")
-    assert submission._PREPARED_LAUNCH_DSL_VERSION == "4.3.5"  # the leaderboard runner's
+    assert submission.DSL_VERSION == importlib.metadata.version("nvidia-cutlass-dsl")
+    assert submission.PREPARED_LAUNCH_DSL_VERSION == "4.3.5"  # the leaderboard runner's
 
 
 def test_pinned_release_takes_the_prepared_path(pinned_release, launch_args):
@@ -95,12 +95,12 @@ def test_pinned_release_takes_the_prepared_path(pinned_release, launch_args):
 
 @pytest.mark.parametrize("release", ["4.8.1", "4.3.4", "4.4.0", None])
 def test_any_other_release_takes_the_public_path_with_the_same_arguments(monkeypatch, launch_args, release):
-    monkeypatch.setattr(submission, "_FORCE_PLAIN_LAUNCH", False)
-    monkeypatch.setattr(submission, "_DSL_VERSION", submission._PREPARED_LAUNCH_DSL_VERSION)
+    monkeypatch.setattr(submission, "FORCE_PLAIN_LAUNCH", False)
+    monkeypatch.setattr(submission, "DSL_VERSION", submission.PREPARED_LAUNCH_DSL_VERSION)
     prepared = RecordingCompiled()
     submission.make_launcher(prepared, *launch_args)()
 
-    monkeypatch.setattr(submission, "_DSL_VERSION", release)
+    monkeypatch.setattr(submission, "DSL_VERSION", release)
     public = RecordingCompiled()
     launch = submission.make_launcher(public, *launch_args)
     assert public.conversions == 0  # nothing of the DSL's internals touched
@@ -120,7 +120,7 @@ def test_pinned_release_without_the_internals_falls_back_to_the_public_path(pinn
 
 
 def test_plain_launch_forced_takes_the_public_path(pinned_release, monkeypatch, launch_args):
-    monkeypatch.setattr(submission, "_FORCE_PLAIN_LAUNCH", True)
+    monkeypatch.setattr(submission, "FORCE_PLAIN_LAUNCH", True)
     compiled = RecordingCompiled()
     submission.make_launcher(compiled, *launch_args)()
     assert compiled.public_calls == [launch_args] and compiled.conversions == 1
@@ -179,7 +179,7 @@ def test_a_bound_cell_launch_keeps_its_own_values(pinned_release):
 
 @pytest.mark.parametrize("release", ["4.2.0", "4.4.0", None])
 def test_cell_launcher_under_any_other_release_takes_the_public_path(monkeypatch, release):
-    monkeypatch.setattr(submission, "_DSL_VERSION", release)
+    monkeypatch.setattr(submission, "DSL_VERSION", release)
     compiled = CellReadingCompiled()
     launcher = launch.CellLauncher(compiled, compiled.KINDS, compiled.DTYPES)
     launcher(1 << 32, 2 << 32, 7, 0)

@@ -1,13 +1,15 @@
-"""The two parts, one way apart: importing submission.py pulls in nothing of the library; the
-library imports submission.py once and shares it with `import submission`, or, where a harness
-runs the library's entry file as its `submission` module, loads the leaderboard file under a
-name of its own. Each case in a fresh interpreter (module state is process-wide)."""
+"""The two parts, one way apart: submission.py (the leaderboard file) is the package's core
+module bundled, byte for byte; importing it pulls in nothing of the library; the library
+imports its own core (nvfp4_group_gemm.core) whatever a harness put under the name
+`submission`. Each import case in a fresh interpreter (module state is process-wide)."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from nvfp4_group_gemm import bundle
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,23 +18,16 @@ CASES = {
         "import sys, submission\n"
         "assert not any(name.startswith('nvfp4_group_gemm') for name in sys.modules), sorted(sys.modules)\n"
     ),
-    "one module for both": (
-        "import submission, nvfp4_group_gemm.leaderboard as lb\n"
-        "assert lb.submission is submission\n"
-        "import nvfp4_group_gemm.runtime as rt\n"
-        "assert rt.submission is submission and rt.validate_inputs.__module__ == 'nvfp4_group_gemm.runtime'\n"
-    ),
-    "the library first": (
-        "import nvfp4_group_gemm, sys\n"
-        "import submission\n"
-        "assert nvfp4_group_gemm.leaderboard.submission is submission is sys.modules['submission']\n"
+    "the library on its core": (
+        "import sys, nvfp4_group_gemm.runtime as rt, nvfp4_group_gemm.core as core\n"
+        "assert rt.core is core and 'submission' not in sys.modules, sorted(sys.modules)\n"
+        "assert rt.validate_inputs.__module__ == 'nvfp4_group_gemm.runtime'\n"
     ),
     "a harness's own submission module": (
         "import sys, types\n"
         "sys.modules['submission'] = types.ModuleType('submission')  # the entry file, mid-import\n"
-        "import nvfp4_group_gemm.leaderboard as lb\n"
-        "assert lb.submission.__name__ == 'nvfp4_group_gemm._submission'\n"
-        "assert lb.submission is not sys.modules['submission'] and hasattr(lb.submission, 'PersistentGemmSm100')\n"
+        "import nvfp4_group_gemm.moe as moe, nvfp4_group_gemm.core as core\n"
+        "assert moe.core is core and hasattr(core, 'PersistentGemmSm100')\n"
     ),
 }
 
@@ -42,3 +37,19 @@ def test_imports_one_way(name):
     done = subprocess.run([sys.executable, "-c", CASES[name]], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_leaderboard_file_is_the_bundle_of_the_core():
+    """submission.py is rebuilt by `python -m nvfp4_group_gemm.bundle`; an edit of the core
+    that was not bundled fails here (and --check exits 1)."""
+    assert (REPO_ROOT / "submission.py").read_text(encoding="utf-8") == bundle.bundled_text(), (
+        "submission.py is stale: run `python -m nvfp4_group_gemm.bundle`")
+    assert bundle.main(["--check", "--out", str(REPO_ROOT / "submission.py")]) == 0
+
+
+def test_a_stale_bundle_is_reported(tmp_path, capsys):
+    stale = tmp_path / "submission.py"
+    stale.write_text(bundle.bundled_text() + "# an edit by hand\n", encoding="utf-8")
+    assert bundle.main(["--check", "--out", str(stale)]) == 1
+    assert "differs from nvfp4_group_gemm/core.py bundled" in capsys.readouterr().err
+    assert bundle.main(["--out", str(stale)]) == 0 and stale.read_text(encoding="utf-8") == bundle.bundled_text()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import official_inputs
 
-import submission
+from nvfp4_group_gemm import core as submission
 from reference import create_reordered_scale_factor_tensor
 
 sm100_runtime = pytest.fixture(helpers.sm100_runtime)
@@ -158,7 +158,7 @@ def test_a_correct_fp32_kernel_on_general_scales_is_not_demoted(sm100_runtime, c
     data = cancelling_inputs()
     run(data)
     assert capsys.readouterr().err == ""
-    assert submission._DEMOTED == {} and len(submission._SELF_CHECKED) == 1
+    assert submission._DEMOTED == {} and len(submission.SELF_CHECKED) == 1
 
 
 @pytest.mark.parametrize("defect", [k_block_off_by_one_kernel, swapped_scales_kernel],
@@ -191,11 +191,11 @@ def test_a_poisoned_context_raises_the_kernels_fault_not_the_oracles(sm100_runti
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setitem(submission.HOST_COMPUTATIONS, "exact_decode", faulting_oracle)
-    monkeypatch.setattr(submission, "_context_usable", lambda device: False)
+    monkeypatch.setattr(submission, "context_usable", lambda device: False)
     with pytest.raises(RuntimeError, match=r"sm100 kernel persistent_t128 \(.*\), G = 1: the GPU context faulted "
                                            r"after this kernel ran.*illegal memory access"):
         run(official_inputs([(40, 128, 256, 1)]))
-    assert submission._SELF_CHECKED == set()
+    assert submission.SELF_CHECKED == set()
 
 
 def test_a_kernel_is_checked_only_once_its_oracle_ran(sm100_runtime, monkeypatch, capsys):
@@ -212,7 +212,7 @@ def test_a_kernel_is_checked_only_once_its_oracle_ran(sm100_runtime, monkeypatch
     monkeypatch.setitem(submission.HOST_COMPUTATIONS, "exact_decode", oracle_failing_once)
     run(official_inputs([(40, 128, 256, 1)]))  # the context is usable: skipped, not checked
     assert "self-check skipped, its oracle exact_decode failed" in capsys.readouterr().err
-    assert submission._SELF_CHECKED == set()
+    assert submission.SELF_CHECKED == set()
     fakes.wrong.add("persistent_gemm")
     data = official_inputs([(40, 128, 256, 1)], seed=8)
     assert_exact(run(data), data)  # the next new input set is checked: the defect is found

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import selfcheck
-import submission
+from nvfp4_group_gemm import core as submission
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -32,8 +32,8 @@ import pytest
 from test_sm100_persistent import _compile_kept, _run_nvdisasm
 
 import build_report
-import submission
 from build_report import Flow, ptx_flow, ptx_is_global, sass_flow, sass_is_global
+from nvfp4_group_gemm import core as submission
 
 ROOT = Path(__file__).resolve().parents[1]
 

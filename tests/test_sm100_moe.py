@@ -26,7 +26,7 @@ sm100_moe = pytest.importorskip("nvfp4_group_gemm.sm100_moe", reason="needs the 
 
 import build_report
 from build_report import ptx_flow, ptx_is_global
-from nvfp4_group_gemm.leaderboard import submission
+from nvfp4_group_gemm import core as submission
 
 CONFIGS = submission.PERSISTENT_CONFIGS
 K_TILE = 256

@@ -23,7 +23,7 @@ import pytest
 from cutlass import cute
 
 import build_report
-import submission
+from nvfp4_group_gemm import core as submission
 
 SM100_SMEM_LIMIT = 232_448  # 227 KB opt-in per block, compute capability 10.0
 REGISTER_FILE = 65_536  # 32-bit registers per SM; one CTA per SM
@@ -65,7 +65,7 @@ Build = collections.namedtuple("Build", "config kernel cubin ptx sass")
 def persistent_build(request, tmp_path_factory):
     config = submission.PERSISTENT_CONFIGS[request.param]
     kernel = submission.PersistentGemmSm100(config)
-    fake = submission._fake_ptr
+    fake = submission.fake_ptr
     cubin, ptx = _compile_kept(
         lambda options: cute.compile(
             kernel, fake(cutlass.Int32), fake(cutlass.Int64),
@@ -127,7 +127,7 @@ def test_resources_within_the_launch_and_the_stage_formula(persistent_build):
 def test_init_kernel_builds_without_local_memory(tmp_path):
     config = submission.PERSISTENT_CONFIGS[128]
     kernel = submission.PersistentGemmSm100(config)
-    fake = submission._fake_ptr
+    fake = submission.fake_ptr
     cubin_path, ptx_path = _compile_kept(
         lambda options: cute.compile(
             kernel.init_tensormaps, fake(cutlass.Int64), fake(cutlass.Int32), fake(cutlass.Int64),

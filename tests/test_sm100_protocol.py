@@ -35,7 +35,7 @@ from pipeline_model import (
     simulate_launch,
 )
 
-import submission
+from nvfp4_group_gemm import core as submission
 
 TOKEN_TILES = (128, 256)
 MMA_M = 256

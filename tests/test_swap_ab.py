@@ -13,7 +13,7 @@ import torch
 from helpers import BENCHMARK_SIZES
 
 import build_report
-import submission
+from nvfp4_group_gemm import core as submission
 from nvfp4_group_gemm import hopper, launch, runtime
 from nvfp4_group_gemm.hopper import swap_ab
 from reference import create_reordered_scale_factor_tensor

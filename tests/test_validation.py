@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import fp4_operand, make_inputs, reordered_scales, replace_tensor
 
-import submission
+from nvfp4_group_gemm import core as submission
 from nvfp4_group_gemm import runtime
 
 SIZES = [(128, 256, 512, 1), (40, 384, 256, 1), (129, 128, 768, 1)]

@@ -11,8 +11,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import torch
 
-from .. import launch
-from ..leaderboard import submission
+from .. import core, launch
 from .config import (
     CTAS_PER_SM,
     SM90_CONFIG,
@@ -201,7 +200,7 @@ SM90_KERNELS = ("swap_ab", "in_gemm_decode")
 def default_kernel() -> str:
     """NVFP4_SM90_KERNEL (swap_ab when unset); ValueError naming the allowed values."""
 
-    return submission.env_switch("NVFP4_SM90_KERNEL", SM90_KERNELS, "swap_ab")
+    return core.env_switch("NVFP4_SM90_KERNEL", SM90_KERNELS, "swap_ab")
 
 
 def default_chain_calls() -> bool:
@@ -210,7 +209,7 @@ def default_chain_calls() -> bool:
     replays each input set's launches as a CUDA graph instead (about a third of the CPU per
     call, the pre-pass no longer overlapping the kernel before it). ValueError otherwise."""
 
-    return submission.env_switch("NVFP4_SM90_CHAIN_CALLS", ("0", "1"), "1") == "1"
+    return core.env_switch("NVFP4_SM90_CHAIN_CALLS", ("0", "1"), "1") == "1"
 
 
 class Sm90Backend:
@@ -260,7 +259,7 @@ class Sm90Backend:
         return choose_config(problem_sizes, current_num_sms())
 
     def kernel_chain(self, problem_sizes) -> Sequence:
-        """The kernels that can run these sizes, best first (submission.KernelChoice): the
+        """The kernels that can run these sizes, best first (core.KernelChoice): the
         automatic choice (swap_ab unless NVFP4_SM90_KERNEL=in_gemm_decode), the in-GEMM-decode
         kernel, the exact decode. A backend made with a config runs that config alone."""
         if self.config is not None:
@@ -272,10 +271,10 @@ class Sm90Backend:
         # the in-GEMM-decode config (a stream-K plan's cost) is chosen only if that link is reached
         links += [lambda: _choice("in_gemm_decode", choose_config(problem_sizes, current_num_sms())),
                   lambda: self.oracle]
-        return submission.KernelChain(links)
+        return core.KernelChain(links)
 
     def compile(self, choice, num_groups: int) -> None:
-        """Compile (cached) the kernels of `choice` (a submission.KernelChoice)."""
+        """Compile (cached) the kernels of `choice` (a core.KernelChoice)."""
         if not choice.host:
             _compiled_gemm(choice.config, num_groups)
 
@@ -285,7 +284,7 @@ class Sm90Backend:
 
     def family_choices(self, groups: int, n: int, k: int) -> list:
         """Every kernel the automatic choice can pick for `groups` groups of this N and K,
-        whatever their M (submission.warmup compiles them): every swap-AB config
+        whatever their M (core.warmup compiles them): every swap-AB config
         choose_swap_ab_config can return (with 128-wide k-tiles where K % 512 == 0, unchained
         where the backend does not chain), or every config choose_config can return."""
         if self.config is not None:
@@ -352,17 +351,17 @@ class Sm90Backend:
         return tiles
 
     def pack_tiles(self, problem_sizes, choice):
-        """plan_tiles(problem_sizes, choice) as submission.PackedTiles: for swap-AB joined from
+        """plan_tiles(problem_sizes, choice) as core.PackedTiles: for swap-AB joined from
         cached per-bucket blocks (schedules.packed_swap_ab_tiles: a MoE step plans new sizes
         on every call)."""
 
         config = choice.config
         if isinstance(config, SwapAbConfig):
-            return submission.PackedTiles(packed_swap_ab_tiles(problem_sizes, config), config.tile_row_width)
-        return submission.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
+            return core.PackedTiles(packed_swap_ab_tiles(problem_sizes, config), config.tile_row_width)
+        return core.PackedTiles.of(self.plan_tiles(problem_sizes, choice))
 
     def prepare(self, spec) -> Sm90Plan:
-        """Compile (cached) the spec's kernel (submission.PlanSpec: its choice, sizes, device and
+        """Compile (cached) the spec's kernel (core.PlanSpec: its choice, sizes, device and
         tile rows) and, for stream-K, plan the workers' shares and allocate their buffers."""
         config = spec.choice.config
         self.compile(spec.choice, spec.num_groups)
@@ -383,10 +382,10 @@ class Sm90Backend:
 
     def launcher(self, plan, binding):
         """The prepared launch of a bound input set on the legacy default stream (handle 0),
-        as the leaderboard file's runtime launches (submission.Backend): that runtime drives
+        as the leaderboard file's runtime launches (core.Backend): that runtime drives
         this backend as it drives its own, so an H100/H200 runs it (tests/test_gpu_leaderboard_runtime.py)."""
         launches = self.launch_args(plan, binding, cuda.CUstream(0))
-        return submission.in_order([entry.launcher() for entry in (launches if isinstance(launches, list) else [launches])])
+        return core.in_order([entry.launcher() for entry in (launches if isinstance(launches, list) else [launches])])
 
     def launch_args(self, plan, binding, stream: cuda.CUstream):
         """The launches of this input set on `stream` as launch.CellArgs: for swap-AB the
@@ -433,10 +432,10 @@ def config_kind(config) -> str:
 # naming a config (config_name) compares it with every registered one.
 @functools.lru_cache(maxsize=256)
 def _choice(name: str, config=None, host: bool = False):
-    """A link of a chain: submission.KernelChoice (the runtime's type; imported here, at plan
+    """A link of a chain: core.KernelChoice (the runtime's type; imported here, at plan
     time, since submission imports this package only on its first sm_90 use)."""
 
-    return submission.KernelChoice("sm90", name, config, per_group_count=not host, host=host,
+    return core.KernelChoice("sm90", name, config, per_group_count=not host, host=host,
                                    label=None if config is None else config_name(config))
 
 

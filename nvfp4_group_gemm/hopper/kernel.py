@@ -14,7 +14,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import cute, utils
 from cutlass.cute.runtime import make_ptr
 
-from ..leaderboard import submission
+from .. import core
 from .config import (
     CONFIGS,
     CTAS_PER_SM,
@@ -621,7 +621,7 @@ class Sm90Nvfp4GroupedGemm:
 # =============================================================================
 # Compilation
 # =============================================================================
-def _fake_ptr(dtype):
+def fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
@@ -658,9 +658,9 @@ def smem_per_sm_known_without_gpu():
 def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemmConfig = SM90_CONFIG):
     """Compile (cached) the sm_90a kernel; the key is everything baked in."""
 
-    return submission.compile_once(("sm90_gemm", num_groups, config), lambda: (Sm90Nvfp4GroupedGemm(config, num_groups), (
-        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), cutlass.Int32(1),
-        _fake_ptr(cutlass.Int32), cutlass.Int32(1), _fake_ptr(cutlass.Float32), _fake_ptr(cutlass.Int32),
+    return core.compile_once(("sm90_gemm", num_groups, config), lambda: (Sm90Nvfp4GroupedGemm(config, num_groups), (
+        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), cutlass.Int32(1),
+        fake_ptr(cutlass.Int32), cutlass.Int32(1), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32),
         cuda.CUstream(0),
     )), options, context=smem_per_sm_known_without_gpu)
 

@@ -36,7 +36,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import cute
 
-from ..leaderboard import submission
+from .. import core
 from .config import SF_VEC_SIZE, SWAP_AB_HALF_K, SwapAbConfig
 from .kernel import smem_per_sm_known_without_gpu
 from .ptx import decode_scale_blocks_global
@@ -44,9 +44,9 @@ from .schedules import TOKEN_CLASS_STEP
 from .swap_ab import (
     DECODE_THREADS,
     Sm90SwapAbGemm,
-    _fake_ptr,
     activation_chunk_offsets,
     activation_scale_offset,
+    fake_ptr,
 )
 
 # Rows of a group's padded slab start on multiples of this (the slab swizzle repeats every 8
@@ -361,9 +361,9 @@ def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAb
     from .config import SWAP_AB_CONFIG
 
     config = SWAP_AB_CONFIG if config is None else config
-    return submission.compile_once(("sm90_moe_gemm", num_groups, config), lambda: (Sm90MoeSwapAbGemm(config, num_groups), (
-        _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8),
-        _fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1),
+    return core.compile_once(("sm90_moe_gemm", num_groups, config), lambda: (Sm90MoeSwapAbGemm(config, num_groups), (
+        fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8),
+        fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1),
         cutlass.Int32(1), cutlass.Int32(132), cuda.CUstream(0),
     )), options, context=smem_per_sm_known_without_gpu)
 
@@ -371,10 +371,10 @@ def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAb
 def compile_moe_decode(num_groups: int, options: str | None = None, scale_layout: str = "plain",
                        chained: bool = False):
     """Compile (cached) the MoE pre-pass for num_groups groups reading `scale_layout` scales."""
-    return submission.compile_once(("sm90_moe_decode", num_groups, scale_layout, chained), lambda: (
+    return core.compile_once(("sm90_moe_decode", num_groups, scale_layout, chained), lambda: (
         Sm90MoeDecodeActivations(num_groups, scale_layout, chained),
-        (_fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Uint8), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Uint8),
-         _fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
+        (fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
+         fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
          cuda.CUstream(0)),
     ), options)
 

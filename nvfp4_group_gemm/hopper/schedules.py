@@ -287,7 +287,7 @@ def with_wide_k_tiles(problem_sizes, config: SwapAbConfig) -> SwapAbConfig:
 
 def tile_k_tiles(problem_sizes, tile_n: int) -> list[int]:
     """k-tiles of every TILE_M x tile_n output tile of a size set, in the tile table's order
-    (group-major, as submission.plan_tiles lays it out; groups with M = 0 have none)."""
+    (group-major, as core.plan_tiles lays it out; groups with M = 0 have none)."""
     return [
         k // SM90_CONFIG.tile_k
         for m, n, k, _l in problem_sizes

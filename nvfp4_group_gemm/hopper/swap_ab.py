@@ -36,7 +36,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import cute, utils
 from cutlass.cute.runtime import make_ptr
 
-from ..leaderboard import submission
+from .. import core
 from .config import (
     CONFIGS,
     SF_ATOM_BYTES,
@@ -589,16 +589,16 @@ class Sm90SwapAbGemm:
 # =============================================================================
 # Compilation
 # =============================================================================
-def _fake_ptr(dtype):
+def fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
 def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig = SWAP_AB_CONFIG):
     """Compile (cached) the swap-AB GEMM; the key is everything baked in."""
 
-    return submission.compile_once(("sm90_swap_ab_gemm", num_groups, config), lambda: (Sm90SwapAbGemm(config, num_groups), (
-        _fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int32), cutlass.Int32(1),
-        _fake_ptr(cutlass.Int64), cuda.CUstream(0),
+    return core.compile_once(("sm90_swap_ab_gemm", num_groups, config), lambda: (Sm90SwapAbGemm(config, num_groups), (
+        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), cutlass.Int32(1),
+        fake_ptr(cutlass.Int64), cuda.CUstream(0),
     )), options, context=smem_per_sm_known_without_gpu)
 
 
@@ -606,9 +606,9 @@ def compile_decode_activations(num_groups: int, options: str | None = None, chai
     """Compile (cached) the activation pre-pass for num_groups groups (chained: launched as the
     previous kernel's programmatic dependent, SwapAbConfig.chain_calls)."""
 
-    return submission.compile_once(("sm90_decode_activations", num_groups, chained), lambda: (
+    return core.compile_once(("sm90_decode_activations", num_groups, chained), lambda: (
         Sm90DecodeActivations(num_groups, chained),
-        (_fake_ptr(cutlass.Int64), _fake_ptr(cutlass.Int32), _fake_ptr(cutlass.Int64), cutlass.Int32(1),
+        (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64), cutlass.Int32(1),
          cuda.CUstream(0)),
     ), options)
 
