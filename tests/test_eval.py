@@ -1168,26 +1168,33 @@ def test_pytest_prints_the_gpu_skip_line(tmp_path):
     assert lines[-1].startswith("1 passed, 3 skipped")  # pytest's own closing line stays last
 
 
-def test_the_package_installs_no_top_level_modules(tmp_path):
+def test_the_wheel_holds_the_package_and_no_top_level_module(tmp_path):
+    """The wheel: nvfp4_group_gemm and its hopper subpackage, its version from __version__, the
+    DSL as a range; none of the repository's scripts (task, utils, reference, eval, submission)."""
     pytest.importorskip("setuptools", reason="builds the wheel with the installed setuptools")
+    import shutil
+    import zipfile
+
+    import nvfp4_group_gemm
+
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "task.py", "utils.py", "reference.py",
-                 "eval.py", "submission.py"):
+    for name in ("pyproject.toml", "README.md", "task.py", "utils.py", "reference.py", "eval.py", "submission.py"):
         (source / name).write_bytes((REPO_ROOT / name).read_bytes())
+    shutil.copytree(REPO_ROOT / "nvfp4_group_gemm", source / "nvfp4_group_gemm",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     completed = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "-w", str(tmp_path / "dist"), str(source)],
         capture_output=True, text=True, timeout=300, check=False)
     assert completed.returncode == 0, completed.stderr
-    (wheel,) = (tmp_path / "dist").glob("nvfp4_group_gemm-*.whl")
-    import zipfile
-
+    (wheel,) = (tmp_path / "dist").glob(f"nvfp4_group_gemm-{nvfp4_group_gemm.__version__}-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert names and all(name.startswith("nvfp4_group_gemm-") and ".dist-info/" in name
-                         for name in names), names
+    top_level = {name.split("/")[0] for name in names if ".dist-info/" not in name}
+    assert top_level == {"nvfp4_group_gemm"}, names
+    assert {"nvfp4_group_gemm/core.py", "nvfp4_group_gemm/hopper/swap_ab.py", "nvfp4_group_gemm/bundle.py"} <= set(names)
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA")))
-    assert b"Requires-Dist: nvidia-cutlass-dsl==4.3.5" in metadata
+    assert b"Requires-Dist: nvidia-cutlass-dsl<4.9,>=4.3.5" in metadata, metadata[:2000]
     assert b"Provides-Extra: plot" in metadata
 
 
