@@ -1084,14 +1084,14 @@ class _CompileOptionParser(argparse.ArgumentParser):
     rest pass through to build_report untouched)."""
 
     def error(self, message):
-        raise UsageError(f"compile: {message}")
+        raise UsageError(f"eval.py compile: {message}")
 
 
 def _check_compile_args(argv: list[str], backend_modules=None) -> None:
     """build_report's options, checked before anything compiles: --groups (distinct counts
     in 1..MAX_GROUPS), --modules (names among `backend_modules`, when known), --json (a
     writable file), --dump-dir (a writable folder); raises UsageError."""
-    parser = _CompileOptionParser(prog="compile", add_help=False)
+    parser = _CompileOptionParser(prog="eval.py compile", add_help=False)
     for option in ("--groups", "--modules", "--json", "--dump-dir"):
         parser.add_argument(option)
     options, _rest = parser.parse_known_args(argv)
@@ -1100,12 +1100,12 @@ def _check_compile_args(argv: list[str], backend_modules=None) -> None:
         items = [item.strip() for item in value.split(",") if item.strip()]
         if not items or not all(item.isdigit() and 1 <= int(item) <= MAX_GROUPS
                                 for item in items):
-            raise UsageError(f"compile: --groups {value!r}: expected comma-separated group "
+            raise UsageError(f"eval.py compile: --groups {value!r}: expected comma-separated group "
                              f"counts between 1 and {MAX_GROUPS}, e.g. 1,2,8")
         counts = collections.Counter(int(item) for item in items)
         twice = sorted(count for count, times in counts.items() if times > 1)
         if twice:
-            raise UsageError(f"compile: --groups {value!r}: {', '.join(map(str, twice))} given "
+            raise UsageError(f"eval.py compile: --groups {value!r}: {', '.join(map(str, twice))} given "
                              f"more than once; expected distinct group counts between 1 and "
                              f"{MAX_GROUPS}, e.g. 1,2,8")
     if options.modules is not None and backend_modules is not None:
@@ -1116,13 +1116,13 @@ def _check_compile_args(argv: list[str], backend_modules=None) -> None:
         if not names or unknown:
             what = (f"unknown module{'s' * (len(unknown) != 1)} {', '.join(map(repr, unknown))}"
                     if unknown else "no module named")
-            raise UsageError(f"compile: --modules {value!r}: {what}; the modules are "
+            raise UsageError(f"eval.py compile: --modules {value!r}: {what}; the modules are "
                              f"{allowed} (comma-separated)")
         if len(set(names)) != len(names):
-            raise UsageError(f"compile: --modules {value!r}: a module named more than once; "
+            raise UsageError(f"eval.py compile: --modules {value!r}: a module named more than once; "
                              f"the modules are {allowed} (comma-separated)")
-    check_output_file("compile: --json", options.json)
-    check_output_folder("compile: --dump-dir", options.dump_dir)
+    check_output_file("eval.py compile: --json", options.json)
+    check_output_folder("eval.py compile: --dump-dir", options.dump_dir)
 
 
 def run_compile(argv: list[str]) -> int:
@@ -1448,6 +1448,9 @@ def run(args: argparse.Namespace) -> int:
         seed = _popcorn_seed()
         fd = _popcorn_fd()
         default_file = DEFAULT_TEST_FILE if args.mode == "test" else DEFAULT_BENCHMARK_FILE
+        if args.file and not Path(args.file).is_file():  # a wrong path is a usage error, not a bad case file
+            raise UsageError(f"eval.py {args.mode}: case file {args.file}: "
+                             f"{'is a folder' if Path(args.file).is_dir() else 'no such file'}")
         tests = get_test_cases(args.file or str(default_file), seed)  # invalid: exit 113
         if args.mode in TIMING_MODES and not torch.cuda.is_available():
             raise UsageError(f"{args.mode} mode needs a CUDA GPU, and torch {torch.__version__} "

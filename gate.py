@@ -11,6 +11,8 @@ The checks, in the order the bot meets them (sources: docs/EVAL.md, "The leaderb
   syntax       ast.parse succeeds (kernelboard)
   stream       no `stream` in any case anywhere, comments and strings included (kernelbot
                api_utils.py:272 and cogs/leaderboard_cog.py:112: `"stream" in code.lower()`)
+  entry        a top-level `custom_kernel` taking one positional argument (the harness calls
+               custom_kernel(data) from the file's module)
   imports      every import (inside functions too) is of the standard library or a runner
                package: torch, cutlass, cuda (cuda-python), numpy, triton, or a file the runner
                puts beside the submission: task, utils, reference (this project's policy: what
@@ -46,6 +48,8 @@ MAX_BYTES = 1_000_000  # kernelbot api_utils.py, kernelboard MAX_CONTENT_LENGTH
 # kernelboard lib/file_handler.py's _TEXT_CTRL_RE: control bytes other than \t \n \r
 CONTROL_BYTES = re.compile(rb"[\x00-\x08\x0B\x0C\x0E-\x1F]")
 FORBIDDEN_WORD = "stream"
+# what the harness imports from the file and calls with one argument, the input set
+ENTRY = "custom_kernel"
 # Packages on the runner (torch, the CuTe DSL, cuda-python, numpy, triton) and the files the
 # runner puts beside submission.py (it supplies eval.py too: a submission has no business there)
 RUNNER_PACKAGES = ("torch", "cutlass", "cuda", "numpy", "triton")
@@ -116,6 +120,38 @@ def check_syntax(text: str, name: str) -> tuple[Check, ast.Module | None]:
     except SyntaxError as error:
         return Check("syntax", False, f"ast.parse fails: {error.msg} at line {error.lineno}"), None
     return Check("syntax", True, "ast.parse succeeds"), tree
+
+
+def check_entry(tree: ast.Module) -> Check:
+    """The harness calls `custom_kernel(data)` from the file's module: a top-level function (or
+    a name bound at top level, such as an import) taking one positional argument."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == ENTRY:
+            arguments = node.args
+            positional = arguments.posonlyargs + arguments.args
+            required = len(positional) - len(arguments.defaults)
+            takes_one = (required <= 1 and (len(positional) >= 1 or arguments.vararg is not None)
+                         and not any(default is None for default in arguments.kw_defaults))
+            if isinstance(node, ast.AsyncFunctionDef):
+                return Check("entry", False, f"`{ENTRY}` at line {node.lineno} is async: the harness calls it")
+            if not takes_one:
+                return Check("entry", False, f"`def {ENTRY}` at line {node.lineno} does not take one positional "
+                                             "argument: the harness calls custom_kernel(data)")
+            return Check("entry", True, f"`def {ENTRY}(...)` at line {node.lineno} takes one positional argument")
+        bound = _bound_names(node)
+        if ENTRY in bound:
+            return Check("entry", True, f"`{ENTRY}` bound at line {node.lineno} (not a def: its arguments are "
+                                        "checked when the harness calls it)")
+    return Check("entry", False, f"no top-level `{ENTRY}`: the harness imports custom_kernel from the file")
+
+
+def _bound_names(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {target.id for target in targets if isinstance(target, ast.Name)}
+    return set()
 
 
 def check_stream(text: str) -> Check:
@@ -249,17 +285,24 @@ def check_kernelguard(text: str) -> Check:
         return Check("kernelguard", False, f"kernelguard {version} failed (exit "
                                            f"{process.returncode}) without a verdict", tail)
     patterns = [item for item in result.get("matched_patterns", []) if isinstance(item, dict)]
-    details = [f"{item.get('pattern', '?')} ({item.get('severity', '?')}): "
-               f"{item.get('evidence', '')}" for item in patterns]
+    # each pattern with kernelguard's reason for it (its evidence)
+    details = [f"{item.get('pattern', '?')} ({item.get('severity', '?')} severity): matched because "
+               f"{item.get('evidence') or 'kernelguard gave no evidence'}" for item in patterns]
     classification = str(result.get("classification", "unknown"))
     should_filter = bool(result.get("should_filter"))
     pin = "" if version == KERNELGUARD_VERSION else f"; the bot pins {KERNELGUARD_VERSION}"
-    names = ", ".join(str(item.get("pattern", "?")) for item in patterns) or "none"
-    summary = (f"kernelguard {version}{pin}: classification {classification}, should_filter "
-               f"{str(should_filter).lower()}"
-               + (f" ({result['filter_reason']})" if result.get("filter_reason") else "")
-               + f"; patterns: {names}")
     passed = not should_filter and classification != "hacked"
+    # the verdict first: kept unless should_filter (the bot refuses then) or classified hacked
+    if should_filter:
+        verdict = "refused: should_filter true" + (f" ({result['filter_reason']})" if result.get("filter_reason") else "")
+    elif classification == "hacked":
+        verdict = "refused: classification hacked"
+    else:
+        verdict = "kept: should_filter false"
+    names = ", ".join(str(item.get("pattern", "?")) for item in patterns) or "none"
+    summary = (f"{verdict}; classification {classification} (kernelguard {version}{pin}); patterns: {names}"
+               + ("; a pattern alone does not refuse a file, the bot acts on should_filter" if patterns and passed
+                  else ""))
     return Check("kernelguard", passed, summary, details)
 
 
@@ -280,6 +323,7 @@ def iter_checks(path: Path, compile_timeout_s: float = COMPILE_TIMEOUT_S):
         syntax, tree = check_syntax(text, path.name)
         yield syntax
         yield check_stream(text)
+    yield (check_entry(tree) if tree is not None else Check("entry", None, "not checked: the file does not parse"))
     yield (check_imports(tree, text) if tree is not None
            else Check("imports", None, "not checked: the file does not parse"))
     # The bot refuses a file of the wrong size before it runs or reads anything else

@@ -39,7 +39,7 @@ TIMED_INPUT_SETS = 15  # the leaderboard's loop: 15 input sets per timed repeat
 
 
 def _fail_usage(message: str) -> int:
-    print(f"selfcheck: {message}", file=sys.stderr)
+    print(f"eval.py selfcheck: {message}", file=sys.stderr)
     return 2
 
 
@@ -58,12 +58,13 @@ class UsageError(Exception):
 
 
 def parse_args(argv):
-    parser = _OneLineParser(prog="eval.py selfcheck", description=__doc__.split("\n\n")[0])
+    parser = _OneLineParser(prog="eval.py selfcheck", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--json", default="selfcheck.json", help="report path (default selfcheck.json)")
     parser.add_argument("--random", type=int, default=30, help="random group sets (default 30, at least 30 for a report)")
     parser.add_argument("--repeats", type=int, default=20, help="timed repeats per kernel and benchmark (default 20)")
     parser.add_argument("--kernels", default=None, help="comma-separated kernel names to run (default all)")
-    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--seed", type=int, default=2026,
+                        help="seed of the random group sets (default 2026): the same seed, the same sets")
     parser.add_argument("--timeout", type=float, default=900,
                         help="seconds each kernel may take in its own process before it counts as hung (default 900)")
     parser.add_argument("--in-process", action="store_true",

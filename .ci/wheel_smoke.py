@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import nvfp4_group_gemm
-import nvfp4_group_gemm.hopper as hopper
 import nvfp4_group_gemm.sm100
-import nvfp4_group_gemm.sm100_moe  # noqa: F401
-from nvfp4_group_gemm import core
+import nvfp4_group_gemm.sm100_moe
+from nvfp4_group_gemm import core, hopper
 
 location = Path(nvfp4_group_gemm.__file__).resolve()
 assert "site-packages" in location.parts, f"imported from {location}, not the installed wheel"

@@ -17,7 +17,7 @@ import torch
 from cutlass import cute
 from cutlass.cute.runtime import make_ptr
 
-from . import core
+from nvfp4_group_gemm import core
 
 align_up = core.align_up
 flatten = core.flatten

@@ -48,7 +48,9 @@ import threading
 import cutlass
 import torch
 
-from . import core, launch
+from nvfp4_group_gemm import core
+
+from . import launch
 
 SF_VEC_SIZE = 16
 ATOM_ROWS = 128

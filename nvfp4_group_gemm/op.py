@@ -4,7 +4,8 @@ import itertools
 
 import torch
 
-from . import core
+from nvfp4_group_gemm import core
+
 from .moe import moe_grouped_gemm, moe_reference
 from .runtime import custom_kernel
 

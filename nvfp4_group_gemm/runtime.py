@@ -19,7 +19,8 @@ from collections.abc import Callable
 import cuda.bindings.driver as cuda
 import torch
 
-from . import core
+from nvfp4_group_gemm import core
+
 from .launch import (
     _CAPTURE_ARENAS,
     _STREAM_OBJECTS,

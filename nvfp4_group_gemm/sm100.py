@@ -12,7 +12,8 @@ import cutlass
 import torch
 from cutlass import cute
 
-from . import core
+from nvfp4_group_gemm import core
+
 from .launch import Written, _stream_for_current
 
 

@@ -59,7 +59,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import cute, utils
 
-from . import core
+from nvfp4_group_gemm import core
+
 from .sm100 import PersistentGemmOnStream, compile_persistent_init
 
 SF_VEC_SIZE = 16

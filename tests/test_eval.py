@@ -459,10 +459,12 @@ def test_explicit_submission_and_the_runners_protocol_stay_strict(tmp_path):
     (["benchmark", "--plot", "/nonexistent-folder/p.png"], {}, "--plot /nonexistent-folder"),
     (["test"], {"POPCORN_SEED": "abc"}, "POPCORN_SEED = 'abc': expected an integer"),
     (["compile", "--groups", "abc"], {},
-     "compile: --groups 'abc': expected comma-separated group counts between 1 and 64"),
-    (["compile", "--groups=0,2"], {}, "compile: --groups '0,2'"),
+     "eval.py compile: --groups 'abc': expected comma-separated group counts between 1 and 64"),
+    (["compile", "--groups=0,2"], {}, "eval.py compile: --groups '0,2'"),
     (["test", "--bogus"], {}, "eval.py test: unrecognized arguments: --bogus"),
     (["test", "--submission", "absent.py"], {}, "submission file not found: "),
+    (["test", "absent-cases.txt"], {}, "eval.py test: case file absent-cases.txt: no such file"),
+    (["benchmark", "tests"], {}, "eval.py benchmark: case file tests: is a folder"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(monkeypatch, capsys, argv, env, message):
     for key, value in env.items():
@@ -881,37 +883,37 @@ def test_ctrl_c_prints_one_line_exits_130_and_ends_the_submissions_process(tmp_p
      "descriptor")),
     (["test"], {"POPCORN_FD": "-1"}, "POPCORN_FD = '-1': expected the number of an open file"),
     (["compile", "--groups", "2,2"], {},
-     ("compile: --groups '2,2': 2 given more than once; expected distinct group counts between "
+     ("eval.py compile: --groups '2,2': 2 given more than once; expected distinct group counts between "
      "1 and 64, e.g. 1,2,8")),
-    (["compile", "--groups=1,8,1,8"], {}, "compile: --groups '1,8,1,8': 1, 8 given more than"),
+    (["compile", "--groups=1,8,1,8"], {}, "eval.py compile: --groups '1,8,1,8': 1, 8 given more than"),
     (["compile", "--modules", "nvfp4_hoper"], {},
-     ("compile: --modules 'nvfp4_hoper': unknown module 'nvfp4_hoper'; the modules are "
+     ("eval.py compile: --modules 'nvfp4_hoper': unknown module 'nvfp4_hoper'; the modules are "
      f"{BACKENDS} (comma-separated)")),
     (["compile", "--modules", "submission,,"], {}, None),  # valid: checked, then refused below
     (["compile", "--modules", ","], {},
-     f"compile: --modules ',': no module named; the modules are {BACKENDS}"),
+     f"eval.py compile: --modules ',': no module named; the modules are {BACKENDS}"),
     (["compile", "--modules", "submission,submission"], {},
-     "compile: --modules 'submission,submission': a module named more than once"),
+     "eval.py compile: --modules 'submission,submission': a module named more than once"),
     (["compile", "--json", "/proc/x.json"], {},
-     "compile: --json /proc/x.json: cannot be created ("),
+     "eval.py compile: --json /proc/x.json: cannot be created ("),
     (["compile", "--json", "/nonexistent-folder/r.json"], {},
-     ("compile: --json /nonexistent-folder/r.json: the folder /nonexistent-folder does not "
+     ("eval.py compile: --json /nonexistent-folder/r.json: the folder /nonexistent-folder does not "
      "exist")),
-    (["compile", "--json", str(REPO_ROOT)], {}, f"compile: --json {REPO_ROOT}: is a folder"),
+    (["compile", "--json", str(REPO_ROOT)], {}, f"eval.py compile: --json {REPO_ROOT}: is a folder"),
     (["compile", "--dump-dir", "/proc/x"], {},
-     "compile: --dump-dir /proc/x: cannot write in /proc ("),
+     "eval.py compile: --dump-dir /proc/x: cannot write in /proc ("),
     (["compile", "--dump-dir", "/nonexistent/d"], {},
-     ("compile: --dump-dir /nonexistent/d: the folder /nonexistent does not exist (create it "
+     ("eval.py compile: --dump-dir /nonexistent/d: the folder /nonexistent does not exist (create it "
       "first, or name a folder in an existing one)")),
     (["compile", "--dump-dir", str(REPO_ROOT / "eval.py")], {},
-     f"compile: --dump-dir {REPO_ROOT / 'eval.py'}: is a file; expected a folder"),
+     f"eval.py compile: --dump-dir {REPO_ROOT / 'eval.py'}: is a file; expected a folder"),
     (["compile", "--dump-dir", str(REPO_ROOT / "eval.py" / "x")], {},
-     f"compile: --dump-dir {REPO_ROOT / 'eval.py' / 'x'}: {REPO_ROOT / 'eval.py'} is a file"),
+     f"eval.py compile: --dump-dir {REPO_ROOT / 'eval.py' / 'x'}: {REPO_ROOT / 'eval.py'} is a file"),
 ])
 def test_every_input_is_checked_before_any_work(monkeypatch, capsys, argv, env, message):
     if message is None:  # a valid --modules list, with an output path refused after it
         argv = [*argv, "--json", "/proc/x.json"]
-        message = "compile: --json /proc/x.json: cannot be created ("
+        message = "eval.py compile: --json /proc/x.json: cannot be created ("
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     if "POPCORN_FD" not in env:

@@ -13,10 +13,10 @@ from nvfp4_group_gemm import core as submission
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "selfcheck: needs a CUDA GPU (sm_100 B200 or sm_90 H100/H200); none is visible here"),
-    (["--random", "-1"], "selfcheck: --random must be >= 0, --repeats >= 1 and --timeout > 0"),
-    (["--kernels", "per_tile,persistnt"], "selfcheck: --kernels: unknown persistnt; allowed: persistent_t128,"),
-    (["--bogus"], "selfcheck: unrecognized arguments: --bogus"),
+    ([], "eval.py selfcheck: needs a CUDA GPU (sm_100 B200 or sm_90 H100/H200); none is visible here"),
+    (["--random", "-1"], "eval.py selfcheck: --random must be >= 0, --repeats >= 1 and --timeout > 0"),
+    (["--kernels", "per_tile,persistnt"], "eval.py selfcheck: --kernels: unknown persistnt; allowed: persistent_t128,"),
+    (["--bogus"], "eval.py selfcheck: unrecognized arguments: --bogus"),
 ])
 def test_refusals_are_one_line_and_exit_2(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -30,7 +30,7 @@ def test_eval_dispatches_selfcheck(monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert harness.main(["selfcheck"]) == 2
-    assert "selfcheck: needs a CUDA GPU" in capsys.readouterr().err
+    assert "eval.py selfcheck: needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_sm100_kernels_are_every_link_the_automatic_choice_can_pick():

@@ -11,7 +11,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import torch
 
-from .. import core, launch
+from nvfp4_group_gemm import core
+
+from .. import launch
 from .config import (
     CTAS_PER_SM,
     SM90_CONFIG,

@@ -36,7 +36,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 from cutlass import cute
 
-from .. import core
+from nvfp4_group_gemm import core
+
 from .config import SF_VEC_SIZE, SWAP_AB_HALF_K, SwapAbConfig
 from .kernel import smem_per_sm_known_without_gpu
 from .ptx import decode_scale_blocks_global

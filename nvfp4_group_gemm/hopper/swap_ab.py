@@ -36,7 +36,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import cute, utils
 from cutlass.cute.runtime import make_ptr
 
-from .. import core
+from nvfp4_group_gemm import core
+
 from .config import (
     CONFIGS,
     SF_ATOM_BYTES,
