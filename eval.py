@@ -281,6 +281,27 @@ def _describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _raised(error: BaseException) -> str:
+    """The submission's exception in one line for the report; with eval.py --traceback, its
+    first one's traceback printed in full to stderr too."""
+    global _TRACEBACK_PENDING
+    if _TRACEBACK_PENDING is None:
+        _TRACEBACK_PENDING = os.environ.get(TRACEBACK_SWITCH) == "1"
+    if _TRACEBACK_PENDING:
+        _TRACEBACK_PENDING = False
+        import traceback
+
+        print("eval.py --traceback: the submission's first exception:", file=sys.stderr)
+        traceback.print_exception(error, file=sys.stderr)
+        sys.stderr.flush()
+    return _describe_error(error)
+
+
+# Set by `--traceback` for the submission's process (spawned: it inherits the environment)
+TRACEBACK_SWITCH = "EVAL_PRINT_TRACEBACK"
+_TRACEBACK_PENDING = None  # None: the switch not read yet in this process
+
+
 def output_problem(output, g: int) -> str | None:
     """Why `output` is not what custom_kernel must return (a list or tuple of g tensors, C of
     each group), or None; checked before the comparison, which assumes that form."""
@@ -323,7 +344,7 @@ def _run_single_test(test: TestCase):
         submission_output = custom_kernel(_clone_data(data))
         _synchronize()
     except Exception as E:  # noqa: BLE001 - reported as a failed test, not a harness crash
-        return False, f"custom_kernel raised {_describe_error(E)}"
+        return False, f"custom_kernel raised {_raised(E)}"
     return check_output(data, submission_output)
 
 
@@ -358,7 +379,7 @@ def _run_single_benchmark(
         for data in data_list:
             outputs.append(custom_kernel(_clone_data(data)))
     except Exception as E:  # noqa: BLE001
-        return f"custom_kernel raised {_describe_error(E)}"
+        return f"custom_kernel raised {_raised(E)}"
     # The reference is deterministic: compute each expected output once, reuse it for every
     # recheck below.
     expected = [ref_kernel(data) for data in check_copy]
@@ -393,7 +414,7 @@ def _run_single_benchmark(
             for data in run_inputs:
                 outputs.append(custom_kernel(data))
         except Exception as E:  # noqa: BLE001
-            return f"repeat {repeat}: custom_kernel raised {_describe_error(E)}"
+            return f"repeat {repeat}: custom_kernel raised {_raised(E)}"
         host_elapsed_s = time.perf_counter() - host_start
         end_event.record()
         torch.cuda.synchronize()
@@ -536,7 +557,7 @@ def _worker_loop(connection, submission_path: str) -> None:
         except SystemExit:
             raise
         except BaseException as error:  # noqa: BLE001 - answered as the case's failure
-            reply = ("error", one_line(_describe_error(error)))
+            reply = ("error", one_line(_raised(error)))
         try:
             connection.send(reply)
         except Exception as error:  # noqa: BLE001 - e.g. a result that does not pickle
@@ -1202,6 +1223,9 @@ def mode_parser(mode: str) -> argparse.ArgumentParser:
                         help=f"seconds one case may take (default {CASE_TIMEOUT_S:g}; 0: no "
                              "limit): on expiry the submission's process is killed, the case "
                              "fails, the rest do not run, exit 112")
+    parser.add_argument("--traceback", action="store_true",
+                        help="print the full traceback of the submission's first exception, once, to stderr "
+                             "(the report shows each failing case's exception in one line)")
     parser.add_argument("--plot", dest="plot_path", metavar="PATH",
                         help=("draw the results into this PNG (needs matplotlib: pip install "
                               "-e '.[plot]')") if timed else argparse.SUPPRESS)
@@ -1460,6 +1484,8 @@ def run(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         return 2
     set_seed(seed or 42)
+    if args.traceback:
+        os.environ[TRACEBACK_SWITCH] = "1"
 
     logger = PopcornOutput(fd) if fd is not None else StdoutOutput()
     with logger, Worker(str(submission), args.case_timeout) as pool:

