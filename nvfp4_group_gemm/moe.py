@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
 
 import cutlass
 import torch
@@ -361,7 +360,10 @@ _SEEN_ONCE = object()
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()
-_LOCK = threading.Lock()
+# The one lock of every runtime of the package: compiles and shared state, so that a MoE
+# compile and a per-size-set compile on two threads never run at once (concurrent first
+# compiles crash inside the DSL)
+_LOCK = core.RUNTIME_LOCK
 
 
 # Split-K of 32-token tiles at decode: each rank keeps at least this many 64-wide k-tiles (the

@@ -53,3 +53,15 @@ def test_a_stale_bundle_is_reported(tmp_path, capsys):
     assert bundle.main(["--check", "--out", str(stale)]) == 1
     assert "differs from nvfp4_group_gemm/core.py bundled" in capsys.readouterr().err
     assert bundle.main(["--out", str(stale)]) == 0 and stale.read_text(encoding="utf-8") == bundle.bundled_text()
+
+
+def test_one_lock_for_every_runtime():
+    """Compiles and shared state of every entry (the core's runtime, the library's per-size-set
+    runtime and its launch machinery, the MoE entry) run under one lock: concurrent first
+    compiles crash inside the DSL."""
+    import threading
+
+    from nvfp4_group_gemm import core, launch, moe, runtime
+
+    locks = {id(module_lock) for module_lock in (core.RUNTIME_LOCK, runtime.RUNTIME_LOCK, launch.RUNTIME_LOCK, moe._LOCK)}
+    assert len(locks) == 1 and isinstance(core.RUNTIME_LOCK, type(threading.RLock()))
