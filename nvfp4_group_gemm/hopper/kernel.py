@@ -107,20 +107,23 @@ def reduce_split_k_partials(tidx, warp_group_idx, reduction_base, accumulators, 
     k_rank = cute.arch.block_idx_in_cluster()
     summing_rank = warp_group_idx % split_k
     senders = split_k - 1
-    # the slots of warpgroup w: split_k - 1 per warpgroup a rank sums (w // split_k-th of them),
-    # one per sender, 128 threads side by side
-    slot_size = 128 * num_vectors
-    first_slot = (warp_group_idx // split_k) * senders
+    # slots of warpgroup w's rows, in 16-byte units: split_k - 1 per warpgroup a rank sums (the
+    # w // split_k-th of them), one per sender, 128 threads side by side (one sender with two
+    # ranks: the expression as it was before four, the same PTX)
+    first_slot = (warp_group_idx // split_k) * 128 * num_vectors + tidx % 128
+    if cutlass.const_expr(split_k != 2):
+        first_slot = (warp_group_idx // split_k) * senders * 128 * num_vectors + tidx % 128
     # every thread of the cluster is past its main loop: the receiving buffers are free
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
     if k_rank != summing_rank:
-        # the ranks after the summing one (cyclically) are senders 0, 1, ...
-        sender = (k_rank - summing_rank - 1 + split_k) % split_k
-        slot_thread = (first_slot + sender) * slot_size + tidx % 128
+        sender_slot = first_slot
+        if cutlass.const_expr(split_k != 2):
+            # the ranks after the summing one (cyclically) are senders 0, 1, ...
+            sender_slot = first_slot + (k_rank - summing_rank - 1 + split_k) % split_k * 128 * num_vectors
         for j in cutlass.range_constexpr(num_vectors):
             store_f32x4_to_rank(
-                reduction_base + (j * 128 + slot_thread) * 16,
+                reduction_base + (j * 128 + sender_slot) * 16,
                 [accumulators[4 * j + e] for e in range(4)],
                 summing_rank,
             )
@@ -129,9 +132,8 @@ def reduce_split_k_partials(tidx, warp_group_idx, reduction_base, accumulators, 
     cute.arch.cluster_wait()
     if k_rank == summing_rank:
         for sender in cutlass.range_constexpr(senders):
-            slot_thread = (first_slot + sender) * slot_size + tidx % 128
             for j in cutlass.range_constexpr(num_vectors):
-                partial = load_f32x4(reduction_base + (j * 128 + slot_thread) * 16)
+                partial = load_f32x4(reduction_base + (j * 128 + first_slot + sender * 128 * num_vectors) * 16)
                 for e in cutlass.range_constexpr(4):
                     accumulators[4 * j + e] = accumulators[4 * j + e] + partial[e]
 
