@@ -2179,38 +2179,57 @@ def fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
-# Every sm_100 build, by what is baked into its code: the kernel, G or the config, whether
-# its launch chains to the kernel before it (SM100_CHAIN_CALLS), the options
+# Every build of every backend, by compile_key
 _COMPILED: dict = {}
+# Module switches the traced kernels read as they are built: their values join every key
+TRACE_SWITCHES = ("SM100_CHAIN_CALLS",)
 
 
-def compile_once(key: tuple, make: Callable[[], tuple], options: str | None = None, context=contextlib.nullcontext):
-    """cute.compile once per `key` (the options are part of it), of the function and example
-    arguments `make()` returns (called only on a miss), inside `context()`; the DSL's options
-    are passed only where given. Every build of both backends goes through here."""
-    key = (*key, options)
+def compile_key(build: Callable[..., tuple], args: tuple, options: str | None) -> tuple:
+    """What a compiled kernel depends on, derived from the call rather than typed at it: the
+    build (module and qualified name), every argument the build takes, the DSL options, and the
+    value of each module switch the traced code reads (TRACE_SWITCHES)."""
+    module = sys.modules[__name__]
+    return (build.__module__, build.__qualname__, args, options,
+            tuple((name, getattr(module, name)) for name in TRACE_SWITCHES))
+
+
+def compile_once(build: Callable[..., tuple], *args, options: str | None = None, context=contextlib.nullcontext):
+    """cute.compile of what build(*args) returns, (function, example arguments), once per
+    compile_key(build, args, options), inside `context()`; the DSL's options passed only where
+    given. A build is a module-level function: it sees only its arguments, all of them in the
+    key (a lambda or a closure could bake in what the key does not hold, and is refused).
+    Every build of every backend goes through here."""
+    if build.__name__ == "<lambda>" or build.__closure__:
+        raise TypeError(f"compile_once: build {build.__qualname__} must be a module-level function (what it closes "
+                        "over would not be in the compile key)")
+    key = compile_key(build, args, options)
     compiled = _COMPILED.get(key)
     if compiled is None:
-        fn, args = make()
+        fn, example = build(*args)
         with context():
-            compiled = _COMPILED[key] = cute.compile(fn, *args, **({"options": options} if options else {}))
+            compiled = _COMPILED[key] = cute.compile(fn, *example, **({"options": options} if options else {}))
     return compiled
+
+
+def per_tile_init_build(num_groups: int) -> tuple:
+    return init_tensormaps_jit, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
+                                 cutlass.Int32(num_groups))
+
+
+def per_tile_gemm_build(num_groups: int) -> tuple:
+    return gemm_jit, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
+                      cutlass.Int32(1), cutlass.Int32(num_groups))
 
 
 def compile_init_tensormaps(num_groups: int, options: str | None = None):
     """The per-tile kernel's descriptor init (its constants are the module's)."""
-    return compile_once(("per_tile_init", num_groups, SM100_CHAIN_CALLS), lambda: (init_tensormaps_jit, (
-        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
-        cutlass.Int32(num_groups),
-    )), options)
+    return compile_once(per_tile_init_build, num_groups, options=options)
 
 
 def compile_gemm(num_groups: int, options: str | None = None):
     """The per-tile GEMM (its constants are the module's)."""
-    return compile_once(("per_tile_gemm", num_groups, SM100_CHAIN_CALLS), lambda: (gemm_jit, (
-        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(num_groups),
-    )), options)
+    return compile_once(per_tile_gemm_build, num_groups, options=options)
 
 
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
@@ -2314,21 +2333,25 @@ def choose_tokens_per_tile(problem_sizes, num_sms: int = B200_NUM_SMS) -> int:
 persistent_can_implement = PersistentGemmSm100.can_implement
 
 
+def persistent_init_build(config: PersistentGemmConfig) -> tuple:
+    return PersistentGemmSm100(config).init_tensormaps, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32),
+                                                         fake_ptr(cutlass.Int64), cutlass.Int32(1))
+
+
+def persistent_gemm_build(config: PersistentGemmConfig) -> tuple:
+    return PersistentGemmSm100(config), (fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
+                                         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1))
+
+
 def compile_persistent_init(config: PersistentGemmConfig, options: str | None = None):
     """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
-    return compile_once(("persistent_init", config, SM100_CHAIN_CALLS), lambda: (PersistentGemmSm100(config).init_tensormaps, (
-        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
-        cutlass.Int32(1),
-    )), options)
+    return compile_once(persistent_init_build, config, options=options)
 
 
 def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = None):
     """The persistent GEMM for `config`; G, the tile count and the cluster count are runtime
     values, so one build serves every input set of that config."""
-    return compile_once(("persistent_gemm", config, SM100_CHAIN_CALLS), lambda: (PersistentGemmSm100(config), (
-        fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
-    )), options)
+    return compile_once(persistent_gemm_build, config, options=options)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,37 +78,42 @@ def _ptr(dtype):
     return core.fake_ptr(dtype)
 
 
-def _key(kernel: str, what) -> tuple:
-    """The build's cache key: the entry, G or the config, and whether its launch chains to the
-    kernel before it (core.SM100_CHAIN_CALLS, read when it is traced)."""
-    return (kernel, what, core.SM100_CHAIN_CALLS)
+def per_tile_init_build(num_groups: int) -> tuple:
+    return per_tile_init_on_stream, (_ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int64),
+                                     cutlass.Int32(num_groups), cuda.CUstream(0))
 
 
+def per_tile_gemm_build(num_groups: int) -> tuple:
+    return per_tile_gemm_on_stream, (_ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int32), _ptr(cutlass.Int64),
+                                     cutlass.Int32(1), cutlass.Int32(num_groups), cuda.CUstream(0))
+
+
+def persistent_init_build(config) -> tuple:
+    return PersistentGemmOnStream(config).init_tensormaps, (
+        _ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int64), cutlass.Int32(1), cuda.CUstream(0))
+
+
+def persistent_gemm_build(config) -> tuple:
+    return PersistentGemmOnStream(config), (_ptr(cutlass.Int32), _ptr(cutlass.Int64), cutlass.Int32(1),
+                                            cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
+
+
+# Each build's key (core.compile_key) holds its argument and whether its launch chains to the
+# kernel before it (core.SM100_CHAIN_CALLS, read when it is traced)
 def compile_per_tile_init(num_groups: int, options: str | None = None):
-    return core.compile_once(_key("per_tile_init_on_stream", num_groups), lambda: (per_tile_init_on_stream, (
-        _ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int64), cutlass.Int32(num_groups), cuda.CUstream(0),
-    )), options)
+    return core.compile_once(per_tile_init_build, num_groups, options=options)
 
 
 def compile_per_tile_gemm(num_groups: int, options: str | None = None):
-    return core.compile_once(_key("per_tile_gemm_on_stream", num_groups), lambda: (per_tile_gemm_on_stream, (
-        _ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int32), _ptr(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(num_groups), cuda.CUstream(0),
-    )), options)
+    return core.compile_once(per_tile_gemm_build, num_groups, options=options)
 
 
 def compile_persistent_init(config, options: str | None = None):
-    return core.compile_once(_key("persistent_init_on_stream", config), lambda: (
-        PersistentGemmOnStream(config).init_tensormaps,
-        (_ptr(cutlass.Int64), _ptr(cutlass.Int32), _ptr(cutlass.Int64), cutlass.Int32(1), cuda.CUstream(0)),
-    ), options)
+    return core.compile_once(persistent_init_build, config, options=options)
 
 
 def compile_persistent_gemm(config, options: str | None = None):
-    return core.compile_once(_key("persistent_gemm_on_stream", config), lambda: (PersistentGemmOnStream(config), (
-        _ptr(cutlass.Int32), _ptr(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0),
-    )), options)
+    return core.compile_once(persistent_gemm_build, config, options=options)
 
 
 def compile_targets():

@@ -461,12 +461,6 @@ def _fake(dtype):
     return core.fake_ptr(dtype)
 
 
-def _key(kernel: str, config) -> tuple:
-    """The build's cache key: the entry, the GEMM config, and whether its launch chains to the
-    kernel before it (core.SM100_CHAIN_CALLS, read when it is traced)."""
-    return (kernel, config, core.SM100_CHAIN_CALLS)
-
-
 # Pointer dtypes of the tables entry's arguments (a caller's make_ptr must use the same)
 TABLES_POINTER_DTYPES = (
     cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Int32, cutlass.Uint8, cutlass.Int32,
@@ -474,22 +468,28 @@ TABLES_POINTER_DTYPES = (
 )
 
 
-def compile_moe_tables(config: core.PersistentGemmConfig, options: str | None = None):
-    """The tables + repack kernel for `config`'s token tile (T, G, N, K, the capacity and the
-    repack grid are run-time values)."""
-    return core.compile_once(_key("sm100_moe_tables", config), lambda: (Sm100MoeTables(config), (
+def moe_tables_build(config: core.PersistentGemmConfig) -> tuple:
+    return Sm100MoeTables(config), (
         *(_fake(dtype) for dtype in TABLES_POINTER_DTYPES),
         cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
         cutlass.Int32(1), cuda.CUstream(0),
-    )), options)
+    )
+
+
+def moe_gemm_build(config: core.PersistentGemmConfig) -> tuple:
+    return PersistentMoeGemmSm100(config), (_fake(cutlass.Int32), _fake(cutlass.Int64), cutlass.Int32(1),
+                                            cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
+
+
+def compile_moe_tables(config: core.PersistentGemmConfig, options: str | None = None):
+    """The tables + repack kernel for `config`'s token tile (T, G, N, K, the capacity and the
+    repack grid are run-time values)."""
+    return core.compile_once(moe_tables_build, config, options=options)
 
 
 def compile_moe_gemm(config: core.PersistentGemmConfig, options: str | None = None):
     """The persistent GEMM reading its tile count from device memory, for `config`."""
-    return core.compile_once(_key("sm100_moe_gemm", config), lambda: (PersistentMoeGemmSm100(config), (
-        _fake(cutlass.Int32), _fake(cutlass.Int64),
-        cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0),
-    )), options)
+    return core.compile_once(moe_gemm_build, config, options=options)
 
 
 def compile_targets():

@@ -329,7 +329,8 @@ def test_compile_keys_keep_chained_and_plain_builds_apart(monkeypatch):
     from nvfp4_group_gemm import sm100
 
     keys = []
-    monkeypatch.setattr(submission, "compile_once", lambda key, make, options=None, context=None: keys.append(key))
+    monkeypatch.setattr(submission, "compile_once", lambda build, *args, options=None, context=None: keys.append(
+        submission.compile_key(build, args, options)))
     compilers = [
         lambda: submission.compile_init_tensormaps(2), lambda: submission.compile_gemm(2),
         lambda: submission.compile_persistent_init(CONFIGS[128]), lambda: submission.compile_persistent_gemm(CONFIGS[128]),
@@ -342,7 +343,8 @@ def test_compile_keys_keep_chained_and_plain_builds_apart(monkeypatch):
             compile_fn()
     chained, plain = keys[:len(compilers)], keys[len(compilers):]
     assert len(set(chained)) == len(compilers) and not set(chained) & set(plain)
-    assert all(True in key for key in chained) and all(False in key for key in plain)
+    assert all(key[-1] == (("SM100_CHAIN_CALLS", True),) for key in chained)
+    assert all(key[-1] == (("SM100_CHAIN_CALLS", False),) for key in plain)
 
 
 def _switch_value(value: str | None) -> subprocess.CompletedProcess:

@@ -658,14 +658,17 @@ def smem_per_sm_known_without_gpu():
         helpers.get_device_attribute = query
 
 
-def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemmConfig = SM90_CONFIG):
-    """Compile (cached) the sm_90a kernel; the key is everything baked in."""
-
-    return core.compile_once(("sm90_gemm", num_groups, config), lambda: (Sm90Nvfp4GroupedGemm(config, num_groups), (
+def gemm_build(num_groups: int, config: HopperGemmConfig) -> tuple:
+    return Sm90Nvfp4GroupedGemm(config, num_groups), (
         fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), cutlass.Int32(1),
         fake_ptr(cutlass.Int32), cutlass.Int32(1), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32),
         cuda.CUstream(0),
-    )), options, context=smem_per_sm_known_without_gpu)
+    )
+
+
+def compile_gemm(num_groups: int, options: str | None = None, config: HopperGemmConfig = SM90_CONFIG):
+    """Compile (cached on G, the config and the options: core.compile_key) the sm_90a kernel."""
+    return core.compile_once(gemm_build, num_groups, config, options=options, context=smem_per_sm_known_without_gpu)
 
 
 def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:

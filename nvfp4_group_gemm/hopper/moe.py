@@ -357,27 +357,36 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                               weight_tile, a_frag, accumulators_by_class[self.tile_t])
 
 
-def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None):
-    """Compile (cached) the MoE GEMM of `config` for num_groups groups."""
-    from .config import SWAP_AB_CONFIG
-
-    config = SWAP_AB_CONFIG if config is None else config
-    return core.compile_once(("sm90_moe_gemm", num_groups, config), lambda: (Sm90MoeSwapAbGemm(config, num_groups), (
+def moe_gemm_build(num_groups: int, config: SwapAbConfig) -> tuple:
+    return Sm90MoeSwapAbGemm(config, num_groups), (
         fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8),
         fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1),
         cutlass.Int32(1), cutlass.Int32(132), cuda.CUstream(0),
-    )), options, context=smem_per_sm_known_without_gpu)
+    )
+
+
+def moe_decode_build(num_groups: int, scale_layout: str, chained: bool) -> tuple:
+    return Sm90MoeDecodeActivations(num_groups, scale_layout, chained), (
+        fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
+        fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
+        cuda.CUstream(0),
+    )
+
+
+def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None):
+    """Compile (cached: core.compile_key) the MoE GEMM of `config` for num_groups groups."""
+    from .config import SWAP_AB_CONFIG
+
+    config = SWAP_AB_CONFIG if config is None else config
+    return core.compile_once(moe_gemm_build, num_groups, config, options=options,
+                             context=smem_per_sm_known_without_gpu)
 
 
 def compile_moe_decode(num_groups: int, options: str | None = None, scale_layout: str = "plain",
                        chained: bool = False):
-    """Compile (cached) the MoE pre-pass for num_groups groups reading `scale_layout` scales."""
-    return core.compile_once(("sm90_moe_decode", num_groups, scale_layout, chained), lambda: (
-        Sm90MoeDecodeActivations(num_groups, scale_layout, chained),
-        (fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Uint8),
-         fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
-         cuda.CUstream(0)),
-    ), options)
+    """Compile (cached: core.compile_key) the MoE pre-pass for num_groups groups reading
+    `scale_layout` scales."""
+    return core.compile_once(moe_decode_build, num_groups, scale_layout, chained, options=options)
 
 
 def moe_compile_targets():

@@ -594,24 +594,28 @@ def fake_ptr(dtype):
     return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
 
 
-def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig = SWAP_AB_CONFIG):
-    """Compile (cached) the swap-AB GEMM; the key is everything baked in."""
-
-    return core.compile_once(("sm90_swap_ab_gemm", num_groups, config), lambda: (Sm90SwapAbGemm(config, num_groups), (
+def swap_ab_gemm_build(num_groups: int, config: SwapAbConfig) -> tuple:
+    return Sm90SwapAbGemm(config, num_groups), (
         fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), cutlass.Int32(1),
         fake_ptr(cutlass.Int64), cuda.CUstream(0),
-    )), options, context=smem_per_sm_known_without_gpu)
+    )
+
+
+def decode_activations_build(num_groups: int, chained: bool) -> tuple:
+    return Sm90DecodeActivations(num_groups, chained), (
+        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64), cutlass.Int32(1), cuda.CUstream(0))
+
+
+def compile_swap_ab_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig = SWAP_AB_CONFIG):
+    """Compile (cached: core.compile_key) the swap-AB GEMM."""
+    return core.compile_once(swap_ab_gemm_build, num_groups, config, options=options,
+                             context=smem_per_sm_known_without_gpu)
 
 
 def compile_decode_activations(num_groups: int, options: str | None = None, chained: bool = False):
-    """Compile (cached) the activation pre-pass for num_groups groups (chained: launched as the
-    previous kernel's programmatic dependent, SwapAbConfig.chain_calls)."""
-
-    return core.compile_once(("sm90_decode_activations", num_groups, chained), lambda: (
-        Sm90DecodeActivations(num_groups, chained),
-        (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64), cutlass.Int32(1),
-         cuda.CUstream(0)),
-    ), options)
+    """Compile (cached: core.compile_key) the activation pre-pass for num_groups groups
+    (chained: launched as the previous kernel's programmatic dependent, SwapAbConfig.chain_calls)."""
+    return core.compile_once(decode_activations_build, num_groups, chained, options=options)
 
 
 # The GEMM builds of the build report: every config the automatic choice runs
