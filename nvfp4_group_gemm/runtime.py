@@ -743,13 +743,17 @@ core.DEMOTION_LISTENERS.append(_forget_plans_of)
 
 def reset_runtime() -> None:
     """Forget every input set (bound or run once), plan, size plan, backend, demotion and
-    self-check result of both runtimes (compiled kernels stay): the process as it was before
-    its first call, for tests and for a caller that changed an environment switch."""
+    self-check result of every runtime, the MoE entry's plans and bindings included
+    (moe.reset_moe; compiled kernels stay): the process as it was before its first call, for
+    tests and for a caller that changed an environment switch. Replay no graph captured before."""
+    from . import moe  # imported here: the MoE entry imports nothing of this module
+
     with RUNTIME_LOCK:
         for cache in (_BINDINGS, _PLANS, _SIZE_PLANS, _SEEN_ONCE, _CAPTURED):
             cache.clear()
         _BACKEND_BY_DEVICE.clear()
         core.reset_runtime()
+        moe.reset_moe()
 
 
 def warmup(n: int, k: int, groups: int, device=None) -> list[str]:

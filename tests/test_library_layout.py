@@ -65,3 +65,12 @@ def test_one_lock_for_every_runtime():
 
     locks = {id(module_lock) for module_lock in (core.RUNTIME_LOCK, runtime.RUNTIME_LOCK, launch.RUNTIME_LOCK, moe._LOCK)}
     assert len(locks) == 1 and isinstance(core.RUNTIME_LOCK, type(threading.RLock()))
+
+
+def test_one_reset_forgets_the_moe_entry_too(monkeypatch):
+    from nvfp4_group_gemm import moe, runtime
+
+    resets = []
+    monkeypatch.setattr(moe, "reset_moe", lambda: resets.append("moe"))
+    runtime.reset_runtime()
+    assert resets == ["moe"]
