@@ -122,11 +122,12 @@ except ImportError:
 OPERAND_MAJOR_MODE = getattr(cute.nvgpu, "OperandMajorMode", None) or tcgen05.OperandMajorMode
 
 
-def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
-    """The value of environment switch `name`, one of `allowed` (`default` when unset);
-    ValueError naming the allowed values otherwise. Every NVFP4_* switch is read through it."""
+def env_switch(name: str, allowed: tuple[str, ...] | None, default: str) -> str:
+    """The value of environment switch `name`, one of `allowed` (`default` when unset; any
+    value where allowed is None: a name its reader checks); ValueError naming the allowed
+    values otherwise. Every NVFP4_* switch is read through it."""
     value = os.environ.get(name, default)
-    if value not in allowed:
+    if allowed is not None and value not in allowed:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
     return value
 

@@ -42,7 +42,6 @@ launch where the stream is idle, two direct chained launches behind queued work 
 from __future__ import annotations
 
 import collections
-import os
 
 import cutlass
 import torch
@@ -421,7 +420,7 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     from .hopper.schedules import with_wide_k_tiles
 
     if forced == "env":
-        forced = os.environ.get("NVFP4_MOE_CONFIG")
+        forced = core.env_switch("NVFP4_MOE_CONFIG", None, "")  # a config name: config_named checks it
     if forced:
         from .hopper.config import config_named
 
@@ -463,7 +462,7 @@ def _switches() -> tuple:
     if not _SWITCHES:
         from .hopper.backend import default_chain_calls
 
-        _SWITCHES.append((os.environ.get("NVFP4_MOE_CONFIG") or None, default_chain_calls()))
+        _SWITCHES.append((core.env_switch("NVFP4_MOE_CONFIG", None, "") or None, default_chain_calls()))
     return _SWITCHES[0]
 
 
@@ -663,7 +662,7 @@ class Sm100MoeBinding:
 def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stream_handle: int) -> None:
     """The sm_100a version of the entry (compiled for sm_100a; never run here, no B200): only
     with NVFP4_MOE_SM100=1 (ValueError otherwise, naming the switch), plain activation scales."""
-    if os.environ.get("NVFP4_MOE_SM100") != "1":
+    if core.env_switch("NVFP4_MOE_SM100", ("0", "1"), "0") != "1":
         raise ValueError(
             "moe_grouped_gemm: the sm_100a MoE kernels (nvfp4_group_gemm.sm100_moe) are compiled for sm_100a "
             "but have never run on a B200: set NVFP4_MOE_SM100=1 to use them, and check them first with "

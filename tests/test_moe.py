@@ -284,6 +284,9 @@ def test_the_sm100_version_is_behind_an_explicit_switch(monkeypatch):
     shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
     with pytest.raises(ValueError, match=r"NVFP4_MOE_SM100=1 .*tests/test_gpu_moe\.py"):
         moe._launch_sm100(shape, *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
+    monkeypatch.setenv("NVFP4_MOE_SM100", "yes")  # read through core.env_switch as every NVFP4_* switch
+    with pytest.raises(ValueError, match=r"NVFP4_MOE_SM100='yes': must be one of 0, 1"):
+        moe._launch_sm100(shape, *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
     monkeypatch.setenv("NVFP4_MOE_SM100", "1")
     blocked = moe.MoeShape(300, 4, 256, 512, "blocked", "blocked")
     with pytest.raises(ValueError, match=r"plain activation scales"):
