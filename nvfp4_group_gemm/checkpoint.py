@@ -1,0 +1,165 @@
+"""NVIDIA ModelOpt's NVFP4 format for a MoE layer's experts: a reference quantizer written from
+the format's formula, its exact dequantization, and the loading of a layer's tensors into the
+MoE entry's operands.
+
+The format (what vLLM, SGLang, TensorRT-LLM and FlashInfer read), for E experts of hidden size
+H and intermediate size I, per projection (`w13`: gate and up fused, N = 2I, K = H; `w2`: down,
+N = H, K = I):
+
+    <p>_weight          uint8 [E, N, K/2]   two e2m1 values per byte, the first element of K in
+                                            the low nibble (as this package's float4_e2m1fn_x2)
+    <p>_weight_scale    e4m3  [E, N, K/16]  one scale per 16 consecutive elements of K
+    <p>_weight_scale_2  fp32  [E] (or [E, 2] for w13: gate and up quantized apart)
+    <p>_input_scale     fp32  [E] (a calibrated bound of the activations: amax / (6 x 448))
+
+Quantization of one expert's weight w (one tensor: one weight_scale_2):
+    weight_scale_2 = amax(|w|) / (6 x 448)
+    block scale    = e4m3(amax(|w| over the 16-block) / 6 / weight_scale_2)      (at most 448)
+    value          = e2m1(w / (block scale x weight_scale_2)), round to nearest even, saturating
+so w ~ value x block scale x weight_scale_2. A GEMM of activations quantized the same way with
+input_scale multiplies its fp32 accumulator by alpha = input_scale x weight_scale_2 (per expert).
+
+The MoE entry (moe_grouped_gemm) does not apply alpha yet: `load_moe_layer` returns it beside the
+operands, for the caller to apply to the fp32 result (c x alpha per group); an fp16 c can
+overflow before that (raw products of a real layer reach 1e7), so the caller must keep the raw
+sums in range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .moe import prepare_weight_scales
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+BLOCK = 16
+# Magnitudes of the e2m1 codes 0..7 (code | 8: the negative)
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Round to nearest, ties to the even code, as (midpoint, a tie rounds up): the code of |x| is
+# the number of midpoints below it (x > m, or x >= m where the tie goes to the upper, even code)
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """The e2m1 code (uint8 0..15, bit 3 the sign) of each element of x: round to nearest,
+    ties to even, saturating at +-6."""
+    magnitude = x.abs().float()
+    code = torch.zeros_like(magnitude, dtype=torch.uint8)
+    for midpoint, tie_up in _MIDPOINTS:
+        code += (magnitude >= midpoint if tie_up else magnitude > midpoint).to(torch.uint8)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[..., K] codes -> [..., K/2] uint8, the first element of each pair in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[..., K/2] uint8 -> [..., K] float32 values (the inverse of pack_e2m1 after e2m1_codes)."""
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=packed.device)
+    packed = packed.view(torch.uint8)
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).long()
+    values = magnitudes[codes & 7]
+    return torch.where(codes >= 8, -values, values)
+
+
+@dataclasses.dataclass
+class Nvfp4Tensor:
+    """One projection's experts in ModelOpt's NVFP4 format."""
+
+    weight: torch.Tensor  # uint8 [E, N, K/2]
+    weight_scale: torch.Tensor  # float8_e4m3fn [E, N, K/16]
+    weight_scale_2: torch.Tensor  # float32 [E]
+
+
+def quantize_nvfp4(weight: torch.Tensor) -> Nvfp4Tensor:
+    """Quantize [E, N, K] weights (any float dtype; K a multiple of 16) the ModelOpt way, one
+    weight_scale_2 per expert: the reference quantizer of the format's formula."""
+    if weight.dim() != 3 or weight.shape[-1] % BLOCK:
+        raise ValueError(f"quantize_nvfp4: weight.shape = {tuple(weight.shape)}: expected [E, N, K], K a multiple of 16")
+    w = weight.float()
+    experts, n, k = w.shape
+    amax = w.abs().amax(dim=(1, 2))
+    # an all-zero expert: any positive scale gives zero codes and zero block scales
+    scale_2 = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    blocks = w.reshape(experts, n, k // BLOCK, BLOCK)
+    block_amax = blocks.abs().amax(dim=-1)
+    block_scale = (block_amax / E2M1_MAX / scale_2[:, None, None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    denominator = block_scale.float() * scale_2[:, None, None]
+    scaled = torch.where(denominator[..., None] > 0, blocks / denominator[..., None], torch.zeros_like(blocks))
+    codes = e2m1_codes(scaled.reshape(experts, n, k))
+    return Nvfp4Tensor(pack_e2m1(codes), block_scale, scale_2)
+
+
+def dequantize_nvfp4(tensor: Nvfp4Tensor) -> torch.Tensor:
+    """[E, N, K] float32: value x block scale x weight_scale_2 (weight_scale_2 [E], or [E, 2]
+    over the two halves of N)."""
+    values = unpack_e2m1(tensor.weight)
+    n = values.shape[1]
+    scales = tensor.weight_scale.float().repeat_interleave(BLOCK, dim=-1)
+    scale_2 = tensor.weight_scale_2.float()
+    if scale_2.dim() == 2:  # gate and up halves of a fused w13, each its own scale
+        scale_2 = scale_2.repeat_interleave(n // 2, dim=1)[:, :, None]
+    else:
+        scale_2 = scale_2[:, None, None]
+    return values * scales * scale_2
+
+
+def input_scale_of(activations: torch.Tensor) -> torch.Tensor:
+    """The activations' global scale as ModelOpt calibrates it: amax / (6 x 448)."""
+    return activations.abs().amax().float() / (E2M1_MAX * E4M3_MAX)
+
+
+@dataclasses.dataclass
+class MoeProjection:
+    """What the MoE entry takes for one projection of a layer's experts, and its global scale."""
+
+    b: torch.Tensor  # float4_e2m1fn_x2 [E, N, K/2]
+    sfb: torch.Tensor  # float8_e4m3fn, blocked [E, N/128, K/64, 32, 4, 4] (prepare_weight_scales)
+    alpha: torch.Tensor  # float32 [E] or [E, 2]: input_scale x weight_scale_2
+    weight_scale_2: torch.Tensor
+    input_scale: torch.Tensor
+
+
+def load_projection(tensors: dict, name: str) -> MoeProjection:
+    """`<name>_weight`, `<name>_weight_scale`, `<name>_weight_scale_2` and `<name>_input_scale`
+    of a ModelOpt MoE layer (a dict of tensors) as the entry's b, blocked sfb (converted once)
+    and alpha. A ValueError names a missing or malformed tensor."""
+    fields = {}
+    for suffix in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+        key = f"{name}_{suffix}"
+        if key not in tensors:
+            raise ValueError(f"load_projection: no tensor {key!r} (ModelOpt NVFP4 names: {name}_weight, "
+                             f"{name}_weight_scale, {name}_weight_scale_2, {name}_input_scale)")
+        fields[suffix] = tensors[key]
+    weight, scale = fields["weight"], fields["weight_scale"]
+    if weight.dtype not in (torch.uint8, torch.float4_e2m1fn_x2) or weight.dim() != 3:
+        raise ValueError(f"load_projection: {name}_weight: dtype {weight.dtype}, shape {tuple(weight.shape)}: "
+                         "expected uint8 [E, N, K/2]")
+    experts, n, half_k = weight.shape
+    if scale.dtype != torch.float8_e4m3fn or tuple(scale.shape) != (experts, n, half_k * 2 // BLOCK):
+        raise ValueError(f"load_projection: {name}_weight_scale: dtype {scale.dtype}, shape {tuple(scale.shape)}: "
+                         f"expected float8_e4m3fn [{experts}, {n}, {half_k * 2 // BLOCK}]")
+    scale_2 = fields["weight_scale_2"].float().reshape(experts, -1)
+    if scale_2.shape[1] not in (1, 2):
+        raise ValueError(f"load_projection: {name}_weight_scale_2: shape {tuple(fields['weight_scale_2'].shape)}: "
+                         f"expected [{experts}] or [{experts}, 2]")
+    scale_2 = scale_2[:, 0] if scale_2.shape[1] == 1 or bool((scale_2[:, 0] == scale_2[:, 1]).all()) else scale_2
+    input_scale = fields["input_scale"].float().reshape(-1)
+    input_scale = input_scale.expand(experts) if input_scale.numel() == 1 else input_scale
+    if input_scale.numel() != experts:
+        raise ValueError(f"load_projection: {name}_input_scale: {input_scale.numel()} values: expected 1 or {experts}")
+    alpha = input_scale[:, None] * scale_2 if scale_2.dim() == 2 else input_scale * scale_2
+    return MoeProjection(weight.view(torch.float4_e2m1fn_x2), prepare_weight_scales(scale), alpha.contiguous(),
+                         scale_2, input_scale)
+
+
+def load_moe_layer(tensors: dict, prefix: str = "") -> dict[str, MoeProjection]:
+    """A ModelOpt NVFP4 MoE layer's tensors (names `<prefix>w13_weight`, ...) as the entry's
+    operands: {"w13": gate-and-up, "w2": down}."""
+    return {name: load_projection({key[len(prefix):]: value for key, value in tensors.items()
+                                   if key.startswith(prefix)}, name) for name in ("w13", "w2")}
