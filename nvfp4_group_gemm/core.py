@@ -2187,9 +2187,9 @@ def compile_key(build: Callable[..., tuple], args: tuple, options: str | None) -
     """What a compiled kernel depends on, derived from the call rather than typed at it: the
     build (module and qualified name), every argument the build takes, the DSL options, and the
     value of each module switch the traced code reads (TRACE_SWITCHES)."""
-    module = sys.modules[__name__]
+    switches = globals()
     return (build.__module__, build.__qualname__, args, options,
-            tuple((name, getattr(module, name)) for name in TRACE_SWITCHES))
+            tuple((name, switches[name]) for name in TRACE_SWITCHES))
 
 
 def compile_once(build: Callable[..., tuple], *args, options: str | None = None, context=contextlib.nullcontext):

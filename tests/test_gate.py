@@ -248,3 +248,12 @@ def test_ci_deprecation_hook_records_the_projects_warnings_only(tmp_path):
     assert log.read_text().splitlines() == [
         "kernel.py:3: DeprecationWarning: old_api is deprecated",
         "child.py:4: DeprecationWarning: old_api is deprecated"]
+
+
+@needs_kernelguard
+def test_the_leaderboard_file_matches_no_kernelguard_pattern_but_its_fallbacks():
+    """submission.py is kept by kernelguard and matches only SCALED_MM_REF (the documented last
+    link, torch._scaled_mm): a new pattern (say sys.modules access) is caught here first."""
+    check = gate.check_kernelguard((REPO_ROOT / "submission.py").read_text(encoding="utf-8"))
+    assert check.passed, check.summary
+    assert [detail.split(" ")[0] for detail in check.details] == ["SCALED_MM_REF"], check.details
