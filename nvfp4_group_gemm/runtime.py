@@ -265,7 +265,7 @@ class Binding:
         if _capturing():
             self.launch = self._direct_launcher(stream)
             self.stream = None  # after the capture, the next call prepares its own launch again
-            _CAPTURED.put((plan.problem_sizes, self.pointers), self)
+            _retire(_CAPTURED.put((plan.problem_sizes, self.pointers), self))
             return
         for written in (plan.tables, self.table, self.bound):
             if isinstance(written, Written):
@@ -375,6 +375,23 @@ _BINDINGS = RuntimeCache(max_entries=64)
 # Bindings whose launch a caller's CUDA graph captured: kept beyond _BINDINGS' bound, since the
 # graph reads their tables (and descriptors) at every replay
 _CAPTURED = RuntimeCache(max_entries=256)
+# What a cache evicts while a caller's graph capture runs (bindings, with the CUDA graphs of
+# their replays): kept until the next call outside a capture, since destroying a graph
+# (cuGraphExecDestroy) inside a capture of the global mode, torch.cuda.graph's default, would
+# invalidate the caller's capture (the MoE entry keeps its own the same way)
+_RETIRED: list = []
+
+
+def _retire(evicted) -> None:
+    """Keep `evicted` (a cache's evicted entries) alive while a capture runs."""
+    if evicted and _capturing():
+        _RETIRED.extend(evicted)
+
+
+def _release_retired() -> None:
+    """Outside a capture: let go of what captures retired."""
+    if _RETIRED and not _capturing():
+        _RETIRED.clear()
 _PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
 # Size plans by (device, sizes, backend): what an input set's first call needs, no device memory
 _SIZE_PLANS = RuntimeCache(max_entries=256, max_bytes=16 << 20)
@@ -421,9 +438,10 @@ def select_backend(device_index: int):
 
 
 def _drop_bindings(predicate) -> None:
-    """Remove the bindings whose plan `predicate` selects (they would keep its memory alive)."""
+    """Remove the bindings whose plan `predicate` selects (they would keep its memory alive;
+    retired instead while a capture runs)."""
     for binding_key in [k for k, b in _BINDINGS.entries.items() if predicate(b.plan)]:
-        del _BINDINGS.entries[binding_key]
+        _retire([_BINDINGS.entries.pop(binding_key)])
 
 
 def _drop_plans(predicate) -> None:
@@ -446,6 +464,7 @@ def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
             plan = Plan(backend, problem_sizes, device, size_plan.choice, size_plan.chain, size_plan.tile_rows)
         evicted = _PLANS.put(key, plan)
         if evicted:
+            _retire(evicted)
             _drop_bindings(lambda bound_plan: any(bound_plan is gone for gone in evicted))
     return plan
 
@@ -498,7 +517,7 @@ def get_size_plan(backend, problem_sizes, device: torch.device) -> SizePlan:
     size_plan = _SIZE_PLANS.get(key)
     if size_plan is None:
         size_plan = SizePlan(backend, problem_sizes, device)
-        _SIZE_PLANS.put(key, size_plan)
+        _retire(_SIZE_PLANS.put(key, size_plan))
     return size_plan
 
 
@@ -613,7 +632,7 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
             return None
         keepalive, table = launched
         if capturing:
-            _CAPTURED.put(("first call", seen_key), (size_plan, keepalive))
+            _retire(_CAPTURED.put(("first call", seen_key), (size_plan, keepalive)))
         else:
             # its second call binds on this table where there is one (_bound_input_set)
             _SEEN_ONCE.put(seen_key, True if table is None else table)
@@ -645,6 +664,7 @@ def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
     these sizes. One thread at a time (compilation and the caches)."""
     key, problem_sizes = checked_input(data, key)
     with RUNTIME_LOCK:
+        _release_retired()
         binding = _BINDINGS.get(key)
         if binding is None or binding.plan.problem_sizes != problem_sizes:
             if FIRST_CALLS_UNBOUND:
@@ -751,6 +771,7 @@ def reset_runtime() -> None:
     with RUNTIME_LOCK:
         for cache in (_BINDINGS, _PLANS, _SIZE_PLANS, _SEEN_ONCE, _CAPTURED):
             cache.clear()
+        _RETIRED.clear()
         _BACKEND_BY_DEVICE.clear()
         core.reset_runtime()
         moe.reset_moe()
