@@ -1856,9 +1856,11 @@ class PersistentGemmSm100:
             tile_idx = cluster_idx
             # Chained calls (SM100_CHAIN_CALLS): the tile table, the descriptors (the first
             # tile's acquire and prefetch) and A/B/SFA/SFB come after the previous kernel.
-            # This warp holds nothing a dependent could take: its trigger follows the wait.
+            # No trigger here: the first launch_dependents of any thread counts for the whole
+            # CTA (PTX ISA), so this warp's, right after its wait, would let a dependent launch
+            # before the CTA holds its TMEM; the MMA and epilogue warps trigger after the
+            # allocation barrier, whatever the shared-memory footprint lets share the SM.
             wait_for_previous_grid()
-            launch_dependents()
             tma_num_tiles = self._tile_count(tensor_of_tiles, num_tiles)
             tile_row = self._first_tile(tensor_of_tiles, cluster_idx, tma_num_tiles)
             # The first tile's A, B, SFA, SFB descriptors (written by the init kernel):
