@@ -28,7 +28,23 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
         monkeypatch.setattr(module, "_stream_for_current", lambda: "capture-stream")
     for c in (c for _, _, c in data[0]):
         c.zero_()
+    # a full _CAPTURED: the capture's binding evicts an older entry (a binding and its graph),
+    # which must outlive the capture (destroying a graph inside it invalidates the caller's)
+    import gc
+    import weakref
+
+    class EvictedBinding:
+        pass
+
+    monkeypatch.setattr(runtime, "_CAPTURED", submission.RuntimeCache(max_entries=1))
+    monkeypatch.setattr(runtime, "_RETIRED", [])
+    evicted = EvictedBinding()
+    evicted_alive = weakref.ref(evicted)
+    runtime._CAPTURED.put("older capture", evicted)
+    del evicted
     out = run(data)
+    gc.collect()
+    assert evicted_alive() is not None, "an entry evicted during the capture was destroyed inside it"
     # launched directly into the capturing stream: no graph of its own, no waits on events
     # recorded outside the capture, no self-check
     assert fakes.ran == ["persistent_gemm", "persistent_gemm"]
@@ -39,6 +55,11 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     # The caller's graph keeps the binding's tables alive beyond the LRU bound
     runtime._BINDINGS.clear()
     assert len(runtime._CAPTURED) == 1
+    # the next call outside a capture lets the evicted entry go
+    monkeypatch.setattr(runtime, "_capturing", lambda: False)
+    runtime._bound_input_set(data, None)
+    gc.collect()
+    assert evicted_alive() is None and runtime._RETIRED == []
 
 
 def test_what_a_capture_evicts_is_kept_until_the_next_call_outside_it(monkeypatch):
