@@ -220,6 +220,9 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None) -> MoeShape:
 def check_status(status: torch.Tensor) -> None:
     """Raise ValueError if the call that wrote `status` had bad offsets (reads it: a sync)."""
     value = int(status.reshape(-1)[0].item())
+    if value == 2:
+        raise ValueError("moe_grouped_gemm: the offsets made more tiles than the table holds (status 2, sm_100 "
+                         "version): some of c was not computed; report the offsets, T, G and N")
     if value != 0:
         raise ValueError(
             "moe_grouped_gemm: offsets were invalid on the GPU (status 1): the rule is "

@@ -7,7 +7,9 @@ over stacked tokens whose group boundaries arrive as an int32 offsets tensor on 
     sfb     [G, N/128, K/64, 32, 4, 4]  e4m3, b's blocked scales (the competition's layout per group)
     offsets [G + 1]      int32 on the GPU: group g is rows offsets[g] .. offsets[g + 1] of a and c
     c       [T, N]       fp16, written in the groups' rows only
-    status  [1]          int32: 0 after a call with valid offsets, 1 otherwise
+    status  [1]          int32: 0 after a call with valid offsets, 1 otherwise; 2 where the
+                         tiles would outnumber the table's capacity (a broken bound: the tiles
+                         past it are not computed)
 
 A call is three launches whose grids depend only on (T, G, N, K), never on the offsets (the
 host never reads them):
@@ -358,7 +360,8 @@ class Sm100MoeTables:
             sSortedFirst[g1] = inclusive - pair + sorted0
         count = cute.arch.shuffle_sync(inclusive, 31)
         # max_tiles bounds every offsets' count (max_moe_tiles); the clamp keeps a wrong capacity
-        # from writing past the table
+        # from writing past the table, and the status says tiles were dropped (2)
+        dropped = count > max_tiles
         count = cutlass.min(count, max_tiles)
 
         # Pointers and sizes of the lane's groups (a group with M = 0 gets no descriptors)
@@ -381,6 +384,8 @@ class Sm100MoeTables:
             sFlags[1] = count
             mTiles[max_tiles, 0] = count
             mStatus[0] = cutlass.Int32(0)
+            if dropped:
+                mStatus[0] = cutlass.Int32(2)
             if bad:
                 mStatus[0] = cutlass.Int32(1)
 

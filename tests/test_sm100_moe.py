@@ -59,12 +59,13 @@ def _last_at_most(sorted_values: list[int], num: int, value: int) -> int:
     return position
 
 
-def emulate_tables(offsets: list[int], tokens: int, n: int, k: int, tokens_per_tile: int):
+def emulate_tables(offsets: list[int], tokens: int, n: int, k: int, tokens_per_tile: int, capacity=None):
     """What the tables + repack kernel writes for these offsets, as its device code computes it.
     Pointers are byte offsets from each operand's base; repack maps (row, scale block) to the
-    scratch byte it is written to."""
+    scratch byte it is written to. `capacity`: a table smaller than max_moe_tiles (a broken
+    bound, to see what the kernel does then)."""
     groups = len(offsets) - 1
-    max_tiles = sm100_moe.max_moe_tiles(tokens, groups, n, tokens_per_tile)
+    max_tiles = sm100_moe.max_moe_tiles(tokens, groups, n, tokens_per_tile) if capacity is None else capacity
     # warp 0: lane l holds groups 2l and 2l + 1
     lanes = []
     for lane in range(32):
@@ -106,6 +107,7 @@ def emulate_tables(offsets: list[int], tokens: int, n: int, k: int, tokens_per_t
     sorted_first = []
     for lane in range(32):
         sorted_first += [inclusive[lane] - pair_sums[lane], inclusive[lane] - pair_sums[lane] + sorted_tiles[2 * lane]]
+    dropped = inclusive[31] > max_tiles
     count = min(inclusive[31], max_tiles)
     ptrs, sizes = {}, {}
     for g in range(groups):
@@ -142,7 +144,7 @@ def emulate_tables(offsets: list[int], tokens: int, n: int, k: int, tokens_per_t
                 repack[(row, 16 * unit_in_row + 4 * i + byte)] = 4 * word + byte
     return {
         "bad": bad, "count": count, "rows": rows, "ptrs": ptrs, "sizes": sizes, "padded": padded,
-        "repack": repack, "max_tiles": max_tiles, "status": int(bad),
+        "repack": repack, "max_tiles": max_tiles, "status": 1 if bad else 2 if dropped else 0,
     }
 
 
@@ -269,6 +271,22 @@ def test_bad_offsets_write_no_tile_no_size_no_scale_and_status_1(offsets, why):
     assert out["bad"] and out["status"] == 1, why
     assert out["count"] == 0 and out["rows"] == [] and out["repack"] == {}, why
     assert all(size[0] == 0 for size in out["sizes"].values()), why  # the init kernel skips M = 0
+
+
+def test_a_table_too_small_for_the_tiles_says_so_in_the_status():
+    """The kernel clamps the tile count to the table's capacity (never writing past it) and sets
+    status 2: tiles were dropped, which check_status reports."""
+    offsets = [0, 100, 300, 300, 512]
+    full = emulate_tables(offsets, 512, 512, 256, 128)
+    assert full["status"] == 0 and full["count"] > 3
+    short = emulate_tables(offsets, 512, 512, 256, 128, capacity=3)
+    assert short["status"] == 2 and short["count"] == 3 and short["rows"] == full["rows"][:3]
+    import torch
+
+    from nvfp4_group_gemm import moe
+
+    with pytest.raises(ValueError, match=r"status 2, sm_100 version\): some of c was not computed"):
+        moe.check_status(torch.tensor([2], dtype=torch.int32))
 
 
 def test_the_scan_helper_is_an_inclusive_prefix_sum():
