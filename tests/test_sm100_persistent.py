@@ -249,10 +249,14 @@ def test_ptx_consumers_acquire_each_descriptor_before_use(persistent_build):
     # first tile before the first pipeline wait, and at each group change
     assert ptx.count(acquire) == 2 * submission.PERSISTENT_NUM_TENSORMAPS
     assert ptx.count("prefetch.tensormap") == ptx.count(acquire)
-    # Each prefetch follows its acquire on the same address register
+    # Each prefetch follows its acquire, on the same address: the same register, or (DSL 4.8)
+    # the register's base and offset (`add.s64 %rdX, %rdB, 128` then `[%rdB+128]`)
     pairs = re.findall(r"fence\.proxy\.tensormap::generic\.acquire\.gpu \[(%rd\d+)\], 128;(?:\s*// [a-z ]+)*\s*"
-                       r"prefetch\.tensormap \[(%rd\d+)\];", ptx)
-    assert len(pairs) == 2 * submission.PERSISTENT_NUM_TENSORMAPS and all(a == b for a, b in pairs), pairs
+                       r"prefetch\.tensormap\s+\[(%rd\d+)(?:\+(\d+))?\];", ptx)
+    offsets = {dst: (src, int(imm)) for dst, src, imm in re.findall(r"add\.s64\s+(%rd\d+), (%rd\d+), (\d+);", ptx)}
+    same_address = [offsets.get(acquired, (acquired, 0)) == (prefetched, int(offset or 0))
+                    or (acquired == prefetched and not offset) for acquired, prefetched, offset in pairs]
+    assert len(pairs) == 2 * submission.PERSISTENT_NUM_TENSORMAPS and all(same_address), pairs
     # The first acquires come before the first mbarrier wait of any role
     first_wait = min(ptx.find(op) for op in ("mbarrier.try_wait", "mbarrier.test_wait") if op in ptx)
     assert ptx.find(acquire) < first_wait
