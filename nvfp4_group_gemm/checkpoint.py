@@ -31,13 +31,13 @@ import dataclasses
 
 import torch
 
+from nvfp4_group_gemm import core
+
 from .moe import prepare_weight_scales
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 BLOCK = 16
-# Magnitudes of the e2m1 codes 0..7 (code | 8: the negative)
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Round to nearest, ties to the even code, as (midpoint, a tie rounds up): the code of |x| is
 # the number of midpoints below it (x > m, or x >= m where the tie goes to the upper, even code)
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
@@ -56,15 +56,6 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """[..., K] codes -> [..., K/2] uint8, the first element of each pair in the low nibble."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """[..., K/2] uint8 -> [..., K] float32 values (the inverse of pack_e2m1 after e2m1_codes)."""
-    magnitudes = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=packed.device)
-    packed = packed.view(torch.uint8)
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2).long()
-    values = magnitudes[codes & 7]
-    return torch.where(codes >= 8, -values, values)
 
 
 @dataclasses.dataclass
@@ -97,16 +88,16 @@ def quantize_nvfp4(weight: torch.Tensor) -> Nvfp4Tensor:
 
 def dequantize_nvfp4(tensor: Nvfp4Tensor) -> torch.Tensor:
     """[E, N, K] float32: value x block scale x weight_scale_2 (weight_scale_2 [E], or [E, 2]
-    over the two halves of N)."""
-    values = unpack_e2m1(tensor.weight)
-    n = values.shape[1]
-    scales = tensor.weight_scale.float().repeat_interleave(BLOCK, dim=-1)
+    over the two halves of N); the value x block scale decode is the core's exact one."""
+    experts, n, half_k = tensor.weight.shape
+    scaled = core.decode_fp4(tensor.weight.reshape(experts * n, half_k),
+                             tensor.weight_scale.reshape(experts * n, -1)).reshape(experts, n, 2 * half_k)
     scale_2 = tensor.weight_scale_2.float()
     if scale_2.dim() == 2:  # gate and up halves of a fused w13, each its own scale
         scale_2 = scale_2.repeat_interleave(n // 2, dim=1)[:, :, None]
     else:
         scale_2 = scale_2[:, None, None]
-    return values * scales * scale_2
+    return scaled * scale_2
 
 
 def input_scale_of(activations: torch.Tensor) -> torch.Tensor:

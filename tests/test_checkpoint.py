@@ -10,19 +10,18 @@ from nvfp4_group_gemm import checkpoint, core, moe
 
 
 def test_e2m1_rounds_to_nearest_even_and_saturates():
-    x = torch.tensor([0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 1e9, -0.3, -2.6, 0.0])
-    expected = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, -0.5, -3.0, 0.0])
-    codes = checkpoint.e2m1_codes(x)
-    values = checkpoint.unpack_e2m1(checkpoint.pack_e2m1(codes))
+    x = torch.tensor([0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 1e9, -0.3, -2.6, 0.0, 0.7, -6.0])
+    expected = torch.tensor([0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, -0.5, -3.0, 0.0, 0.5, -6.0])
+    packed = checkpoint.pack_e2m1(checkpoint.e2m1_codes(x))[None]
+    values = core.decode_fp4(packed, torch.ones(1, 1))[0]
     assert torch.equal(values, expected), values
 
 
-def test_packing_matches_the_packages_decode_low_nibble_first():
-    packed = torch.randint(0, 256, (8, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    ones = torch.ones(8, 4, dtype=torch.float32)
-    assert torch.equal(checkpoint.unpack_e2m1(packed), core.decode_fp4(packed, ones))
-    codes = torch.tensor([[3, 12]], dtype=torch.uint8)  # 1.5 then -2.0
-    assert checkpoint.pack_e2m1(codes).item() == 3 | (12 << 4)
+def test_packing_is_low_nibble_first():
+    codes = torch.tensor([[3, 12] * 8], dtype=torch.uint8)  # 1.5 then -2.0
+    packed = checkpoint.pack_e2m1(codes)
+    assert packed[0, 0].item() == 3 | (12 << 4)
+    assert core.decode_fp4(packed, torch.ones(1, 1))[0, :2].tolist() == [1.5, -2.0]
 
 
 def test_the_quantizer_follows_the_formula():
@@ -78,9 +77,9 @@ def test_a_layer_loads_as_the_entrys_operands_and_raw_sums_times_alpha_are_the_g
     x = torch.randn(1, 8, 256, generator=torch.Generator().manual_seed(4))
     xq = checkpoint.quantize_nvfp4(x)
     xq.weight_scale_2 = tensors["layer.w13_input_scale"][:1].float()  # the calibrated scale
-    raw_x = checkpoint.unpack_e2m1(xq.weight)[0] * xq.weight_scale.float()[0].repeat_interleave(16, -1)
-    raw_b = checkpoint.unpack_e2m1(w13.b.view(torch.uint8)) * tensors["layer.w13_weight_scale"].float(
-    ).repeat_interleave(16, -1)
+    raw_x = core.decode_fp4(xq.weight[0], xq.weight_scale[0])
+    raw_b = core.decode_fp4(w13.b.view(torch.uint8).reshape(4 * 256, 128),
+                            tensors["layer.w13_weight_scale"].reshape(4 * 256, 16)).reshape(4, 256, 256)
     raw = torch.einsum("tk,enk->etn", raw_x.double(), raw_b.double())
     alpha = w13.alpha.double().repeat_interleave(128, dim=1)[:, None, :] if split else w13.alpha.double()[:, None, None]
     dequantized = checkpoint.dequantize_nvfp4(checkpoint.Nvfp4Tensor(

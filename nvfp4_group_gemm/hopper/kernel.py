@@ -108,17 +108,14 @@ def reduce_split_k_partials(tidx, warp_group_idx, reduction_base, accumulators, 
     summing_rank = warp_group_idx % split_k
     senders = split_k - 1
     # slots of warpgroup w's rows, in 16-byte units: split_k - 1 per warpgroup a rank sums (the
-    # w // split_k-th of them), one per sender, 128 threads side by side (one sender with two
-    # ranks: the expression as it was before four, the same PTX)
-    first_slot = (warp_group_idx // split_k) * 128 * num_vectors + tidx % 128
-    if cutlass.const_expr(split_k != 2):
-        first_slot = (warp_group_idx // split_k) * senders * 128 * num_vectors + tidx % 128
+    # w // split_k-th of them), one per sender, 128 threads side by side
+    first_slot = (warp_group_idx // split_k) * senders * 128 * num_vectors + tidx % 128
     # every thread of the cluster is past its main loop: the receiving buffers are free
     cute.arch.cluster_arrive()
     cute.arch.cluster_wait()
     if k_rank != summing_rank:
         sender_slot = first_slot
-        if cutlass.const_expr(split_k != 2):
+        if cutlass.const_expr(senders > 1):
             # the ranks after the summing one (cyclically) are senders 0, 1, ...
             sender_slot = first_slot + (k_rank - summing_rank - 1 + split_k) % split_k * 128 * num_vectors
         for j in cutlass.range_constexpr(num_vectors):
