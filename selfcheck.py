@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import math
 import platform
@@ -47,7 +48,8 @@ def _fail_usage(message: str) -> int:
 
 KERNEL_NAMES = ("persistent_t128", "persistent_t256", "per_tile", "scaled_mm",  # sm_100
                 "swap_ab", "in_gemm_decode", "exact_decode",  # sm_90
-                "custom_kernel")  # the automatic choice, with its self-check and fallback
+                "custom_kernel",  # the automatic choice, with its self-check and fallback
+                "moe")  # the MoE entry (sm_90; sm_100 with NVFP4_MOE_SM100=1): its chained-call pattern
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -254,8 +256,11 @@ def main(argv=None) -> int:
 
 def kernel_names(capability) -> list[str]:
     """The kernels selfcheck runs on this GPU, each in its own process by default."""
+    from nvfp4_group_gemm import switches
+
     chain = KERNEL_NAMES[:4] if capability[0] == 10 else KERNEL_NAMES[4:7]
-    return [*chain, "custom_kernel"]
+    moe = ["moe"] if capability[0] == 9 or switches.CURRENT.moe_sm100 else []
+    return [*chain, "custom_kernel", *moe]
 
 
 def child_command(args, name: str, child_json: Path) -> list[str]:
@@ -387,8 +392,26 @@ def run_in_process(args, capability, report_path: Path) -> int:
                     timings.append(_time_row(backend, choice, source, label, name, args.repeats, generate_input,
                                              chain))
 
-    demoted = {str(key): why for key, why in submission._DEMOTED.items()}
+    rows += pattern_rows(backend, capability, wanted)
+    demoted = {str(key): why for key, why in submission.demotions().items()}
     return _finish(rows, timings, demoted, info, report_path, submission.SELF_CHECK, quiet=args.child)
+
+
+def pattern_rows(backend, capability, wanted) -> list[dict]:
+    """The chained-call patterns of every wanted kernel (chained and unchained where it
+    chains), then the MoE entry's."""
+    rows = []
+    sizes = [tuple(s) for s in zip(*(PATTERN_SIZES[0][1][axis] for axis in "mnk"), [1] * PATTERN_SIZES[0][1]["g"])]
+    for choice in [*kernels_for(backend, sizes), None]:
+        name = "custom_kernel" if choice is None else choice.name
+        if (wanted is not None and name not in wanted) or (choice is not None and choice.host):
+            continue
+        for chain in chain_settings(backend, choice):
+            rows += chained_pattern_rows(backend, choice, name, chain)
+    if "moe" in kernel_names(capability) and (wanted is None or "moe" in wanted):
+        for chain in ((True, False) if capability[0] == 10 else (None,)):
+            rows += moe_pattern_rows(chain)
+    return rows
 
 
 def chain_settings(backend, choice) -> tuple:
@@ -445,6 +468,191 @@ def _time_row(backend, choice, source, label, name, repeats, generate_input, cha
     how = "" if chain is None else " chained" if chain else " unchained"
     print(f"  {label:<12} {name:<16} {row.get('us', row.get('error'))} us{how}", flush=True)
     return row
+
+
+# =============================================================================
+# Chained calls, output by output
+# =============================================================================
+# Two size sets every kernel can run (sm_90 needs N % 128 == 0): official test 1 and benchmark 3
+PATTERN_SIZES = (("test 1", {"m": (256, 72), "n": (512, 384), "k": (256, 256), "g": 2, "seed": 1111}),
+                 ("benchmark 3", {"m": (128, 384), "n": (4096, 4096), "k": (1536, 1536), "g": 2, "seed": 1111}))
+PATTERN_CALLS = 4
+
+
+def synchronize() -> None:
+    """The device's work done (the patterns' only synchronization; the CPU tests replace it)."""
+    torch.cuda.synchronize()
+# A MoE shape of the 32-token decode tiles' range and its routings, called one after another on
+# one plan (each call its own offsets, c and status): valid, empty groups, invalid between valid
+MOE_PATTERN_SHAPE = (256, 8, 512, 1024)
+MOE_ROUTINGS = (
+    ("valid", [0, 20, 64, 64, 100, 180, 200, 250, 256]),
+    ("empty groups", [0, 0, 0, 90, 90, 90, 200, 200, 200]),
+    ("decreasing", [0, 40, 30, 100, 120, 140, 160, 180, 200]),
+    ("valid", [0, 1, 2, 3, 4, 5, 6, 7, 256]),
+    ("past T", [0, 40, 80, 120, 160, 200, 240, 250, 300]),
+    ("one group", [0, 0, 0, 0, 256, 256, 256, 256, 256]),
+)
+
+
+def _with_c(data, outputs):
+    """`data` writing into `outputs` (one c per group) instead of its own c tensors."""
+    abc = [(a, b, c) for (a, b, _), c in zip(data[0], outputs)]
+    return abc, data[1], data[2], data[3]
+
+
+def _call_patterns(source: dict):
+    """The two patterns of a size set: (name, the input set of each call). "same c": every
+    call new inputs into one c (bindings made first, then the GEMMs back to back); "alternating":
+    new inputs alternating between two c's, each call bound anew (its tables and descriptors
+    written between the GEMMs)."""
+    from reference import generate_input
+
+    sets = [generate_input(**dict(source, seed=source["seed"] + 17 * index)) for index in range(PATTERN_CALLS)]
+    one_c = [c for _, _, c in sets[0][0]]
+    two_c = [one_c, [c for _, _, c in sets[1][0]]]
+    return (("same c", [_with_c(data, one_c) for data in sets]),
+            ("alternating", [_with_c(data, two_c[index % 2]) for index, data in enumerate(sets)]))
+
+
+def _runner(backend, choice, pattern: str):
+    """How each call of a pattern runs: custom_kernel itself (choice None); a forced kernel's
+    launch built before the timed calls ("same c") or bound at the call ("alternating")."""
+    runtime = runtime_of(backend)
+    built = {}
+
+    def prepare(index, data):
+        if choice is not None and pattern == "same c":
+            _, built[index] = run_forced(backend, choice, data)
+
+    def run(index, data):
+        if choice is None:
+            runtime.custom_kernel(data)
+        elif index in built:
+            built[index]()
+        else:
+            run_forced(backend, choice, data)
+
+    return prepare, run
+
+
+def chained_pattern_rows(backend, choice, name: str, chain) -> list[dict]:
+    """Every pattern of PATTERN_SIZES for one kernel (`choice`, None: custom_kernel), its
+    calls launched back to back: for each prefix of the calls, c filled with NaN, the prefix
+    run with no synchronization between its calls, then the output of every c checked against
+    the exact sum of the call that wrote it last. A wrong output names the kernel, the
+    pattern, the call and whether the calls chained."""
+    rows = []
+    for label, source in PATTERN_SIZES:
+        for pattern, calls in _call_patterns(source):
+            prepare, run = _runner(backend, choice, pattern)
+            row = {"case": f"{label} {pattern}", "kind": "pattern", "kernel": name, "calls": len(calls)}
+            if chain is not None:
+                row["chained"] = chain
+            try:
+                with chained_calls(chain):
+                    for index, data in enumerate(calls):
+                        prepare(index, data)
+                    failures = []
+                    for length in range(1, len(calls) + 1):
+                        for data in calls:
+                            for _, _, c in data[0]:
+                                c.fill_(float("nan"))
+                        synchronize()
+                        for index in range(length):
+                            run(index, calls[index])
+                        synchronize()
+                        last_writer = {id(data[0][0][2]): index for index, data in enumerate(calls[:length])}
+                        for index in sorted(last_writer.values()):
+                            result = check(calls[index], [c for _, _, c in calls[index][0]])
+                            if result["mismatches"]:
+                                failures.append(f"call {index + 1} of {length}: {result['mismatches']} of "
+                                                f"{result['elements']} differ, first {result['first']}")
+                row.update(status="MISMATCH" if failures else "pass", failures=failures)
+            except Exception as error:  # noqa: BLE001 - every failure is a row of the report
+                row.update(status="ERROR", error=one_line(error))
+            rows.append(row)
+            print(_pattern_line(row), flush=True)
+    return rows
+
+
+def _pattern_line(row) -> str:
+    how = "" if "chained" not in row else " chained" if row["chained"] else " unchained"
+    detail = row.get("error") or "; ".join(row.get("failures", [])[:3]) or f"{row['calls']} calls, every output exact"
+    return f"  {row['case']:<24} {row['kernel'] + how:<28} {row['status']:<8} {detail}"
+
+
+def _moe_group_data(inputs, offsets):
+    """A MoE call as the competition's per-group input (plain scales) and each group's rows of
+    c, for reference.exact_mismatches."""
+    from nvfp4_group_gemm import moe
+
+    a, b, c = inputs["a"], inputs["b"], inputs["c"]
+    tokens, k, n = a.shape[0], 2 * a.shape[1], b.shape[1]
+    sfa = inputs["sfa"] if inputs["sfa"].dim() == 2 else moe.plain_scales_of_blocked(inputs["sfa"], tokens, k)
+    sfb = inputs["sfb"]
+    if sfb.dim() == 6:
+        sfb = torch.stack([moe.plain_scales_of_blocked(sfb[g], n, k) for g in range(b.shape[0])])
+    abc, plain, sizes = [], [], []
+    for g in range(b.shape[0]):
+        lo, hi = offsets[g], offsets[g + 1]
+        abc.append((a[lo:hi].unsqueeze(-1), b[g].unsqueeze(-1), c[lo:hi].unsqueeze(-1)))
+        plain.append((sfa[lo:hi].unsqueeze(-1), sfb[g].unsqueeze(-1)))
+        sizes.append((hi - lo, n, k, 1))
+    return (abc, plain, None, sizes), [c[offsets[g]:offsets[g + 1]].unsqueeze(-1) for g in range(b.shape[0])]
+
+
+def moe_pattern_rows(chain) -> list[dict]:
+    """The MoE entry's calls back to back on one plan (MOE_ROUTINGS: each call its own offsets,
+    c and status; empty groups and invalid offsets between valid ones), then each checked: a
+    valid call's rows against the exact sum, every other row still NaN, status 0; an invalid
+    call's c untouched and status 1. sm_100 (NVFP4_MOE_SM100=1) chained and unchained."""
+    import nvfp4_group_gemm
+    from nvfp4_group_gemm import moe
+    from reference import exact_mismatches
+
+    tokens, groups, n, k = MOE_PATTERN_SHAPE
+    row = {"case": "moe routings", "kind": "pattern", "kernel": "moe", "calls": len(MOE_ROUTINGS)}
+    if chain is not None:
+        row["chained"] = chain
+    try:
+        with chained_calls(chain):
+            nvfp4_group_gemm.reset_runtime()  # plans built under this chaining
+            inputs = moe.random_moe_inputs(tokens, groups, n, k, generator=torch.Generator().manual_seed(5))
+            calls = []
+            for _, offsets in MOE_ROUTINGS:
+                calls.append(dict(inputs, offsets=torch.tensor(offsets, dtype=torch.int32, device="cuda"),
+                                  c=torch.full((tokens, n), float("nan"), dtype=torch.float16, device="cuda")))
+            statuses = [torch.full((1,), 7, dtype=torch.int32, device="cuda") for _ in calls]
+            nvfp4_group_gemm.moe_grouped_gemm(**calls[0], status=statuses[0])  # compiled, self-checked
+            synchronize()
+            for call in calls:
+                call["c"].fill_(float("nan"))
+            synchronize()
+            for call, status in zip(calls, statuses):
+                nvfp4_group_gemm.moe_grouped_gemm(**call, status=status)
+            synchronize()
+        failures = []
+        for index, ((what, offsets), call, status) in enumerate(zip(MOE_ROUTINGS, calls, statuses)):
+            valid = offsets[0] >= 0 and all(x <= y for x, y in itertools.pairwise(offsets)) and offsets[-1] <= tokens
+            if int(status.item()) != (0 if valid else 1):
+                failures.append(f"call {index + 1} ({what}): status {int(status.item())}")
+            if not valid:
+                if not torch.isnan(call["c"]).all():
+                    failures.append(f"call {index + 1} ({what}): c written with invalid offsets")
+                continue
+            data, outputs = _moe_group_data(call, offsets)
+            bad = sum(count for count, _, _ in exact_mismatches(data, outputs))
+            outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
+            outside[offsets[0]:offsets[-1]] = False
+            if bad or not torch.isnan(call["c"][outside]).all():
+                failures.append(f"call {index + 1} ({what}): {bad} outputs differ"
+                                + ("" if torch.isnan(call["c"][outside]).all() else ", rows outside the groups written"))
+        row.update(status="MISMATCH" if failures else "pass", failures=failures)
+    except Exception as error:  # noqa: BLE001
+        row.update(status="ERROR", error=one_line(error))
+    print(_pattern_line(row), flush=True)
+    return [row]
 
 
 def format_table(rows, timings) -> str:

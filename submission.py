@@ -158,6 +158,25 @@ SM100_KERNEL = env_switch("NVFP4_SM100_KERNEL", SM100_KERNELS, "persistent")
 SM100_CHAIN_CALLS = env_switch("NVFP4_SM100_CHAIN_CALLS", ("0", "1"), "1") == "1"
 
 
+@contextlib.contextmanager
+def chain_calls_as(chained: bool | None):
+    """SM100_CHAIN_CALLS set to `chained` (a link's KernelChoice.chained) while that link's
+    kernels are compiled or looked up: the traced code reads it (chained_launch) and the compile
+    keys carry it, so a chained and a plain build of one kernel are two entries. None:
+    unchanged. Under RUNTIME_LOCK: no other thread sees the switch changed."""
+    global SM100_CHAIN_CALLS
+    if chained is None or chained == SM100_CHAIN_CALLS:
+        yield
+        return
+    with RUNTIME_LOCK:
+        saved = SM100_CHAIN_CALLS
+        SM100_CHAIN_CALLS = chained
+        try:
+            yield
+        finally:
+            SM100_CHAIN_CALLS = saved
+
+
 def chained_launch() -> dict:
     """The launch option of every sm_100a kernel (read when its entry is traced; the compile
     keys carry SM100_CHAIN_CALLS): the programmatic-dependent attribute where calls chain."""
@@ -1981,6 +2000,10 @@ class PersistentGemmSm100:
         if warp_idx < self.mma_warp_id:
             if warp_idx == self.epilog_warp_id[0]:
                 cute.arch.alloc_tmem(self.num_tmem_alloc_cols, tmem_holding_buf, is_two_cta=True)
+                # This CTA allocates once: it gives up the right to allocate at once (CUTLASS
+                # does after its mainloop), so that a CTA waiting to allocate on this SM is not
+                # held back by a permit this one will never use
+                cute.arch.relinquish_tmem_alloc_permit(is_two_cta=True)
             self.tmem_alloc_barrier.arrive_and_wait()
             # Chained calls: the next call's grid may launch now, with this CTA's TMEM
             # allocated. With 222 KB of shared memory per CTA, a next GEMM CTA fits on an SM
@@ -2065,10 +2088,10 @@ class PersistentGemmSm100:
                     acquire_tensormap(tensormap_desc_ptr(tensormap_manager, tensormaps, tile_row[0], 4))
 
             #
-            # Free TMEM once both CTAs of the pair are done with it
+            # Free TMEM once both CTAs of the pair are done with it: after the last tile's
+            # accumulator reads, before its C stores drain (producer_tail). Freed any earlier it
+            # would help no one: no other GEMM CTA fits beside this one's shared memory
             #
-            if warp_idx == self.epilog_warp_id[0]:
-                cute.arch.relinquish_tmem_alloc_permit(is_two_cta=True)
             self.epilog_sync_barrier.arrive_and_wait()
             if warp_idx == self.epilog_warp_id[0]:
                 cute.arch.mbarrier_arrive(tmem_dealloc_mbar_ptr, cta_rank_in_cluster ^ 1)
@@ -2363,7 +2386,10 @@ class KernelChoice:
 
     `name` is the registry name (SM100_CHOICES, the library's sm_90 ones); `config` what is baked into
     the compiled code; `per_group_count`: compiled once per G (its identity includes G);
-    `host`: computed by torch ops (the chain's last link, also the self-check's oracle)."""
+    `host`: computed by torch ops (the chain's last link, also the self-check's oracle);
+    `chained`: an sm_100 link built with its calls chained by programmatic dependent launch
+    (True) or plain (False), whatever SM100_CHAIN_CALLS says (chain_calls_as); None: as
+    SM100_CHAIN_CALLS says when it is built (the registry's links, a host computation)."""
 
     backend: str
     name: str
@@ -2371,15 +2397,21 @@ class KernelChoice:
     per_group_count: bool = False
     host: bool = False
     label: str | None = dataclasses.field(default=None, compare=False)  # the config's registry name
+    chained: bool | None = None
 
     def kernel_key(self, num_groups: int) -> tuple:
         """The identity of the compiled kernel: what a demotion and a self-check are keyed on."""
-        return (self.backend, self.name, self.config, num_groups if self.per_group_count else None)
+        key = (self.backend, self.name, self.config, num_groups if self.per_group_count else None)
+        return key if self.chained is None else (*key, "chained" if self.chained else "unchained")
+
+    def title(self) -> str:
+        """The name, and whether its calls chain where the link says."""
+        return self.name if self.chained is None else f"{self.name} {'chained' if self.chained else 'unchained'}"
 
     def describe(self) -> str:
         if self.config is None:
-            return self.name
-        return f"{self.name} ({self.label or self.config})"
+            return self.title()
+        return f"{self.title()} ({self.label or self.config})"
 
 
 class KernelChain(collections.abc.Sequence):
@@ -2417,14 +2449,16 @@ SM100_CHOICES = {
 
 class Sm100Plan:
     """The sm_100 backend's part of a plan: which kernel runs these sizes (config None: the
-    per-tile kernel) and over how many CTA pairs."""
+    per-tile kernel), over how many CTA pairs, and whether its calls chain (its link's
+    KernelChoice.chained: its kernels are looked up under chain_calls_as of it)."""
 
-    __slots__ = ("config", "num_clusters")
+    __slots__ = ("chained", "config", "num_clusters")
     nbytes = 0  # no device buffers beyond the runtime's tables
 
-    def __init__(self, config, num_clusters):
+    def __init__(self, config, num_clusters, chained: bool | None = None):
         self.config = config
         self.num_clusters = num_clusters
+        self.chained = chained
 
 
 def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None:
@@ -2473,11 +2507,17 @@ class Sm100Backend:
         return (self.name, self.kernel, self.num_sms)
 
     def kernel_chain(self, problem_sizes) -> list[KernelChoice]:
-        """The kernels that can run these sizes, best first; the last always can."""
-        chain = []
+        """The kernels that can run these sizes, best first; the last always can. With calls
+        chained (SM100_CHAIN_CALLS), each kernel twice: chained, then the same kernel plain, so
+        that a failure of the chaining alone (a launch with the attribute that fails, a chained
+        self-check that disagrees) costs the chaining, not the kernel."""
+        kernels = []
         if self.kernel == "persistent" and persistent_can_implement(problem_sizes) is None:
-            chain.append(SM100_CHOICES[f"persistent_t{choose_tokens_per_tile(problem_sizes, self.num_sms)}"])
-        return [*chain, SM100_CHOICES["per_tile"], SM100_CHOICES["scaled_mm"]]
+            kernels.append(SM100_CHOICES[f"persistent_t{choose_tokens_per_tile(problem_sizes, self.num_sms)}"])
+        kernels.append(SM100_CHOICES["per_tile"])
+        if SM100_CHAIN_CALLS:
+            kernels = [dataclasses.replace(kernel, chained=chained) for kernel in kernels for chained in (True, False)]
+        return [*kernels, SM100_CHOICES["scaled_mm"]]
 
     def can_implement(self, problem_sizes) -> None:
         """validate_inputs states every sm_100 constraint; input sets the persistent kernel
@@ -2498,12 +2538,13 @@ class Sm100Backend:
 
     def compile(self, choice: KernelChoice, num_groups: int) -> None:
         """Compile (cached) the kernels of `choice`; raises what the compiler raised."""
-        if choice.name == "per_tile":
-            self.compile_per_tile_init(num_groups)
-            self.compile_per_tile_gemm(num_groups)
-        elif not choice.host:
-            self.compile_persistent_init(choice.config)
-            self.compile_persistent_gemm(choice.config)
+        with chain_calls_as(choice.chained):
+            if choice.name == "per_tile":
+                self.compile_per_tile_init(num_groups)
+                self.compile_per_tile_gemm(num_groups)
+            elif not choice.host:
+                self.compile_persistent_init(choice.config)
+                self.compile_persistent_gemm(choice.config)
 
     def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
         """Tile rows of `choice` (the chain's first when None): (group, tile_m, tile_n) of
@@ -2531,12 +2572,12 @@ class Sm100Backend:
         choice = spec.choice
         self.compile(choice, spec.num_groups)
         if choice.name == "per_tile":
-            return Sm100Plan(None, 0)
+            return Sm100Plan(None, 0, choice.chained)
         num_clusters = min(spec.num_tiles, max(self.num_sms // 2, 1))
         resident = resident_clusters(spec.device)
         if resident is not None:
             num_clusters = min(num_clusters, resident)
-        return Sm100Plan(choice.config, max(num_clusters, 1))
+        return Sm100Plan(choice.config, max(num_clusters, 1), choice.chained)
 
     # The compiled functions this backend launches, looked up at each use (the CPU tests
     # replace the module's compilers); the library's backend of the same kernels returns entries
@@ -2565,10 +2606,11 @@ class Sm100Backend:
         init kernel (`launch_args` follow its other arguments: the library's entries take
         where the launch goes)."""
         config = plan.backend_plan.config
-        if config is None:
-            init_fn, num_slots = self.compile_per_tile_init(plan.num_groups), num_tensormaps
-        else:
-            init_fn, num_slots = self.compile_persistent_init(config), PERSISTENT_NUM_TENSORMAPS
+        with chain_calls_as(plan.backend_plan.chained):
+            if config is None:
+                init_fn, num_slots = self.compile_per_tile_init(plan.num_groups), num_tensormaps
+            else:
+                init_fn, num_slots = self.compile_persistent_init(config), PERSISTENT_NUM_TENSORMAPS
         tensormaps = torch.empty(
             (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
         )
@@ -2595,8 +2637,11 @@ class Sm100Backend:
         """(compiled GEMM, its arguments) for this input set: its descriptors and pointer
         table, then `launch_args` (as init_descriptors)."""
         config = plan.backend_plan.config
+        with chain_calls_as(plan.backend_plan.chained):
+            gemm = self.compile_persistent_gemm(config) if config is not None else self.compile_per_tile_gemm(
+                plan.num_groups)
         if config is not None:
-            return self.compile_persistent_gemm(config), (
+            return gemm, (
                 gmem_ptr(cutlass.Int32, plan.tiles),
                 gmem_ptr(cutlass.Int64, tensormaps),
                 cutlass.Int32(plan.num_groups),
@@ -2604,7 +2649,7 @@ class Sm100Backend:
                 cutlass.Int32(plan.backend_plan.num_clusters),
                 *launch_args,
             )
-        return self.compile_per_tile_gemm(plan.num_groups), (
+        return gemm, (
             gmem_ptr(cutlass.Int64, ptrs),
             gmem_ptr(cutlass.Int32, plan.sizes),
             gmem_ptr(cutlass.Int32, plan.tiles),
@@ -2623,7 +2668,7 @@ class Sm100Backend:
 # =============================================================================
 # Shared host runtime (both backends)
 # =============================================================================
-# The only place that reaches into DSL internals: the packed argument array is built once and
+# The only place that reaches into DSL internals (PreparedCall, device_executor): the packed argument array is built once and
 # the entry point called directly, one C call instead of the DSL's argument conversion on
 # every call (EXPERIMENTS E56). Checked against the pinned DSL version; anything else falls
 # back to the plain call.
@@ -2654,32 +2699,58 @@ def device_executor(compiled):
     return executor
 
 
-def make_launcher(compiled, *args) -> Callable[[], None]:
-    """Return a no-argument callable that runs ``compiled(*args)``.
+class PreparedCall:
+    """``compiled`` called through its packed argument array: the one place that knows the
+    DSL's internals (the execution arguments, the executor, the packed-argument builder, the C
+    entry point). `prepare` returns None where the fast path does not apply (another DSL
+    release, NVFP4_PLAIN_LAUNCH=1, or any change in those internals): the caller makes the
+    plain call. `packed(addresses)` builds the packed array of other argument storage of the
+    same layout (a binding's own cells); `launcher(packed)` the one-C-call launch of it."""
 
-    ``args`` must be DSL objects (cute Pointers, cutlass.Int32, ...) that stay
-    alive as long as the launcher: the packed arguments point into them.
-    """
-    if DSL_VERSION == PREPARED_LAUNCH_DSL_VERSION and not FORCE_PLAIN_LAUNCH:
+    __slots__ = ("capi_func", "cuda_result", "executor", "keepalive", "packed_args")
+
+    @classmethod
+    def prepare(cls, compiled, *args) -> "PreparedCall | None":
+        if DSL_VERSION != PREPARED_LAUNCH_DSL_VERSION or FORCE_PLAIN_LAUNCH:
+            return None
         try:
+            prepared = cls()
             exe_args, adapted_args = compiled.generate_execution_args(*args)
-            executor = device_executor(compiled)
-            packed_args = executor._get_invoke_packed_args(list(exe_args))
-            capi_func = executor.jit_module.capi_func
-            cuda_result = executor.cuda_result
+            prepared.executor = device_executor(compiled)
+            prepared.packed_args = prepared.executor._get_invoke_packed_args(list(exe_args))
+            prepared.capi_func = prepared.executor.jit_module.capi_func
+            prepared.cuda_result = prepared.executor.cuda_result
         except Exception:  # noqa: BLE001 - any change in DSL internals selects the plain call
-            return lambda: compiled(*args)
-        keepalive = (compiled, args, exe_args, adapted_args, executor)
+            return None
+        prepared.keepalive = (compiled, args, exe_args, adapted_args)
+        return prepared
+
+    def packed(self, addresses: list):
+        """The packed argument array of argument storage at `addresses` (one per argument)."""
+        return self.executor._get_invoke_packed_args(addresses)
+
+    def launcher(self, packed_args=None) -> Callable[[], None]:
+        """One C call of the entry point with `packed_args` (the prepared ones when None)."""
+        capi_func, cuda_result = self.capi_func, self.cuda_result
+        packed_args = self.packed_args if packed_args is None else packed_args
 
         def launch():
             capi_func(packed_args)
             if cuda_result is not None and cuda_result.value != 0:
                 raise RuntimeError(f"kernel launch failed: CUresult {cuda_result.value}")
 
-        launch.keepalive = keepalive
+        launch.keepalive = (self, packed_args)
         return launch
-    return lambda: compiled(*args)
 
+
+def make_launcher(compiled, *args) -> Callable[[], None]:
+    """Return a no-argument callable that runs ``compiled(*args)``.
+
+    ``args`` must be DSL objects (cute Pointers, cutlass.Int32, ...) that stay
+    alive as long as the launcher: the packed arguments point into them.
+    """
+    prepared = PreparedCall.prepare(compiled, *args)
+    return (lambda: compiled(*args)) if prepared is None else prepared.launcher()
 
 
 def plan_tiles(problem_sizes, tile_m: int, tile_n: int) -> list[tuple[int, int, int]]:
@@ -2788,9 +2859,12 @@ class RuntimeCache:
     ``entries`` (least recently used first) is public so that custom_kernel's hit path can
     look up and touch an entry with two C calls, without a Python frame for get()."""
 
-    def __init__(self, max_entries: int = 64, max_bytes: int | None = None):
+    def __init__(self, max_entries: int = 64, max_bytes: int | None = None, pinned: Callable | None = None):
+        """`pinned(entry)` True: the entry is never evicted (a plan a caller's CUDA graph reads),
+        even past the bounds; a reset clears it."""
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.pinned = pinned
         self.nbytes = 0
         self.entries: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 
@@ -2812,7 +2886,13 @@ class RuntimeCache:
             len(self.entries) > self.max_entries
             or (self.max_bytes is not None and self.nbytes > self.max_bytes)
         ):
-            _, entry = self.entries.popitem(last=False)
+            if self.pinned is None:
+                _, entry = self.entries.popitem(last=False)
+            else:  # the least recently used entry that is neither pinned nor the one just put
+                victim = next((k for k, e in self.entries.items() if k != key and not self.pinned(e)), None)
+                if victim is None:
+                    break
+                entry = self.entries.pop(victim)
             self.nbytes -= getattr(entry, "nbytes", 0)
             evicted.append(entry)
         return evicted
@@ -3330,9 +3410,19 @@ def report(line: str) -> None:
     print(f"nvfp4_group_gemm: {line}", file=sys.stderr, flush=True)
 
 
+def is_demoted(kernel_key: tuple) -> bool:
+    """Whether a compiled kernel (KernelChoice.kernel_key) was demoted in this process."""
+    return kernel_key in _DEMOTED
+
+
+def demotions() -> dict[tuple, str]:
+    """Every demotion of this process: kernel key -> why (a copy)."""
+    return dict(_DEMOTED)
+
+
 def _next_usable(chain, num_groups: int, after: KernelChoice) -> str:
     later = list(chain)
-    names = [c.name for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
+    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
     return names[0] if names else "nothing (the next call raises)"
 
 
@@ -3472,20 +3562,28 @@ def accumulation_bounds(data, fp32_sides: int) -> list[torch.Tensor | None]:
         if m == 0:
             bounds.append(None)
             continue
-        # |scales| and |values|: the sign bits of the scale (0x80) and of both codes (0x88) cleared
-        abs_sfa = (plain_scales(sfa, m, k).reshape(m, -1).view(torch.uint8) & 0x7F)
-        abs_sfb = (plain_scales(sfb, n, k).reshape(n, -1).view(torch.uint8) & 0x7F)
-        quantum_table = _e4m3_quantum(a.device)
-        quantum = 0.25 * quantum_table[abs_sfa.int()].min() * quantum_table[abs_sfb.int()].min()
-        abs_a = decode_fp4(a[:, :, 0].view(torch.uint8) & 0x77, abs_sfa.view(torch.float8_e4m3fn))
-        abs_b = decode_fp4(b[:, :, 0].view(torch.uint8) & 0x77, abs_sfb.view(torch.float8_e4m3fn))
-        # fp32 products of exact decodes: the sum is off by at most K 2^-24 of itself; 1 % covers it
-        abs_sum = (abs_a @ abs_b.transpose(0, 1)) * 1.01
-        if bool((abs_sum < 2.0**24 * quantum).all()):
-            bounds.append(None)  # every partial sum exact in fp32: nothing to add
-        else:
-            bounds.append((fp32_sides * FP32_ADD_ERROR * (k // 16 + 1) * abs_sum).unsqueeze(-1))
+        bound = group_accumulation_bound(a[:, :, 0], b[:, :, 0], plain_scales(sfa, m, k).reshape(m, -1),
+                                         plain_scales(sfb, n, k).reshape(n, -1), fp32_sides)
+        bounds.append(None if bound is None else bound.unsqueeze(-1))
     return bounds
+
+
+def group_accumulation_bound(a, b, sfa, sfb, fp32_sides: int):
+    """accumulation_bounds of one group from its codes (a [M, K/2], b [N, K/2]) and plain scales
+    (sfa [M, K/16], sfb [N, K/16]): None where every fp32 partial sum is exact, else [M, N]."""
+    k = 2 * a.shape[1]
+    # |scales| and |values|: the sign bits of the scale (0x80) and of both codes (0x88) cleared
+    abs_sfa = sfa.view(torch.uint8) & 0x7F
+    abs_sfb = sfb.view(torch.uint8) & 0x7F
+    quantum_table = _e4m3_quantum(a.device)
+    quantum = 0.25 * quantum_table[abs_sfa.int()].min() * quantum_table[abs_sfb.int()].min()
+    abs_a = decode_fp4(a.view(torch.uint8) & 0x77, abs_sfa.view(torch.float8_e4m3fn))
+    abs_b = decode_fp4(b.view(torch.uint8) & 0x77, abs_sfb.view(torch.float8_e4m3fn))
+    # fp32 products of exact decodes: the sum is off by at most K 2^-24 of itself; 1 % covers it
+    abs_sum = (abs_a @ abs_b.transpose(0, 1)) * 1.01
+    if bool((abs_sum < 2.0**24 * quantum).all()):
+        return None  # every partial sum exact in fp32: nothing to add
+    return fp32_sides * FP32_ADD_ERROR * (k // 16 + 1) * abs_sum
 
 
 def first_use_check(data, plan) -> list[torch.Tensor]:

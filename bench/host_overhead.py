@@ -59,6 +59,7 @@ from eval import (
     default_entry,
     get_test_cases,
 )
+from nvfp4_group_gemm import switches
 from reference import generate_input
 
 
@@ -450,9 +451,8 @@ def main(argv: list[str] | None = None) -> int:
         bare_tensor.add_(1)
 
     module = sys.modules[custom_kernel.__module__]
-    launch_path = {True: "CUDA graph replay", False: "prepared DSL call"}.get(
-        getattr(module, "_GRAPH_LAUNCH", None), "the submission's own"
-    )
+    graphs = switches.CURRENT.graph_launch if module.__name__.startswith("nvfp4_group_gemm") else None
+    launch_path = {True: "CUDA graph replay", False: "prepared DSL call"}.get(graphs, "the submission's own")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"submission {options.submission.name}, launch: {launch_path}, "
           f"{options.repeats} repeats x 15 calls")

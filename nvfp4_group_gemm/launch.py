@@ -17,7 +17,7 @@ import torch
 from cutlass import cute
 from cutlass.cute.runtime import make_ptr
 
-from nvfp4_group_gemm import core
+from nvfp4_group_gemm import core, switches
 
 align_up = core.align_up
 flatten = core.flatten
@@ -28,11 +28,6 @@ make_launcher = core.make_launcher
 # One lock for both runtimes: compilation (the DSL's session state is not thread-safe), the
 # caches' misses, the shared ring
 RUNTIME_LOCK = core.RUNTIME_LOCK
-
-
-def _prepared_launches() -> bool:
-    """Whether the prepared (packed-argument) launch applies: the leaderboard file's rule."""
-    return core.DSL_VERSION == core.PREPARED_LAUNCH_DSL_VERSION and not core.FORCE_PLAIN_LAUNCH
 
 
 class LaunchCell:
@@ -70,55 +65,38 @@ class CellLauncher:
     """``compiled(*args)`` with arguments given per launch, its execution arguments built once
     (one per compiled function and device): a call sets the cells and launches. `kinds` names
     each argument: "ptr" (a global address, as cute.Pointer of `dtypes[i]`), "i32", "stream"
-    (a raw CUstream handle). Not thread-safe: the runtime calls it under its lock."""
+    (a raw CUstream handle). The packed call is core.PreparedCall's (the one place that knows
+    the DSL's internals); None there: the plain DSL call. Not thread-safe: the runtime calls it
+    under its lock."""
 
-    __slots__ = ("buffer", "capi_func", "cells", "cuda_result", "dtypes", "keepalive", "kinds", "packed_args", "plain",
-                 "slots")
+    __slots__ = ("buffer", "cells", "dtypes", "kinds", "plain", "prepared", "run_prepared", "slots")
 
     def __init__(self, compiled, kinds: tuple[str, ...], dtypes: tuple):
         self.kinds, self.dtypes = kinds, dtypes
         self.buffer, self.cells, self.slots = cell_block(kinds)
         self.plain = compiled
-        self.packed_args = None
-        if _prepared_launches():
-            try:
-                exe_args, _ = compiled.generate_execution_args(*self.cells)
-                executor = device_executor(compiled)
-                self.packed_args = executor._get_invoke_packed_args(list(exe_args))
-                self.capi_func = executor.jit_module.capi_func
-                self.cuda_result = executor.cuda_result
-                self.keepalive = (compiled, executor)
-            except Exception:  # noqa: BLE001 - any change in DSL internals selects the plain call
-                self.packed_args = None
+        self.prepared = core.PreparedCall.prepare(compiled, *self.cells)
+        self.run_prepared = None if self.prepared is None else self.prepared.launcher()
 
     def bound(self, values) -> Callable[[], None]:
         """A launch of `values` fixed now (a binding's): its own cells and packed arguments,
         built with ctypes alone (no DSL argument conversion)."""
-        if self.packed_args is None:
+        if self.prepared is None:
             args = [_plain_argument(kind, dtype, value) for kind, dtype, value in zip(self.kinds, self.dtypes, values)]
             return lambda: self.plain(*args)
         buffer, cells, slots = cell_block(self.kinds)
         slots.pack_into(buffer, 0, *values)
-        packed_args = self.keepalive[1]._get_invoke_packed_args([ctypes.addressof(c.storage) for c in cells])
-        capi_func, cuda_result = self.capi_func, self.cuda_result
-
-        def launch():
-            capi_func(packed_args)
-            if cuda_result is not None and cuda_result.value != 0:
-                raise RuntimeError(f"kernel launch failed: CUresult {cuda_result.value}")
-
-        launch.keepalive = (buffer, cells, self)
+        launch = self.prepared.launcher(self.prepared.packed([ctypes.addressof(c.storage) for c in cells]))
+        launch.cells = (buffer, cells)  # the packed arguments point into them
         return launch
 
     def __call__(self, *values) -> None:
-        if self.packed_args is None:
+        if self.prepared is None:
             self.plain(*(_plain_argument(kind, dtype, value)
                          for kind, dtype, value in zip(self.kinds, self.dtypes, values)))
             return
         self.slots.pack_into(self.buffer, 0, *values)
-        self.capi_func(self.packed_args)
-        if self.cuda_result is not None and self.cuda_result.value != 0:
-            raise RuntimeError(f"kernel launch failed: CUresult {self.cuda_result.value}")
+        self.run_prepared()
 
 
 def _plain_argument(kind: str, dtype, value):
@@ -294,8 +272,36 @@ class CaptureArena(StagedTables):
 # cuGraphLaunch: a third of the prepared DSL call's CPU (EXPERIMENTS E57). The graph holds the
 # kernel's parameters by value; nothing of the DSL is touched beyond the call it records.
 # NVFP4_GRAPH_LAUNCH=0 launches the prepared calls directly instead, in both runtimes (the
-# per-size-set path's and the MoE entry's; to compare, or to rule graphs out).
-GRAPH_LAUNCH = core.env_switch("NVFP4_GRAPH_LAUNCH", ("0", "1"), "1") == "1"
+# per-size-set path's and the MoE entry's; to compare, or to rule graphs out). The one graph
+# policy of both: records_graph.
+
+
+def records_graph(allowed: bool = True) -> bool:
+    """The one graph policy of both entries: a binding (an input set's second call) records its
+    launches as a CUDA graph, replayed by its later calls, at its first launch outside a
+    caller's capture (inside one, its launches go straight into the caller's graph), where
+    graphs are on (switches.CURRENT.graph_launch) and its plan allows (`allowed`: not the sm_90
+    calls chained by programmatic dependent launch, which launch directly). True: record now."""
+    return allowed and switches.CURRENT.graph_launch and not _capturing()
+
+
+# What a cache evicts while a caller's graph capture runs (bindings, plans, with the CUDA graphs
+# of their replays and the scratch they read): kept until the next call outside a capture, since
+# destroying a graph (cuGraphExecDestroy) inside a capture of the global mode, torch.cuda.graph's
+# default, would invalidate the caller's capture. Both entries retire here.
+RETIRED: list = []
+
+
+def retire(evicted) -> None:
+    """Keep `evicted` (what a cache evicted) alive while a capture runs."""
+    if evicted and _capturing():
+        RETIRED.extend(evicted)
+
+
+def release_retired() -> None:
+    """Outside a capture: let go of what captures retired."""
+    if RETIRED and not _capturing():
+        RETIRED.clear()
 
 
 def _check_cuda(result, what: str) -> None:
@@ -479,7 +485,8 @@ def table_ring(device: torch.device) -> TableRing:
 
 
 # One cuda.CUstream object per raw stream handle, so backends can compare streams by identity
-_STREAM_OBJECTS: dict = {}
+# (the 64 most recent handles; the hit path reads its dictionary directly)
+_STREAM_OBJECTS = core.RuntimeCache(max_entries=64)
 # torch.cuda.current_stream() builds a Stream object on every call; the raw handle of the
 # current stream is one C call (the same private accessor Triton's launcher uses).
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -499,11 +506,10 @@ def _current_stream_handle() -> int:
 def _stream_for_current() -> cuda.CUstream:
     """torch's current stream as a cuda.CUstream, one object per handle."""
     handle = _current_stream_handle()
-    stream = _STREAM_OBJECTS.get(handle)
+    stream = _STREAM_OBJECTS.entries.get(handle)
     if stream is None:
-        if len(_STREAM_OBJECTS) >= 64:
-            _STREAM_OBJECTS.clear()
-        stream = _STREAM_OBJECTS[handle] = cuda.CUstream(handle)
+        stream = cuda.CUstream(handle)
+        _STREAM_OBJECTS.put(handle, stream)
     return stream
 
 

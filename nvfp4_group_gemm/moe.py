@@ -41,12 +41,13 @@ launch where the stream is idle, two direct chained launches behind queued work 
 
 from __future__ import annotations
 
-import collections
+import dataclasses
+import itertools
 
 import cutlass
 import torch
 
-from nvfp4_group_gemm import core
+from nvfp4_group_gemm import core, switches
 
 from . import launch
 
@@ -236,15 +237,20 @@ def check_status(status: torch.Tensor) -> None:
 class MoePlan:
     """What one (device, stream, MoeShape, config) needs beyond the tensors: the config, the
     compiled launchers, the decoded-activation scratch and the status word of calls given none
-    (captured: a CUDA graph was captured with it, so it is never evicted)."""
+    (captured: a CUDA graph was captured with it, so it is never evicted: _PLANS pins it)."""
 
     __slots__ = (
         "blocks_x",
         "captured",
+        "chain",
+        "checked",
+        "choice",
         "config",
         "decode",
         "fill_ctas",
         "gemm",
+        "groups",
+        "kernel_key",
         "max_tiles",
         "nbytes",
         "scratch",
@@ -254,10 +260,14 @@ class MoePlan:
         "status_address",
     )
 
-    def __init__(self, shape: MoeShape, device: torch.device, config, num_sms: int):
+    def __init__(self, shape: MoeShape, device: torch.device, config, num_sms: int, choice=None, chain=None):
         from .hopper import moe as hopper_moe
 
         self.config = config
+        # its link of the entry's chain (moe_chain): what a demotion and the self-check read
+        self.choice, self.chain, self.groups = choice, chain, shape.groups
+        self.kernel_key = None if choice is None else choice.kernel_key(shape.groups)
+        self.checked = False  # its kernel's first-use self-check done (this plan's or another's)
         rows = hopper_moe.slab_rows(shape.tokens, shape.groups, config)
         self.slab_bytes = rows * 128
         self.scratch = torch.empty(self.slab_bytes * (shape.k // 64), dtype=torch.uint8, device=device)
@@ -300,8 +310,9 @@ def _launch_values(plan: MoePlan, shape: MoeShape, key, stream_handle: int, sfb_
 
 class MoeBinding:
     """The launches of one set of tensor addresses on one stream: arguments fixed once (their own
-    argument cells), and where launch.GRAPH_LAUNCH allows, the same two launches recorded as one CUDA
-    graph. A call runs `launch()` (plain weight scales: their conversion first):
+    argument cells), and under the graph policy of both entries (launch.records_graph) the same
+    two launches recorded as one CUDA graph at its first launch outside a caller's capture. A call
+    runs `launch()` (plain weight scales: their conversion first):
 
     * the stream idle (cuStreamQuery): the graph replayed, one cuGraphLaunch, a third of the two
       prepared DSL calls' CPU; there is no earlier kernel for the pre-pass to overlap;
@@ -313,10 +324,10 @@ class MoeBinding:
 
     EXPERIMENTS E79 has the figures of the three ways."""
 
-    __slots__ = ("direct", "graph", "keepalive", "plan", "plan_key", "replay", "sfb_blocked", "sfb_plain", "stream")
+    __slots__ = ("direct", "graph", "keepalive", "plan", "plan_key", "record", "replay", "sfb_blocked", "sfb_plain",
+                 "stream")
 
-    def __init__(self, plan_key, plan: MoePlan, shape: MoeShape, key, tensors, stream_handle: int, *,
-                 record_graph: bool = False):
+    def __init__(self, plan_key, plan: MoePlan, shape: MoeShape, key, tensors, stream_handle: int):
         self.plan_key, self.plan = plan_key, plan
         self.sfb_plain = self.sfb_blocked = None
         sfb_address = None
@@ -327,28 +338,37 @@ class MoeBinding:
         self.keepalive = tensors  # (a, sfa, b, sfb, offsets, c, status): the addresses launched
         decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
         self.direct = (plan.decode.bound(decode), plan.gemm.bound(gemm))
-        self.graph = self.replay = None
+        self.graph = self.replay = self.record = None
         self.stream = launch.cuda.CUstream(stream_handle)
-        if record_graph:
+        if switches.CURRENT.graph_launch:
 
             def record(capture_stream):
                 decode, gemm = _launch_values(plan, shape, key, int(capture_stream), sfb_address)
                 return core.in_order([plan.decode.bound(decode), plan.gemm.bound(gemm)])
 
-            try:
-                self.graph = launch.GraphLaunch(record, tensors[0].device)
-                self.replay = self.graph.launcher(self.stream)
-            except Exception:  # noqa: BLE001 - the direct launches run (and report any real error)
-                self.graph = self.replay = None
+            self.record = record
+            if launch.records_graph():
+                self._record()
+
+    def _record(self) -> None:
+        record, self.record = self.record, None
+        try:
+            self.graph = launch.GraphLaunch(record, self.keepalive[0].device)
+            self.replay = self.graph.launcher(self.stream)
+        except Exception:  # noqa: BLE001 - the direct launches run (and report any real error)
+            self.graph = self.replay = None
 
     def launch(self) -> None:
         if self.sfb_plain is not None:
             self.sfb_blocked.copy_(_blocked_view(self.sfb_plain))
         if launch._stream_capturing():
             self.plan.captured = True  # the caller's graph reads the plan's scratch at every replay
-        elif self.replay is not None and not _stream_query(self.stream)[0]:  # CUDA_SUCCESS: nothing queued
-            self.replay()
-            return
+        else:
+            if self.record is not None:  # bound during a caller's capture: record at its first launch outside
+                self._record()
+            if self.replay is not None and not _stream_query(self.stream)[0]:  # CUDA_SUCCESS: nothing queued
+                self.replay()
+                return
         for run in self.direct:
             run()
 
@@ -361,7 +381,10 @@ _stream_query = launch.cuda.cuStreamQuery
 _SEEN_ONCE = object()
 
 
-_PLANS: collections.OrderedDict = collections.OrderedDict()
+# Plans by (device, stream, MoeShape, the switches its config follows): the oldest go first past
+# MAX_PLANS or MAX_PLAN_BYTES, never one a CUDA graph was captured with (its replays use the
+# plan's scratch: those stay until reset_runtime). The bindings of an evicted plan go with it.
+_PLANS = core.RuntimeCache(max_entries=MAX_PLANS, max_bytes=MAX_PLAN_BYTES, pinned=lambda plan: plan.captured)
 # The one lock of every runtime of the package: compiles and shared state, so that a MoE
 # compile and a per-size-set compile on two threads never run at once (concurrent first
 # compiles crash inside the DSL)
@@ -423,7 +446,7 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     from .hopper.schedules import with_wide_k_tiles
 
     if forced == "env":
-        forced = core.env_switch("NVFP4_MOE_CONFIG", None, "")  # a config name: config_named checks it
+        forced = switches.CURRENT.moe_config  # a config name: config_named checks it
     if forced:
         from .hopper.config import config_named
 
@@ -455,62 +478,157 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     return config
 
 
-# The two switches a plan's config follows (NVFP4_MOE_CONFIG, NVFP4_SM90_CHAIN_CALLS), read at
-# the first call and again after reset_moe(), as the sm_90 backend reads its own: an environment
-# read on every new set of tensors cost 1-1.5 µs each
-_SWITCHES: list = []
-
-
 def _switches() -> tuple:
-    if not _SWITCHES:
-        from .hopper.backend import default_chain_calls
-
-        _SWITCHES.append((core.env_switch("NVFP4_MOE_CONFIG", None, "") or None, default_chain_calls()))
-    return _SWITCHES[0]
+    """The two switches a plan's config follows (NVFP4_MOE_CONFIG, NVFP4_SM90_CHAIN_CALLS), as
+    nvfp4_group_gemm.switches read them (at import and at reset_runtime)."""
+    return switches.CURRENT.moe_config, switches.CURRENT.sm90_chain_calls
 
 
-def _plan_for(key, shape: MoeShape, device: torch.device, capturing: bool = False) -> MoePlan:
+# =============================================================================
+# The fallback chain and its first-use self-check, as every entry has
+# =============================================================================
+MOE_BACKEND = "moe_sm90"
+
+
+def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | None) -> list:
+    """The entry's chain for a shape (core.KernelChoice links): the config moe_config picks, then
+    variable token tiles (the config every routing runs), then the exact decode (moe_reference:
+    it reads the offsets on the host, so it runs only outside a capture)."""
+    from .hopper.config import SWAP_AB_VARIABLE_CONFIG, config_name
+
+    first = moe_config(shape, num_sms, chain_calls, forced)
+    configs = [first]
+    variable = SWAP_AB_VARIABLE_CONFIG
+    if variable.chain_calls and not chain_calls:
+        variable = dataclasses.replace(variable, chain_calls=False)
+    if not forced and variable != first:
+        configs.append(variable)
+    links = [core.KernelChoice(MOE_BACKEND, config_name(config), (config, shape.sfa_layout), per_group_count=True,
+                               label=f"{shape.sfa_layout} activation scales") for config in configs]
+    return [*links, core.KernelChoice(MOE_BACKEND, "exact_decode", host=True)]
+
+
+def _chosen_link(chain: list, groups: int):
+    """The first link of `chain` not demoted (core's record); the exact decode is never demoted."""
+    for choice in chain:
+        if choice.host or not core.is_demoted(choice.kernel_key(groups)):
+            return choice
+    return chain[-1]
+
+
+def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan | None:
+    """The plan of `key` (made on a miss, its config the chain's first usable link); None: every
+    kernel of the chain is demoted, the exact decode computes the call."""
     plan = _PLANS.get(key)
     if plan is not None:
-        _PLANS.move_to_end(key)
         return plan
     from .hopper.backend import current_num_sms
 
     with core.device_context(device):
         num_sms = current_num_sms()
         forced, chain_calls = key[-2:]
-        plan = MoePlan(shape, device, moe_config(shape, num_sms, chain_calls, forced), num_sms)
-    _PLANS[key] = plan
-    _evict_plans(key, capturing)
+        chain = moe_chain(shape, num_sms, chain_calls, forced)
+        choice = _chosen_link(chain, shape.groups)
+        if choice.host:
+            return None
+        try:
+            plan = MoePlan(shape, device, choice.config[0], num_sms, choice, chain)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a compile failure moves down the chain
+            core.demote(MOE_BACKEND, choice, chain, shape.groups, f"compile failed ({core.one_line(error)})")
+            return _plan_for(key, shape, device)
+    _evict_bindings_of(_PLANS.put(key, plan))
     return plan
 
 
-def _evict_plans(keep, capturing: bool = False) -> None:
-    """Bound the plans: the oldest go first, never `keep` nor one a CUDA graph was captured
-    with (its replays use the plan's scratch): those stay until reset_moe(). The bindings of an
-    evicted plan go with it."""
-    evicted = False
-    while len(_PLANS) > MAX_PLANS or sum(p.nbytes for p in _PLANS.values()) > MAX_PLAN_BYTES:
-        evictable = [k for k, p in _PLANS.items() if not p.captured and k != keep]
-        if not evictable:
-            break
-        del _PLANS[evictable[0]]
-        evicted = True
-    if evicted:
-        for bindings in _BINDINGS.values():
-            for stale in [k for k, v in bindings.items() if v is not _SEEN_ONCE and v.plan_key not in _PLANS]:
-                _retire((bindings.pop(stale),), capturing)
+def _evict_bindings_of(evicted_plans) -> None:
+    """The bindings of evicted plans go with them (retired while a capture runs)."""
+    if not evicted_plans:
+        return
+    launch.retire(evicted_plans)
+    gone = {id(plan) for plan in evicted_plans}
+    for per_stream in _BINDINGS.entries.values():
+        stale = [k for k, v in per_stream.entries.items() if v is not _SEEN_ONCE and id(v.plan) in gone]
+        launch.retire([per_stream.entries.pop(k) for k in stale])
 
 
-_CAPABILITY: dict = {}
+def _forget_plans_of(kernel_key: tuple) -> None:
+    """A demotion of a MoE kernel: drop the plans that run it and their bindings (their shapes
+    plan again on the next call, on the next link)."""
+    if kernel_key[0] != MOE_BACKEND:
+        return
+    dropped = [k for k, plan in _PLANS.entries.items() if plan.kernel_key == kernel_key]
+    _evict_bindings_of([_PLANS.entries.pop(k) for k in dropped])
+
+
+core.DEMOTION_LISTENERS.append(_forget_plans_of)
+
+
+# Compute capabilities by device index, asked once per device
+_CAPABILITY = core.RuntimeCache(max_entries=64)
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
     """The device's compute capability, asked once per device."""
-    capability = _CAPABILITY.get(device.index)
+    capability = _CAPABILITY.entries.get(device.index)
     if capability is None:
-        capability = _CAPABILITY[device.index] = torch.cuda.get_device_capability(device)
+        capability = torch.cuda.get_device_capability(device)
+        _CAPABILITY.put(device.index, capability)
     return capability
+
+
+def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status) -> None:
+    """The first call of a compiled MoE kernel (outside a capture, NVFP4_SELF_CHECK on) is also
+    computed by the exact decode and compared at the competition's tolerance widened by what fp32
+    accumulation may add (core.group_accumulation_bound), row group by row group. A disagreement
+    demotes the kernel (the next call runs the next link) and writes the exact result into c. It
+    synchronizes once per compiled kernel and process; a call with bad offsets (status non-zero)
+    is not checked (nothing to compare)."""
+    written = plan.status if status is None else status
+    if int(written.reshape(-1)[0].item()) != 0:
+        return
+    k = 2 * a.shape[1]
+    bounds_list = [int(v) for v in offsets.cpu().tolist()]
+    sfa_plain = sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, a.shape[0], k)
+    sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], b.shape[1], k)
+                                                         for g in range(b.shape[0])])
+    expected = moe_reference(a, sfa, b, sfb, offsets, torch.empty_like(c))
+    outputs, references, bounds, rows = [], [], [], []
+    for g in range(b.shape[0]):
+        lo, hi = bounds_list[g], bounds_list[g + 1]
+        if hi <= lo:
+            continue
+        outputs.append(c[lo:hi])
+        references.append(expected[lo:hi])
+        bounds.append(core.group_accumulation_bound(a[lo:hi], b[g], sfa_plain[lo:hi], sfb_plain[g], 1))
+        rows.append((g, lo))
+    mismatches, elements, first = core.count_mismatches(outputs, references, bounds=bounds)
+    core.SELF_CHECKED.add(plan.kernel_key)
+    plan.checked = True
+    if mismatches:
+        for out, ref in zip(outputs, references):
+            out.copy_(ref)
+        where = ", ".join(f"expert {rows[i][0]} row {rows[i][1] + r} column {j}" for i, r, j in first)
+        core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups,
+                    f"self-check: {mismatches} of {elements} outputs differ from the exact decode beyond the "
+                    f"tolerance and fp32 accumulation (first: {where}); this call returns the exact result")
+
+
+def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape) -> None:
+    """The chain's last link: the exact decode, reading the offsets on the host (a sync; refused
+    under a caller's capture). Bad offsets: nothing written and status 1, as the kernels do."""
+    if launch._capturing():
+        raise RuntimeError(f"moe_grouped_gemm: every MoE kernel for T = {shape.tokens}, G = {shape.groups}, "
+                           f"N = {shape.n}, K = {shape.k} is demoted in this process (the lines above say why), and "
+                           "its last link, the exact decode, reads the offsets on the host: it cannot run under a "
+                           "CUDA graph capture")
+    bounds = [int(v) for v in offsets.cpu().tolist()]
+    valid = 0 <= bounds[0] and all(x <= y for x, y in itertools.pairwise(bounds)) and bounds[-1] <= shape.tokens
+    if valid:
+        moe_reference(a, sfa, b, sfb, offsets, c)
+    if status is not None:
+        status.fill_(0 if valid else 1)
 
 
 data_address = core.data_address
@@ -527,8 +645,9 @@ def _binding_key(a, sfa, b, sfb, offsets, c, status):
             None if status is None else data_address(status), layout)
 
 
-# (stream handle, current device) -> {binding key: (plan key, binding)}: the hit path's dictionary
-_BINDINGS: dict = {}
+# (stream handle, current device) -> {binding key: binding}: the hit path's two lookups (each a
+# RuntimeCache's dictionary, read directly), MAX_STREAMS streams of MAX_BINDINGS bindings
+_BINDINGS = core.RuntimeCache(max_entries=MAX_STREAMS)
 
 
 def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
@@ -543,10 +662,10 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
         check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
         raise
     entry = where = None
-    if _BINDINGS:  # a key seen before, so CUDA is initialized: the hit path
+    if _BINDINGS.entries:  # a key seen before, so CUDA is initialized: the hit path
         where = (launch._current_stream_handle(), core.current_device_index())
-        per_stream = _BINDINGS.get(where)
-        entry = None if per_stream is None else per_stream.get(key)
+        per_stream = _BINDINGS.entries.get(where)
+        entry = None if per_stream is None else per_stream.entries.get(key)
     if entry is None or entry is _SEEN_ONCE:
         _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where)
     else:
@@ -557,14 +676,14 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
 # Validated layouts (a key's last element) -> (their MoeShape, the alignment mask of each
 # address). A call on new tensors of a validated layout checks only what differs: its
 # addresses' alignment and its tensors' devices.
-_LAYOUTS: dict = {}
 MAX_LAYOUTS = 64
+_LAYOUTS = core.RuntimeCache(max_entries=MAX_LAYOUTS)
 
 
 def _checked_shape(key, a, sfa, b, sfb, offsets, c, status) -> MoeShape:
     """check_moe_inputs, short where the layout (`key[-1]`) was validated before: then the
     addresses' alignment and the devices alone."""
-    known = _LAYOUTS.get(key[-1])
+    known = _LAYOUTS.entries.get(key[-1])
     if known is not None:
         shape, masks = known
         device = a.get_device()
@@ -575,11 +694,9 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status) -> MoeShape:
                 and (status is None or status.get_device() == device)):
             return shape
     shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
-    if len(_LAYOUTS) >= MAX_LAYOUTS:
-        _LAYOUTS.pop(next(iter(_LAYOUTS)))
     # 16-byte addresses for the TMA-read operands and c, 4 for offsets; plain scales any byte
-    _LAYOUTS[key[-1]] = (shape, (15, 0 if shape.sfa_layout == "plain" else 15, 15,
-                                 0 if shape.sfb_layout == "plain" else 15, 3, 15))
+    _LAYOUTS.put(key[-1], (shape, (15, 0 if shape.sfa_layout == "plain" else 15, 15,
+                                   0 if shape.sfb_layout == "plain" else 15, 3, 15)))
     return shape
 
 
@@ -605,40 +722,45 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         # the config follows from the shape and the two switches (moe_config)
         plan_key = (device.index, stream_handle, shape, *_switches())
         capturing = launch._capturing()
-        if not capturing:
-            _RETIRED.clear()
-        plan = _plan_for(plan_key, shape, device, capturing)
+        launch.release_retired()
+        plan = _plan_for(plan_key, shape, device)
+        if plan is None:  # every kernel of the chain demoted
+            _exact_call(a, sfa, b, sfb, offsets, c, status, shape)
+            return
         if capturing:
             plan.captured = True
-        if len(_BINDINGS) >= MAX_STREAMS and (stream_handle, device.index) not in _BINDINGS:
-            _retire(_BINDINGS.pop(next(iter(_BINDINGS))).values(), capturing)
-        per_stream = _BINDINGS.setdefault((stream_handle, device.index), {})
-        if len(per_stream) >= MAX_BINDINGS:
-            _retire((per_stream.pop(next(iter(per_stream))),), capturing)
-        if bind:
-            binding = per_stream[key] = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status),
-                                                   stream_handle, record_graph=launch.GRAPH_LAUNCH and not capturing)
-            binding.launch()
+        check = not (capturing or plan.checked or not core.SELF_CHECK)
+        if check and plan.kernel_key in core.SELF_CHECKED:
+            plan.checked, check = True, False
+        per_stream = _BINDINGS.entries.get((stream_handle, device.index))
+        if per_stream is None:
+            per_stream = core.RuntimeCache(max_entries=MAX_BINDINGS)
+            for evicted in _BINDINGS.put((stream_handle, device.index), per_stream):
+                launch.retire(list(evicted.entries.values()))
+        try:
+            if bind and not check:
+                binding = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status), stream_handle)
+                launch.retire(per_stream.put(key, binding))
+                binding.launch()
+                return
+            sfb_address = None
+            if shape.sfb_layout == "plain":
+                sfb_blocked = blocked_scales(sfb)  # a fresh copy on this stream (the allocator keeps it for the launch)
+                sfb_address = sfb_blocked.data_ptr()
+            decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
+            plan.decode(*decode)
+            plan.gemm(*gemm)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # a failed launch: the next link, where the context can still run work
+            if capturing or not core.context_usable(device):
+                raise
+            core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups, f"launch failed ({core.one_line(error)})")
+            _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=False, where=where)
             return
-        per_stream[key] = _SEEN_ONCE
-        sfb_address = None
-        if shape.sfb_layout == "plain":
-            sfb_blocked = blocked_scales(sfb)  # a fresh copy on this stream (the allocator keeps it for the launch)
-            sfb_address = sfb_blocked.data_ptr()
-        decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
-        plan.decode(*decode)
-        plan.gemm(*gemm)
-
-
-# Bindings dropped while a caller's graph capture runs: kept to the next call outside a capture,
-# since destroying their CUDA graphs (cuGraphExecDestroy) inside a capture of the global mode
-# (torch.cuda.graph's default) would invalidate the caller's capture
-_RETIRED: list = []
-
-
-def _retire(bindings, capturing: bool) -> None:
-    if capturing:
-        _RETIRED.extend(bindings)
+        if check:
+            _self_check(plan, a, sfa, b, sfb, offsets, c, status)
+        launch.retire(per_stream.put(key, _SEEN_ONCE))
 
 
 class Sm100MoeBinding:
@@ -646,12 +768,12 @@ class Sm100MoeBinding:
     scale-repack kernel, the leaderboard file's descriptor init, the persistent GEMM reading its
     tile count on the GPU) for one set of tensors: plain DSL calls on the stream."""
 
-    __slots__ = ("args", "buffers", "launches", "plan_key", "sfb_plain", "stream")
+    __slots__ = ("args", "buffers", "launches", "plan", "sfb_plain", "stream")
 
-    def __init__(self, plan_key, launches, buffers, args, sfb_plain, stream_handle: int):
+    def __init__(self, plan, launches, buffers, args, sfb_plain, stream_handle: int):
         import cuda.bindings.driver as cuda_driver
 
-        self.plan_key, self.launches, self.buffers, self.args = plan_key, launches, buffers, args
+        self.plan, self.launches, self.buffers, self.args = plan, launches, buffers, args
         self.sfb_plain = sfb_plain
         self.stream = cuda_driver.CUstream(stream_handle)
 
@@ -664,11 +786,13 @@ class Sm100MoeBinding:
 
 def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stream_handle: int) -> None:
     """The sm_100a version of the entry (compiled for sm_100a; never run here, no B200): only
-    with NVFP4_MOE_SM100=1 (ValueError otherwise, naming the switch), plain activation scales."""
-    if core.env_switch("NVFP4_MOE_SM100", ("0", "1"), "0") != "1":
+    with NVFP4_MOE_SM100=1 (ValueError otherwise, naming the switch), plain activation scales.
+    Its chain: the sm_100a kernels, then the exact decode; the same first-use self-check."""
+    if not switches.CURRENT.moe_sm100:
         raise ValueError(
             "moe_grouped_gemm: the sm_100a MoE kernels (nvfp4_group_gemm.sm100_moe) are compiled for sm_100a "
-            "but have never run on a B200: set NVFP4_MOE_SM100=1 to use them, and check them first with "
+            "but have never run on a B200: set NVFP4_MOE_SM100=1 (then call reset_runtime(), or set it before "
+            "the import) to use them, and check them first with "
             "`NVFP4_MOE_SM100=1 python -m pytest tests/test_gpu_moe.py`")
     if shape.sfa_layout != "plain":
         _fail(ValueError, "sfa.shape", tuple(sfa.shape), "on sm_100 the MoE entry takes plain activation scales "
@@ -676,18 +800,31 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
     from . import sm100_moe
 
     device = a.device
+    chain = [core.KernelChoice(SM100_MOE_BACKEND, "sm100_moe", None, per_group_count=True),
+             core.KernelChoice(SM100_MOE_BACKEND, "exact_decode", host=True)]
     with _LOCK:
+        capturing = launch._capturing()
+        launch.release_retired()
         plan_key = (device.index, stream_handle, shape, "sm100")
         plan = _PLANS.get(plan_key)
+        if plan is None and not core.is_demoted(chain[0].kernel_key(shape.groups)):
+            try:
+                launches = sm100_moe.sm100_moe_launches(
+                    shape.tokens, shape.groups, shape.n, shape.k,
+                    resident_clusters=core.resident_clusters(device), num_sms=torch.cuda.get_device_properties(
+                        device).multi_processor_count)
+                launches.compile()
+                plan = Sm100MoePlan(launches, launches.allocate(device), chain, shape.groups)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a compile failure moves down the chain
+                core.demote(SM100_MOE_BACKEND, chain[0], chain, shape.groups, f"compile failed ({core.one_line(error)})")
+            else:
+                _evict_bindings_of(_PLANS.put(plan_key, plan))
         if plan is None:
-            launches = sm100_moe.sm100_moe_launches(
-                shape.tokens, shape.groups, shape.n, shape.k,
-                resident_clusters=core.resident_clusters(device), num_sms=torch.cuda.get_device_properties(
-                    device).multi_processor_count)
-            launches.compile()
-            plan = _PLANS[plan_key] = Sm100MoePlan(launches, launches.allocate(device))
-            _evict_plans(plan_key)
-        if launch._capturing():
+            _exact_call(a, sfa, b, sfb, offsets, c, status, shape)
+            return
+        if capturing:
             plan.captured = True
         sfb_plain = None
         if shape.sfb_layout == "plain":
@@ -695,36 +832,56 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
         buffers = dict(plan.buffers)
         if status is not None:
             buffers["status"] = status
-        binding = Sm100MoeBinding(plan_key, plan.launches, buffers, (a, sfa, b, sfb, offsets, c), sfb_plain,
+        binding = Sm100MoeBinding(plan, plan.launches, buffers, (a, sfa, b, sfb, offsets, c), sfb_plain,
                                   stream_handle)
-        per_stream = _BINDINGS.setdefault((stream_handle, device.index), {})
-        if len(per_stream) >= MAX_BINDINGS:
-            per_stream.pop(next(iter(per_stream)))
-        per_stream[key] = binding
-    binding.launch()
+        check = not capturing and core.SELF_CHECK and plan.kernel_key not in core.SELF_CHECKED
+        if not check:
+            per_stream = _BINDINGS.entries.get((stream_handle, device.index))
+            if per_stream is None:
+                per_stream = core.RuntimeCache(max_entries=MAX_BINDINGS)
+                for evicted in _BINDINGS.put((stream_handle, device.index), per_stream):
+                    launch.retire(list(evicted.entries.values()))
+            launch.retire(per_stream.put(key, binding))
+        try:
+            binding.launch()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:  # a failed launch: the exact decode, where the context can still run work
+            if capturing or not core.context_usable(device):
+                raise
+            core.demote(SM100_MOE_BACKEND, chain[0], chain, shape.groups, f"launch failed ({core.one_line(error)})")
+            _exact_call(a, sfa, b, sfb, offsets, c, status, shape)
+            return
+        if check:
+            _self_check(plan, a, sfa, b, sfb, offsets, c, buffers["status"])
+
+
+SM100_MOE_BACKEND = "moe_sm100"
 
 
 class Sm100MoePlan:
-    """What one (device, stream, MoeShape) needs on sm_100: the launch sequence and its buffers."""
+    """What one (device, stream, MoeShape) needs on sm_100: the launch sequence and its buffers,
+    and its link of the chain (`choice`, `chain`, `groups`: what a demotion and the self-check
+    read)."""
 
-    __slots__ = ("buffers", "captured", "launches", "nbytes")
+    __slots__ = ("buffers", "captured", "chain", "checked", "choice", "groups", "kernel_key", "launches", "nbytes",
+                 "status")
 
-    def __init__(self, launches, buffers: dict):
+    def __init__(self, launches, buffers: dict, chain: list, groups: int):
         self.launches, self.buffers, self.captured = launches, buffers, False
+        self.chain, self.choice, self.groups = chain, chain[0], groups
+        self.kernel_key, self.checked = chain[0].kernel_key(groups), False
+        self.status = buffers.get("status")
         self.nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
 
 
 def reset_moe() -> None:
-    """Drop every plan and binding (their scratch is freed once no launch holds it), those of
-    captured graphs too: replay no graph captured with this entry afterwards. The next call
-    reads the switches NVFP4_MOE_CONFIG and NVFP4_SM90_CHAIN_CALLS again."""
+    """Drop every plan and binding of this entry (their scratch is freed once no launch holds
+    it), those of captured graphs too: replay no graph captured with this entry afterwards.
+    reset_runtime() runs it, with everything else (switches read again, demotions forgotten)."""
     with _LOCK:
-        _CAPABILITY.clear()
-        _LAYOUTS.clear()
-        _RETIRED.clear()
-        _SWITCHES.clear()
-        _BINDINGS.clear()
-        _PLANS.clear()
+        for cache in (_CAPABILITY, _LAYOUTS, _BINDINGS, _PLANS):
+            cache.clear()
 
 
 # =============================================================================

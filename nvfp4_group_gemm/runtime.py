@@ -19,12 +19,12 @@ from collections.abc import Callable
 import cuda.bindings.driver as cuda
 import torch
 
-from nvfp4_group_gemm import core
+from nvfp4_group_gemm import core, switches
 
 from .launch import (
     _CAPTURE_ARENAS,
     _STREAM_OBJECTS,
-    GRAPH_LAUNCH,
+    RETIRED,
     CellArgs,
     GraphLaunch,
     TableRing,
@@ -37,6 +37,9 @@ from .launch import (
     _stream_handle,
     cuda_get_device,
     make_launcher,
+    records_graph,
+    release_retired,
+    retire,
     table_ring,
     upload_int_tables,
 )
@@ -72,13 +75,11 @@ def validate_inputs(data):
     return core.validate_inputs(data)
 
 
-# A seen input set's launch replayed as a CUDA graph (launch.GRAPH_LAUNCH, EXPERIMENTS E57)
-_GRAPH_LAUNCH = GRAPH_LAUNCH
 # An input set's first call launches without a binding where its backend can (its tables
 # staged and copied with the launch, no binding or plan built: a MoE step's sizes and
-# activations are new at every call); its second call binds it. NVFP4_FIRST_CALL_UNBOUND=0
-# binds every input set at its first call (EXPERIMENTS E64).
-FIRST_CALLS_UNBOUND = core.env_switch("NVFP4_FIRST_CALL_UNBOUND", ("0", "1"), "1") == "1"
+# activations are new at every call); its second call binds it.
+# switches.CURRENT.first_call_unbound (NVFP4_FIRST_CALL_UNBOUND=0 binds every input set at its
+# first call, EXPERIMENTS E64).
 
 
 @typing.runtime_checkable
@@ -226,7 +227,7 @@ class Binding:
             self.mode = LaunchMode.HOST
         elif plan.num_tiles == 0:
             self.mode = LaunchMode.NOTHING
-        elif _GRAPH_LAUNCH and _can_record(plan):
+        elif switches.CURRENT.graph_launch and _can_record(plan):  # launch.records_graph's policy
             self.mode = LaunchMode.FIRST_DIRECT
         else:
             self.mode = LaunchMode.DIRECT
@@ -270,7 +271,7 @@ class Binding:
         for written in (plan.tables, self.table, self.bound):
             if isinstance(written, Written):
                 written.order_before(stream)
-        if self.mode is LaunchMode.FIRST_DIRECT and self.launched:
+        if self.mode is LaunchMode.FIRST_DIRECT and self.launched and records_graph():
             try:
                 self.graph = GraphLaunch(self._direct_launcher, plan.device)
                 self.mode = LaunchMode.GRAPH
@@ -375,23 +376,8 @@ _BINDINGS = RuntimeCache(max_entries=64)
 # Bindings whose launch a caller's CUDA graph captured: kept beyond _BINDINGS' bound, since the
 # graph reads their tables (and descriptors) at every replay
 _CAPTURED = RuntimeCache(max_entries=256)
-# What a cache evicts while a caller's graph capture runs (bindings, with the CUDA graphs of
-# their replays): kept until the next call outside a capture, since destroying a graph
-# (cuGraphExecDestroy) inside a capture of the global mode, torch.cuda.graph's default, would
-# invalidate the caller's capture (the MoE entry keeps its own the same way)
-_RETIRED: list = []
-
-
-def _retire(evicted) -> None:
-    """Keep `evicted` (a cache's evicted entries) alive while a capture runs."""
-    if evicted and _capturing():
-        _RETIRED.extend(evicted)
-
-
-def _release_retired() -> None:
-    """Outside a capture: let go of what captures retired."""
-    if _RETIRED and not _capturing():
-        _RETIRED.clear()
+# What the caches evict during a caller's capture: launch.retire (one place for both entries)
+_retire = retire
 _PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
 # Size plans by (device, sizes, backend): what an input set's first call needs, no device memory
 _SIZE_PLANS = RuntimeCache(max_entries=256, max_bytes=16 << 20)
@@ -664,10 +650,10 @@ def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
     these sizes. One thread at a time (compilation and the caches)."""
     key, problem_sizes = checked_input(data, key)
     with RUNTIME_LOCK:
-        _release_retired()
+        release_retired()
         binding = _BINDINGS.get(key)
         if binding is None or binding.plan.problem_sizes != problem_sizes:
-            if FIRST_CALLS_UNBOUND:
+            if switches.CURRENT.first_call_unbound:
                 outputs = _first_call(data, key, problem_sizes)
                 if outputs is not None:
                     return outputs
@@ -702,7 +688,7 @@ def custom_kernel(data: input_t) -> output_t:
         if type(binding) is list:  # a first call, launched without a binding
             return binding
     if _current_raw_stream is not None:
-        stream = _STREAM_OBJECTS.get(_current_raw_stream(cuda_get_device()))
+        stream = _STREAM_OBJECTS.entries.get(_current_raw_stream(cuda_get_device()))
     else:
         stream = None
     if stream is None:
@@ -765,16 +751,18 @@ def reset_runtime() -> None:
     """Forget every input set (bound or run once), plan, size plan, backend, demotion and
     self-check result of every runtime, the MoE entry's plans and bindings included
     (moe.reset_moe; compiled kernels stay): the process as it was before its first call, for
-    tests and for a caller that changed an environment switch. Replay no graph captured before."""
+    tests and for a caller that changed an environment switch (the library's switches are read
+    again: nvfp4_group_gemm.switches). Replay no graph captured before."""
     from . import moe  # imported here: the MoE entry imports nothing of this module
 
     with RUNTIME_LOCK:
         for cache in (_BINDINGS, _PLANS, _SIZE_PLANS, _SEEN_ONCE, _CAPTURED):
             cache.clear()
-        _RETIRED.clear()
+        RETIRED.clear()
         _BACKEND_BY_DEVICE.clear()
         core.reset_runtime()
         moe.reset_moe()
+        switches.reload()  # last: a bad value raises with everything else already reset
 
 
 def warmup(n: int, k: int, groups: int, device=None) -> list[str]:

@@ -136,13 +136,13 @@ class Sm100StreamPlan:
     """core.Sm100Plan as the library's runtime reads it: no scratch shared between input
     sets, graph replay allowed."""
 
-    __slots__ = ("config", "num_clusters")
+    __slots__ = ("chained", "config", "num_clusters")
     nbytes = 0
     shared_scratch = False
     graph_launch = True
 
     def __init__(self, plan):
-        self.config, self.num_clusters = plan.config, plan.num_clusters
+        self.config, self.num_clusters, self.chained = plan.config, plan.num_clusters, plan.chained
 
     def record_stream(self, stream) -> None:
         pass

@@ -196,12 +196,17 @@ class FakeKernels:
         self.data = None
         self.compiled, self.ran = [], []
         self.compile_fails, self.launch_fails, self.wrong = set(), set(), set()
+        # failures of a kernel built with its calls chained only (submission.SM100_CHAIN_CALLS
+        # when it was compiled), and (name, chained) of every launch
+        self.chained_launch_fails, self.chained_wrong = set(), set()
+        self.ran_chained = []
         self.compute = {}  # kernel name -> its computation (data, outputs) in place of the exact decode
         self.scaled_mm_runs = 0
 
     def compiler(self, name):
         def compile_fn(*_args):
             self.compiled.append(name)
+            chained = submission.SM100_CHAIN_CALLS  # what the traced launch would read
             if name in self.compile_fails:
                 raise RuntimeError(f"{name}: boom at compile")
             if name.endswith("init"):
@@ -209,11 +214,12 @@ class FakeKernels:
 
             def kernel(*_args):
                 self.ran.append(name)
-                if name in self.launch_fails:
+                self.ran_chained.append((name, chained))
+                if name in self.launch_fails or (chained and name in self.chained_launch_fails):
                     raise RuntimeError(f"kernel launch failed: CUresult 1 ({name})")
                 outputs = [c for _, _, c in self.data[0]]
                 self.compute.get(name, submission.exact_decode_group_gemm)(self.data, outputs)
-                if name in self.wrong:
+                if name in self.wrong or (chained and name in self.chained_wrong):
                     outputs[0][1, 2, 0] += 1.0
 
             return kernel
@@ -247,6 +253,9 @@ def _sm100_on_fakes(monkeypatch, backend_type):
     monkeypatch.setattr(type(backend), "oracle", submission.KernelChoice("sm100", "exact_decode", host=True))
     # the caches, demotions and checks start empty (conftest resets them around every test)
     monkeypatch.setattr(submission, "SELF_CHECK", True)
+    # calls unchained: one link per kernel (the chained and unchained links of each kernel have
+    # their own tests, which turn it on)
+    monkeypatch.setattr(submission, "SM100_CHAIN_CALLS", False)
     return fakes, backend
 
 

@@ -37,7 +37,8 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
         pass
 
     monkeypatch.setattr(runtime, "_CAPTURED", submission.RuntimeCache(max_entries=1))
-    monkeypatch.setattr(runtime, "_RETIRED", [])
+    monkeypatch.setattr(launch, "RETIRED", [])
+    monkeypatch.setattr(launch, "_capturing", lambda: True)  # launch.retire asks it (both entries retire there)
     evicted = EvictedBinding()
     evicted_alive = weakref.ref(evicted)
     runtime._CAPTURED.put("older capture", evicted)
@@ -57,11 +58,12 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     assert len(runtime._CAPTURED) == 1
     # the next call outside a capture lets the evicted entry go
     monkeypatch.setattr(runtime, "_capturing", lambda: False)
+    monkeypatch.setattr(launch, "_capturing", lambda: False)
     runtime._bound_input_set(data, None)
     gc.collect()
-    assert evicted_alive() is None and runtime._RETIRED == []
-    runtime._retire([EvictedBinding()])  # outside a capture nothing is retired
-    assert runtime._RETIRED == []
+    assert evicted_alive() is None and launch.RETIRED == []
+    launch.retire([EvictedBinding()])  # outside a capture nothing is retired
+    assert launch.RETIRED == []
 
 
 def test_a_new_input_set_under_capture_is_one_clear_error(sm100_runtime, monkeypatch):

@@ -22,13 +22,61 @@ def stderr_lines(capsys):
     return [line for line in capsys.readouterr().err.splitlines() if line]
 
 
-def test_the_chains_name_every_kernel_in_order():
+def test_the_chains_name_every_kernel_in_order(monkeypatch):
+    monkeypatch.setattr(submission, "SM100_CHAIN_CALLS", False)
     backend = submission.Sm100Backend("persistent")
     assert [c.name for c in backend.kernel_chain(SIZES_PERSISTENT)] == ["persistent_t128", "per_tile", "scaled_mm"]
     assert [c.name for c in backend.kernel_chain(SIZES_PER_TILE)] == ["per_tile", "scaled_mm"]
     per_tile = submission.Sm100Backend("per_tile")
     assert [c.name for c in per_tile.kernel_chain(SIZES_PERSISTENT)] == ["per_tile", "scaled_mm"]
     assert all(c is submission.SM100_CHOICES[c.name] for c in backend.kernel_chain(SIZES_PERSISTENT))
+
+
+def test_chained_calls_give_each_kernel_an_unchained_link(monkeypatch):
+    """With calls chained (the default), each kernel comes twice: chained, then plain, then the
+    next kernel: a failure of the chaining alone costs the chaining, not the kernel."""
+    monkeypatch.setattr(submission, "SM100_CHAIN_CALLS", True)
+    chain = submission.Sm100Backend("persistent").kernel_chain(SIZES_PERSISTENT)
+    assert [c.title() for c in chain] == ["persistent_t128 chained", "persistent_t128 unchained", "per_tile chained",
+                                          "per_tile unchained", "scaled_mm"]
+    assert chain[0].config is chain[1].config is submission.PERSISTENT_CONFIGS[128]
+    assert len({c.kernel_key(2) for c in chain}) == 5  # demoted, and self-checked, one by one
+
+
+def _chained(fakes):
+    return [chained for _, chained in fakes.ran_chained]
+
+
+@pytest.mark.parametrize("failure", ["launch", "self-check"])
+def test_a_failure_of_the_chaining_alone_keeps_the_kernel_unchained(sm100_runtime, monkeypatch, capsys, failure):
+    """A chained launch that raises, or a chained kernel whose self-check disagrees while the
+    same kernel unchained agrees: the next link is the same kernel unchained, and it stays."""
+    fakes, run = sm100_runtime
+    monkeypatch.setattr(submission, "SM100_CHAIN_CALLS", True)
+    (fakes.chained_launch_fails if failure == "launch" else fakes.chained_wrong).add("persistent_gemm")
+    data = official_inputs(SIZES_PERSISTENT)
+    assert_exact(run(data), data)
+    (line,) = stderr_lines(capsys)
+    assert line.startswith("nvfp4_group_gemm: sm100 kernel persistent_t128 chained (")
+    assert line.endswith("next: persistent_t128 unchained")
+    assert_exact(run(data), data)
+    (binding,) = submission._BINDINGS.entries.values()
+    assert binding.plan.choice.title() == "persistent_t128 unchained"
+    assert fakes.ran == ["persistent_gemm"] * len(fakes.ran) and _chained(fakes)[-1] is False
+    unchained = binding.plan.choice.kernel_key(2)
+    assert unchained in submission.SELF_CHECKED and not submission.is_demoted(unchained)
+    assert stderr_lines(capsys) == []
+
+
+def test_a_failure_of_the_kernel_itself_leaves_it_after_its_unchained_link(sm100_runtime, monkeypatch, capsys):
+    fakes, run = sm100_runtime
+    monkeypatch.setattr(submission, "SM100_CHAIN_CALLS", True)
+    fakes.launch_fails.add("persistent_gemm")  # chained or not
+    data = official_inputs(SIZES_PERSISTENT)
+    assert_exact(run(data), data)
+    lines = stderr_lines(capsys)
+    assert [line.rsplit("next: ", 1)[1] for line in lines] == ["persistent_t128 unchained", "per_tile chained"]
+    assert fakes.ran_chained == [("persistent_gemm", True), ("persistent_gemm", False), ("per_tile_gemm", True)]
 
 
 def test_no_fault_runs_the_first_link_and_checks_it_once(sm100_runtime, capsys):

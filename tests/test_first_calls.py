@@ -6,6 +6,7 @@ takes it, its tables in the capture arena."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import random
 import struct
 
@@ -14,7 +15,7 @@ import torch
 from helpers import PacksItsPlanTiles, make_inputs, runtime_on_cpu
 
 from nvfp4_group_gemm import core as submission
-from nvfp4_group_gemm import launch, runtime
+from nvfp4_group_gemm import launch, runtime, switches
 
 TILE = 128
 
@@ -285,7 +286,7 @@ def test_a_failing_first_call_falls_back_to_the_binding_path(direct_runtime, mon
 
 def test_switched_off_every_first_call_binds(direct_runtime, monkeypatch):
     backend, run, _ = direct_runtime
-    monkeypatch.setattr(runtime, "FIRST_CALLS_UNBOUND", False)
+    monkeypatch.setattr(switches, "CURRENT", dataclasses.replace(switches.CURRENT, first_call_unbound=False))
     data = make_inputs(SIZES)
     run(data)
     assert backend.first_calls == [] and len(backend.bound_launches) == 1

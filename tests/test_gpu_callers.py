@@ -9,7 +9,7 @@ import torch
 from helpers import supported_gpu
 
 from nvfp4_group_gemm import core as submission
-from nvfp4_group_gemm import op, runtime
+from nvfp4_group_gemm import op, runtime, switches
 from reference import generate_input, ref_kernel
 
 pytestmark = pytest.mark.skipif(not supported_gpu(), reason="needs an sm_100 or sm_90 GPU")
@@ -86,7 +86,7 @@ def test_an_unseen_input_set_under_capture_is_one_clear_error():
 def _unbound_first_calls() -> bool:
     """Whether this GPU's backend launches an input set's first call without a binding (sm_90
     swap-AB; every sm_100 launch needs its descriptors bound)."""
-    return torch.cuda.get_device_capability()[0] == 9 and runtime.FIRST_CALLS_UNBOUND
+    return torch.cuda.get_device_capability()[0] == 9 and switches.CURRENT.first_call_unbound
 
 
 def test_a_first_call_captured_reads_its_tables_from_the_arena():

@@ -11,7 +11,7 @@ import torch
 from helpers import per_group_data
 
 import nvfp4_group_gemm as gemm
-from nvfp4_group_gemm import launch, moe
+from nvfp4_group_gemm import core, moe, switches
 from reference import exact_mismatches
 
 # sm_90 runs the entry; sm_100 only with NVFP4_MOE_SM100=1 (its kernels are compiled for
@@ -104,7 +104,7 @@ def test_forced_configs_match_the_exact_decode_and_replay(label, family, monkeyp
     if SM100:
         pytest.skip("sm_90 configs")
     monkeypatch.setenv("NVFP4_MOE_CONFIG", label)
-    moe.reset_moe()
+    gemm.reset_runtime()  # the switches are read again
     try:
         tokens, groups, n, k = family
         rng = random.Random(11)
@@ -121,7 +121,7 @@ def test_forced_configs_match_the_exact_decode_and_replay(label, family, monkeyp
         replay_every_routing(family)
     finally:
         monkeypatch.delenv("NVFP4_MOE_CONFIG")
-        moe.reset_moe()
+        gemm.reset_runtime()
 
 
 def replay_every_routing(family):
@@ -167,8 +167,8 @@ def test_a_binding_replays_its_graph_when_idle_and_launches_directly_otherwise()
         for _ in range(2):  # a first call, then the binding's
             gemm.moe_grouped_gemm(**inputs)
         key = moe._binding_key(*(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None)
-        binding = moe._BINDINGS[(stream.cuda_stream, torch.cuda.current_device())][key]
-        assert (binding.replay is not None) == launch.GRAPH_LAUNCH
+        binding = moe._BINDINGS.get((stream.cuda_stream, torch.cuda.current_device())).get(key)
+        assert (binding.replay is not None) == switches.CURRENT.graph_launch
         replays = []
         if binding.replay is not None:
             recorded = binding.replay
@@ -180,14 +180,14 @@ def test_a_binding_replays_its_graph_when_idle_and_launches_directly_otherwise()
             stream.synchronize()
             gemm.moe_grouped_gemm(**inputs)  # an idle stream: the graph
             stream.synchronize()
-            assert len(replays) == (trial + 1 if launch.GRAPH_LAUNCH else 0)
+            assert len(replays) == (trial + 1 if switches.CURRENT.graph_launch else 0)
             check_call(inputs, offsets, ("idle", trial))
             replayed = inputs["c"].clone()
             inputs["c"].fill_(float("nan"))
             torch.cuda._sleep(2_000_000)  # work queued for a millisecond or so
             gemm.moe_grouped_gemm(**inputs)  # behind it: the direct launches
             stream.synchronize()
-            assert len(replays) == (trial + 1 if launch.GRAPH_LAUNCH else 0)
+            assert len(replays) == (trial + 1 if switches.CURRENT.graph_launch else 0)
             assert torch.equal(inputs["c"].nan_to_num(0.5), replayed.nan_to_num(0.5)), ("queued", trial)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
@@ -299,3 +299,56 @@ def test_no_call_synchronizes():
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
+
+
+def _corrupt_first_link(monkeypatch, family, corrupt):
+    """MoePlan wrapped so that the plans of the chain's first link for `family` run `corrupt(c)`
+    after their GEMM (or raise from it): a wrong or failing kernel, for the chain to handle."""
+    real_init = moe.MoePlan.__init__
+
+    def init(self, shape, device, config, num_sms, choice=None, chain=None):
+        real_init(self, shape, device, config, num_sms, choice, chain)
+        if chain is not None and choice is chain[0]:
+            gemm_launch = self.gemm
+
+            def wrong(*values):
+                gemm_launch(*values)
+                corrupt()
+
+            self.gemm = wrong
+
+    monkeypatch.setattr(moe.MoePlan, "__init__", init)
+
+
+@pytest.mark.parametrize("failure", ["wrong output", "launch error"])
+def test_a_wrong_or_failing_kernel_moves_down_the_chain(monkeypatch, capfd, failure):
+    """The first call of a compiled MoE kernel is self-checked against the exact decode: a wrong
+    output demotes it (that call returns the exact result), and so does a launch that raises with
+    the context still usable; the next calls run the next link (variable token tiles), exact."""
+    if SM100:
+        pytest.skip("the sm_90 chain")
+    tokens, groups, n, k = family = (64, 64, 256, 768)
+    rng = random.Random(5)
+    inputs = moe.random_moe_inputs(tokens, groups, n, k)
+
+    def corrupt():
+        if failure == "launch error":
+            raise RuntimeError("kernel launch failed: CUresult 1 (injected)")
+        inputs["c"][0].fill_(1.0)
+
+    _corrupt_first_link(monkeypatch, family, corrupt)
+    shape = moe.MoeShape(tokens, groups, n, k, "plain", "blocked")
+    chain = moe.moe_chain(shape, torch.cuda.get_device_properties(0).multi_processor_count,
+                          switches.CURRENT.sm90_chain_calls, None)
+    for trial in range(3):
+        offsets = [0, *sorted(rng.randint(1, tokens) for _ in range(groups - 1)), tokens]  # row 0 in a group
+        inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+        inputs["c"].fill_(float("nan"))
+        gemm.moe_grouped_gemm(**inputs)
+        torch.cuda.synchronize()
+        check_call(inputs, offsets, (failure, trial))
+    assert core.is_demoted(chain[0].kernel_key(groups)) and not core.is_demoted(chain[1].kernel_key(groups))
+    (plan,) = moe._PLANS.entries.values()
+    assert plan.choice == chain[1]
+    why = "self-check" if failure == "wrong output" else "launch failed"
+    assert f"{chain[0].name}" in capfd.readouterr().err and why in core.demotions()[chain[0].kernel_key(groups)]

@@ -6,6 +6,7 @@ little, or a staging buffer rewritten while its copy is pending) gives a wrong o
 Runs on any GPU the submission supports (sm_100 or sm_90); skipped elsewhere.
 """
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from helpers import supported_gpu
 
 from nvfp4_group_gemm import core as submission
-from nvfp4_group_gemm import launch, runtime
+from nvfp4_group_gemm import launch, runtime, switches
 from reference import generate_input, match_outputs, ref_kernel
 
 pytestmark = pytest.mark.skipif(not supported_gpu(), reason="needs an sm_100 or sm_90 GPU")
@@ -155,7 +156,7 @@ def test_hit_replays_the_recorded_graph_on_any_stream():
 
 
 def test_direct_launch_when_graphs_are_off(monkeypatch):
-    monkeypatch.setattr(runtime, "_GRAPH_LAUNCH", False)
+    monkeypatch.setattr(switches, "CURRENT", dataclasses.replace(switches.CURRENT, graph_launch=False))
     data = generate_input(**SIZES, seed=78)
     expected = ref_kernel(_clone(data))
     runtime.custom_kernel(data)

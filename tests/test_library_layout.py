@@ -74,3 +74,96 @@ def test_one_reset_forgets_the_moe_entry_too(monkeypatch):
     monkeypatch.setattr(moe, "reset_moe", lambda: resets.append("moe"))
     runtime.reset_runtime()
     assert resets == ["moe"]
+
+
+PACKAGE = REPO_ROOT / "nvfp4_group_gemm"
+
+
+def _package_sources():
+    return {path.relative_to(REPO_ROOT).as_posix(): path.read_text(encoding="utf-8")
+            for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_one_place_knows_the_dsls_internals():
+    """The prepared (packed-argument) launch is core.PreparedCall's: make_launcher (the core's
+    bindings) and launch.CellLauncher (the library's argument cells) both build on it, and no
+    other module names the DSL internals it uses."""
+    import re
+
+    internals = re.compile(r"generate_execution_args|_get_invoke_packed_args|capi_func|jit_module|cuda_result")
+    users = sorted(path for path, text in _package_sources().items() if internals.search(text))
+    assert users == ["nvfp4_group_gemm/core.py"], users
+    from nvfp4_group_gemm import core, launch
+
+    assert "PreparedCall.prepare" in (PACKAGE / "launch.py").read_text() and core.make_launcher.__module__ == core.__name__
+    assert launch.make_launcher is core.make_launcher
+
+
+def test_every_switch_is_read_in_one_module():
+    """nvfp4_group_gemm.switches reads the library's NVFP4_* switches (at import and at
+    reset_runtime); the core reads the leaderboard file's own at its import; no other module
+    reads the environment or calls env_switch."""
+    import re
+
+    from nvfp4_group_gemm import switches
+
+    readers = sorted(path for path, text in _package_sources().items()
+                     if re.search(r"os\.environ|env_switch\(|getenv\(", text))
+    assert readers == ["nvfp4_group_gemm/core.py", "nvfp4_group_gemm/switches.py"], readers
+    core_text = (PACKAGE / "core.py").read_text()
+    read_by_core = sorted(set(re.findall(r'env_switch\("(NVFP4_\w+)"', core_text)))
+    assert read_by_core == sorted(switches.LEADERBOARD_SWITCHES)
+    assert set(switches.SWITCHES).isdisjoint(read_by_core)
+
+
+def test_the_switches_are_read_again_by_reset_runtime(monkeypatch):
+    from nvfp4_group_gemm import runtime, switches
+
+    monkeypatch.setenv("NVFP4_GRAPH_LAUNCH", "0")
+    monkeypatch.setenv("NVFP4_MOE_CONFIG", "swap_ab_t64")
+    assert switches.CURRENT.graph_launch  # read at import: the environment's change is not seen yet
+    runtime.reset_runtime()
+    assert not switches.CURRENT.graph_launch and switches.CURRENT.moe_config == "swap_ab_t64"
+    monkeypatch.setenv("NVFP4_GRAPH_LAUNCH", "maybe")
+    with pytest.raises(ValueError, match=r"NVFP4_GRAPH_LAUNCH='maybe': must be one of 0, 1"):
+        runtime.reset_runtime()
+    monkeypatch.delenv("NVFP4_GRAPH_LAUNCH")
+    monkeypatch.delenv("NVFP4_MOE_CONFIG")
+    runtime.reset_runtime()
+    assert switches.CURRENT == switches.read() and switches.CURRENT.graph_launch
+
+
+def test_one_graph_policy(monkeypatch):
+    """Both entries' bindings record a CUDA graph only outside a caller's capture, with graphs
+    on and their plan allowing it (launch.records_graph)."""
+    import dataclasses
+
+    from nvfp4_group_gemm import launch, switches
+
+    for capturing, graphs, allowed in [(c, g, a) for c in (False, True) for g in (False, True) for a in (False, True)]:
+        monkeypatch.setattr(launch, "_capturing", lambda capturing=capturing: capturing)
+        monkeypatch.setattr(switches, "CURRENT", dataclasses.replace(switches.CURRENT, graph_launch=graphs))
+        assert launch.records_graph(allowed) == (graphs and allowed and not capturing)
+    for module in ("runtime.py", "moe.py"):
+        assert "records_graph(" in (PACKAGE / module).read_text(), module
+
+
+def test_every_bounded_cache_is_a_runtime_cache():
+    """The caches of both entries are core.RuntimeCache (bounded by count, and bytes where
+    entries say theirs); no hand-written eviction is left."""
+    import ast
+
+    for path, text in _package_sources().items():
+        assert "OrderedDict()" not in text or path == "nvfp4_group_gemm/core.py", path
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
+                source = ast.get_source_segment(text, node) or ""
+                assert not (source.startswith("if len(") and ("pop(next(iter(" in source or ".clear()" in source)), (
+                    path, source[:120])
+    from nvfp4_group_gemm import core, launch, moe, runtime
+
+    for module, names in ((moe, ("_PLANS", "_BINDINGS", "_LAYOUTS", "_CAPABILITY")),
+                          (runtime, ("_BINDINGS", "_PLANS", "_SIZE_PLANS", "_SEEN_ONCE", "_CAPTURED")),
+                          (launch, ("_STREAM_OBJECTS",))):
+        for name in names:
+            assert isinstance(getattr(module, name), core.RuntimeCache), (module.__name__, name)

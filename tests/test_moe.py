@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nvfp4_group_gemm as gemm
-from nvfp4_group_gemm import moe
+from nvfp4_group_gemm import core, launch, moe, switches
 from nvfp4_group_gemm.hopper import moe as hopper_moe
 from nvfp4_group_gemm.hopper.config import (
     SWAP_AB_CONFIG,
@@ -273,6 +273,7 @@ def test_the_config_is_chosen_from_t_g_n_k_alone(monkeypatch):
     assert [moe.t32_split_k(1, 32, 4096, k, 132) for k in (1024, 2048, 4096)] == [1, 2, 4]
     assert moe.t32_split_k(3, 32, 4096, 7168, 132) == 1  # 96 tiles > 66
     monkeypatch.setenv("NVFP4_MOE_CONFIG", "swap_ab_t128")
+    switches.reload()
     assert chosen(1024, 8, 4096, 7168) == SWAP_AB_CONFIG
 
 
@@ -284,10 +285,11 @@ def test_the_sm100_version_is_behind_an_explicit_switch(monkeypatch):
     shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
     with pytest.raises(ValueError, match=r"NVFP4_MOE_SM100=1 .*tests/test_gpu_moe\.py"):
         moe._launch_sm100(shape, *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
-    monkeypatch.setenv("NVFP4_MOE_SM100", "yes")  # read through core.env_switch as every NVFP4_* switch
+    monkeypatch.setenv("NVFP4_MOE_SM100", "yes")  # read by nvfp4_group_gemm.switches as every NVFP4_* switch
     with pytest.raises(ValueError, match=r"NVFP4_MOE_SM100='yes': must be one of 0, 1"):
-        moe._launch_sm100(shape, *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
+        switches.reload()
     monkeypatch.setenv("NVFP4_MOE_SM100", "1")
+    switches.reload()
     blocked = moe.MoeShape(300, 4, 256, 512, "blocked", "blocked")
     with pytest.raises(ValueError, match=r"plain activation scales"):
         moe._launch_sm100(blocked, *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
@@ -297,7 +299,7 @@ def test_new_tensors_of_a_validated_layout_are_checked_for_what_differs(monkeypa
     """The miss path's short check (a layout validated before): the addresses' alignment and
     the devices; a misaligned address falls back to the full check and its message."""
     monkeypatch.setattr(moe, "_check_device", lambda *args: None)  # CPU tensors stand in for CUDA ones
-    monkeypatch.setattr(moe, "_LAYOUTS", {})
+    monkeypatch.setattr(moe, "_LAYOUTS", core.RuntimeCache(max_entries=moe.MAX_LAYOUTS))
     inputs = cpu_inputs()
     names = ("a", "sfa", "b", "sfb", "offsets", "c")
 
@@ -316,22 +318,125 @@ def test_new_tensors_of_a_validated_layout_are_checked_for_what_differs(monkeypa
 
 def test_bindings_dropped_inside_a_capture_are_kept_to_the_next_call_outside_one(monkeypatch):
     """An evicted plan's bindings hold CUDA graphs, whose destruction inside a caller's capture
-    (global mode) would invalidate that capture: dropped there, they are retired instead, and
-    dropped for good outside a capture."""
-    import collections
+    (global mode) would invalidate that capture: dropped there, they are retired (launch.retire,
+    the one place both entries retire to), and dropped for good outside a capture. A plan a
+    capture used is pinned: never evicted."""
     import types
 
-    monkeypatch.setattr(moe, "_PLANS", collections.OrderedDict())
-    monkeypatch.setattr(moe, "_BINDINGS", {})
-    monkeypatch.setattr(moe, "_RETIRED", [])
+    monkeypatch.setattr(moe, "_PLANS", core.RuntimeCache(max_entries=moe.MAX_PLANS, pinned=lambda p: p.captured))
+    monkeypatch.setattr(moe, "_BINDINGS", core.RuntimeCache(max_entries=moe.MAX_STREAMS))
+    monkeypatch.setattr(launch, "RETIRED", [])
     for capturing in (True, False):
+        monkeypatch.setattr(launch, "_capturing", lambda capturing=capturing: capturing)
         moe._PLANS.clear()
-        for index in range(moe.MAX_PLANS + 1):
-            moe._PLANS[index] = types.SimpleNamespace(captured=False, nbytes=0)
-        oldest, kept = types.SimpleNamespace(plan_key=0), types.SimpleNamespace(plan_key=1)
-        moe._BINDINGS[(0, 0)] = {"oldest": oldest, "kept": kept, "seen": moe._SEEN_ONCE}
-        moe._evict_plans(moe.MAX_PLANS, capturing)
-        assert 0 not in moe._PLANS and len(moe._PLANS) == moe.MAX_PLANS
-        assert moe._BINDINGS[(0, 0)] == {"kept": kept, "seen": moe._SEEN_ONCE}
-        assert moe._RETIRED == ([oldest] if capturing else [])
-        moe._RETIRED.clear()
+        plans = [types.SimpleNamespace(captured=index == 0, nbytes=0) for index in range(moe.MAX_PLANS + 1)]
+        for index, plan in enumerate(plans[:-1]):
+            moe._PLANS.put(index, plan)
+        per_stream = core.RuntimeCache(max_entries=moe.MAX_BINDINGS)
+        oldest, kept = types.SimpleNamespace(plan=plans[1]), types.SimpleNamespace(plan=plans[2])
+        for key, binding in (("oldest", oldest), ("kept", kept), ("seen", moe._SEEN_ONCE)):
+            per_stream.put(key, binding)
+        moe._BINDINGS.put((0, 0), per_stream)
+        moe._evict_bindings_of(moe._PLANS.put(moe.MAX_PLANS, plans[-1]))
+        assert 0 in moe._PLANS and 1 not in moe._PLANS and len(moe._PLANS) == moe.MAX_PLANS  # 0 pinned
+        assert dict(per_stream.entries) == {"kept": kept, "seen": moe._SEEN_ONCE}
+        assert launch.RETIRED == ([plans[1], oldest] if capturing else [])
+        launch.RETIRED.clear()
+
+
+
+
+# -----------------------------------------------------------------------------
+# The fallback chain and its first-use self-check
+# -----------------------------------------------------------------------------
+def test_the_chain_runs_the_choice_then_variable_tiles_then_the_exact_decode():
+    shape = moe.MoeShape(8, 64, 1536, 2048, "plain", "blocked")  # decode: 32-token tiles
+    chain = moe.moe_chain(shape, 132, chain_calls=True, forced=None)
+    assert [c.name for c in chain] == ["swap_ab_t32_k128", "swap_ab_variable", "exact_decode"]
+    assert chain[0].config[0] == moe.moe_config(shape, 132, True, None) and chain[-1].host
+    assert chain[0].kernel_key(64) != chain[1].kernel_key(64)  # demoted one by one
+    unchained = moe.moe_chain(shape, 132, chain_calls=False, forced=None)
+    assert not any(c.config[0].chain_calls for c in unchained[:-1])
+    variable = moe.MoeShape(1024, 8, 4096, 7168, "plain", "blocked")  # the choice is already variable tiles
+    assert [c.name for c in moe.moe_chain(variable, 132, True, None)] == ["swap_ab_variable", "exact_decode"]
+    forced = moe.moe_chain(shape, 132, True, "swap_ab_t128")  # a forced config: it, then the exact decode
+    assert [c.name for c in forced] == ["swap_ab_t128", "exact_decode"]
+
+
+class FakePlan:
+    """What _self_check reads of a plan: its status word, its link and chain, its group count."""
+
+    def __init__(self, chain, groups):
+        self.status = torch.zeros(1, dtype=torch.int32)
+        self.chain, self.choice, self.groups = chain, chain[0], groups
+        self.kernel_key, self.checked = chain[0].kernel_key(groups), False
+
+
+def test_a_self_check_that_agrees_marks_the_kernel_checked():
+    inputs = cpu_inputs()
+    expected = moe.moe_reference(**{name: inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets")})
+    inputs["c"].copy_(expected)
+    shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
+    plan = FakePlan(moe.moe_chain(shape, 132, True, None), 4)
+    moe._self_check(plan, *(inputs[n] for n in ("a", "sfa", "b", "sfb", "offsets", "c")), None)
+    assert plan.checked and plan.kernel_key in core.SELF_CHECKED and not core.is_demoted(plan.kernel_key)
+
+
+def test_a_self_check_that_disagrees_demotes_the_kernel_and_returns_the_exact_result(capsys):
+    inputs = cpu_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets")
+    expected = moe.moe_reference(**{name: inputs[name] for name in names})
+    inputs["c"].copy_(expected)
+    inputs["c"][150, 7] += 64  # one wrong output, in expert 2's rows (10 .. 200)
+    shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
+    chain = moe.moe_chain(shape, 132, True, None)
+    plan = FakePlan(chain, 4)
+    moe._self_check(plan, *(inputs[n] for n in ("a", "sfa", "b", "sfb", "offsets", "c")), None)
+    assert core.is_demoted(chain[0].kernel_key(4)) and not core.is_demoted(chain[1].kernel_key(4))
+    assert torch.equal(inputs["c"][:300].nan_to_num(9), expected[:300].nan_to_num(9))
+    line = capsys.readouterr().err
+    assert "1 of" in line and "expert 2 row 150 column 7" in line and f"next: {chain[1].name}" in line
+    assert moe._chosen_link(chain, 4) is chain[1]
+
+
+def test_bad_offsets_are_not_self_checked():
+    inputs = cpu_inputs()
+    shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
+    plan = FakePlan(moe.moe_chain(shape, 132, True, None), 4)
+    status = torch.ones(1, dtype=torch.int32)  # the pre-pass flagged the offsets
+    moe._self_check(plan, *(inputs[n] for n in ("a", "sfa", "b", "sfb", "offsets", "c")), status)
+    assert not plan.checked and not core.is_demoted(plan.kernel_key) and torch.isnan(inputs["c"]).all()
+
+
+def test_a_demotion_drops_the_plans_of_that_kernel_and_their_bindings():
+    import types
+
+    shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
+    chain = moe.moe_chain(shape, 132, True, None)
+    doomed, other = FakePlan(chain, 4), FakePlan(chain[1:], 4)
+    for plan in (doomed, other):
+        plan.captured, plan.nbytes = False, 0
+        moe._PLANS.put(("key", plan.choice.name), plan)
+    per_stream = core.RuntimeCache(max_entries=moe.MAX_BINDINGS)
+    per_stream.put("doomed", types.SimpleNamespace(plan=doomed))
+    per_stream.put("other", types.SimpleNamespace(plan=other))
+    moe._BINDINGS.put((0, 0), per_stream)
+    core.demote(moe.MOE_BACKEND, chain[0], chain, 4, "a test")
+    assert list(moe._PLANS.entries) == [("key", chain[1].name)] and list(per_stream.entries) == ["other"]
+
+
+def test_the_exact_link_writes_valid_calls_and_flags_bad_offsets(monkeypatch):
+    inputs = cpu_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets", "c")
+    shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
+    status = torch.full((1,), 7, dtype=torch.int32)
+    moe._exact_call(*(inputs[n] for n in names), status, shape)
+    expected = moe.moe_reference(**{n: inputs[n] for n in names[:5]})
+    assert int(status) == 0 and torch.equal(inputs["c"], expected)
+    inputs["offsets"].copy_(torch.tensor([0, 10, 5, 200, 300], dtype=torch.int32))  # decreasing
+    inputs["c"].fill_(float("nan"))
+    moe._exact_call(*(inputs[n] for n in names), status, shape)
+    assert int(status) == 1 and torch.isnan(inputs["c"]).all()
+    monkeypatch.setattr(launch, "_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot run under a CUDA graph capture"):
+        moe._exact_call(*(inputs[n] for n in names), status, shape)

@@ -190,6 +190,7 @@ def test_an_unchained_timing_builds_unchained_launches(monkeypatch):
     import helpers
 
     fakes, _run = helpers.sm100_runtime(monkeypatch)
+    monkeypatch.setattr(submission, "SM100_CHAIN_CALLS", True)  # the default (the fakes' fixture turns it off)
     seen = []
     fake_gemm = submission.compile_gemm
     monkeypatch.setattr(submission, "compile_gemm",
@@ -216,3 +217,78 @@ def test_an_unchained_timing_builds_unchained_launches(monkeypatch):
         assert row == {"case": "benchmark 0", "kernel": "per_tile", "chained": chain, "us": 12.5}
         assert seen and set(seen) == {chain}
         assert submission.SM100_CHAIN_CALLS is True
+
+
+# ----------------------------------------------------------------------------- chained-call patterns
+def _pattern_fakes(monkeypatch):
+    """The leaderboard runtime on CPU fakes (each launch computes the input set of its own
+    call), small pattern sizes on the CPU, and the patterns' synchronizations counted."""
+    import helpers
+
+    fakes, _run = helpers.sm100_runtime(monkeypatch)
+    monkeypatch.setattr(submission, "SM100_CHAIN_CALLS", True)
+    syncs = []
+    monkeypatch.setattr(selfcheck, "synchronize", lambda: syncs.append(len(fakes.ran)))
+    monkeypatch.setattr(selfcheck, "PATTERN_SIZES", (
+        ("small", {"m": (40, 72), "n": (128, 64), "k": (256, 512), "g": 2, "seed": 5, "device": "cpu"}),))
+    real_forced = selfcheck.run_forced
+
+    def forced(backend, choice, data):
+        fakes.data = data
+        outputs, launch = real_forced(backend, choice, data)
+
+        def launch_this_set():
+            fakes.data = data
+            launch()
+
+        return outputs, launch_this_set
+
+    monkeypatch.setattr(selfcheck, "run_forced", forced)
+    return fakes, submission._BACKEND_BY_DEVICE[None], syncs
+
+
+def test_patterns_check_every_output_of_back_to_back_calls(monkeypatch, capsys):
+    fakes, backend, syncs = _pattern_fakes(monkeypatch)
+    rows = selfcheck.chained_pattern_rows(backend, submission.SM100_CHOICES["per_tile"], "per_tile", True)
+    assert [(row["case"], row["status"], row["chained"]) for row in rows] == [
+        ("small same c", "pass", True), ("small alternating", "pass", True)]
+    # per pattern: 4 prefixes, each with one synchronization before its calls and one after
+    assert len(syncs) == 2 * 2 * selfcheck.PATTERN_CALLS
+    # every launch of a prefix between its two synchronizations: 1 + 2 + 3 + 4 per pattern
+    assert [after - before for before, after in zip(syncs[0::2], syncs[1::2])] == [1, 2, 3, 4] * 2
+    assert all(chained for _, chained in fakes.ran_chained)
+    assert "every output exact" in capsys.readouterr().out
+
+
+def test_a_race_between_chained_calls_is_named_by_kernel_pattern_and_call(monkeypatch, capsys):
+    """A kernel whose chained calls let the previous call's writes land after its own (what a
+    missing wait would do): every prefix of two or more calls on one c disagrees, and the row
+    names the kernel, the pattern and the call; the same kernel unchained passes."""
+    fakes, backend, _syncs = _pattern_fakes(monkeypatch)
+    previous = {"data": None}
+    counting_sync = selfcheck.synchronize
+
+    def synchronize():
+        previous["data"] = None  # everything before is done
+        counting_sync()
+
+    monkeypatch.setattr(selfcheck, "synchronize", synchronize)
+    exact = submission.exact_decode_group_gemm
+
+    def racing(data, outputs):
+        exact(data, outputs)
+        last, previous["data"] = previous["data"], data
+        chained = fakes.ran_chained[-1][1]
+        if chained and last is not None and last[0][0][2] is data[0][0][2]:  # the same c, not yet synchronized
+            exact(last, outputs)  # the previous call's late writes land last
+
+    fakes.compute["per_tile_gemm"] = racing
+    chained = selfcheck.chained_pattern_rows(backend, submission.SM100_CHOICES["per_tile"], "per_tile", True)
+    same_c, alternating = chained
+    assert same_c["status"] == "MISMATCH" and same_c["failures"][0].startswith("call 2 of 2: ")
+    assert len(same_c["failures"]) == selfcheck.PATTERN_CALLS - 1  # the prefixes of 2, 3 and 4 calls
+    assert alternating["status"] == "pass"  # consecutive calls there write different c's
+    out = capsys.readouterr().out
+    assert "small same c" in out and "per_tile chained" in out and "MISMATCH" in out
+    unchained = selfcheck.chained_pattern_rows(backend, submission.SM100_CHOICES["per_tile"], "per_tile", False)
+    assert [row["status"] for row in unchained] == ["pass", "pass"]

@@ -266,6 +266,24 @@ def test_persistent_gemm_triggers_only_once_its_tmem_is_allocated(builds, name):
         assert sum(flow.always_after([w], trigger_list) for w in all_waits) == 2
 
 
+@pytest.mark.parametrize("name", PERSISTENT)
+def test_persistent_gemm_gives_up_its_tmem_permit_at_allocation_and_frees_after_its_last_read(builds, name):
+    """TMEM in the persistent GEMM (issue: given back at the very end before): the allocating
+    warp relinquishes the allocation permit right after its one allocation, before any tile
+    (every path to the first accumulator read passes it); the deallocation follows every
+    accumulator read (the two are under the same warp condition, which the flow reader does not
+    correlate: their order is read from the listing)."""
+    flow = builds(name).ptx_flow
+    alloc = _where(flow, lambda op: op.startswith("tcgen05.alloc"))
+    relinquish = _where(flow, lambda op: op.startswith("tcgen05.relinquish_alloc_permit"))
+    dealloc = _where(flow, lambda op: op.startswith("tcgen05.dealloc"))
+    reads = _where(flow, lambda op: op.startswith("tcgen05.ld"))
+    assert len(alloc) == len(relinquish) == len(dealloc) == 1 and reads
+    assert relinquish[0] == min(i for i in range(alloc[0] + 1, len(flow.ops)) if flow.ops[i].startswith("tcgen05"))
+    assert flow.always_after(relinquish, alloc)
+    assert all(relinquish[0] < read < dealloc[0] for read in reads)
+
+
 # ----------------------------------------------------------------------------- resources
 @pytest.mark.parametrize("name", sorted(KERNELS))
 def test_resources_as_before(builds, name):

@@ -456,7 +456,8 @@ def test_fallback_sets_get_the_per_tile_list():
         sizes[g] = (m, n, k, l_)
         assert submission.persistent_can_implement(sizes) is not None
         backend = submission.Sm100Backend("persistent", num_sms=num_sms)
-        assert [c.name for c in backend.kernel_chain(sizes)] == ["per_tile", "scaled_mm"]
+        # the per-tile kernel chained, then unchained (SM100_CHAIN_CALLS, the default), then scaled_mm
+        assert [c.name for c in backend.kernel_chain(sizes)] == ["per_tile", "per_tile", "scaled_mm"]
         tiles = backend.plan_tiles(sizes)
         assert tiles == submission.plan_tiles(sizes, *PER_TILE)
         assert submission.Sm100Backend("per_tile", num_sms=num_sms).plan_tiles(sizes) == tiles

@@ -14,7 +14,7 @@ from helpers import BENCHMARK_SIZES
 
 import build_report
 from nvfp4_group_gemm import core as submission
-from nvfp4_group_gemm import hopper, launch, runtime
+from nvfp4_group_gemm import hopper, launch, runtime, switches
 from nvfp4_group_gemm.hopper import swap_ab
 from reference import create_reordered_scale_factor_tensor
 
@@ -329,11 +329,13 @@ def test_chained_calls_by_environment(monkeypatch):
     monkeypatch.setattr(hopper.backend, "compile_decode_activations", lambda g, chained=False: ("pre-pass", g))
     sizes = tuple(BENCHMARK_SIZES[2])
     monkeypatch.delenv("NVFP4_SM90_CHAIN_CALLS", raising=False)
+    switches.reload()  # the switches are read at import and by reset_runtime (nvfp4_group_gemm.switches)
     chained = hopper.make_backend()
     chosen = hopper.SWAP_AB_T112_K128_CONFIG
     assert chained.config_for(sizes) == chosen and chosen.chain_calls
     assert not runtime.Plan(chained, sizes, "cpu").backend_plan.graph_launch
     monkeypatch.setenv("NVFP4_SM90_CHAIN_CALLS", "0")
+    switches.reload()
     unchained = hopper.make_backend()
     assert unchained.config_for(sizes) == dataclasses.replace(chosen, chain_calls=False)
     assert runtime.Plan(unchained, sizes, "cpu").backend_plan.graph_launch
@@ -341,19 +343,21 @@ def test_chained_calls_by_environment(monkeypatch):
     assert hopper.make_backend(hopper.SWAP_AB_T112_CONFIG).config_for(sizes).chain_calls
     monkeypatch.setenv("NVFP4_SM90_CHAIN_CALLS", "yes")
     with pytest.raises(ValueError, match="NVFP4_SM90_CHAIN_CALLS='yes': must be one of 0, 1"):
-        hopper.make_backend()
+        switches.reload()
 
 
 def test_kernel_selection_by_environment(monkeypatch):
     monkeypatch.delenv("NVFP4_SM90_KERNEL", raising=False)
+    switches.reload()
     assert hopper.make_backend().kernel == "swap_ab"
     monkeypatch.setenv("NVFP4_SM90_KERNEL", "in_gemm_decode")
+    switches.reload()
     backend = hopper.make_backend()
     assert backend.kernel == "in_gemm_decode"
     assert backend.config_for(BENCHMARK_SIZES[0]) == hopper.choose_config(BENCHMARK_SIZES[0], 132)
     monkeypatch.setenv("NVFP4_SM90_KERNEL", "fastest")
     with pytest.raises(ValueError, match="NVFP4_SM90_KERNEL='fastest': must be one of swap_ab, in_gemm_decode"):
-        hopper.make_backend()
+        switches.reload()
 
 
 @pytest.fixture(scope="module")

@@ -200,18 +200,21 @@ SM90_KERNELS = ("swap_ab", "in_gemm_decode")
 
 
 def default_kernel() -> str:
-    """NVFP4_SM90_KERNEL (swap_ab when unset); ValueError naming the allowed values."""
+    """NVFP4_SM90_KERNEL (swap_ab when unset), as nvfp4_group_gemm.switches read it."""
+    from nvfp4_group_gemm import switches
 
-    return core.env_switch("NVFP4_SM90_KERNEL", SM90_KERNELS, "swap_ab")
+    return switches.CURRENT.sm90_kernel
 
 
 def default_chain_calls() -> bool:
     """NVFP4_SM90_CHAIN_CALLS: "1" (when unset) lets the automatic choice chain the calls
     (SwapAbConfig.chain_calls: the least device time, each call launched directly); "0"
     replays each input set's launches as a CUDA graph instead (about a third of the CPU per
-    call, the pre-pass no longer overlapping the kernel before it). ValueError otherwise."""
+    call, the pre-pass no longer overlapping the kernel before it); nvfp4_group_gemm.switches
+    reads it."""
+    from nvfp4_group_gemm import switches
 
-    return core.env_switch("NVFP4_SM90_CHAIN_CALLS", ("0", "1"), "1") == "1"
+    return switches.CURRENT.sm90_chain_calls
 
 
 class Sm90Backend:
