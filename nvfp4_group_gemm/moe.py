@@ -64,6 +64,10 @@ MAX_STREAMS = 16
 
 _FP4_DTYPES = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None), torch.uint8) if d is not None)
 _SCALE_DTYPES = tuple(d for d in (torch.float8_e4m3fn, torch.uint8) if d is not None)
+# c's dtypes: the output is rounded to c's (a new c is bf16, what servers run)
+OUT_DTYPES = (torch.float16, torch.bfloat16)
+# bf16's unit in the last place relative to the value (8 significant bits)
+BF16_RELATIVE_ULP = 2.0**-7
 
 
 # =============================================================================
@@ -135,12 +139,13 @@ def _check_contiguous(field: str, tensor, align: int = 16) -> None:
 
 
 class MoeShape(tuple):
-    """(tokens T, groups G, N, K, activation scale layout, weight scale layout)."""
+    """(tokens T, groups G, N, K, activation scale layout, weight scale layout, alpha mode (None,
+    "expert": [G], "halves": [G, 2]), c's dtype ("float16", "bfloat16"))."""
 
     __slots__ = ()
 
-    def __new__(cls, tokens, groups, n, k, sfa_layout, sfb_layout):
-        return super().__new__(cls, (tokens, groups, n, k, sfa_layout, sfb_layout))
+    def __new__(cls, tokens, groups, n, k, sfa_layout, sfb_layout, alpha=None, out_dtype="float16"):
+        return super().__new__(cls, (tokens, groups, n, k, sfa_layout, sfb_layout, alpha, out_dtype))
 
     tokens = property(lambda self: self[0])
     groups = property(lambda self: self[1])
@@ -148,9 +153,17 @@ class MoeShape(tuple):
     k = property(lambda self: self[3])
     sfa_layout = property(lambda self: self[4])
     sfb_layout = property(lambda self: self[5])
+    alpha = property(lambda self: self[6])
+    out_dtype = property(lambda self: self[7])
+
+    def epilogue(self):
+        """The GEMM's epilogue (hopper.moe.MoeEpilogue) of this shape."""
+        from .hopper.moe import MoeEpilogue
+
+        return MoeEpilogue(self.alpha, self.out_dtype)
 
 
-def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None) -> MoeShape:
+def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None) -> MoeShape:
     """Validate everything the host can see (types, dtypes, devices, shapes, strides,
     alignment, G, N, K), before any launch; returns the problem's MoeShape. Raises TypeError
     or ValueError naming the field, its value and the rule."""
@@ -202,20 +215,36 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None) -> MoeShape:
         _fail(ValueError, "sfb.shape", tuple(sfb.shape), "must be [G, N/128, K/64, 32, 4, 4] (blocked) or [G, N, K/16]")
     _check_shape("offsets", offsets, (groups + 1,), "int32 [G + 1], G = b.shape[0]")
     _check_contiguous("offsets", offsets, 4)
+    out_dtype = "float16"
     if c is not None:
-        _check_tensor("c", c, (torch.float16,))
-        _check_shape("c", c, (tokens, n), "fp16 [T, N]")
+        _check_tensor("c", c, OUT_DTYPES)
+        _check_shape("c", c, (tokens, n), "fp16 or bf16 [T, N]")
         _check_contiguous("c", c)
+        out_dtype = str(c.dtype).removeprefix("torch.")
+    alpha_mode = None
+    if alpha is not None:
+        _check_tensor("alpha", alpha, (torch.float32,))
+        if tuple(alpha.shape) == (groups,):
+            alpha_mode = "expert"
+        elif tuple(alpha.shape) == (groups, 2):
+            alpha_mode = "halves"
+            if n % (2 * 128):
+                _fail(ValueError, "N (b.shape[1])", n, "must be a multiple of 256 with alpha [G, 2] (each half of N, "
+                      "the gate and the up rows of a fused weight, a multiple of the 128-row weight tile)")
+        else:
+            _fail(ValueError, "alpha.shape", tuple(alpha.shape), f"must be [G] = [{groups}] (one fp32 scale per "
+                  f"expert) or [G, 2] = [{groups}, 2] (one per half of N)")
+        _check_contiguous("alpha", alpha, 4)
     if status is not None:
         _check_tensor("status", status, (torch.int32,))
         if status.numel() < 1:
             _fail(ValueError, "status.numel()", status.numel(), "must be >= 1 (int32 on the GPU)")
     # devices last: every other rule can be checked (and tested) on any device
     for field, tensor in (("a", a), ("b", b), ("sfa", sfa), ("sfb", sfb), ("offsets", offsets), ("c", c),
-                          ("status", status)):
+                          ("status", status), ("alpha", alpha)):
         if tensor is not None:
             _check_device(field, tensor, a.device)
-    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout)
+    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout, alpha_mode, out_dtype)
 
 
 def check_status(status: torch.Tensor) -> None:
@@ -279,9 +308,9 @@ class MoePlan:
         self.max_tiles = hopper_moe.max_moe_tiles(shape.tokens, shape.groups, shape.n, config, self.fill_ctas)
         self.blocks_x = -(-(shape.tokens * (shape.k // SF_VEC_SIZE)) // hopper_moe.DECODE_THREADS)
         decode = hopper_moe.compile_moe_decode(shape.groups, scale_layout=shape.sfa_layout, chained=config.chain_calls)
-        gemm = hopper_moe.compile_moe_gemm(shape.groups, config=config)
+        gemm = hopper_moe.compile_moe_gemm(shape.groups, config=config, epilogue=shape.epilogue())
         self.decode = launch.cell_launcher(decode, *DECODE_ARGS)
-        self.gemm = launch.cell_launcher(gemm, *GEMM_ARGS)
+        self.gemm = launch.cell_launcher(gemm, *(GEMM_ARGS if shape.alpha is None else SCALED_GEMM_ARGS))
 
 
 # CellLauncher kinds and pointer dtypes of the two kernels' arguments (hopper/moe.py's __call__s)
@@ -291,20 +320,25 @@ DECODE_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "
 GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "stream"),
              (cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Int32, None, None, None, None, None,
               None, None))
+# with per-expert scales (hopper.moe.Sm90MoeScaledGemm): alpha's pointer after the offsets
+SCALED_GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "i32", "stream"),
+                    (cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Int32, cutlass.Float32, None,
+                     None, None, None, None, None, None))
 
 
 def _launch_values(plan: MoePlan, shape: MoeShape, key, stream_handle: int, sfb_address: int | None = None):
     """The two kernels' argument values (DECODE_ARGS, GEMM_ARGS order) from the addresses of a
     binding key; `sfb_address`: the blocked copy of plain weight scales."""
     tokens, _groups, n, k = shape[:4]
-    a, sfa, b, sfb, offsets, c, status = key[:7]
+    a, sfa, b, sfb, offsets, c, status, alpha = key[:8]
     if status is None:
         status = plan.status_address
     if sfb_address is not None:
         sfb = sfb_address
     scratch = plan.scratch_address
     decode = (a, sfa, offsets, scratch, status, tokens, k, plan.slab_bytes, plan.blocks_x, stream_handle)
-    gemm = (scratch, b, sfb, c, offsets, tokens, n, k, plan.slab_bytes, plan.max_tiles, plan.fill_ctas, stream_handle)
+    sizes = (tokens, n, k, plan.slab_bytes, plan.max_tiles, plan.fill_ctas, stream_handle)
+    gemm = (scratch, b, sfb, c, offsets, *sizes) if alpha is None else (scratch, b, sfb, c, offsets, alpha, *sizes)
     return decode, gemm
 
 
@@ -335,7 +369,7 @@ class MoeBinding:
             self.sfb_plain = tensors[3]
             self.sfb_blocked = blocked_scales(self.sfb_plain)
             sfb_address = self.sfb_blocked.data_ptr()
-        self.keepalive = tensors  # (a, sfa, b, sfb, offsets, c, status): the addresses launched
+        self.keepalive = tensors  # (a, sfa, b, sfb, offsets, c, status, alpha): the addresses launched
         decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
         self.direct = (plan.decode.bound(decode), plan.gemm.bound(gemm))
         self.graph = self.replay = self.record = None
@@ -503,8 +537,9 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
         variable = dataclasses.replace(variable, chain_calls=False)
     if not forced and variable != first:
         configs.append(variable)
-    links = [core.KernelChoice(MOE_BACKEND, config_name(config), (config, shape.sfa_layout), per_group_count=True,
-                               label=f"{shape.sfa_layout} activation scales") for config in configs]
+    links = [core.KernelChoice(MOE_BACKEND, config_name(config), (config, shape.sfa_layout, shape.epilogue()),
+                               per_group_count=True, label=f"{shape.sfa_layout} activation scales, {shape.epilogue()}")
+             for config in configs]
     return [*links, core.KernelChoice(MOE_BACKEND, "exact_decode", host=True)]
 
 
@@ -578,7 +613,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return capability
 
 
-def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status) -> None:
+def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status, alpha=None) -> None:
     """The first call of a compiled MoE kernel (outside a capture, NVFP4_SELF_CHECK on) is also
     computed by the exact decode and compared at the competition's tolerance widened by what fp32
     accumulation may add (core.group_accumulation_bound), row group by row group. A disagreement
@@ -588,12 +623,32 @@ def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status) -> None:
     written = plan.status if status is None else status
     if int(written.reshape(-1)[0].item()) != 0:
         return
+    mismatches, elements, first, outputs, references = compare_with_exact(a, sfa, b, sfb, offsets, c, alpha)
+    core.SELF_CHECKED.add(plan.kernel_key)
+    plan.checked = True
+    if mismatches:
+        for out, ref in zip(outputs, references):
+            out.copy_(ref)
+        where = ", ".join(f"expert {g} row {row} column {column}" for g, row, column in first)
+        core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups,
+                    f"self-check: {mismatches} of {elements} outputs differ from the exact decode beyond the "
+                    f"tolerance and fp32 accumulation (first: {where}); this call returns the exact result")
+
+
+def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None):
+    """c's rows of every group against the exact decode (times alpha), at the competition's
+    tolerance widened by what fp32 accumulation may add (core.group_accumulation_bound, scaled
+    by alpha) and, for bf16 output, by one bf16 unit in the last place (the kernel rounds the
+    fp32 product, the reference the exact one; fp16's unit is within the tolerance). Returns
+    (mismatches, elements, the first as (expert, row, column), the groups' rows of c, the
+    same rows of the exact result). Reads the offsets on the host."""
     k = 2 * a.shape[1]
     bounds_list = [int(v) for v in offsets.cpu().tolist()]
     sfa_plain = sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, a.shape[0], k)
     sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], b.shape[1], k)
                                                          for g in range(b.shape[0])])
-    expected = moe_reference(a, sfa, b, sfb, offsets, torch.empty_like(c))
+    expected = moe_reference(a, sfa, b, sfb, offsets, torch.empty_like(c), alpha)
+    scales = None if alpha is None else alpha_columns(alpha, b.shape[1]).float().abs()
     outputs, references, bounds, rows = [], [], [], []
     for g in range(b.shape[0]):
         lo, hi = bounds_list[g], bounds_list[g + 1]
@@ -601,48 +656,55 @@ def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status) -> None:
             continue
         outputs.append(c[lo:hi])
         references.append(expected[lo:hi])
-        bounds.append(core.group_accumulation_bound(a[lo:hi], b[g], sfa_plain[lo:hi], sfb_plain[g], 1))
+        bound = core.group_accumulation_bound(a[lo:hi], b[g], sfa_plain[lo:hi], sfb_plain[g], 1)
+        if bound is not None and scales is not None:
+            bound = bound * scales[g]  # the sum's error, scaled as the sum (alpha's own rounding: the tolerance)
+        if c.dtype == torch.bfloat16:
+            ulp = expected[lo:hi].float().abs() * BF16_RELATIVE_ULP
+            bound = ulp if bound is None else bound + ulp
+        bounds.append(bound)
         rows.append((g, lo))
     mismatches, elements, first = core.count_mismatches(outputs, references, bounds=bounds)
-    core.SELF_CHECKED.add(plan.kernel_key)
-    plan.checked = True
-    if mismatches:
-        for out, ref in zip(outputs, references):
-            out.copy_(ref)
-        where = ", ".join(f"expert {rows[i][0]} row {rows[i][1] + r} column {j}" for i, r, j in first)
-        core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups,
-                    f"self-check: {mismatches} of {elements} outputs differ from the exact decode beyond the "
-                    f"tolerance and fp32 accumulation (first: {where}); this call returns the exact result")
+    first = [(rows[i][0], rows[i][1] + r, j) for i, r, j in first]
+    return mismatches, elements, first, outputs, references
 
 
-def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape) -> None:
-    """The chain's last link: the exact decode, reading the offsets on the host (a sync; refused
-    under a caller's capture). Bad offsets: nothing written and status 1, as the kernels do."""
+def exact_moe_call(a, sfa, b, sfb, offsets, c, status=None, alpha=None) -> None:
+    """The exact decode as the entry's kernels behave: valid offsets, every group's rows written
+    (moe_reference) and status 0; bad offsets, nothing written and status 1. Reads the offsets
+    on the host: the op's CPU implementation and the chain's last link."""
+    bounds = [int(v) for v in offsets.cpu().tolist()]
+    valid = 0 <= bounds[0] and all(x <= y for x, y in itertools.pairwise(bounds)) and bounds[-1] <= a.shape[0]
+    if valid:
+        moe_reference(a, sfa, b, sfb, offsets, c, alpha)
+    if status is not None:
+        status.fill_(0 if valid else 1)
+
+
+def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None) -> None:
+    """The chain's last link: exact_moe_call, refused under a caller's capture (it reads the
+    offsets on the host)."""
     if launch._capturing():
         raise RuntimeError(f"moe_grouped_gemm: every MoE kernel for T = {shape.tokens}, G = {shape.groups}, "
                            f"N = {shape.n}, K = {shape.k} is demoted in this process (the lines above say why), and "
                            "its last link, the exact decode, reads the offsets on the host: it cannot run under a "
                            "CUDA graph capture")
-    bounds = [int(v) for v in offsets.cpu().tolist()]
-    valid = 0 <= bounds[0] and all(x <= y for x, y in itertools.pairwise(bounds)) and bounds[-1] <= shape.tokens
-    if valid:
-        moe_reference(a, sfa, b, sfb, offsets, c)
-    if status is not None:
-        status.fill_(0 if valid else 1)
+    exact_moe_call(a, sfa, b, sfb, offsets, c, status, alpha)
 
 
 data_address = core.data_address
 
 
-def _binding_key(a, sfa, b, sfb, offsets, c, status):
-    """Everything a binding's arguments and validation depend on: the seven addresses (status's
-    None where none is given), then the layout (shapes, strides and dtypes; _checked_shape's
-    key). The device follows from the addresses: one virtual address space."""
+def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None):
+    """Everything a binding's arguments and validation depend on: the eight addresses (status's
+    and alpha's None where none is given), then the layout (shapes, strides and dtypes;
+    _checked_shape's key). The device follows from the addresses: one virtual address space."""
     layout = (a.shape, a.stride(), a.dtype, sfa.shape, sfa.stride(), sfa.dtype, b.shape, b.stride(), b.dtype,
               sfb.shape, sfb.stride(), sfb.dtype, offsets.shape, offsets.stride(), offsets.dtype, c.shape, c.stride(),
-              c.dtype, None if status is None else (status.shape, status.dtype))
+              c.dtype, None if status is None else (status.shape, status.dtype),
+              None if alpha is None else (alpha.shape, alpha.stride(), alpha.dtype))
     return (data_address(a), data_address(sfa), data_address(b), data_address(sfb), data_address(offsets), data_address(c),
-            None if status is None else data_address(status), layout)
+            None if status is None else data_address(status), None if alpha is None else data_address(alpha), layout)
 
 
 # (stream handle, current device) -> {binding key: binding}: the hit path's two lookups (each a
@@ -651,15 +713,17 @@ _BINDINGS = core.RuntimeCache(max_entries=MAX_STREAMS)
 
 
 def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
-                     c: torch.Tensor | None = None, *, status: torch.Tensor | None = None) -> torch.Tensor:
-    """C rows of group g = (A rows of g x SFA) @ (B[g] x SFB[g])^T for the groups the GPU's
-    `offsets` give; returns c (module docstring: layouts, validation, bad offsets)."""
+                     c: torch.Tensor | None = None, *, status: torch.Tensor | None = None,
+                     alpha: torch.Tensor | None = None) -> torch.Tensor:
+    """C rows of group g = alpha[g] x (A rows of g x SFA) @ (B[g] x SFB[g])^T for the groups the
+    GPU's `offsets` give, rounded to c's dtype (fp16 or bf16; a new c is bf16); returns c
+    (module docstring: layouts, alpha, validation, bad offsets)."""
     if c is None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 3:
-        c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.float16, device=a.device)
+        c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
     try:
-        key = _binding_key(a, sfa, b, sfb, offsets, c, status)
+        key = _binding_key(a, sfa, b, sfb, offsets, c, status, alpha)
     except AttributeError:  # not tensors: the validation names the field
-        check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
+        check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha)
         raise
     entry = where = None
     if _BINDINGS.entries:  # a key seen before, so CUDA is initialized: the hit path
@@ -667,7 +731,7 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
         per_stream = _BINDINGS.entries.get(where)
         entry = None if per_stream is None else per_stream.entries.get(key)
     if entry is None or entry is _SEEN_ONCE:
-        _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where)
+        _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where, alpha=alpha)
     else:
         entry.launch()
     return c
@@ -680,7 +744,7 @@ MAX_LAYOUTS = 64
 _LAYOUTS = core.RuntimeCache(max_entries=MAX_LAYOUTS)
 
 
-def _checked_shape(key, a, sfa, b, sfb, offsets, c, status) -> MoeShape:
+def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None) -> MoeShape:
     """check_moe_inputs, short where the layout (`key[-1]`) was validated before: then the
     addresses' alignment and the devices alone."""
     known = _LAYOUTS.entries.get(key[-1])
@@ -691,21 +755,23 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status) -> MoeShape:
                                  or key[4] & masks[4] or key[5] & masks[5])
                 and sfa.get_device() == device and b.get_device() == device and sfb.get_device() == device
                 and offsets.get_device() == device and c.get_device() == device
-                and (status is None or status.get_device() == device)):
+                and (status is None or status.get_device() == device)
+                and (alpha is None or (alpha.get_device() == device and not key[7] & 3))):
             return shape
-    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status)
+    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha)
     # 16-byte addresses for the TMA-read operands and c, 4 for offsets; plain scales any byte
     _LAYOUTS.put(key[-1], (shape, (15, 0 if shape.sfa_layout == "plain" else 15, 15,
                                    0 if shape.sfb_layout == "plain" else 15, 3, 15)))
     return shape
 
 
-def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tuple | None = None) -> None:
+def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tuple | None = None,
+                 alpha=None) -> None:
     """A call whose key has no binding: validate, find (or make) the plan, then launch through
     the plan's shared cells (`bind` False: the key's first call) or build the key's binding and
     launch it (its second call). `where`: (torch's current stream handle, current device) where
     the caller read them."""
-    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status)
+    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha)
     device = a.device
     stream_handle, current_device = where or (launch._current_stream_handle(), core.current_device_index())
     if device.index != current_device:
@@ -713,7 +779,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
                          f"(cuda:{current_device}); use `with torch.cuda.device({device.index})`")
     capability = _capability(device)
     if capability[0] == 10:
-        _launch_sm100(shape, a, sfa, b, sfb, offsets, c, status, key, stream_handle)
+        _launch_sm100(shape, a, sfa, b, sfb, offsets, c, status, key, stream_handle, alpha)
         return
     if capability[0] != 9:
         raise ValueError(f"moe_grouped_gemm: {torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}: "
@@ -725,7 +791,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         launch.release_retired()
         plan = _plan_for(plan_key, shape, device)
         if plan is None:  # every kernel of the chain demoted
-            _exact_call(a, sfa, b, sfb, offsets, c, status, shape)
+            _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha)
             return
         if capturing:
             plan.captured = True
@@ -739,7 +805,8 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
                 launch.retire(list(evicted.entries.values()))
         try:
             if bind and not check:
-                binding = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status), stream_handle)
+                binding = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status, alpha),
+                                     stream_handle)
                 launch.retire(per_stream.put(key, binding))
                 binding.launch()
                 return
@@ -756,10 +823,10 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
             if capturing or not core.context_usable(device):
                 raise
             core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups, f"launch failed ({core.one_line(error)})")
-            _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=False, where=where)
+            _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=False, where=where, alpha=alpha)
             return
         if check:
-            _self_check(plan, a, sfa, b, sfb, offsets, c, status)
+            _self_check(plan, a, sfa, b, sfb, offsets, c, status, alpha)
         launch.retire(per_stream.put(key, _SEEN_ONCE))
 
 
@@ -784,7 +851,7 @@ class Sm100MoeBinding:
         self.launches.launch(a, sfa, b, sfb, offsets, c, self.buffers, self.stream)
 
 
-def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stream_handle: int) -> None:
+def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stream_handle: int, alpha=None) -> None:
     """The sm_100a version of the entry (compiled for sm_100a; never run here, no B200): only
     with NVFP4_MOE_SM100=1 (ValueError otherwise, naming the switch), plain activation scales.
     Its chain: the sm_100a kernels, then the exact decode; the same first-use self-check."""
@@ -797,6 +864,9 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
     if shape.sfa_layout != "plain":
         _fail(ValueError, "sfa.shape", tuple(sfa.shape), "on sm_100 the MoE entry takes plain activation scales "
               "[T, K/16] (it repacks them per group on the GPU)")
+    if shape.alpha is not None or shape.out_dtype != "float16":
+        _fail(ValueError, "alpha / c.dtype", (shape.alpha, shape.out_dtype), "the sm_100a MoE kernels write fp16 "
+              "without per-expert scales (sm_90 takes both)")
     from . import sm100_moe
 
     device = a.device
@@ -887,9 +957,10 @@ def reset_moe() -> None:
 # =============================================================================
 # The exact decode: the oracle of the tests, the op's CPU implementation
 # =============================================================================
-def moe_reference(a, sfa, b, sfb, offsets, c=None) -> torch.Tensor:
-    """The exact result (float64 accumulation, rounded to fp16) into c's rows of each group, on
-    any device; reads the offsets on the host. Scales in either layout."""
+def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None) -> torch.Tensor:
+    """The exact result (float64 accumulation, times alpha[g] (or alpha[g, half of N]) where
+    given, rounded to c's dtype; fp16 when c is None) into c's rows of each group, on any
+    device; reads the offsets on the host. Scales in either layout."""
     tokens, half_k = a.shape
     groups, n, _ = b.shape
     k = 2 * half_k
@@ -898,14 +969,26 @@ def moe_reference(a, sfa, b, sfb, offsets, c=None) -> torch.Tensor:
     bounds = [int(v) for v in offsets.cpu().tolist()]
     sfa_plain = sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, tokens, k)
     sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], n, k) for g in range(groups)])
+    scales = None if alpha is None else alpha_columns(alpha, n).double()
     for g in range(groups):
         lo, hi = bounds[g], bounds[g + 1]
         if hi <= lo:
             continue
         a_values = core.decode_fp4(a[lo:hi], sfa_plain[lo:hi]).double()
         b_values = core.decode_fp4(b[g], sfb_plain[g]).double()
-        c[lo:hi] = (a_values @ b_values.T).to(torch.float16)
+        exact = a_values @ b_values.T
+        if scales is not None:
+            exact = exact * scales[g]
+        c[lo:hi] = exact.to(c.dtype)
     return c
+
+
+def alpha_columns(alpha: torch.Tensor, n: int) -> torch.Tensor:
+    """alpha [G] or [G, 2] as the scale of each output column, [G, N] (a [G, 2] alpha: its first
+    value on the first half of N, its second on the second)."""
+    if alpha.dim() == 1:
+        return alpha[:, None].expand(alpha.shape[0], n)
+    return alpha.repeat_interleave(n // 2, dim=1)
 
 
 def plain_scales_of_blocked(blocked: torch.Tensor, rows: int, k: int) -> torch.Tensor:

@@ -1,12 +1,11 @@
 """custom_kernel as the torch op ``torch.ops.nvfp4_group_gemm.grouped_gemm``."""
 
-import itertools
 
 import torch
 
 from nvfp4_group_gemm import core
 
-from .moe import moe_grouped_gemm, moe_reference
+from .moe import exact_moe_call, moe_grouped_gemm
 from .runtime import custom_kernel
 
 input_t = core.input_t
@@ -67,22 +66,17 @@ def grouped_gemm(data: input_t) -> output_t:
 
 
 # The MoE entry as torch.ops.nvfp4_group_gemm.moe_grouped_gemm(a, sfa, b, sfb, offsets, c,
-# status): mutates c and the status word (int32 [1]: 0, or 1 for bad offsets), returns nothing;
-# the fake implementation does nothing; on CPU tensors the exact decode (which reads the
-# offsets on the host, as only a reference may). status is required: a mutated optional
-# argument left out fails torch 2.11's fake-tensor tracing.
+# status, alpha=None): mutates c and the status word (int32 [1]: 0, or 1 for bad offsets),
+# returns nothing; the fake implementation does nothing; on CPU tensors the exact decode
+# (moe.exact_moe_call: it reads the offsets on the host, as only a reference may). status is
+# required: a mutated optional argument left out fails torch 2.11's fake-tensor tracing.
 def _moe_cuda(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
-              c: torch.Tensor, status: torch.Tensor) -> None:
-    moe_grouped_gemm(a, sfa, b, sfb, offsets, c, status=status)
+              c: torch.Tensor, status: torch.Tensor, alpha: torch.Tensor | None = None) -> None:
+    moe_grouped_gemm(a, sfa, b, sfb, offsets, c, status=status, alpha=alpha)
 
 
-def _moe_cpu(a, sfa, b, sfb, offsets, c, status) -> None:
-    bounds = offsets.tolist()
-    valid = 0 <= bounds[0] and all(x <= y for x, y in itertools.pairwise(bounds)) and bounds[-1] <= a.shape[0]
-    if valid:
-        moe_reference(a, sfa, b, sfb, offsets, c)
-    if status is not None:
-        status.fill_(0 if valid else 1)
+def _moe_cpu(a, sfa, b, sfb, offsets, c, status, alpha=None) -> None:
+    exact_moe_call(a, sfa, b, sfb, offsets, c, status, alpha)
 
 
 def _register_moe_op():

@@ -352,3 +352,71 @@ def test_a_wrong_or_failing_kernel_moves_down_the_chain(monkeypatch, capfd, fail
     assert plan.choice == chain[1]
     why = "self-check" if failure == "wrong output" else "launch failed"
     assert f"{chain[0].name}" in capfd.readouterr().err and why in core.demotions()[chain[0].kernel_key(groups)]
+
+
+# Real checkpoints: per-expert scales and bf16 output, on the configs of decode and prefill
+SCALED = [("swap_ab_t32", (8, 64, 512, 1024)), ("swap_ab_t32_split_k4", (2, 16, 512, 4096)),
+          ("swap_ab_t64", (512, 16, 512, 1024)), ("swap_ab_variable", (1024, 8, 1024, 1024)),
+          ("swap_ab_split_k", (300, 4, 256, 512))]
+
+
+@pytest.mark.parametrize("label,family", SCALED, ids=[label for label, _ in SCALED])
+@pytest.mark.parametrize("alpha_shape", ["expert", "halves"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_alpha_and_bf16_output_match_the_exact_decode(label, family, alpha_shape, dtype, monkeypatch):
+    """c = alpha x the exact products' sum, rounded to c's dtype, within the fp32 bound scaled by
+    alpha (and one bf16 unit): alpha [G] and [G, 2] (a fused gate-and-up weight), over routings
+    that change; every row outside the groups untouched. Large alphas overflow to inf as a plain
+    cast does."""
+    if SM100:
+        pytest.skip("sm_90 epilogues (the sm_100a MoE kernels write fp16 without alpha)")
+    monkeypatch.setenv("NVFP4_MOE_CONFIG", label)
+    gemm.reset_runtime()
+    try:
+        tokens, groups, n, k = family
+        rng = random.Random(17)
+        inputs = moe.random_moe_inputs(tokens, groups, n, k)
+        inputs["c"] = torch.full((tokens, n), float("nan"), dtype=dtype, device="cuda")
+        shape = (groups,) if alpha_shape == "expert" else (groups, 2)
+        alpha = (torch.rand(shape, generator=torch.Generator().manual_seed(3)) * 4 + 2.0**-6).cuda()
+        for trial in range(3):
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            inputs["c"].fill_(float("nan"))
+            gemm.moe_grouped_gemm(**inputs, alpha=alpha)
+            torch.cuda.synchronize()
+            mismatches, _, first, _, _ = moe.compare_with_exact(
+                *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), alpha)
+            assert mismatches == 0, (label, alpha_shape, dtype, trial, first)
+            outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
+            outside[offsets[0]:offsets[-1]] = False
+            assert torch.isnan(inputs["c"][outside]).all()
+        if dtype == torch.bfloat16:
+            return  # bf16's range is fp32's: no alpha below 2^100 (alpha x 2^28 finite) takes these sums past it
+        # overflow: an alpha far past fp16's range gives inf, as a cast of the product would
+        alpha.fill_(1e9)
+        inputs["c"].fill_(0.0)
+        gemm.moe_grouped_gemm(**inputs, alpha=alpha)
+        expected = moe.moe_reference(*(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets")),
+                                     c=torch.zeros_like(inputs["c"]), alpha=alpha)
+        torch.cuda.synchronize()
+        assert torch.equal(torch.isinf(inputs["c"]), torch.isinf(expected))
+    finally:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG")
+        gemm.reset_runtime()
+
+
+def test_without_alpha_the_output_is_bit_for_bit_as_before():
+    """alpha absent: the kernels of before (no scale load, no multiply beyond the exact rescale):
+    c equals the call with alpha = 1 everywhere, bit for bit, and the exact decode's rounding."""
+    if SM100:
+        pytest.skip("sm_90")
+    tokens, groups, n, k = 256, 8, 512, 1024
+    inputs = moe.random_moe_inputs(tokens, groups, n, k, general_scales=False)
+    offsets = moe.random_routing(tokens, groups, random.Random(2))
+    inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+    plain = gemm.moe_grouped_gemm(**inputs).clone()
+    ones = gemm.moe_grouped_gemm(**dict(inputs, c=torch.empty_like(inputs["c"])), alpha=torch.ones(groups).cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(plain.view(torch.int16)[offsets[0]:offsets[-1]], ones.view(torch.int16)[offsets[0]:offsets[-1]])
+    check_call(dict(inputs, c=plain), offsets, "no alpha")

@@ -8,6 +8,7 @@ builds. CUDA on an sm_90 GPU: the kernel against the exact decode reference.
 import contextlib
 import dataclasses
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -309,6 +310,9 @@ def test_compile_targets_list_what_the_backend_runs():
         **{f"sm90_moe_gemm_{name}": "sm_90a" for name in ("split_k", "one_round", "one_round_k128", "variable", "t32",
                                                                   "t32_k128", "t64", "t32_split_k2",
                                                                   "t32_split_k4")},
+        # the real-checkpoint epilogues (a scale per expert or per half of N, bf16 output)
+        **{f"sm90_moe_gemm_{name}_{epilogue}": "sm_90a" for name in ("t32", "t32_split_k4", "variable")
+           for epilogue in ("alpha_bf16", "halves_f16")},
     }
     # every config the automatic choice can return is registered
     for groups, n, k in ((8, 4096, 7168), (2, 3072, 4096), (1, 128, 256)):
@@ -347,6 +351,37 @@ def test_sm90_builds_within_limits(sm90_builds, target, config, mma, num_groups)
     assert report.dynamic_smem_bytes == 1024 + b_stages + config.raw_stages * config.raw_stage_bytes
     assert report.smem_bytes <= SM90_SMEM_LIMIT
     assert build_report.problems(report) == []
+
+
+@pytest.mark.parametrize("name", ["t32", "t32_split_k4", "variable"])
+def test_moe_epilogues_scale_the_fp32_sums_once_after_the_main_loop_and_round_to_cs_dtype(sm90_builds, name):
+    """The real-checkpoint epilogues of the MoE GEMM: one fp32 load of the tile's alpha, after
+    the last wgmma (so after the grid-dependency wait of chained calls), times 2^28 (the
+    decode's exact rescale) in one multiply; with bf16 output the epilogue's conversions are
+    bf16 ones (as many as the fp16 kernel's epilogue has fp16 ones), with [G, 2] the half of N
+    selects the scale. The kernel without alpha has no such load."""
+    def ptx_of(target):
+        return Path(sm90_builds[(target, 8)].ptx_path).read_text(errors="replace")
+
+    base, scaled, halves = (ptx_of(f"sm90_moe_gemm_{name}{suffix}") for suffix in ("", "_alpha_bf16", "_halves_f16"))
+    assert "ld.global.f32" not in base
+    # one main loop and epilogue per token class (variable tiles: one per class)
+    classes = len(hopper.moe.Sm90MoeSwapAbGemm(hopper.config_named(f"swap_ab_{name}"), 8).token_classes())
+    for ptx in (scaled, halves):
+        loads = [match.start() for match in re.finditer(r"ld\.global\.f32", ptx)]
+        assert len(loads) == classes
+        for start, end in zip([0, *loads], loads):  # each epilogue's load after its own main loop
+            assert "wgmma.mma_async" in ptx[start:end]
+        for register in re.findall(r"ld\.global\.f32 (%f\d+)", ptx):
+            assert re.search(rf"mul\.f32\s+%f\d+, {register}, 0f4D800000;", ptx)  # alpha x 2^28
+    # bf16 output: the epilogue's fp16 conversions become bf16 ones, one for one
+    base_f16 = base.count("cvt.rn.f16x2.f32") + base.count("cvt.rn.f16.f32")
+    scaled_f16 = scaled.count("cvt.rn.f16x2.f32") + scaled.count("cvt.rn.f16.f32")
+    scaled_bf16 = scaled.count("cvt.rn.bf16x2.f32") + scaled.count("cvt.rn.bf16.f32")
+    assert scaled_bf16 > 0 and base_f16 - scaled_f16 == scaled_bf16
+    assert "bf16" not in halves and "bf16" not in base
+    assert re.search(r"selp\.b64\s+%rd\d+, 0, 4, %p\d+;", halves) and not re.search(
+        r"selp\.b64\s+%rd\d+, 0, 4, %p\d+;", scaled)
 
 
 @pytest.mark.parametrize("num_groups", [1, 8])

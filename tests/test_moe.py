@@ -56,6 +56,14 @@ BAD_INPUTS = {
     "sfa_dtype": (lambda i: _replaced(i, sfa=i["sfa"].view(torch.uint8).half()), TypeError, r"sfa\.dtype"),
     "offsets_dtype": (lambda i: _replaced(i, offsets=i["offsets"].long()), TypeError, r"offsets\.dtype .*int32"),
     "c_dtype": (lambda i: _replaced(i, c=i["c"].float()), TypeError, r"c\.dtype .*float16"),
+    "alpha_dtype": (lambda i: _replaced(i, alpha=torch.ones(4, dtype=torch.float64)), TypeError,
+                    r"alpha\.dtype = torch\.float64: must be one of torch\.float32"),
+    "alpha_shape": (lambda i: _replaced(i, alpha=torch.ones(5)), ValueError,
+                    r"alpha\.shape = \(5,\): must be \[G\] = \[4\] .* or \[G, 2\] = \[4, 2\]"),
+    "alpha_halves_n": (lambda i: _replaced(i, alpha=torch.ones(4, 2), b=i["b"][:, :128].contiguous(),
+                                           sfb=i["sfb"][:, :1].contiguous(), c=i["c"][:, :128].contiguous()),
+                       ValueError, r"N \(b\.shape\[1\]\) = 128: must be a multiple of 256 with alpha \[G, 2\]"),
+    "alpha_strided": (lambda i: _replaced(i, alpha=torch.ones(8)[::2]), ValueError, r"alpha\.stride\(\)"),
     "a_rank": (lambda i: _replaced(i, a=i["a"].unsqueeze(-1)), ValueError, r"a\.shape .*\[T, K/2\]"),
     "k_multiple": (lambda i: _replaced(i, a=i["a"][:, :192], sfa=i["sfa"][:, :24], b=i["b"][:, :, :192]),
                    ValueError, r"K \(2 x a\.shape\[1\]\) = 384: must be a positive multiple of 256"),
@@ -440,3 +448,87 @@ def test_the_exact_link_writes_valid_calls_and_flags_bad_offsets(monkeypatch):
     monkeypatch.setattr(launch, "_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot run under a CUDA graph capture"):
         moe._exact_call(*(inputs[n] for n in names), status, shape)
+
+
+# -----------------------------------------------------------------------------
+# Real checkpoints: per-expert scales (alpha) and bf16 output
+# -----------------------------------------------------------------------------
+def test_alpha_and_cs_dtype_make_the_shape_and_its_epilogue(monkeypatch):
+    monkeypatch.setattr(moe, "_check_device", lambda *args: None)  # CPU tensors stand in for CUDA ones
+    inputs = cpu_inputs()
+    assert moe.check_moe_inputs(**inputs) == moe.MoeShape(300, 4, 256, 512, "plain", "blocked", None, "float16")
+    bf16 = dict(inputs, c=inputs["c"].bfloat16())
+    shape = moe.check_moe_inputs(**bf16, alpha=torch.ones(4))
+    assert (shape.alpha, shape.out_dtype) == ("expert", "bfloat16")
+    assert shape.epilogue() == hopper_moe.MoeEpilogue("expert", "bfloat16")
+    assert moe.check_moe_inputs(**inputs, alpha=torch.ones(4, 2)).alpha == "halves"
+    # a kernel per epilogue: demoted and self-checked one by one
+    links = [moe.moe_chain(s, 132, True, None)[0] for s in (moe.check_moe_inputs(**inputs), shape)]
+    assert links[0].kernel_key(4) != links[1].kernel_key(4)
+
+
+def test_a_new_c_is_bf16(monkeypatch):
+    seen = []
+    monkeypatch.setattr(moe, "_launch_miss", lambda *args, **kwargs: seen.append(args[5]))
+    inputs = cpu_inputs()
+    del inputs["c"]
+    out = gemm.moe_grouped_gemm(**inputs)
+    assert out.dtype == torch.bfloat16 and out.shape == (300, 256) and seen == [out]
+
+
+@pytest.mark.parametrize("halves", [False, True])
+def test_the_reference_scales_each_expert_and_rounds_to_cs_dtype(halves):
+    inputs = cpu_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets")
+    alpha = torch.tensor([[0.5, 3.0], [2.0**-10, 7.0], [1.25, 0.0], [100.0, -2.0]])
+    if not halves:
+        alpha = alpha[:, 0].contiguous()
+    unscaled = moe.moe_reference(**{n: inputs[n] for n in names}, c=torch.zeros(300, 256, dtype=torch.float64))
+    for dtype in (torch.float16, torch.bfloat16):
+        out = moe.moe_reference(**{n: inputs[n] for n in names}, c=torch.zeros(300, 256, dtype=dtype), alpha=alpha)
+        for g, (lo, hi) in enumerate(([0, 10], [10, 10], [10, 200], [200, 300])):
+            scale = alpha[g].repeat_interleave(128) if halves else alpha[g]
+            assert torch.equal(out[lo:hi], (unscaled[lo:hi] * scale.double()).to(dtype)), (dtype, g)
+
+
+def test_past_the_output_types_range_the_result_is_inf_as_a_plain_cast():
+    inputs = cpu_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets")
+    exact = moe.moe_reference(**{n: inputs[n] for n in names}, c=torch.zeros(300, 256, dtype=torch.float64))
+    alpha = torch.full((4,), 1e4)
+    out = moe.moe_reference(**{n: inputs[n] for n in names}, c=torch.zeros(300, 256, dtype=torch.float16), alpha=alpha)
+    big = (exact * 1e4).abs() > 65520  # past fp16's largest finite value and its rounding margin
+    assert big.any() and torch.isinf(out[big]).all() and torch.equal(torch.sign(out[big]), torch.sign(exact[big]).half())
+
+
+def test_the_op_on_cpu_tensors_takes_alpha_and_bf16():
+    inputs = cpu_inputs()
+    alpha = torch.tensor([1.0, 2.0, 0.5, 4.0])
+    c = torch.full((300, 256), float("nan"), dtype=torch.bfloat16)
+    status = torch.full((1,), 7, dtype=torch.int32)
+    gemm.moe_grouped_gemm_op(inputs["a"], inputs["sfa"], inputs["b"], inputs["sfb"], inputs["offsets"], c, status,
+                             alpha)
+    expected = moe.moe_reference(**{n: inputs[n] for n in ("a", "sfa", "b", "sfb", "offsets")},
+                                 c=torch.zeros(300, 256, dtype=torch.bfloat16), alpha=alpha)
+    assert int(status) == 0 and torch.equal(c, expected)
+
+
+def test_the_self_check_scales_its_bound_and_allows_one_bf16_unit():
+    """With alpha and bf16 output the check compares against the exact product times alpha,
+    its fp32 bound scaled by alpha, plus one bf16 unit in the last place: a kernel one unit off
+    (the fp32 product's rounding to bf16) passes; one 4 units off is demoted."""
+    inputs = cpu_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets")
+    alpha = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    expected = moe.moe_reference(**{n: inputs[n] for n in names}, c=torch.zeros(300, 256, dtype=torch.bfloat16),
+                                 alpha=alpha)
+    shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked", "expert", "bfloat16")
+    for units, demoted in ((1, False), (4, True)):
+        core.reset_runtime()
+        c = expected.clone()
+        value = c[150, 7].float()
+        c[150, 7] = (value + units * value.abs() * 2.0**-8).bfloat16()  # about `units` bf16 units off
+        assert c[150, 7] != expected[150, 7]
+        plan = FakePlan(moe.moe_chain(shape, 132, True, None), 4)
+        moe._self_check(plan, *(inputs[n] for n in names), c, None, alpha)
+        assert core.is_demoted(plan.kernel_key) == demoted, units

@@ -30,6 +30,7 @@ which the caller reads when it chooses to synchronize."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import cuda.bindings.driver as cuda
@@ -40,7 +41,7 @@ from nvfp4_group_gemm import core
 
 from .config import SF_VEC_SIZE, SWAP_AB_HALF_K, SwapAbConfig
 from .kernel import smem_per_sm_known_without_gpu
-from .ptx import decode_scale_blocks_global
+from .ptx import decode_scale_blocks_global, load_f32_global
 from .schedules import TOKEN_CLASS_STEP
 from .swap_ab import (
     DECODE_THREADS,
@@ -158,14 +159,38 @@ def group_token_tiles(m, tile_tokens: int, variable: bool):
     return (m + tile_tokens - 1) // tile_tokens, tile_tokens
 
 
+# What the MoE GEMM's epilogue applies to the fp32 sums before rounding, and the output's dtype
+ALPHA_MODES = (None, "expert", "halves")
+OUT_DTYPES = ("float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeEpilogue:
+    """The MoE GEMM's epilogue: `alpha` None (no scale: the kernel of before, bit for bit),
+    "expert" (one fp32 scale per expert, alpha [G]: the checkpoint's input_scale x
+    weight_scale_2) or "halves" (alpha [G, 2], one per half of N: a fused gate-and-up weight
+    whose two halves carry their own weight_scale_2), multiplied into the fp32 sums before
+    they are rounded; `out_dtype` "float16" or "bfloat16" (c's dtype)."""
+
+    alpha: str | None = None
+    out_dtype: str = "float16"
+
+    def __post_init__(self):
+        if self.alpha not in ALPHA_MODES or self.out_dtype not in OUT_DTYPES:
+            raise ValueError(f"MoeEpilogue({self.alpha!r}, {self.out_dtype!r}): alpha one of {ALPHA_MODES}, "
+                             f"out_dtype one of {OUT_DTYPES}")
+
+
 class StackedOperands:
     """A MoE tile's group operands for Sm90SwapAbGemm.run_tile (swap_ab.TableOperands' interface):
-    values derived on the GPU from the offsets, the same whatever the group argument."""
+    values derived on the GPU from the offsets, the same whatever the group argument; `alpha_addr`
+    the address of the group's epilogue scales (None: none)."""
 
-    def __init__(self, m, n, k, b_addr, sfb_addr, c_addr, x_addr, slab_bytes):
+    def __init__(self, m, n, k, b_addr, sfb_addr, c_addr, x_addr, slab_bytes, alpha_addr=None):
         self.sizes = (m, n, k)
         self.addresses = {1: b_addr, 2: c_addr, 4: sfb_addr}  # swap_ab's _PTR_B, _PTR_C, _PTR_SFB
         self.acts = (x_addr, slab_bytes)
+        self.alpha_addr = alpha_addr
 
     def size(self, group, field):
         return self.sizes[field]
@@ -251,8 +276,13 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
     """The swap-AB GEMM over stacked tokens: Sm90SwapAbGemm's tile (run_tile) with its group,
     tokens and weight tile derived from the offsets on the GPU (group first, then weight tile,
     then token tile), weights b[G, N, K/2] and their blocked scales [G, N/128, K/64, 512 bytes], output rows
-    offsets[g] .. offsets[g + 1] of c[T, N]."""
+    offsets[g] .. offsets[g + 1] of c[T, N] in the epilogue's dtype (MoeEpilogue; its alpha is
+    Sm90MoeScaledGemm's)."""
 
+    def __init__(self, config: SwapAbConfig, num_groups: int, epilogue: MoeEpilogue = MoeEpilogue()):
+        super().__init__(config, num_groups)
+        self.epilogue = epilogue
+        self.out_dtype = epilogue.out_dtype
 
     @cute.jit
     def __call__(
@@ -317,6 +347,14 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
     def kernel(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
                mOffsets: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
                slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32):
+        self.moe_tile(acts, b, sfb, c, mOffsets, tokens, n, k, slab_bytes, fill_ctas, None)
+
+    @cute.jit
+    def moe_tile(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
+                 mOffsets: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+                 slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32, alpha):
+        """A CTA's tile, whatever the kernel's arguments: `alpha` None, or the epilogue scales'
+        pointer (Sm90MoeScaledGemm)."""
         if cutlass.const_expr(self.config.chain_calls):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
@@ -342,6 +380,8 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                 c.toint() + cutlass.Int64(row0) * n * 2,
                 acts.toint() + cutlass.Int64(pad0) * (SWAP_AB_HALF_K * 2),
                 slab_bytes,
+                None if cutlass.const_expr(alpha is None) else alpha.toint() + cutlass.Int64(group) * (
+                    4 * (2 if cutlass.const_expr(self.epilogue.alpha == "halves") else 1)),
             )
             if cutlass.const_expr(variable):
                 # the tile's tokens: tile_size, or what is left of the group's rows for its
@@ -357,12 +397,50 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                               weight_tile, a_frag, accumulators_by_class[self.tile_t])
 
 
-def moe_gemm_build(num_groups: int, config: SwapAbConfig) -> tuple:
-    return Sm90MoeSwapAbGemm(config, num_groups), (
-        fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8),
-        fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1),
-        cutlass.Int32(1), cutlass.Int32(132), cuda.CUstream(0),
-    )
+    def epilogue_scale(self, operands, group, n0, n):
+        """2^28 (the decode's exact rescale) times the tile's alpha where the epilogue has one:
+        alpha[g], or alpha[g, 0] for the first half of N and alpha[g, 1] for the second (a
+        power-of-two product: exact, so the sums are rounded once, sum x alpha, as a plain
+        fp32 multiply of the exact accumulator would)."""
+        if cutlass.const_expr(operands.alpha_addr is None):
+            return cutlass.Float32(2.0**28)
+        address = operands.alpha_addr
+        if cutlass.const_expr(self.epilogue.alpha == "halves"):
+            address = address + cutlass.Int64(4) * (n0 >= n // 2)
+        return load_f32_global(address) * cutlass.Float32(2.0**28)
+
+
+class Sm90MoeScaledGemm(Sm90MoeSwapAbGemm):
+    """Sm90MoeSwapAbGemm with per-expert scales on the fp32 sums (MoeEpilogue.alpha): one more
+    argument, `alpha` (fp32, [G] or [G, 2]), read in the epilogue, after the main loop (so after
+    the grid-dependency wait of chained calls)."""
+
+    @cute.jit
+    def __call__(
+        self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer, offsets: cute.Pointer,
+        alpha: cute.Pointer, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, slab_bytes: cutlass.Int32,
+        max_tiles: cutlass.Int32, fill_ctas: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        self.define_shared_storage()
+        mOffsets = cute.make_tensor(offsets, cute.make_layout(self.num_groups + 1))
+        self.kernel(acts, b, sfb, c, mOffsets, alpha, tokens, n, k, slab_bytes, fill_ctas).launch(
+            grid=(max_tiles * self.config.split_k, 1, 1), stream=stream, **self.launch_attributes())
+
+    @cute.kernel
+    def kernel(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
+               mOffsets: cute.Tensor, alpha: cute.Pointer, tokens: cutlass.Int32, n: cutlass.Int32,
+               k: cutlass.Int32, slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32):
+        self.moe_tile(acts, b, sfb, c, mOffsets, tokens, n, k, slab_bytes, fill_ctas, alpha)
+
+
+def moe_gemm_build(num_groups: int, config: SwapAbConfig, epilogue: MoeEpilogue = MoeEpilogue()) -> tuple:
+    sizes = (cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
+             cutlass.Int32(132), cuda.CUstream(0))
+    operands = (fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8),
+                fake_ptr(cutlass.Int32))
+    if epilogue.alpha is None:
+        return Sm90MoeSwapAbGemm(config, num_groups, epilogue), (*operands, *sizes)
+    return Sm90MoeScaledGemm(config, num_groups, epilogue), (*operands, fake_ptr(cutlass.Float32), *sizes)
 
 
 def moe_decode_build(num_groups: int, scale_layout: str, chained: bool) -> tuple:
@@ -373,12 +451,14 @@ def moe_decode_build(num_groups: int, scale_layout: str, chained: bool) -> tuple
     )
 
 
-def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None):
-    """Compile (cached: core.compile_key) the MoE GEMM of `config` for num_groups groups."""
+def compile_moe_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None,
+                     epilogue: MoeEpilogue = MoeEpilogue()):
+    """Compile (cached: core.compile_key) the MoE GEMM of `config` and `epilogue` for num_groups
+    groups."""
     from .config import SWAP_AB_CONFIG
 
     config = SWAP_AB_CONFIG if config is None else config
-    return core.compile_once(moe_gemm_build, num_groups, config, options=options,
+    return core.compile_once(moe_gemm_build, num_groups, config, epilogue, options=options,
                              context=smem_per_sm_known_without_gpu)
 
 
@@ -412,4 +492,11 @@ def moe_compile_targets():
         ("sm90_moe_decode_blocked", "sm_90a", functools.partial(compile_moe_decode, scale_layout="blocked")),
         ("sm90_moe_decode_chained", "sm_90a", functools.partial(compile_moe_decode, chained=True)),
     ] + [(f"sm90_moe_gemm_{name}", "sm_90a", functools.partial(compile_moe_gemm, config=config))
-         for name, config in gemms.items()]
+         for name, config in gemms.items()] + [
+        # the epilogues of real checkpoints: a scale per expert (or per half of a fused gate-and-up
+        # weight) and bf16 output, on the decode and the variable-tile configs
+        (f"sm90_moe_gemm_{name}_{label}", "sm_90a",
+         functools.partial(compile_moe_gemm, config=gemms[name], epilogue=epilogue))
+        for name in ("t32", "t32_split_k4", "variable")
+        for label, epilogue in (("alpha_bf16", MoeEpilogue("expert", "bfloat16")),
+                                ("halves_f16", MoeEpilogue("halves", "float16")))]

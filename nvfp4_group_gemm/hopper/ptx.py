@@ -477,6 +477,40 @@ def pack_f16x2(low: cutlass.Float32, high: cutlass.Float32, *, loc=None, ip=None
 
 
 @dsl_user_op
+def pack_bf16x2(low: cutlass.Float32, high: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """Two fp32 rounded to bf16 (to nearest even; past bf16's range, +-inf as a plain cast),
+    packed: `low` in bits 0-15, `high` above."""
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Float32(high).ir_value(loc=loc, ip=ip), cutlass.Float32(low).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.bf16x2.f32 $0, $1, $2;",
+        "=r,f,f",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
+
+
+def pack_16x2(low, high, out_dtype: str):
+    """pack_f16x2 or pack_bf16x2 by the output's dtype ("float16" or "bfloat16")."""
+    return pack_bf16x2(low, high) if out_dtype == "bfloat16" else pack_f16x2(low, high)
+
+
+@dsl_user_op
+def load_f32_global(address: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Float32:
+    """One fp32 from global `address`."""
+    result = _inline_asm(
+        cutlass.Float32.mlir_type,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
+        "ld.global.f32 $0, [$1];",
+        "=f,l",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Float32(result)
+
+
+@dsl_user_op
 def stmatrix_x4_trans(smem: cutlass.Int32, registers, *, loc=None, ip=None):
     """stmatrix .x4 .trans (warp-wide): register i of every lane holds its two fp16 of 8x8
     matrix i as an mma fragment (lane l: row l / 4, columns 2 (l % 4) and + 1); lane 8 i + r
@@ -516,6 +550,27 @@ def store_f16(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=No
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def store_bf16(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
+    """Round one fp32 to bf16 and store it at global `address`."""
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .b16 half;\n\tcvt.rn.bf16.f32 half, $1;\n\tst.global.b16 [$0], half;\n\t}",
+        "l,f,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+def store_16(address, value, out_dtype: str):
+    """store_f16 or store_bf16 by the output's dtype ("float16" or "bfloat16")."""
+    if out_dtype == "bfloat16":
+        store_bf16(address, value)
+    else:
+        store_f16(address, value)
 
 
 @dsl_user_op

@@ -62,9 +62,9 @@ from .ptx import (
     fence_mbarrier_init,
     mbarrier_init_shared,
     mbarrier_wait_parity,
-    pack_f16x2,
+    pack_16x2,
     stmatrix_x4_trans,
-    store_f16,
+    store_16,
 )
 from .schedules import TOKEN_CLASS_STEP
 
@@ -217,6 +217,9 @@ class Sm90SwapAbGemm:
     the tile table (per split-K rank): weight stages by cp.async -> weight decode into
     registers; token stages by bulk copy -> wgmma with the token rows from shared memory ->
     transposed fp16 stores."""
+
+    # the output's dtype (a subclass's epilogue may write bfloat16)
+    out_dtype = "float16"
 
     def __init__(self, config: SwapAbConfig, num_groups: int):
         config.check()
@@ -443,7 +446,7 @@ class Sm90SwapAbGemm:
     ):
         """The output tile of weight rows weight_tile * 128 .. + 128 and tokens token0 ..
         token0 + tile_t of `group` (this split-K rank's k-tiles): copies, decode, wgmma with
-        N = tile_t, epilogue."""
+        N = tile_t, epilogue (its scale: epilogue_scale)."""
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
         tiled_mma = make_swap_ab_tiled_mma(self.config, tile_t)
         x_smem_layout_staged = self.token_smem_layout(tile_t)
@@ -523,17 +526,26 @@ class Sm90SwapAbGemm:
         cute.arch.cp_async_wait_group(0)
 
         c_addr = operands.address(group, _PTR_C)
+        acc_scale = self.epilogue_scale(operands, group, n0, n)
         if cutlass.const_expr(split > 1):
             # the summing rank of this warpgroup's rows holds their sums
             reduce_split_k_partials(tidx, warp_group_idx, x_base, accumulators, split)
             if cute.arch.block_idx_in_cluster() == warp_group_idx % split:
-                self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0)
+                self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0, acc_scale)
         else:
-            self.store_tile_staged(tile_t, tidx, accumulators, x_base, c_addr, m, n, token0, n0)
+            self.store_tile_staged(tile_t, tidx, accumulators, x_base, c_addr, m, n, token0, n0, acc_scale)
+
+    def epilogue_scale(self, operands, group, n0, n):
+        """What the fp32 sums are multiplied by before rounding: 2^28, the exact rescale of the
+        decode's 2^-14 on both operands (a subclass multiplies in a per-group scale). Read
+        after the main loop: after the grid-dependency wait of chained calls."""
+        return cutlass.Float32(2.0**28)
 
     @cute.jit
-    def store_tile_staged(self, tile_t: cutlass.Constexpr, tidx, accumulators, stage_base, c_addr, m, n, token0, n0):
-        """Epilogue through shared memory: the fp32 sums, rescaled and rounded to fp16, stored
+    def store_tile_staged(self, tile_t: cutlass.Constexpr, tidx, accumulators, stage_base, c_addr, m, n, token0, n0,
+                          acc_scale):
+        """Epilogue through shared memory: the fp32 sums, times `acc_scale` (epilogue_scale) and
+        rounded to the output's dtype (out_dtype: fp16 or bf16), stored
         transposed into the token stages (free once every warpgroup's last wgmma retired) as
         the tile's C rows, one per token (tile_w fp16, padded by 16 bytes so that stmatrix's 8
         rows of a matrix fall in 8 different 16-byte bank groups), then copied out 16 bytes per
@@ -544,8 +556,6 @@ class Sm90SwapAbGemm:
         register of 8x8 matrix (j, r), whose column (token 8 j + col) .trans stores as 8
         weight rows."""
         pitch = self.tile_w * 2 + 16
-        # both operands carry 2^-14 (the decode's one multiply): exact rescale
-        acc_scale = cutlass.Float32(2.0**28)
         lane = tidx % 32
         warp = tidx // 32
         # lane 8 q + col gives the address of column col of matrix q = (j = 2 jj + q // 2,
@@ -556,7 +566,8 @@ class Sm90SwapAbGemm:
             registers = []
             for q in cutlass.range_constexpr(4):
                 i = 4 * (2 * jj + q // 2) + 2 * (q % 2)
-                registers.append(pack_f16x2(accumulators[i] * acc_scale, accumulators[i + 1] * acc_scale))
+                registers.append(pack_16x2(accumulators[i] * acc_scale, accumulators[i + 1] * acc_scale,
+                                           self.out_dtype))
             stmatrix_x4_trans(stage_base + jj * 16 * pitch + lane_offset, registers)
         cute.arch.sync_threads()
         chunks_per_token = self.tile_w * 2 // 16
@@ -571,20 +582,20 @@ class Sm90SwapAbGemm:
                 )
 
     @cute.jit
-    def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0):
+    def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0,
+                   acc_scale):
         """Split-K's epilogue (its summing rank's token stages hold the partial sums): the fp32
-        sums of (weight row, token) -> fp16 C[token, weight row], one 2-byte store each,
-        predicated on M (N is a multiple of the weight tile). Without split-K, slower than
-        store_tile_staged (EXPERIMENTS E15)."""
+        sums of (weight row, token) times `acc_scale` -> C[token, weight row] (out_dtype), one
+        2-byte store each, predicated on M (N is a multiple of the weight tile). Without
+        split-K, slower than store_tile_staged (EXPERIMENTS E15)."""
         tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_w, tile_t)))
-        # both operands carry 2^-14 (the decode's one multiply): exact rescale.
         # Predicated stores instead of the branch: within the spread (EXPERIMENTS E11).
-        acc_scale = cutlass.Float32(2.0**28)
         for i in cutlass.range_constexpr(cute.size(accumulators)):
             coord = tCcC[i]
             token = token0 + coord[1]
             if token < m:
-                store_f16(c_addr + (cutlass.Int64(token) * n + n0 + coord[0]) * 2, accumulators[i] * acc_scale)
+                store_16(c_addr + (cutlass.Int64(token) * n + n0 + coord[0]) * 2, accumulators[i] * acc_scale,
+                         self.out_dtype)
 
 
 # =============================================================================
