@@ -2,7 +2,10 @@
 and (where importable) Triton's `triton_kernels` bf16 x MXFP4 `matmul_ogs`, in the same run.
 
 Layers (gate-up: N = 2 I, K = H; down: N = H, K = I):
-    qwen3_64   Qwen3-30B-A3B-like, H 2048, I 768, top-8 of 64 experts (the entry's G <= 64 form)
+    qwen3_64   Qwen3-30B-A3B-like, H 2048, I 768, top-8 of 64 experts (the form of the tables so far)
+    qwen3      Qwen3-30B-A3B: H 2048, I 768, top-8 of 128 experts
+    dsv3_tp    DeepSeek-V3 under tensor parallelism: H 7168, I 2048 / 8 = 256, top-8 of 256, every
+               expert local
     dsv3_ep8   DeepSeek-V3 with 8-way expert parallelism: H 7168, I 2048, top-8 of 256, experts
                0..31 local (the rows routed to them are the GEMM's T)
     mixtral    Mixtral-like, H 4096, I 14336, top-2 of 8
@@ -64,6 +67,8 @@ LAYERS = {
     "qwen3_64": Layer("qwen3_64", 2048, 768, 64, 64, 8),
     "dsv3_ep8": Layer("dsv3_ep8", 7168, 2048, 256, 32, 8),
     "mixtral": Layer("mixtral", 4096, 14336, 8, 8, 2),
+    "qwen3": Layer("qwen3", 2048, 768, 128, 128, 8),
+    "dsv3_tp": Layer("dsv3_tp", 7168, 256, 256, 256, 8),
 }
 
 

@@ -54,7 +54,10 @@ from . import launch
 SF_VEC_SIZE = 16
 ATOM_ROWS = 128
 ATOM_BLOCKS = 4
-MAX_GROUPS = 64
+# Experts per call: DeepSeek-V3 has 256, Kimi K2 384, all local under tensor parallelism. The
+# sm_90 kernels read the offsets 32 groups per warp round (G / 32 rounds, unrolled: the same
+# registers at G = 512 as at 64, no spill); the sm_100a version takes the core's 64
+MAX_GROUPS = 512
 # Plans (compiled launches and scratch) kept, and the scratch bytes they may hold together
 MAX_PLANS = 16
 MAX_PLAN_BYTES = 4 << 30
@@ -845,10 +848,10 @@ class Sm100MoeBinding:
         self.stream = cuda_driver.CUstream(stream_handle)
 
     def launch(self) -> None:
-        a, sfa, b, sfb, offsets, c = self.args
+        a, sfa, b, sfb, offsets, c, alpha = self.args
         if self.sfb_plain is not None:
             sfb.copy_(_blocked_view(self.sfb_plain))
-        self.launches.launch(a, sfa, b, sfb, offsets, c, self.buffers, self.stream)
+        self.launches.launch(a, sfa, b, sfb, offsets, c, self.buffers, self.stream, alpha)
 
 
 def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stream_handle: int, alpha=None) -> None:
@@ -864,13 +867,16 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
     if shape.sfa_layout != "plain":
         _fail(ValueError, "sfa.shape", tuple(sfa.shape), "on sm_100 the MoE entry takes plain activation scales "
               "[T, K/16] (it repacks them per group on the GPU)")
-    if shape.alpha is not None or shape.out_dtype != "float16":
-        _fail(ValueError, "alpha / c.dtype", (shape.alpha, shape.out_dtype), "the sm_100a MoE kernels write fp16 "
-              "without per-expert scales (sm_90 takes both)")
+    if shape.groups > core.MAX_GROUPS:
+        _fail(ValueError, "G (b.shape[0])", shape.groups, f"must be in 1..{core.MAX_GROUPS} on sm_100 (sm_90 takes "
+              f"up to {MAX_GROUPS})")
+    if shape.alpha == "halves" and shape.n % 512:
+        _fail(ValueError, "N (b.shape[1])", shape.n, "must be a multiple of 512 with alpha [G, 2] on sm_100 (each "
+              "half of N a whole number of 256-row MMA tiles)")
     from . import sm100_moe
 
     device = a.device
-    chain = [core.KernelChoice(SM100_MOE_BACKEND, "sm100_moe", None, per_group_count=True),
+    chain = [core.KernelChoice(SM100_MOE_BACKEND, "sm100_moe", shape.epilogue(), per_group_count=True),
              core.KernelChoice(SM100_MOE_BACKEND, "exact_decode", host=True)]
     with _LOCK:
         capturing = launch._capturing()
@@ -882,7 +888,7 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
                 launches = sm100_moe.sm100_moe_launches(
                     shape.tokens, shape.groups, shape.n, shape.k,
                     resident_clusters=core.resident_clusters(device), num_sms=torch.cuda.get_device_properties(
-                        device).multi_processor_count)
+                        device).multi_processor_count, alpha=shape.alpha, out_dtype=shape.out_dtype)
                 launches.compile()
                 plan = Sm100MoePlan(launches, launches.allocate(device), chain, shape.groups)
             except torch.OutOfMemoryError:
@@ -892,7 +898,7 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
             else:
                 _evict_bindings_of(_PLANS.put(plan_key, plan))
         if plan is None:
-            _exact_call(a, sfa, b, sfb, offsets, c, status, shape)
+            _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha)
             return
         if capturing:
             plan.captured = True
@@ -902,7 +908,7 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
         buffers = dict(plan.buffers)
         if status is not None:
             buffers["status"] = status
-        binding = Sm100MoeBinding(plan, plan.launches, buffers, (a, sfa, b, sfb, offsets, c), sfb_plain,
+        binding = Sm100MoeBinding(plan, plan.launches, buffers, (a, sfa, b, sfb, offsets, c, alpha), sfb_plain,
                                   stream_handle)
         check = not capturing and core.SELF_CHECK and plan.kernel_key not in core.SELF_CHECKED
         if not check:
@@ -920,10 +926,10 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
             if capturing or not core.context_usable(device):
                 raise
             core.demote(SM100_MOE_BACKEND, chain[0], chain, shape.groups, f"launch failed ({core.one_line(error)})")
-            _exact_call(a, sfa, b, sfb, offsets, c, status, shape)
+            _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha)
             return
         if check:
-            _self_check(plan, a, sfa, b, sfb, offsets, c, buffers["status"])
+            _self_check(plan, a, sfa, b, sfb, offsets, c, buffers["status"], alpha)
 
 
 SM100_MOE_BACKEND = "moe_sm100"

@@ -157,9 +157,10 @@ class Sm100MoeTables:
     scales, one 16-byte unit of a plain row per thread. `config` (the GEMM's) fixes the token
     tile; G, T, N, K and the table capacity are run-time values."""
 
-    def __init__(self, config: core.PersistentGemmConfig):
+    def __init__(self, config: core.PersistentGemmConfig, alpha: str | None = None):
         config.check()
         self.config = config
+        self.alpha = alpha  # None; "expert" or "halves": Sm100MoeScaledTables
 
     @cute.jit
     def __call__(
@@ -190,7 +191,7 @@ class Sm100MoeTables:
         kernel.launch(**geometry, stream=stream)
 
     def tables_launch(self, a, b, c, sfa, sfb, sfa_blocked, offsets, ptrs, sizes, tiles, status,
-                      tokens, n, k, num_groups, max_tiles, repack_ctas):
+                      tokens, n, k, num_groups, max_tiles, repack_ctas, alpha=None):
         """The kernel and its launch geometry, traced inside a @cute.jit entry."""
         mOffsets = cute.make_tensor(offsets, cute.make_layout(num_groups + 1))
         mPtrs = cute.make_tensor(
@@ -206,7 +207,7 @@ class Sm100MoeTables:
         )
         kernel = self.kernel(
             a, b, c, sfb, sfa_blocked, mOffsets, mPtrs, mSizes, mTiles, mStatus, mSFA,
-            tokens, n, k, num_groups, max_tiles,
+            tokens, n, k, num_groups, max_tiles, *(() if alpha is None else (alpha,)),
         )
         return kernel, {"grid": (1 + repack_ctas, 1, 1), "block": [TABLES_THREADS, 1, 1], "cluster": (1, 1, 1),
                         **core.chained_launch()}
@@ -231,6 +232,14 @@ class Sm100MoeTables:
         num_groups: cutlass.Int32,
         max_tiles: cutlass.Int32,
     ):
+        self.tables_body(a, b, c, sfb, sfa_blocked, mOffsets, mPtrs, mSizes, mTiles, mStatus, mSFA, tokens, n, k,
+                         num_groups, max_tiles, None)
+
+    @cute.jit
+    def tables_body(self, a, b, c, sfb, sfa_blocked, mOffsets, mPtrs, mSizes, mTiles, mStatus, mSFA, tokens, n, k,
+                    num_groups, max_tiles, alpha):
+        """The kernel's work, whatever its arguments: `alpha` None, or the experts' fp32 scales
+        (Sm100MoeScaledTables), which CTA 0 copies after the tile rows (alpha_tail)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -314,8 +323,29 @@ class Sm100MoeTables:
 
         if bidx == 0:
             self._write_tile_rows(mTiles, sRows, sSortedGroup, sSortedFirst, sFlags, tidx, n, k, num_groups)
+            if cutlass.const_expr(alpha is not None):
+                self._write_alpha_tail(mTiles, alpha, tidx, n, num_groups, max_tiles)
         else:
             self._repack_scales(sfa_blocked, mSFA, sOffsets, sPadded, sFlags, tidx, bidx, k, num_groups)
+
+    @cute.jit
+    def _write_alpha_tail(self, mTiles, alpha, tidx, n, num_groups, max_tiles):
+        """CTA 0: after the count row, word 0 the first MMA m tile of N's second half (N / 2 /
+        mma_m; N itself, past every tile, for one scale per expert), then two fp32 scales per
+        expert (alpha[g], twice; or alpha[g, 0], alpha[g, 1]) for the GEMM's epilogue."""
+        tail = mTiles.iterator + (max_tiles + 1) * TILE_ROW
+        if tidx == 0:
+            half = n
+            if cutlass.const_expr(self.alpha == "halves"):
+                half = n // 2 // self.config.mma_m
+            cute.make_tensor(tail, cute.make_layout(1))[0] = half
+        sAlpha = cute.make_tensor(cute.recast_ptr(tail + 1, dtype=cutlass.Float32), cute.make_layout(2 * MAX_GROUPS))
+        mAlpha = cute.make_tensor(alpha, cute.make_layout(2 * MAX_GROUPS))
+        for i in cutlass.range(tidx, 2 * num_groups, TABLES_THREADS):
+            source = i
+            if cutlass.const_expr(self.alpha == "expert"):
+                source = i // 2
+            sAlpha[i] = mAlpha[source]
 
     @cute.jit
     def _write_group_tables(
@@ -442,6 +472,37 @@ class Sm100MoeTables:
                 cute.make_tensor(sfa_blocked + word, cute.make_layout(1))[0] = words[i]
 
 
+class Sm100MoeScaledTables(Sm100MoeTables):
+    """Sm100MoeTables with the experts' fp32 scales (`alpha`, [G] or [G, 2]) as one more
+    argument, copied after the tile rows for the GEMM's epilogue (alpha_tail)."""
+
+    @cute.jit
+    def __call__(self, a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, sfa: cute.Pointer, sfb: cute.Pointer,
+                 sfa_blocked: cute.Pointer, offsets: cute.Pointer, ptrs: cute.Pointer, sizes: cute.Pointer,
+                 tiles: cute.Pointer, status: cute.Pointer, alpha: cute.Pointer, tokens: cutlass.Int32,
+                 n: cutlass.Int32, k: cutlass.Int32, num_groups: cutlass.Int32, max_tiles: cutlass.Int32,
+                 repack_ctas: cutlass.Int32, stream: cuda.CUstream):
+        kernel, geometry = self.tables_launch(
+            a, b, c, sfa, sfb, sfa_blocked, offsets, ptrs, sizes, tiles, status,
+            tokens, n, k, num_groups, max_tiles, repack_ctas, alpha,
+        )
+        kernel.launch(**geometry, stream=stream)
+
+    @cute.kernel
+    def kernel(self, a: cute.Pointer, b: cute.Pointer, c: cute.Pointer, sfb: cute.Pointer, sfa_blocked: cute.Pointer,
+               mOffsets: cute.Tensor, mPtrs: cute.Tensor, mSizes: cute.Tensor, mTiles: cute.Tensor,
+               mStatus: cute.Tensor, mSFA: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+               num_groups: cutlass.Int32, max_tiles: cutlass.Int32, alpha: cute.Pointer):
+        self.tables_body(a, b, c, sfb, sfa_blocked, mOffsets, mPtrs, mSizes, mTiles, mStatus, mSFA, tokens, n, k,
+                         num_groups, max_tiles, alpha)
+
+
+def alpha_tail_rows(groups: int) -> int:
+    """Tile-table rows after the count row that hold the epilogue's scales: one int32 (the
+    second half's first MMA m tile) and two fp32 per expert."""
+    return -(-(1 + 2 * groups) // TILE_ROW)
+
+
 # =============================================================================
 # The GEMM with its tile count in device memory
 # =============================================================================
@@ -452,11 +513,25 @@ class PersistentMoeGemmSm100(PersistentGemmOnStream):
     (the tables are this call's output), clamped to the capacity. Its descriptor init is the
     library's (nvfp4_group_gemm.sm100.compile_persistent_init): the same device code."""
 
+    def __init__(self, config: core.PersistentGemmConfig, alpha: str | None = None):
+        super().__init__(config)
+        self.alpha = alpha  # None, "expert" or "halves": the tables kernel's alpha_tail
+
     @cute.jit
     def _tile_count(self, tensor_of_tiles: cute.Tensor, num_tiles):
         count_ptr = tensor_of_tiles.iterator + num_tiles * TILE_ROW
         count = cute.make_tensor(count_ptr, cute.make_layout(1))[0]
         return cutlass.min(count, num_tiles)
+
+    def _epilogue_scale(self, tensor_of_tiles: cute.Tensor, num_tiles, group_idx, mma_tile_m):
+        """With alpha: the tile's expert scale from the tables kernel's alpha_tail (its second
+        one where the tile lies in N's second half), read in the epilogue after its wait."""
+        if cutlass.const_expr(self.alpha is None):
+            return None
+        tail = tensor_of_tiles.iterator + (num_tiles + 1) * TILE_ROW
+        half = cute.make_tensor(tail, cute.make_layout(1))[0]
+        scales = cute.make_tensor(cute.recast_ptr(tail + 1, dtype=cutlass.Float32), cute.make_layout(2 * MAX_GROUPS))
+        return scales[2 * group_idx + cutlass.Int32(mma_tile_m >= half)]
 
 
 # =============================================================================
@@ -473,28 +548,31 @@ TABLES_POINTER_DTYPES = (
 )
 
 
-def moe_tables_build(config: core.PersistentGemmConfig) -> tuple:
-    return Sm100MoeTables(config), (
-        *(_fake(dtype) for dtype in TABLES_POINTER_DTYPES),
-        cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
-        cutlass.Int32(1), cuda.CUstream(0),
-    )
+def moe_tables_build(config: core.PersistentGemmConfig, alpha: str | None = None) -> tuple:
+    sizes = (cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(1),
+             cutlass.Int32(1), cuda.CUstream(0))
+    pointers = tuple(_fake(dtype) for dtype in TABLES_POINTER_DTYPES)
+    if alpha is None:
+        return Sm100MoeTables(config), (*pointers, *sizes)
+    return Sm100MoeScaledTables(config, alpha), (*pointers, _fake(cutlass.Float32), *sizes)
 
 
-def moe_gemm_build(config: core.PersistentGemmConfig) -> tuple:
-    return PersistentMoeGemmSm100(config), (_fake(cutlass.Int32), _fake(cutlass.Int64), cutlass.Int32(1),
-                                            cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
+def moe_gemm_build(config: core.PersistentGemmConfig, alpha: str | None = None) -> tuple:
+    return PersistentMoeGemmSm100(config, alpha), (_fake(cutlass.Int32), _fake(cutlass.Int64), cutlass.Int32(1),
+                                                   cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
 
 
-def compile_moe_tables(config: core.PersistentGemmConfig, options: str | None = None):
+def compile_moe_tables(config: core.PersistentGemmConfig, options: str | None = None, alpha: str | None = None):
     """The tables + repack kernel for `config`'s token tile (T, G, N, K, the capacity and the
-    repack grid are run-time values)."""
-    return core.compile_once(moe_tables_build, config, options=options)
+    repack grid are run-time values); with `alpha` ("expert", "halves") it copies the experts'
+    scales after the tile rows."""
+    return core.compile_once(moe_tables_build, config, alpha, options=options)
 
 
-def compile_moe_gemm(config: core.PersistentGemmConfig, options: str | None = None):
-    """The persistent GEMM reading its tile count from device memory, for `config`."""
-    return core.compile_once(moe_gemm_build, config, options=options)
+def compile_moe_gemm(config: core.PersistentGemmConfig, options: str | None = None, alpha: str | None = None):
+    """The persistent GEMM reading its tile count from device memory, for `config` (its
+    out_dtype: C's), with the experts' scales in its epilogue where `alpha` says."""
+    return core.compile_once(moe_gemm_build, config, alpha, options=options)
 
 
 def compile_targets():
@@ -508,6 +586,13 @@ def compile_targets():
             (f"sm100_moe_gemm_t{tokens}", config.arch,
              lambda g, options, config=config: compile_moe_gemm(config, options)),
         ]
+    # the real-checkpoint epilogue: a scale per expert (or per half of N) and bf16 output
+    bf16 = dataclasses.replace(core.PERSISTENT_CONFIGS[128], out_dtype="bfloat16")
+    targets += [
+        ("sm100_moe_tables_t128_halves", bf16.arch, lambda g, options: compile_moe_tables(bf16, options, "halves")),
+        ("sm100_moe_init_t128_bf16", bf16.arch, lambda g, options: compile_persistent_init(bf16, options)),
+        ("sm100_moe_gemm_t128_halves_bf16", bf16.arch, lambda g, options: compile_moe_gemm(bf16, options, "halves")),
+    ]
     return targets
 
 
@@ -536,7 +621,8 @@ class Sm100MoeLaunches:
     routing. CTA pairs: min(resident 2-CTA clusters, or SMs / 2 without a device, max_tiles)."""
 
     def __init__(self, tokens: int, groups: int, n: int, k: int, *, config=None,
-                 resident_clusters: int | None = None, num_sms: int = core.B200_NUM_SMS):
+                 resident_clusters: int | None = None, num_sms: int = core.B200_NUM_SMS, alpha: str | None = None,
+                 out_dtype: str = "float16"):
         if not 1 <= groups <= MAX_GROUPS:
             raise ValueError(f"G = {groups}: must be in 1..{MAX_GROUPS} (the tables kernel's warp holds 64 groups)")
         if k <= 0 or k % core.K_TILE:
@@ -545,11 +631,15 @@ class Sm100MoeLaunches:
             raise ValueError(f"N = {n}: must be a positive multiple of {ATOM_ROWS} (the weights' scale atoms)")
         if tokens < 1:
             raise ValueError(f"T = {tokens}: must be >= 1")
+        if alpha == "halves" and n % (2 * core.PersistentGemmConfig.mma_m):
+            raise ValueError(f"N = {n}: must be a multiple of {2 * core.PersistentGemmConfig.mma_m} with alpha [G, 2] "
+                             "(each half of N a whole number of 256-row MMA tiles)")
         self.tokens, self.groups, self.n, self.k = tokens, groups, n, k
+        self.alpha = alpha
         if config is None:
             even = [(_ceil_div(tokens, groups), n, k, 1)] * groups
             config = core.PERSISTENT_CONFIGS[core.choose_tokens_per_tile(even, num_sms)]
-        self.config = config
+        self.config = dataclasses.replace(config, out_dtype=out_dtype)
         self.max_tiles = max_moe_tiles(tokens, groups, n, config.tokens_per_tile, config.mma_m)
         self.repack_ctas = moe_repack_ctas(tokens, k)
         self.scratch_rows = moe_scale_scratch_rows(tokens, groups)
@@ -582,7 +672,8 @@ class Sm100MoeLaunches:
         return {
             "ptrs": ("int64", (self.groups, core.NUM_PTR_COLS)),
             "sizes": ("int32", (self.groups, 4)),
-            "tiles": ("int32", (self.max_tiles + 1, TILE_ROW)),
+            "tiles": ("int32", (self.max_tiles + 1 + (0 if self.alpha is None else alpha_tail_rows(self.groups)),
+                                TILE_ROW)),
             "tensormaps": ("int64", (self.groups, core.PERSISTENT_NUM_TENSORMAPS, 16)),
             "sfa_blocked": ("uint8", (self.scratch_rows, self.k // SF_VEC_SIZE)),
             "status": ("int32", (1,)),
@@ -597,23 +688,26 @@ class Sm100MoeLaunches:
 
     def compile(self) -> tuple:
         """The three compiled entries (cached): tables, descriptor init, GEMM."""
-        return compile_moe_tables(self.config), compile_persistent_init(self.config), compile_moe_gemm(self.config)
+        return (compile_moe_tables(self.config, alpha=self.alpha), compile_persistent_init(self.config),
+                compile_moe_gemm(self.config, alpha=self.alpha))
 
-    def launch(self, a, sfa, b, sfb, offsets, c, buffers: dict, stream: cuda.CUstream) -> None:
+    def launch(self, a, sfa, b, sfb, offsets, c, buffers: dict, stream: cuda.CUstream, alpha=None) -> None:
         """Queue the three launches on `stream` (torch tensors: a [T, K/2], sfa plain [T, K/16],
-        b [G, N, K/2], sfb blocked, offsets [G + 1] int32, c [T, N] fp16; `buffers` from
-        allocate). Compiled for sm_100a only, never run: untested."""
+        b [G, N, K/2], sfb blocked, offsets [G + 1] int32, c [T, N] of the config's out_dtype,
+        alpha fp32 [G] or [G, 2] where the sequence has one; `buffers` from allocate). Compiled
+        for sm_100a only, never run: untested."""
         tables, init, gemm = self.compile()
 
         def ptr(dtype, tensor):
             return core.gmem_ptr(dtype, tensor)
 
+        scales = () if self.alpha is None else (ptr(cutlass.Float32, alpha),)
         tables(
             *(ptr(dtype, tensor) for dtype, tensor in zip(TABLES_POINTER_DTYPES, (
                 a, b, c, sfa, sfb, buffers["sfa_blocked"], offsets, buffers["ptrs"], buffers["sizes"],
                 buffers["tiles"], buffers["status"],
             ), strict=True)),
-            self.tokens, self.n, self.k, self.groups, self.max_tiles, self.repack_ctas, stream,
+            *scales, self.tokens, self.n, self.k, self.groups, self.max_tiles, self.repack_ctas, stream,
         )
         init(ptr(cutlass.Int64, buffers["ptrs"]), ptr(cutlass.Int32, buffers["sizes"]),
              ptr(cutlass.Int64, buffers["tensormaps"]), self.groups, stream)

@@ -36,6 +36,8 @@ FAMILIES = [
     (64, 64, 256, 768),      # 32-token tiles (decode: a row or so per group), warp lookup over 64 groups
     (96, 32, 512, 1024),     # 32-token tiles with 128-wide k-tiles
     (2048, 40, 256, 512),    # 64-token tiles, 40 groups (two rounds of the warp lookup)
+    (256, 512, 256, 512),    # 512 experts (16 rounds of the warp lookup), decode-like: half of them empty
+    (4096, 128, 512, 1024),  # 128 experts, prefill
 ]
 
 

@@ -3,6 +3,7 @@ the scale layouts, the tiles the GPU derives from the offsets (emulated with the
 group_token_tiles), the scratch and grid bounds, the exact-decode reference and the torch op
 traced by torch.compile(fullgraph=True) on CPU tensors."""
 
+import dataclasses
 import random
 
 import pytest
@@ -70,8 +71,8 @@ BAD_INPUTS = {
     "b_k": (lambda i: _replaced(i, b=i["b"][:, :, :128].contiguous()), ValueError, r"b\.shape\[2\] = 128"),
     "n_multiple": (lambda i: _replaced(i, b=i["b"][:, :200].contiguous(), sfb=i["sfb"][:, :200].contiguous()),
                    ValueError, r"N \(b\.shape\[1\]\) = 200: must be a positive multiple of 128"),
-    "too_many_groups": (lambda i: _replaced(i, b=i["b"][:1].expand(65, -1, -1).contiguous()), ValueError,
-                        r"G \(b\.shape\[0\]\) = 65: must be in 1\.\.64"),
+    "too_many_groups": (lambda i: _replaced(i, b=i["b"][:1].expand(513, -1, -1).contiguous()), ValueError,
+                        r"G \(b\.shape\[0\]\) = 513: must be in 1\.\.512"),
     "a_strided": (lambda i: _replaced(i, a=i["a"].view(torch.uint8).repeat(1, 2)[:, ::2].view(i["a"].dtype)),
                   ValueError, r"a\.stride\(\) .* must be contiguous"),
     "sfa_shape": (lambda i: _replaced(i, sfa=i["sfa"][:100]), ValueError, r"sfa\.shape = \(100, 32\): must be \(300, 32\)"),
@@ -532,3 +533,18 @@ def test_the_self_check_scales_its_bound_and_allows_one_bf16_unit():
         plan = FakePlan(moe.moe_chain(shape, 132, True, None), 4)
         moe._self_check(plan, *(inputs[n] for n in names), c, None, alpha)
         assert core.is_demoted(plan.kernel_key) == demoted, units
+
+
+def test_the_sm100_version_states_its_own_limits(monkeypatch):
+    """On sm_100 (NVFP4_MOE_SM100=1): at most the core's 64 experts, and alpha [G, 2] with N a
+    multiple of 512 (each half of N whole 256-row MMA tiles); one ValueError each, before any
+    launch."""
+    monkeypatch.setattr(switches, "CURRENT", dataclasses.replace(switches.CURRENT, moe_sm100=True))
+    inputs = cpu_inputs()
+    tensors = [inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")]
+    many = moe.MoeShape(300, 128, 256, 512, "plain", "blocked")
+    with pytest.raises(ValueError, match=r"G \(b\.shape\[0\]\) = 128: must be in 1\.\.64 on sm_100"):
+        moe._launch_sm100(many, *tensors, None, (), 0)
+    halves = moe.MoeShape(300, 4, 256, 512, "plain", "blocked", "halves", "bfloat16")
+    with pytest.raises(ValueError, match=r"N \(b\.shape\[1\]\) = 256: must be a multiple of 512 with alpha \[G, 2\]"):
+        moe._launch_sm100(halves, *tensors, None, (), 0, torch.ones(4, 2))

@@ -16,6 +16,7 @@
 Nothing here runs a kernel (no B200).
 """
 
+import dataclasses
 import random
 import re
 
@@ -336,7 +337,8 @@ def test_the_build_report_lists_the_moe_kernels():
     assert "nvfp4_group_gemm.sm100_moe" in build_report.BACKEND_MODULES
     names = [name for name, _arch, _fn in sm100_moe.compile_targets()]
     assert names == [f"sm100_moe_{kernel}_t{tokens}" for tokens in submission.PERSISTENT_CONFIGS
-                     for kernel in ("tables", "gemm")]
+                     for kernel in ("tables", "gemm")] + [
+        "sm100_moe_tables_t128_halves", "sm100_moe_init_t128_bf16", "sm100_moe_gemm_t128_halves_bf16"]
 
 
 def test_the_leaderboard_hook_returns_the_argument_and_the_file_names_no_stream():
@@ -355,12 +357,18 @@ def builds(tmp_path_factory):
     done = {}
 
     def get(name: str):
+        """name: <kind>_t<tokens>[_halves][_bf16] (alpha [G, 2]; bf16 C)."""
         if name not in done:
-            kind, tokens = name.rsplit("_t", 1)
+            kind, rest = name.split("_t", 1)
+            tokens, *variant = rest.split("_")
             compile_fn = {"tables": sm100_moe.compile_moe_tables, "init": sm100_moe.compile_persistent_init,
                           "gemm": sm100_moe.compile_moe_gemm}[kind]
             config = CONFIGS[int(tokens)]
-            cubin, ptx = _compile_kept(lambda options: compile_fn(config, options), tmp_path_factory.mktemp(name))
+            if "bf16" in variant:
+                config = dataclasses.replace(config, out_dtype="bfloat16")
+            extra = {"alpha": "halves"} if "halves" in variant else {}
+            cubin, ptx = _compile_kept(lambda options: compile_fn(config, options, **extra),
+                                       tmp_path_factory.mktemp(name))
             text = ptx.read_text(errors="replace")
             done[name] = (build_report.read_cubin(cubin.read_bytes()), text, ptx_flow(text))
         return done[name]
@@ -424,3 +432,43 @@ def test_init_entry_is_the_files_descriptor_init(builds):
     assert ptx.count("tensormap.replace.tile.global_address") == submission.PERSISTENT_NUM_TENSORMAPS
     waits = _ops(flow, lambda op: op == "griddepcontrol.wait")
     assert len(waits) == 1 and flow.always_after(_ops(flow, ptx_is_global), waits)
+
+
+# ----------------------------------------------------------------------------- alpha and bf16
+def test_the_launch_sequence_with_alpha_keeps_its_scales_after_the_tile_rows():
+    launches = sm100_moe.sm100_moe_launches(1000, 8, 4096, 7168, resident_clusters=70, alpha="halves",
+                                            out_dtype="bfloat16")
+    assert launches.config.out_dtype == "bfloat16" and launches.config.tokens_per_tile in (128, 256)
+    assert launches.buffer_shapes()["tiles"] == ("int32", (launches.max_tiles + 1 + sm100_moe.alpha_tail_rows(8), 4))
+    assert sm100_moe.alpha_tail_rows(8) == 5  # 1 + 16 words
+    with pytest.raises(ValueError, match="N = 768: must be a multiple of 512 with alpha"):
+        sm100_moe.sm100_moe_launches(100, 2, 768, 256, alpha="halves")
+
+
+def test_tables_kernel_with_alpha_copies_the_scales_after_its_wait(builds):
+    """The scaled tables kernel: everything the plain one does, and the experts' fp32 scales
+    loaded and stored after its one wait (the GEMM reads them after its own)."""
+    _, base, _ = builds("tables_t128")
+    cubin, ptx, flow = builds("tables_t128_halves")
+    assert cubin.sm_version == 100
+    waits = _ops(flow, lambda op: op == "griddepcontrol.wait")
+    scale_loads = _ops(flow, lambda op: op.startswith("ld.global.f32"))
+    assert len(waits) == 1 and scale_loads and flow.always_after(scale_loads, waits)
+    assert "ld.global.f32" not in base and ptx.count("st.global.f32") >= 1 and "st.global.f32" not in base
+
+
+def test_gemm_with_alpha_and_bf16_scales_each_tile_after_the_epilogues_wait(builds):
+    """The scaled bf16 GEMM: one scalar fp32 load (the tile's scale, its half of N chosen on the
+    GPU), reachable only through a wait; the epilogue multiplies every accumulator element by it
+    and converts to bf16 where the fp16 kernel converts to fp16, one for one."""
+    _, base, _ = builds("gemm_t128")
+    cubin, ptx, flow = builds("gemm_t128_halves_bf16")
+    function = next(f for name, f in cubin.functions.items() if "kernel" in name)
+    assert function.frame_bytes == 0 and 0 < function.registers <= 255
+    waits = _ops(flow, lambda op: op == "griddepcontrol.wait")
+    scale_loads = _ops(flow, lambda op: op.startswith("ld.global.f32"))
+    assert len(scale_loads) == 1 and flow.always_after(scale_loads, waits)
+    assert ptx.count("cvt.rn.bf16x2.f32") == base.count("cvt.rn.f16x2.f32") > 0
+    assert "cvt.rn.f16x2.f32" not in ptx and "bf16" not in base
+    assert ptx.count("mul.f32") >= 2 * ptx.count("cvt.rn.bf16x2.f32") and "mul.f32" not in base
+    assert flow.always_after(_ops(flow, ptx_is_global), waits)
