@@ -19,10 +19,9 @@ Quantization of one expert's weight w (one tensor: one weight_scale_2):
 so w ~ value x block scale x weight_scale_2. A GEMM of activations quantized the same way with
 input_scale multiplies its fp32 accumulator by alpha = input_scale x weight_scale_2 (per expert).
 
-The MoE entry (moe_grouped_gemm) does not apply alpha yet: `load_moe_layer` returns it beside the
-operands, for the caller to apply to the fp32 result (c x alpha per group); an fp16 c can
-overflow before that (raw products of a real layer reach 1e7), so the caller must keep the raw
-sums in range.
+The MoE entry applies alpha: moe_grouped_gemm(..., alpha=projection.alpha) multiplies each
+expert's fp32 sums by it before rounding to c's dtype (the raw sums of a real layer reach 1e7:
+past fp16's range without it). nvfp4_group_gemm.moe_layer builds a whole MoE FFN on it.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def test_competition_scales_are_bitwise_the_exact_sum():
 
 @pytest.mark.parametrize("family", FAMILIES[:4] + FAMILIES[6:],
                          ids=["variable_N4096", "variable_N7168", "one_round_k128", "variable_cut_at_128_or_256",
-                              "t32_G64", "t32_k128_G32", "t64_G40"])
+                              "t32_G64", "t32_k128_G32", "t64_G40", "t32_G512", "t64_G128"])
 def test_one_graph_replays_every_routing(family):
     """Captured once; 50 routings (empty groups, one group holding all T, partial fills) and new
     activations written into the same tensors; each replay against the exact decode."""

@@ -1,0 +1,108 @@
+"""The MoE layer on the entry (nvfp4_group_gemm.moe_layer) from ModelOpt-format tensors: on CPU
+tensors (the op's exact decode) against an independent float64 layer written token by token;
+on the H200 (tests/test_gpu_moe_layer.py) through the kernels and one CUDA graph."""
+
+import pytest
+import torch
+from test_checkpoint import layer_tensors
+
+from nvfp4_group_gemm import checkpoint, core, moe_layer
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 4, 256, 128, 2
+
+
+def make_layer(split_w13_scales=False, seed=5):
+    tensors = layer_tensors(EXPERTS, HIDDEN, INTERMEDIATE, split_w13_scales)
+    # calibrated input scales that differ by expert: the layer quantizes with their largest
+    tensors["layer.w13_input_scale"] = torch.tensor([2.0, 3.0, 2.5, 1.0]) / (6 * 448)
+    tensors["layer.w2_input_scale"] = torch.tensor([0.5, 0.4, 0.6, 0.5]) / (6 * 448)
+    router = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(seed))
+    return tensors, moe_layer.MoeFfn(tensors, "layer.", router, TOP_K), router
+
+
+def dequantized(tensors, name):
+    return checkpoint.dequantize_nvfp4(checkpoint.Nvfp4Tensor(
+        tensors[f"layer.{name}_weight"], tensors[f"layer.{name}_weight_scale"],
+        tensors[f"layer.{name}_weight_scale_2"])).double()
+
+
+def reference_layer(tensors, router, x, scale13, scale2):
+    """The same layer in float64, one token and one expert at a time, from the dequantized
+    weights: the activations quantized the same way (their dequantized values multiply), each
+    GEMM's float64 result rounded to bf16 where the entry rounds its output."""
+    w13, w2 = dequantized(tensors, "w13"), dequantized(tensors, "w2")
+    out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
+    probabilities = torch.softmax(x.float() @ router.float().T, dim=-1)
+    for t in range(x.shape[0]):
+        weights, experts = torch.topk(probabilities[t], TOP_K)
+        weights = weights / weights.sum()
+        for weight, e in zip(weights.tolist(), experts.tolist()):
+            a, sfa = moe_layer.quantize_activations(x[t:t + 1], scale13)
+            a_values = core.decode_fp4(a.view(torch.uint8), sfa).double() * float(scale13)
+            gate_up = (a_values @ w13[e].T).to(torch.bfloat16).float()
+            hidden = torch.nn.functional.silu(gate_up[:, :INTERMEDIATE]) * gate_up[:, INTERMEDIATE:]
+            h, sfh = moe_layer.quantize_activations(hidden, scale2)
+            h_values = core.decode_fp4(h.view(torch.uint8), sfh).double() * float(scale2)
+            down = (h_values @ w2[e].T).to(torch.bfloat16).double()
+            out[t] += float(weight) * down[0].float().double()
+    return out
+
+
+def test_activation_quantization_follows_the_formula():
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    scale = torch.tensor(0.01)
+    a, sfa = moe_layer.quantize_activations(x, scale)
+    assert a.dtype == torch.float4_e2m1fn_x2 and a.shape == (8, 32) and sfa.shape == (8, 4)
+    blocks = x.reshape(8, 4, 16)
+    expected_scale = (blocks.abs().amax(-1) / 6 / 0.01).to(torch.float8_e4m3fn)
+    assert torch.equal(sfa.view(torch.uint8), expected_scale.view(torch.uint8))
+    decoded = core.decode_fp4(a.view(torch.uint8), sfa).reshape(8, 4, 16) * 0.01
+    # within half an e2m1 step of the block (the largest step, 2 at magnitude 4..6, of its scale)
+    assert bool(((decoded - blocks).abs() <= sfa.float()[..., None] * 0.01 * 1.0 + 1e-7).all())
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_w13_scale", "gate_and_up_scales"])
+def test_the_layer_on_cpu_is_the_float64_layer_to_bf16_roundings(split, capsys):
+    """Routing, permutation with offsets computed by torch ops, both grouped GEMMs (the op's
+    exact decode on a CPU), SwiGLU and the weighted un-permute, against the float64 layer
+    computed token by token. Both round each GEMM's result to bf16 at the same place and quantize
+    the same values, so the GEMM outputs are equal; what differs is the last step, the k
+    weighted rows summed in fp32 and rounded to bf16 by the layer, in float64 by the reference:
+    every output within one bf16 unit of the float64 result, at most 0.1 % of them not its
+    rounding. The quantization error against the bf16 layer of the unquantized weights is
+    printed, not asserted."""
+    tensors, layer, router = make_layer(split)
+    x = (torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (24, HIDDEN)
+    expected = reference_layer(tensors, router, x, layer.scale13, layer.scale2)
+    unit = expected.abs().float() * 2.0**-7  # one bf16 unit in the last place, at most
+    assert bool(((out.float() - expected.float()).abs() <= unit).all())
+    assert int((out != expected.to(torch.bfloat16)).sum()) <= out.numel() // 1000
+    # the layer's alphas: the largest input scale times each expert's weight_scale_2
+    assert torch.allclose(layer.alpha13, layer.scale13 * layer.w13.weight_scale_2)
+    # quantization error against the bf16 layer of the unquantized weights (printed, not asserted)
+    generator = torch.Generator().manual_seed(3)
+    w13 = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) * 0.02
+    w2 = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * 0.02
+    exact = torch.zeros(24, HIDDEN)
+    probabilities = torch.softmax(x.float() @ router.T, dim=-1)
+    weights, experts = torch.topk(probabilities, TOP_K, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    for t in range(24):
+        for j in range(TOP_K):
+            e = int(experts[t, j])
+            gu = x[t].float() @ w13[e].T
+            exact[t] += weights[t, j] * (torch.nn.functional.silu(gu[:INTERMEDIATE]) * gu[INTERMEDIATE:]) @ w2[e].T
+    error = (out.float() - exact).norm() / exact.norm()
+    with capsys.disabled():
+        print(f"\n  MoE layer, NVFP4 weights and activations against bf16: relative error {error:.3f}")
+
+
+def test_routing_and_offsets_need_no_host_read():
+    _, layer, _ = make_layer()
+    experts = torch.tensor([3, 1, 1, 0, 3, 3, 2, 1])
+    order, offsets = layer.sort_by_expert(experts)
+    assert offsets.tolist() == [0, 1, 4, 5, 8] and offsets.dtype == torch.int32
+    assert experts[order].tolist() == [0, 1, 1, 1, 2, 3, 3, 3]
+    assert order.tolist()[1:4] == [1, 2, 7]  # stable: pairs of one expert in token order
