@@ -201,7 +201,7 @@ def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[in
     cell["entry_us"] = device_us(lambda: lib.moe_grouped_gemm(**inputs), args.repeats, flush)
     for label in filter(None, args.configs.split(",")):  # forced configs (NVFP4_MOE_CONFIG), same inputs
         os.environ["NVFP4_MOE_CONFIG"] = label
-        moe.reset_moe()
+        lib.reset_runtime()  # reads the switches again (nvfp4_group_gemm.switches)
         try:
             lib.moe_grouped_gemm(**inputs)
             if total * n * k <= args.check_flops:
@@ -212,7 +212,7 @@ def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[in
             cell.setdefault("configs_us", {})[label] = f"{type(error).__name__}: {error}"[:120]
         finally:
             del os.environ["NVFP4_MOE_CONFIG"]
-            moe.reset_moe()
+            lib.reset_runtime()
     x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(len(rows), n, k, device="cuda", dtype=torch.bfloat16)
     ends = torch.tensor(rows, device="cuda").cumsum(0).to(torch.int32)
