@@ -170,6 +170,10 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None) -
     """Validate everything the host can see (types, dtypes, devices, shapes, strides,
     alignment, G, N, K), before any launch; returns the problem's MoeShape. Raises TypeError
     or ValueError naming the field, its value and the rule."""
+    if isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16):
+        _fail(TypeError, "a.dtype", a.dtype, "the entry takes NVFP4 activations (float4_e2m1fn_x2 [T, K/2] with "
+              "their scales); 16-bit activations (W4A16) are not taken yet: quantize them with "
+              "nvfp4_group_gemm.moe_layer.quantize_activations")
     _check_tensor("a", a, _FP4_DTYPES)
     _check_tensor("b", b, _FP4_DTYPES)
     _check_tensor("sfa", sfa, _SCALE_DTYPES)

@@ -53,6 +53,8 @@ def _replaced(inputs, **changes):
 BAD_INPUTS = {
     "a_not_a_tensor": (lambda i: _replaced(i, a=[1, 2]), TypeError, r"a = list: must be a torch.Tensor"),
     "a_dtype": (lambda i: _replaced(i, a=i["a"].view(torch.uint8).to(torch.int16)), TypeError, r"a\.dtype"),
+    "a_bf16": (lambda i: _replaced(i, a=torch.zeros(300, 512, dtype=torch.bfloat16)), TypeError,
+               r"a\.dtype = torch\.bfloat16: the entry takes NVFP4 activations .* \(W4A16\) are not taken yet"),
     "b_dtype": (lambda i: _replaced(i, b=i["b"].view(torch.uint8).float()), TypeError, r"b\.dtype"),
     "sfa_dtype": (lambda i: _replaced(i, sfa=i["sfa"].view(torch.uint8).half()), TypeError, r"sfa\.dtype"),
     "offsets_dtype": (lambda i: _replaced(i, offsets=i["offsets"].long()), TypeError, r"offsets\.dtype .*int32"),
