@@ -582,26 +582,6 @@ def _pattern_line(row) -> str:
     return f"  {row['case']:<24} {row['kernel'] + how:<28} {row['status']:<8} {detail}"
 
 
-def _moe_group_data(inputs, offsets):
-    """A MoE call as the competition's per-group input (plain scales) and each group's rows of
-    c, for reference.exact_mismatches."""
-    from nvfp4_group_gemm import moe
-
-    a, b, c = inputs["a"], inputs["b"], inputs["c"]
-    tokens, k, n = a.shape[0], 2 * a.shape[1], b.shape[1]
-    sfa = inputs["sfa"] if inputs["sfa"].dim() == 2 else moe.plain_scales_of_blocked(inputs["sfa"], tokens, k)
-    sfb = inputs["sfb"]
-    if sfb.dim() == 6:
-        sfb = torch.stack([moe.plain_scales_of_blocked(sfb[g], n, k) for g in range(b.shape[0])])
-    abc, plain, sizes = [], [], []
-    for g in range(b.shape[0]):
-        lo, hi = offsets[g], offsets[g + 1]
-        abc.append((a[lo:hi].unsqueeze(-1), b[g].unsqueeze(-1), c[lo:hi].unsqueeze(-1)))
-        plain.append((sfa[lo:hi].unsqueeze(-1), sfb[g].unsqueeze(-1)))
-        sizes.append((hi - lo, n, k, 1))
-    return (abc, plain, None, sizes), [c[offsets[g]:offsets[g + 1]].unsqueeze(-1) for g in range(b.shape[0])]
-
-
 def moe_pattern_rows(chain) -> list[dict]:
     """The MoE entry's calls back to back on one plan (MOE_ROUTINGS: each call its own offsets,
     c and status; empty groups and invalid offsets between valid ones), then each checked: a
@@ -609,7 +589,6 @@ def moe_pattern_rows(chain) -> list[dict]:
     call's c untouched and status 1. sm_100 (NVFP4_MOE_SM100=1) chained and unchained."""
     import nvfp4_group_gemm
     from nvfp4_group_gemm import moe
-    from reference import exact_mismatches
 
     tokens, groups, n, k = MOE_PATTERN_SHAPE
     row = {"case": "moe routings", "kind": "pattern", "kernel": "moe", "calls": len(MOE_ROUTINGS)}
@@ -641,8 +620,7 @@ def moe_pattern_rows(chain) -> list[dict]:
                 if not torch.isnan(call["c"]).all():
                     failures.append(f"call {index + 1} ({what}): c written with invalid offsets")
                 continue
-            data, outputs = _moe_group_data(call, offsets)
-            bad = sum(count for count, _, _ in exact_mismatches(data, outputs))
+            bad = moe.compare_with_exact(*(call[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")))[0]
             outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
             outside[offsets[0]:offsets[-1]] = False
             if bad or not torch.isnan(call["c"][outside]).all():

@@ -72,17 +72,24 @@ def quantize_nvfp4(weight: torch.Tensor) -> Nvfp4Tensor:
     if weight.dim() != 3 or weight.shape[-1] % BLOCK:
         raise ValueError(f"quantize_nvfp4: weight.shape = {tuple(weight.shape)}: expected [E, N, K], K a multiple of 16")
     w = weight.float()
-    experts, n, k = w.shape
     amax = w.abs().amax(dim=(1, 2))
     # an all-zero expert: any positive scale gives zero codes and zero block scales
     scale_2 = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
-    blocks = w.reshape(experts, n, k // BLOCK, BLOCK)
-    block_amax = blocks.abs().amax(dim=-1)
-    block_scale = (block_amax / E2M1_MAX / scale_2[:, None, None]).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    denominator = block_scale.float() * scale_2[:, None, None]
-    scaled = torch.where(denominator[..., None] > 0, blocks / denominator[..., None], torch.zeros_like(blocks))
-    codes = e2m1_codes(scaled.reshape(experts, n, k))
-    return Nvfp4Tensor(pack_e2m1(codes), block_scale, scale_2)
+    codes, block_scale = quantize_blocks(w, scale_2[:, None, None])
+    return Nvfp4Tensor(codes, block_scale, scale_2)
+
+
+def quantize_blocks(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The format's block step for x [..., K] (K a multiple of 16) under a global scale (one
+    value, or one per leading index, broadcast against x's block amaxes [..., K/16]): block
+    scale = e4m3(block amax / 6 / global scale), value = e2m1(x / (block scale x global scale)).
+    Returns (packed codes uint8 [..., K/2], block scales float8_e4m3fn [..., K/16]). Torch ops
+    only: no host read."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    block_scale = (blocks.abs().amax(dim=-1) / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    denominator = (block_scale.float() * global_scale)[..., None]
+    scaled = torch.where(denominator > 0, blocks / denominator, torch.zeros_like(blocks))
+    return pack_e2m1(e2m1_codes(scaled.reshape(x.shape))), block_scale
 
 
 def dequantize_nvfp4(tensor: Nvfp4Tensor) -> torch.Tensor:

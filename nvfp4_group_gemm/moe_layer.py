@@ -34,15 +34,8 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[to
     """x [R, K] (K a multiple of 16) as NVFP4 with a given global scale, the ModelOpt formula:
     block scale = e4m3(block amax / 6 / input_scale), value = e2m1(x / (block scale x
     input_scale)), round to nearest even, saturating. Returns (a float4_e2m1fn_x2 [R, K/2], plain
-    scales float8_e4m3fn [R, K/16]). Torch ops only: no host read."""
-    rows, k = x.shape
-    blocks = x.float().reshape(rows, k // checkpoint.BLOCK, checkpoint.BLOCK)
-    scale = input_scale.float().reshape(())
-    block_scale = (blocks.abs().amax(dim=-1) / checkpoint.E2M1_MAX / scale).clamp(max=checkpoint.E4M3_MAX)
-    block_scale = block_scale.to(torch.float8_e4m3fn)
-    denominator = block_scale.float()[..., None] * scale
-    scaled = torch.where(denominator > 0, blocks / denominator, torch.zeros_like(blocks))
-    codes = checkpoint.pack_e2m1(checkpoint.e2m1_codes(scaled.reshape(rows, k)))
+    scales float8_e4m3fn [R, K/16]; checkpoint.quantize_blocks). Torch ops only: no host read."""
+    codes, block_scale = checkpoint.quantize_blocks(x, input_scale.float().reshape(()))
     return codes.view(torch.float4_e2m1fn_x2), block_scale
 
 

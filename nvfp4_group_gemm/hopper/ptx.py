@@ -5,10 +5,11 @@ applies to both operands."""
 from __future__ import annotations
 
 import cutlass
-from cutlass import cute
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import dsl_user_op
+
+from nvfp4_group_gemm import core
 
 
 def _inline_asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip=None):
@@ -195,19 +196,8 @@ def opaque_i64(value: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
     return cutlass.Int64(result)
 
 
-@dsl_user_op
-def fence_proxy_async_shared_cta(*, loc=None, ip=None):
-    """fence.proxy.async.shared::cta: this thread's generic-proxy shared-memory writes become
-    visible to the async proxy (wgmma operand reads).
-
-    DSL compatibility: 4.3.5 (the runner's) takes the nvvm enums ``cute.arch.ProxyKind`` /
-    ``cute.arch.SharedSpace``; 4.8.1 no longer exports them and takes string literals."""
-    if hasattr(cute.arch, "ProxyKind"):  # DSL 4.3.5
-        cute.arch.fence_proxy(
-            cute.arch.ProxyKind.async_shared, space=cute.arch.SharedSpace.shared_cta, loc=loc, ip=ip
-        )
-    else:  # DSL 4.8.1
-        cute.arch.fence_proxy("async.shared", space="cta", loc=loc, ip=ip)
+# the core's (the same fence of the sm_100a epilogue; its DSL-release switch kept once)
+fence_proxy_async_shared_cta = core.fence_proxy_async_shared_cta
 
 
 @dsl_user_op
@@ -462,33 +452,30 @@ def decode_scale_blocks_global(addresses, *, loc=None, ip=None):
     )
 
 
-@dsl_user_op
-def pack_f16x2(low: cutlass.Float32, high: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
-    """Two fp32 rounded to fp16, packed: `low` in bits 0-15 (the lower address), `high` above."""
+def _pack_16x2(cvt: str, low, high, loc, ip) -> cutlass.Int32:
+    """Two fp32 rounded to a 16-bit type by `cvt` (to nearest even; past the type's range +-inf,
+    as a plain cast), packed: `low` in bits 0-15 (the lower address), `high` above."""
     result = _inline_asm(
         cutlass.Int32.mlir_type,
         [cutlass.Float32(high).ir_value(loc=loc, ip=ip), cutlass.Float32(low).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.f16x2.f32 $0, $1, $2;",
+        f"{cvt} $0, $1, $2;",
         "=r,f,f",
         loc=loc,
         ip=ip,
     )
     return cutlass.Int32(result)
+
+
+@dsl_user_op
+def pack_f16x2(low: cutlass.Float32, high: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
+    """Two fp32 rounded to fp16, packed: `low` in bits 0-15 (the lower address), `high` above."""
+    return _pack_16x2("cvt.rn.f16x2.f32", low, high, loc, ip)
 
 
 @dsl_user_op
 def pack_bf16x2(low: cutlass.Float32, high: cutlass.Float32, *, loc=None, ip=None) -> cutlass.Int32:
-    """Two fp32 rounded to bf16 (to nearest even; past bf16's range, +-inf as a plain cast),
-    packed: `low` in bits 0-15, `high` above."""
-    result = _inline_asm(
-        cutlass.Int32.mlir_type,
-        [cutlass.Float32(high).ir_value(loc=loc, ip=ip), cutlass.Float32(low).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.bf16x2.f32 $0, $1, $2;",
-        "=r,f,f",
-        loc=loc,
-        ip=ip,
-    )
-    return cutlass.Int32(result)
+    """Two fp32 rounded to bf16, packed as pack_f16x2."""
+    return _pack_16x2("cvt.rn.bf16x2.f32", low, high, loc, ip)
 
 
 def pack_16x2(low, high, out_dtype: str):
@@ -539,30 +526,28 @@ def copy_16B_shared_to_global(smem: cutlass.Int32, address: cutlass.Int64, *, lo
     )
 
 
-@dsl_user_op
-def store_f16(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
-    """Round one fp32 to fp16 and store it at global `address`."""
+def _store_16(cvt: str, address, value, loc, ip) -> None:
+    """Round one fp32 to a 16-bit type by `cvt` and store it at global `address`."""
     _inline_asm(
         None,
         [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b16 half;\n\tcvt.rn.f16.f32 half, $1;\n\tst.global.b16 [$0], half;\n\t}",
+        f"{{\n\t.reg .b16 half;\n\t{cvt} half, $1;\n\tst.global.b16 [$0], half;\n\t}}",
         "l,f,~{memory}",
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def store_f16(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
+    """Round one fp32 to fp16 and store it at global `address`."""
+    _store_16("cvt.rn.f16.f32", address, value, loc, ip)
 
 
 @dsl_user_op
 def store_bf16(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
     """Round one fp32 to bf16 and store it at global `address`."""
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
-        "{\n\t.reg .b16 half;\n\tcvt.rn.bf16.f32 half, $1;\n\tst.global.b16 [$0], half;\n\t}",
-        "l,f,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store_16("cvt.rn.bf16.f32", address, value, loc, ip)
 
 
 def store_16(address, value, out_dtype: str):
