@@ -586,3 +586,148 @@ def pack_f16x8(registers, *, loc=None, ip=None):
     )
     return llvm.bitcast(ir.VectorType.get([8], cutlass.Float16.mlir_type, loc=loc), vec_i32, loc=loc, ip=ip)
 
+
+
+# Decode of packed e2m1 into bf16 in natural K order (W4A16: the activations are read as they
+# are, so the weights' fragment must hold K in order; the fp16 decode's K permutation above is
+# applied to the activations by the fp4 path's pre-pass, which W4A16 does not have).
+#
+# Lane (g, t) of a warp holds, per k16 step (one 16-element scale block), registers
+# R0 = (row g, cols 2t, 2t+1), R1 = (g+8, 2t, 2t+1), R2 = (g, 2t+8, 2t+9), R3 = (g+8, 2t+8, 2t+9):
+# the two codes of packed byte t (R0, R1) and byte t+4 (R2, R3) of the block's 8 bytes. The lane
+# loads rows g and g+8's 8 bytes (two words each) and builds W = [g.t, g8.t, g.t+4, g8.t+4] (three
+# prmt, bf16_word_selector). With x = W & 0x0F0F0F0F (low codes) and h = (W >> 4) & 0x0F0F0F0F
+# (high codes, moved down), register p is Y = prmt(x, h, [p, 0, 4+p, 0]) = [low code of byte p,
+# 0, high code of byte p, 0] (selector nibble 8 replicates bit 7 of x's byte 0: a zero byte),
+# placed as bf16 in both 16-bit lanes at once: sign (code bit 3) to bit 15, magnitude (bits 2-0:
+# e1 e0 m) to bits 8..6, (Y << 12 | Y << 6) & 0x81C081C0. That bf16 is v * 2^-126 exactly (code
+# 0.5 is the bf16 subnormal 2^-127). The multiply by the block's scale S = s * 2^118 (bf16,
+# normal: s <= 448 gives < 2^127) gives v * s * 2^-8, exact (at most 6 significant bits, within
+# bf16's normal range for every e2m1 x e4m3 product but 0); the epilogue rescales by 2^8. The
+# scale: e4m3 -> fp16 (exact) -> fp32 (exact) -> times 2^118 (exact) -> bf16 (exact: 4 significant bits).
+BF16_LANES = 0x81C081C0
+BF16_DECODE_SCALE_EXPONENT = 118  # S = s * 2^118: the decoded weights are v * s * 2^-8
+BF16_PLACE_SELECTORS = tuple(0x8080 | (p << 0) | ((4 + p) << 8) for p in range(4))
+
+
+def bf16_word_selector(t: int) -> int:
+    """prmt selector taking byte t of its first operand (row g's word) and byte t of its second
+    (row g+8's) into bytes 0 and 1: [g.t, g8.t, -, -] (bytes 2, 3 take byte 0: unused)."""
+    return t | ((4 + t) << 4)
+
+
+def _place_bf16_word_ptx(word: str, destinations: list[str]) -> list[str]:
+    """PTX placing the 8 codes of `word` = [g.t, g8.t, g.t+4, g8.t+4] as bf16 v * 2^-126 into the
+    four fragment registers `destinations` (R0 .. R3 above); scratch x, h, y, a, b; mask in `lanes`."""
+    lines = [
+        f"and.b32 x, {word}, 0x0F0F0F0F;",
+        f"shr.b32 h, {word}, 4;",
+        "and.b32 h, h, 0x0F0F0F0F;",
+    ]
+    for destination, selector in zip(destinations, BF16_PLACE_SELECTORS):
+        lines += [
+            f"prmt.b32 y, x, h, {hex(selector)};",
+            "mul.lo.u32 a, y, 4096;",
+            "mul.lo.u32 b, y, 64;",
+            f"lop3.b32 {destination}, a, b, lanes, 0xA8;",
+        ]
+    return lines
+
+
+def _decode_bf16_registers_asm(num_units: int) -> str:
+    """PTX of decode_bf16_rows_to_registers: outputs $(16u + 4s + i), register i (R0 .. R3) of
+    k16 step s of unit u; inputs after the 16 * num_units outputs, per unit: row g's packed
+    bytes of the 64-wide k-tile (32 bytes, 8-byte aligned), row g+8's, bf16_word_selector(t), row
+    g's 4 scale bytes (4-byte aligned), row g+8's. All loads first, then the scales, then the
+    codes (as _decode_blocks_asm)."""
+    first_input = 16 * num_units
+    lines = [
+        "{",
+        ".reg .b32 x, h, y, a, b, lanes, sc, p, q, w;",
+        ".reg .b16 slo, shi, f16a, f16b;",
+        ".reg .f32 f;",
+        f"mov.b32 lanes, {hex(BF16_LANES)};",
+    ]
+    for u in range(num_units):
+        lines.append(f".reg .b32 gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>, sg{u}, sh{u}, S{u}_<8>, F{u};")
+    for u in range(num_units):  # loads
+        src = first_input + 5 * u
+        for s in range(4):
+            lines.append(f"ld.shared.v2.u32 {{gl{u}_{s}, gh{u}_{s}}}, [${src} + {8 * s}];")
+            lines.append(f"ld.shared.v2.u32 {{hl{u}_{s}, hh{u}_{s}}}, [${src + 1} + {8 * s}];")
+        lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
+        lines.append(f"ld.shared.u32 sh{u}, [${src + 4}];")
+    scale = hex(0x3F800000 + (BF16_DECODE_SCALE_EXPONENT << 23))  # 2^118 as fp32
+    for u in range(num_units):  # scales: bf16x2 (S, S) of row r, block s -> S{u}_{4 r + s}
+        for row, scales in enumerate((f"sg{u}", f"sh{u}")):
+            for half, selector in ((0, "0x1100"), (1, "0x3322")):
+                lines += [
+                    f"prmt.b32 sc, {scales}, 0, {selector};",
+                    "mov.b32 {slo, shi}, sc;",
+                ]
+                for part, source in enumerate(("slo", "shi")):
+                    lines += [
+                        f"cvt.rn.f16x2.e4m3x2 F{u}, {source};",
+                        "mov.b32 {f16a, f16b}, " + f"F{u};",
+                        "cvt.f32.f16 f, f16a;",
+                        f"mul.rn.f32 f, f, 0f{scale[2:].upper()};",
+                        f"cvt.rn.bf16x2.f32 S{u}_{4 * row + 2 * half + part}, f, f;",
+                    ]
+    for u in range(num_units):  # words, bit placement and scaling
+        selector = f"${first_input + 5 * u + 2}"
+        for s in range(4):
+            lines += [
+                f"prmt.b32 p, gl{u}_{s}, hl{u}_{s}, {selector};",
+                f"prmt.b32 q, gh{u}_{s}, hh{u}_{s}, {selector};",
+                "prmt.b32 w, p, q, 0x5410;",
+            ]
+            destinations = [f"${16 * u + 4 * s + i}" for i in range(4)]
+            lines += _place_bf16_word_ptx("w", destinations)
+            for i, destination in enumerate(destinations):
+                row = i % 2  # R0, R2: row g; R1, R3: row g+8
+                lines.append(f"mul.rn.bf16x2 {destination}, {destination}, S{u}_{4 * row + s};")
+    lines.append("}")
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def decode_bf16_rows_to_registers(units, *, loc=None, ip=None):
+    """Decode a lane's share of row pairs (g, g+8) of a 64-wide k-tile into bf16 fragment
+    registers in natural K order; `units` lists (row g packed, row g+8 packed, bf16_word_selector(t),
+    row g's scales, row g+8's) shared addresses per row pair. Returns, per unit and k16 step,
+    the 4 Int32 fragment registers (R0 .. R3)."""
+    operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
+    num_outputs = 16 * len(units)
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
+        operands,
+        _decode_bf16_registers_asm(len(units)),
+        ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    registers = [llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip) for i in range(num_outputs)]
+    return [[registers[16 * u + 4 * s : 16 * u + 4 * s + 4] for s in range(4)] for u in range(len(units))]
+
+
+@dsl_user_op
+def pack_16x8(registers, dtype=cutlass.Float16, *, loc=None, ip=None):
+    """Four Int32 registers (two 16-bit values each) -> vector<8 x dtype> in register order."""
+    vec_i32 = vector.from_elements(
+        ir.VectorType.get([4], cutlass.Int32.mlir_type, loc=loc), list(registers), loc=loc, ip=ip
+    )
+    return llvm.bitcast(ir.VectorType.get([8], dtype.mlir_type, loc=loc), vec_i32, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_mbarrier_arrive_noinc(mbar_smem: cutlass.Int32, *, loc=None, ip=None):
+    """cp.async.mbarrier.arrive.noinc: an arrival on the mbarrier at `mbar_smem` once every
+    cp.async this thread issued before has landed (the barrier's count includes it: noinc)."""
+    _inline_asm(
+        None,
+        [cutlass.Int32(mbar_smem).ir_value(loc=loc, ip=ip)],
+        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+        "r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )

@@ -1,0 +1,161 @@
+"""A host interpreter of the straight-line PTX the sm_90a decode helpers emit (integer, prmt,
+lop3, fp16/bf16/fp32 conversions and multiplies, shared loads), one thread at a time: the
+tests run the very text the kernel's inline assembly holds, on bytes they choose, and compare
+the registers it leaves with an independent decode."""
+
+import re
+
+import numpy as np
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+def _bits_to_f32(bits: int) -> np.float32:
+    return np.array([bits & MASK32], dtype=np.uint32).view(np.float32)[0]
+
+
+def _f32_to_bits(value) -> int:
+    return int(np.array([value], dtype=np.float32).view(np.uint32)[0])
+
+
+def _f16_bits_to_float(bits: int) -> float:
+    return float(np.array([bits & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+
+def _float_to_f16_bits(value: float) -> int:
+    return int(np.array([value], dtype=np.float16).view(np.uint16)[0])
+
+
+def _bf16_bits_to_float(bits: int) -> float:
+    """The value of a bf16 bit pattern (its 16 low bits): the upper half of an fp32."""
+    return float(_bits_to_f32((bits & 0xFFFF) << 16))
+
+
+def _float_to_bf16_bits(value: float) -> int:
+    """Round to bf16, to nearest even (value exact in fp32: one rounding)."""
+    return int(torch.tensor([value], dtype=torch.float32).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
+
+
+def e4m3_to_float(byte: int) -> float:
+    return float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float()[0])
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    source = (a & MASK32) | ((b & MASK32) << 32)
+    result = 0
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = (source >> (8 * (nibble & 7))) & 0xFF
+        if nibble & 8:
+            byte = 0xFF if byte & 0x80 else 0x00
+        result |= byte << (8 * i)
+    return result
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    result = 0
+    for bit in range(32):
+        index = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+        result |= ((lut >> index) & 1) << bit
+    return result
+
+
+class Thread:
+    """One thread's registers; `shared` maps byte addresses to bytes (reads of unset bytes fail)."""
+
+    def __init__(self, operands: dict[int, int], shared: dict[int, int]):
+        self.registers: dict[str, int] = {f"${i}": v for i, v in operands.items()}
+        self.shared = shared
+
+    def value(self, token: str) -> int:
+        token = token.strip()
+        if token in self.registers:
+            return self.registers[token]
+        if token.startswith("0f"):
+            return int(token[2:], 16)
+        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", token):
+            return int(token, 0) & MASK32
+        raise KeyError(f"register {token} read before it is written")
+
+    def address(self, token: str) -> int:
+        inside = token.strip()[1:-1]
+        parts = [p.strip() for p in inside.split("+")]
+        return sum(self.value(p) for p in parts)
+
+    def load(self, address: int, size: int) -> int:
+        return int.from_bytes(bytes(self.shared[address + i] for i in range(size)), "little")
+
+    def run(self, text: str) -> None:
+        for raw in text.split("\n"):
+            line = raw.strip().rstrip(";").strip()
+            if not line or line in "{}" or line.startswith(".reg"):
+                continue
+            opcode, _, rest = line.partition(" ")
+            self.execute(opcode, rest.strip())
+
+    def execute(self, opcode: str, rest: str) -> None:
+        regs = self.registers
+        if opcode.startswith("ld.shared"):
+            destination, _, source = rest.partition(", [")
+            address = self.address("[" + source)
+            if destination.startswith("{"):
+                names = [n.strip() for n in destination.strip("{} ").split(",")]
+                for i, name in enumerate(names):
+                    regs[name] = self.load(address + 4 * i, 4)
+            else:
+                size = {"u32": 4, "u8": 1}[opcode.split(".")[-1]]
+                regs[destination.strip()] = self.load(address, size)
+            return
+        if opcode == "mov.b32" and rest.startswith("{"):  # unpack 32 -> two 16
+            names, _, source = rest.partition("},")
+            low, high = [n.strip() for n in names.strip("{ ").split(",")]
+            value = self.value(source)
+            regs[low], regs[high] = value & 0xFFFF, value >> 16
+            return
+        args = [a.strip() for a in rest.split(",")]
+        d, sources = args[0], args[1:]
+        v = [self.value(s) for s in sources]
+        if opcode == "mov.b32":
+            regs[d] = v[0]
+        elif opcode == "and.b32":
+            regs[d] = v[0] & v[1]
+        elif opcode == "shr.b32":
+            regs[d] = (v[0] & MASK32) >> v[1]
+        elif opcode == "shl.b32":
+            regs[d] = (v[0] << v[1]) & MASK32
+        elif opcode == "mul.lo.u32":
+            regs[d] = (v[0] * v[1]) & MASK32
+        elif opcode == "prmt.b32":
+            regs[d] = _prmt(v[0], v[1], v[2])
+        elif opcode == "lop3.b32":
+            regs[d] = _lop3(v[0], v[1], v[2], v[3])
+        elif opcode == "cvt.rn.f16x2.e4m3x2":  # byte 0 -> low half, byte 1 -> high half
+            low, high = (_float_to_f16_bits(e4m3_to_float((v[0] >> (8 * i)) & 0xFF)) for i in range(2))
+            regs[d] = low | (high << 16)
+        elif opcode == "cvt.f32.f16":
+            regs[d] = _f32_to_bits(np.float32(_f16_bits_to_float(v[0])))
+        elif opcode == "mul.rn.f32":
+            regs[d] = _f32_to_bits(np.float32(_bits_to_f32(v[0]) * _bits_to_f32(v[1])))
+        elif opcode == "cvt.rn.bf16x2.f32":  # d = {cvt(a) high, cvt(b) low}
+            high, low = (_float_to_bf16_bits(float(_bits_to_f32(x))) for x in v[:2])
+            regs[d] = low | (high << 16)
+        elif opcode == "mul.rn.bf16x2":
+            lanes = []
+            for shift in (0, 16):
+                product = _bf16_bits_to_float(v[0] >> shift) * _bf16_bits_to_float(v[1] >> shift)
+                lanes.append(_float_to_bf16_bits(product))
+            regs[d] = lanes[0] | (lanes[1] << 16)
+        elif opcode == "mul.rn.f16x2":
+            lanes = []
+            for shift in (0, 16):
+                product = _f16_bits_to_float(v[0] >> shift) * _f16_bits_to_float(v[1] >> shift)
+                lanes.append(_float_to_f16_bits(product))
+            regs[d] = lanes[0] | (lanes[1] << 16)
+        else:
+            raise NotImplementedError(f"PTX opcode {opcode} ({rest})")
+
+
+def bf16_lanes(register: int) -> tuple[float, float]:
+    """The two bf16 values of a 32-bit register (low half first)."""
+    return _bf16_bits_to_float(register), _bf16_bits_to_float(register >> 16)

@@ -1,0 +1,92 @@
+"""The W4A16 weight decode of the sm_90a kernels (hopper.ptx.decode_bf16_rows_to_registers),
+run as the PTX text the kernel holds (tests/ptx_interpreter.py), lane by lane, against an
+independent decode: every register of every k16 step is the natural-order fragment element
+v * s * 2^-8, bit for bit, for every e2m1 code and a spread of e4m3 scales (subnormal, zero,
+negative, the largest)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from ptx_interpreter import Thread, bf16_lanes, e4m3_to_float  # noqa: E402
+
+from nvfp4_group_gemm.hopper import ptx  # noqa: E402
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+# e4m3 bytes: the smallest subnormal, a subnormal, the smallest normal, 1, 448 (the largest), 0,
+# negative ones, and the competition's and a quantizer's usual range
+SCALE_BYTES = [0x01, 0x05, 0x08, 0x38, 0x7E, 0x00, 0xB8, 0x81, 0x40, 0x50, 0x2A, 0x77]
+
+
+def element(row_bytes: bytes, column: int) -> float:
+    """Element `column` of a packed row (low nibble first)."""
+    byte = row_bytes[column // 2]
+    return E2M1[(byte >> (4 * (column % 2))) & 0xF]
+
+
+def run_lane(t: int, rows: tuple[bytes, bytes], scales: tuple[bytes, bytes]):
+    """Lane t's 16 output registers for rows (g, g+8) (32 packed bytes each: a 64-wide
+    k-tile) and their 4 scale bytes each."""
+    shared = {}
+    bases = (0x100, 0x200, None, 0x300, 0x340)
+    for base, data in ((bases[0], rows[0]), (bases[1], rows[1]), (bases[3], scales[0]), (bases[4], scales[1])):
+        shared.update({base + i: b for i, b in enumerate(data)})
+    operands = {16 + i: v for i, v in enumerate(
+        (bases[0], bases[1], ptx.bf16_word_selector(t), bases[3], bases[4]))}
+    thread = Thread(operands, shared)
+    thread.run(ptx._decode_bf16_registers_asm(1))
+    return [thread.registers[f"${i}"] for i in range(16)]
+
+
+def expected_register(rows, scales, t: int, step: int, register: int) -> tuple[float, float]:
+    """wgmma's A fragment: register i of lane (g, t) at k16 step s holds row g (i even) or g+8
+    (i odd), columns 16 s + 2 t + 8 (i // 2) and + 1; value v * s * 2^-8."""
+    row = register % 2
+    column = 16 * step + 2 * t + 8 * (register // 2)
+    scale = e4m3_to_float(scales[row][step])
+    return tuple(float(np.float32(element(rows[row], c) * scale * 2.0**-8)) for c in (column, column + 1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_register_is_the_natural_order_element_times_its_scale(seed):
+    rng = np.random.default_rng(seed)
+    rows = tuple(bytes(rng.integers(0, 256, 32, dtype=np.uint8).tolist()) for _ in range(2))
+    scales = tuple(bytes(rng.choice(SCALE_BYTES, 4).tolist()) for _ in range(2))
+    for t in range(4):
+        registers = run_lane(t, rows, scales)
+        for step in range(4):
+            for i in range(4):
+                got = bf16_lanes(registers[4 * step + i])
+                want = expected_register(rows, scales, t, step, i)
+                assert got == want, (t, step, i, got, want)
+                # bit for bit, the sign of zero included
+                assert [np.signbit(x) for x in got] == [np.signbit(x) for x in want], (t, step, i)
+
+
+def test_every_code_with_every_scale_is_exact():
+    """All 256 byte values (both codes) under each scale: v * s * 2^-8 exactly, as bf16."""
+    for scale_byte in SCALE_BYTES + [0x09, 0x30, 0x7D]:
+        for start in range(0, 256, 32):
+            row = bytes(range(start, start + 32))
+            rows = (row, row[::-1])
+            scales = (bytes([scale_byte] * 4), bytes([scale_byte] * 4))
+            for t in range(4):
+                registers = run_lane(t, rows, scales)
+                for step in range(4):
+                    for i in range(4):
+                        assert bf16_lanes(registers[4 * step + i]) == expected_register(rows, scales, t, step, i)
+
+
+def test_the_decoded_products_are_exact_in_bf16():
+    """The premise of W4A16's exactness: every e2m1 x e4m3 product times 2^-8 is a bf16 (no
+    rounding in the decode's multiply), and times a bf16 activation is exact in fp32."""
+    scales = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    codes = torch.tensor(E2M1, dtype=torch.float64)
+    products = (codes[:, None] * scales[None, :] * 2.0**-8).flatten()
+    assert torch.equal(products.to(torch.bfloat16).double(), products)
+    assert float(products.abs().max()) == 6 * 448 * 2.0**-8
