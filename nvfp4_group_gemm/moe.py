@@ -142,8 +142,9 @@ def _check_contiguous(field: str, tensor, align: int = 16) -> None:
 
 
 class MoeShape(tuple):
-    """(tokens T, groups G, N, K, activation scale layout, weight scale layout, alpha mode (None,
-    "expert": [G], "halves": [G, 2]), c's dtype ("float16", "bfloat16"))."""
+    """(tokens T, groups G, N, K, activation scale layout ("plain", "blocked"; None: bf16
+    activations, W4A16), weight scale layout, alpha mode (None, "expert": [G], "halves": [G, 2]),
+    c's dtype ("float16", "bfloat16"))."""
 
     __slots__ = ()
 
@@ -158,6 +159,11 @@ class MoeShape(tuple):
     sfb_layout = property(lambda self: self[5])
     alpha = property(lambda self: self[6])
     out_dtype = property(lambda self: self[7])
+    w4a16 = property(lambda self: self[4] is None)
+
+    def activations(self) -> str:
+        """What the activations are, in words (the chain's labels)."""
+        return "bf16 activations (W4A16)" if self.w4a16 else f"{self.sfa_layout} activation scales"
 
     def epilogue(self):
         """The GEMM's epilogue (hopper.moe.MoeEpilogue) of this shape."""
@@ -170,36 +176,46 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None) -
     """Validate everything the host can see (types, dtypes, devices, shapes, strides,
     alignment, G, N, K), before any launch; returns the problem's MoeShape. Raises TypeError
     or ValueError naming the field, its value and the rule."""
-    if isinstance(a, torch.Tensor) and a.dtype in (torch.bfloat16, torch.float16):
-        _fail(TypeError, "a.dtype", a.dtype, "the entry takes NVFP4 activations (float4_e2m1fn_x2 [T, K/2] with "
-              "their scales); 16-bit activations (W4A16) are not taken yet: quantize them with "
-              "nvfp4_group_gemm.moe_layer.quantize_activations")
-    _check_tensor("a", a, _FP4_DTYPES)
+    w4a16 = isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
+    if isinstance(a, torch.Tensor) and a.dtype == torch.float16:
+        _fail(TypeError, "a.dtype", a.dtype, "16-bit activations must be bfloat16 [T, K] (W4A16, no activation "
+              "scales): a.to(torch.bfloat16); or NVFP4 (float4_e2m1fn_x2 [T, K/2] with their scales: "
+              "nvfp4_group_gemm.moe_layer.quantize_activations)")
+    if w4a16:
+        if sfa is not None:
+            _fail(ValueError, "sfa", f"a {type(sfa).__name__}", "must be None with bf16 activations (W4A16 takes "
+                  "no activation scales)")
+    else:
+        _check_tensor("a", a, _FP4_DTYPES)
+        _check_tensor("sfa", sfa, _SCALE_DTYPES)
     _check_tensor("b", b, _FP4_DTYPES)
-    _check_tensor("sfa", sfa, _SCALE_DTYPES)
     _check_tensor("sfb", sfb, _SCALE_DTYPES)
     _check_tensor("offsets", offsets, (torch.int32,))
     if a.dim() != 2:
-        _fail(ValueError, "a.shape", tuple(a.shape), "must be [T, K/2] (the stacked tokens)")
+        _fail(ValueError, "a.shape", tuple(a.shape), f"must be [T, {'K' if w4a16 else 'K/2'}] (the stacked tokens)")
     if b.dim() != 3:
         _fail(ValueError, "b.shape", tuple(b.shape), "must be [G, N, K/2] (the experts' weights)")
-    tokens, half_k = a.shape
+    tokens, a_columns = a.shape
     groups, n, b_half_k = b.shape
-    k = 2 * half_k
+    k = a_columns if w4a16 else 2 * a_columns
+    half_k = k // 2
+    k_field = "K (a.shape[1])" if w4a16 else "K (2 x a.shape[1])"
     if tokens < 1:
         _fail(ValueError, "T (a.shape[0])", tokens, "must be >= 1")
     if not 1 <= groups <= MAX_GROUPS:
         _fail(ValueError, "G (b.shape[0])", groups, f"must be in 1..{MAX_GROUPS}")
     if k % 256 or k == 0:
-        _fail(ValueError, "K (2 x a.shape[1])", k, "must be a positive multiple of 256")
+        _fail(ValueError, k_field, k, "must be a positive multiple of 256")
     if b_half_k != half_k:
-        _fail(ValueError, "b.shape[2]", b_half_k, f"must be K/2 = {half_k}, as a.shape[1]")
+        _fail(ValueError, "b.shape[2]", b_half_k, f"must be K/2 = {half_k}, K from a.shape[1]")
     if n % 128 or n == 0:
         _fail(ValueError, "N (b.shape[1])", n, "must be a positive multiple of 128 (the weight tile)")
     _check_contiguous("a", a)
     _check_contiguous("b", b)
     blocks = k // SF_VEC_SIZE
-    if sfa.dim() == 2:
+    if w4a16:
+        sfa_layout = None
+    elif sfa.dim() == 2:
         sfa_layout = "plain"
         _check_shape("sfa", sfa, (tokens, blocks), "plain activation scales [T, K/16]")
     elif sfa.dim() == 5:
@@ -208,7 +224,8 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None) -
                      "blocked activation scales [ceil(T/128), K/64, 32, 4, 4]")
     else:
         _fail(ValueError, "sfa.shape", tuple(sfa.shape), "must be [T, K/16] (plain) or [ceil(T/128), K/64, 32, 4, 4]")
-    _check_contiguous("sfa", sfa, 1 if sfa_layout == "plain" else 16)
+    if not w4a16:
+        _check_contiguous("sfa", sfa, 1 if sfa_layout == "plain" else 16)
     if sfb.dim() == 3:
         sfb_layout = "plain"
         _check_shape("sfb", sfb, (groups, n, blocks), "plain weight scales [G, N, K/16]")
@@ -299,21 +316,28 @@ class MoePlan:
     def __init__(self, shape: MoeShape, device: torch.device, config, num_sms: int, choice=None, chain=None):
         from .hopper import moe as hopper_moe
 
-        self.config = config
+        self.config = config = hopper_moe.w4a16_config(config) if shape.w4a16 else config
         # its link of the entry's chain (moe_chain): what a demotion and the self-check read
         self.choice, self.chain, self.groups = choice, chain, shape.groups
         self.kernel_key = None if choice is None else choice.kernel_key(shape.groups)
         self.checked = False  # its kernel's first-use self-check done (this plan's or another's)
-        rows = hopper_moe.slab_rows(shape.tokens, shape.groups, config)
+        # the decoded activations (none in W4A16: the GEMM reads a)
+        rows = 0 if shape.w4a16 else hopper_moe.slab_rows(shape.tokens, shape.groups, config)
         self.slab_bytes = rows * 128
         self.scratch = torch.empty(self.slab_bytes * (shape.k // 64), dtype=torch.uint8, device=device)
-        self.status = torch.empty(1, dtype=torch.int32, device=device)  # the pre-pass writes it every call
+        # written every call (by the pre-pass, or the W4A16 GEMM's first CTA)
+        self.status = torch.empty(1, dtype=torch.int32, device=device)
         self.scratch_address, self.status_address = self.scratch.data_ptr(), self.status.data_ptr()
         self.captured = False
         self.nbytes = self.scratch.numel() + 4
         self.fill_ctas = num_sms  # one round of one CTA per SM (variable tiles' cap, moe_token_cap)
         self.max_tiles = hopper_moe.max_moe_tiles(shape.tokens, shape.groups, shape.n, config, self.fill_ctas)
         self.blocks_x = -(-(shape.tokens * (shape.k // SF_VEC_SIZE)) // hopper_moe.DECODE_THREADS)
+        if shape.w4a16:
+            self.decode = None
+            gemm = hopper_moe.compile_moe_w4a16_gemm(shape.groups, config=config, epilogue=shape.epilogue())
+            self.gemm = launch.cell_launcher(gemm, *W4A16_GEMM_ARGS)
+            return
         decode = hopper_moe.compile_moe_decode(shape.groups, scale_layout=shape.sfa_layout, chained=config.chain_calls)
         gemm = hopper_moe.compile_moe_gemm(shape.groups, config=config, epilogue=shape.epilogue())
         self.decode = launch.cell_launcher(decode, *DECODE_ARGS)
@@ -333,15 +357,26 @@ SCALED_GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i3
                      None, None, None, None, None, None))
 
 
+# W4A16 (hopper.moe.Sm90MoeW4A16Gemm): one launch, a read as it is, alpha's pointer (0 where none)
+# and status's after the offsets
+W4A16_GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "stream"),
+                   (cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Int32, cutlass.Float32,
+                    cutlass.Int32, None, None, None, None, None, None))
+
+
 def _launch_values(plan: MoePlan, shape: MoeShape, key, stream_handle: int, sfb_address: int | None = None):
-    """The two kernels' argument values (DECODE_ARGS, GEMM_ARGS order) from the addresses of a
-    binding key; `sfb_address`: the blocked copy of plain weight scales."""
+    """The kernels' argument values (DECODE_ARGS, GEMM_ARGS order; the pre-pass's None in W4A16,
+    W4A16_GEMM_ARGS) from the addresses of a binding key; `sfb_address`: the blocked copy of
+    plain weight scales."""
     tokens, _groups, n, k = shape[:4]
     a, sfa, b, sfb, offsets, c, status, alpha = key[:8]
     if status is None:
         status = plan.status_address
     if sfb_address is not None:
         sfb = sfb_address
+    if shape.w4a16:
+        return None, (a, b, sfb, c, offsets, alpha or 0, status, tokens, n, k, plan.max_tiles, plan.fill_ctas,
+                      stream_handle)
     scratch = plan.scratch_address
     decode = (a, sfa, offsets, scratch, status, tokens, k, plan.slab_bytes, plan.blocks_x, stream_handle)
     sizes = (tokens, n, k, plan.slab_bytes, plan.max_tiles, plan.fill_ctas, stream_handle)
@@ -378,14 +413,15 @@ class MoeBinding:
             sfb_address = self.sfb_blocked.data_ptr()
         self.keepalive = tensors  # (a, sfa, b, sfb, offsets, c, status, alpha): the addresses launched
         decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
-        self.direct = (plan.decode.bound(decode), plan.gemm.bound(gemm))
+        self.direct = (plan.gemm.bound(gemm),) if decode is None else (plan.decode.bound(decode), plan.gemm.bound(gemm))
         self.graph = self.replay = self.record = None
         self.stream = launch.cuda.CUstream(stream_handle)
         if switches.CURRENT.graph_launch:
 
             def record(capture_stream):
                 decode, gemm = _launch_values(plan, shape, key, int(capture_stream), sfb_address)
-                return core.in_order([plan.decode.bound(decode), plan.gemm.bound(gemm)])
+                launches = [plan.gemm.bound(gemm)]
+                return core.in_order(launches if decode is None else [plan.decode.bound(decode), *launches])
 
             self.record = record
             if launch.records_graph():
@@ -537,6 +573,8 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
     it reads the offsets on the host, so it runs only outside a capture)."""
     from .hopper.config import SWAP_AB_VARIABLE_CONFIG, config_name
 
+    from .hopper.moe import w4a16_config
+
     first = moe_config(shape, num_sms, chain_calls, forced)
     configs = [first]
     variable = SWAP_AB_VARIABLE_CONFIG
@@ -544,8 +582,10 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
         variable = dataclasses.replace(variable, chain_calls=False)
     if not forced and variable != first:
         configs.append(variable)
+    if shape.w4a16:  # no pre-pass: unchained
+        configs = [w4a16_config(config) for config in configs]
     links = [core.KernelChoice(MOE_BACKEND, config_name(config), (config, shape.sfa_layout, shape.epilogue()),
-                               per_group_count=True, label=f"{shape.sfa_layout} activation scales, {shape.epilogue()}")
+                               per_group_count=True, label=f"{shape.activations()}, {shape.epilogue()}")
              for config in configs]
     return [*links, core.KernelChoice(MOE_BACKEND, "exact_decode", host=True)]
 
@@ -649,9 +689,10 @@ def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None):
     fp32 product, the reference the exact one; fp16's unit is within the tolerance). Returns
     (mismatches, elements, the first as (expert, row, column), the groups' rows of c, the
     same rows of the exact result). Reads the offsets on the host."""
-    k = 2 * a.shape[1]
+    w4a16 = sfa is None
+    k = a.shape[1] if w4a16 else 2 * a.shape[1]
     bounds_list = [int(v) for v in offsets.cpu().tolist()]
-    sfa_plain = sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, a.shape[0], k)
+    sfa_plain = None if w4a16 else sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, a.shape[0], k)
     sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], b.shape[1], k)
                                                          for g in range(b.shape[0])])
     expected = moe_reference(a, sfa, b, sfb, offsets, torch.empty_like(c), alpha)
@@ -663,7 +704,10 @@ def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None):
             continue
         outputs.append(c[lo:hi])
         references.append(expected[lo:hi])
-        bound = core.group_accumulation_bound(a[lo:hi], b[g], sfa_plain[lo:hi], sfb_plain[g], 1)
+        if w4a16:
+            bound = w4a16_accumulation_bound(a[lo:hi], b[g], sfb_plain[g])
+        else:
+            bound = core.group_accumulation_bound(a[lo:hi], b[g], sfa_plain[lo:hi], sfb_plain[g], 1)
         if bound is not None and scales is not None:
             bound = bound * scales[g]  # the sum's error, scaled as the sum (alpha's own rounding: the tolerance)
         if c.dtype == torch.bfloat16:
@@ -674,6 +718,17 @@ def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None):
     mismatches, elements, first = core.count_mismatches(outputs, references, bounds=bounds)
     first = [(rows[i][0], rows[i][1] + r, j) for i, r, j in first]
     return mismatches, elements, first, outputs, references
+
+
+def w4a16_accumulation_bound(a, b, sfb):
+    """What fp32 accumulation may add to one group's exact W4A16 sums (a bf16 [M, K], b its
+    codes [N, K/2], sfb plain [N, K/16]): every bf16 x decoded-weight product is exact in fp32
+    (8 x 6 significant bits), so only the additions round, each by at most 2^-23 of the partial
+    sum, about K / 16 + 1 roundings deep in wgmma's k16 steps; [M, N], 1 % over the sum of |a||b|."""
+    k = a.shape[1]
+    abs_b = core.decode_fp4(b.view(torch.uint8) & 0x77, (sfb.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn))
+    abs_sum = (a.float().abs().double() @ abs_b.double().T) * 1.01
+    return core.FP32_ADD_ERROR * (k // 16 + 1) * abs_sum
 
 
 def exact_moe_call(a, sfa, b, sfb, offsets, c, status=None, alpha=None) -> None:
@@ -706,11 +761,13 @@ def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None):
     """Everything a binding's arguments and validation depend on: the eight addresses (status's
     and alpha's None where none is given), then the layout (shapes, strides and dtypes;
     _checked_shape's key). The device follows from the addresses: one virtual address space."""
-    layout = (a.shape, a.stride(), a.dtype, sfa.shape, sfa.stride(), sfa.dtype, b.shape, b.stride(), b.dtype,
+    layout = (a.shape, a.stride(), a.dtype, None if sfa is None else (sfa.shape, sfa.stride(), sfa.dtype),
+              b.shape, b.stride(), b.dtype,
               sfb.shape, sfb.stride(), sfb.dtype, offsets.shape, offsets.stride(), offsets.dtype, c.shape, c.stride(),
               c.dtype, None if status is None else (status.shape, status.dtype),
               None if alpha is None else (alpha.shape, alpha.stride(), alpha.dtype))
-    return (data_address(a), data_address(sfa), data_address(b), data_address(sfb), data_address(offsets), data_address(c),
+    return (data_address(a), 0 if sfa is None else data_address(sfa), data_address(b), data_address(sfb),
+            data_address(offsets), data_address(c),
             None if status is None else data_address(status), None if alpha is None else data_address(alpha), layout)
 
 
@@ -760,7 +817,8 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None) -> MoeSh
         device = a.get_device()
         if (device >= 0 and not (key[0] & masks[0] or key[1] & masks[1] or key[2] & masks[2] or key[3] & masks[3]
                                  or key[4] & masks[4] or key[5] & masks[5])
-                and sfa.get_device() == device and b.get_device() == device and sfb.get_device() == device
+                and (sfa is None or sfa.get_device() == device) and b.get_device() == device
+                and sfb.get_device() == device
                 and offsets.get_device() == device and c.get_device() == device
                 and (status is None or status.get_device() == device)
                 and (alpha is None or (alpha.get_device() == device and not key[7] & 3))):
@@ -822,7 +880,8 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
                 sfb_blocked = blocked_scales(sfb)  # a fresh copy on this stream (the allocator keeps it for the launch)
                 sfb_address = sfb_blocked.data_ptr()
             decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
-            plan.decode(*decode)
+            if decode is not None:
+                plan.decode(*decode)
             plan.gemm(*gemm)
         except torch.OutOfMemoryError:
             raise
@@ -868,6 +927,9 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
             "but have never run on a B200: set NVFP4_MOE_SM100=1 (then call reset_runtime(), or set it before "
             "the import) to use them, and check them first with "
             "`NVFP4_MOE_SM100=1 python -m pytest tests/test_gpu_moe.py`")
+    if shape.w4a16:
+        _fail(TypeError, "a.dtype", a.dtype, "bf16 activations (W4A16) run on sm_90 only; on sm_100 the MoE entry "
+              "takes NVFP4 activations (the fp4 path: nvfp4_group_gemm.moe_layer.quantize_activations)")
     if shape.sfa_layout != "plain":
         _fail(ValueError, "sfa.shape", tuple(sfa.shape), "on sm_100 the MoE entry takes plain activation scales "
               "[T, K/16] (it repacks them per group on the GPU)")
@@ -971,20 +1033,21 @@ def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None) -> torch.Tensor:
     """The exact result (float64 accumulation, times alpha[g] (or alpha[g, half of N]) where
     given, rounded to c's dtype; fp16 when c is None) into c's rows of each group, on any
     device; reads the offsets on the host. Scales in either layout."""
-    tokens, half_k = a.shape
+    tokens, a_columns = a.shape
     groups, n, _ = b.shape
-    k = 2 * half_k
+    w4a16 = sfa is None  # bf16 activations
+    k = a_columns if w4a16 else 2 * a_columns
     if c is None:
         c = torch.zeros((tokens, n), dtype=torch.float16, device=a.device)
     bounds = [int(v) for v in offsets.cpu().tolist()]
-    sfa_plain = sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, tokens, k)
+    sfa_plain = None if w4a16 else sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, tokens, k)
     sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], n, k) for g in range(groups)])
     scales = None if alpha is None else alpha_columns(alpha, n).double()
     for g in range(groups):
         lo, hi = bounds[g], bounds[g + 1]
         if hi <= lo:
             continue
-        a_values = core.decode_fp4(a[lo:hi], sfa_plain[lo:hi]).double()
+        a_values = a[lo:hi].double() if w4a16 else core.decode_fp4(a[lo:hi], sfa_plain[lo:hi]).double()
         b_values = core.decode_fp4(b[g], sfb_plain[g]).double()
         exact = a_values @ b_values.T
         if scales is not None:

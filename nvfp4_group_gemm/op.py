@@ -66,11 +66,11 @@ def grouped_gemm(data: input_t) -> output_t:
 
 
 # The MoE entry as torch.ops.nvfp4_group_gemm.moe_grouped_gemm(a, sfa, b, sfb, offsets, c,
-# status, alpha=None): mutates c and the status word (int32 [1]: 0, or 1 for bad offsets),
+# status, alpha=None) (sfa None: bf16 activations, W4A16): mutates c and the status word (int32 [1]: 0, or 1 for bad offsets),
 # returns nothing; the fake implementation does nothing; on CPU tensors the exact decode
 # (moe.exact_moe_call: it reads the offsets on the host, as only a reference may). status is
 # required: a mutated optional argument left out fails torch 2.11's fake-tensor tracing.
-def _moe_cuda(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
+def _moe_cuda(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
               c: torch.Tensor, status: torch.Tensor, alpha: torch.Tensor | None = None) -> None:
     moe_grouped_gemm(a, sfa, b, sfb, offsets, c, status=status, alpha=alpha)
 

@@ -53,8 +53,16 @@ def _replaced(inputs, **changes):
 BAD_INPUTS = {
     "a_not_a_tensor": (lambda i: _replaced(i, a=[1, 2]), TypeError, r"a = list: must be a torch.Tensor"),
     "a_dtype": (lambda i: _replaced(i, a=i["a"].view(torch.uint8).to(torch.int16)), TypeError, r"a\.dtype"),
-    "a_bf16": (lambda i: _replaced(i, a=torch.zeros(300, 512, dtype=torch.bfloat16)), TypeError,
-               r"a\.dtype = torch\.bfloat16: the entry takes NVFP4 activations .* \(W4A16\) are not taken yet"),
+    "a_fp16": (lambda i: _replaced(i, a=torch.zeros(300, 512, dtype=torch.float16), sfa=None), TypeError,
+               r"a\.dtype = torch\.float16: 16-bit activations must be bfloat16 \[T, K\] \(W4A16"),
+    "w4a16_with_sfa": (lambda i: _replaced(i, a=torch.zeros(300, 512, dtype=torch.bfloat16)), ValueError,
+                       r"sfa = a Tensor: must be None with bf16 activations \(W4A16 takes no activation scales\)"),
+    "w4a16_k": (lambda i: _replaced(i, a=torch.zeros(300, 384, dtype=torch.bfloat16), sfa=None), ValueError,
+                r"K \(a\.shape\[1\]\) = 384: must be a positive multiple of 256"),
+    "w4a16_b_k": (lambda i: _replaced(i, a=torch.zeros(300, 1024, dtype=torch.bfloat16), sfa=None), ValueError,
+                  r"b\.shape\[2\] = 256: must be K/2 = 512, K from a\.shape\[1\]"),
+    "w4a16_rank": (lambda i: _replaced(i, a=torch.zeros(300, 512, 1, dtype=torch.bfloat16), sfa=None), ValueError,
+                   r"a\.shape = \(300, 512, 1\): must be \[T, K\]"),
     "b_dtype": (lambda i: _replaced(i, b=i["b"].view(torch.uint8).float()), TypeError, r"b\.dtype"),
     "sfa_dtype": (lambda i: _replaced(i, sfa=i["sfa"].view(torch.uint8).half()), TypeError, r"sfa\.dtype"),
     "offsets_dtype": (lambda i: _replaced(i, offsets=i["offsets"].long()), TypeError, r"offsets\.dtype .*int32"),
@@ -550,3 +558,96 @@ def test_the_sm100_version_states_its_own_limits(monkeypatch):
     halves = moe.MoeShape(300, 4, 256, 512, "plain", "blocked", "halves", "bfloat16")
     with pytest.raises(ValueError, match=r"N \(b\.shape\[1\]\) = 256: must be a multiple of 512 with alpha \[G, 2\]"):
         moe._launch_sm100(halves, *tensors, None, (), 0, torch.ones(4, 2))
+
+
+# -----------------------------------------------------------------------------
+# W4A16: bf16 activations, read by the GEMM, no activation scales
+# -----------------------------------------------------------------------------
+def w4a16_inputs(tokens=300, groups=4, n=256, k=512):
+    inputs = cpu_inputs(tokens, groups, n, k)
+    generator = torch.Generator().manual_seed(5)
+    inputs["a"] = (torch.randn(tokens, k, generator=generator) * 4).bfloat16()
+    inputs["sfa"] = None
+    inputs["c"] = inputs["c"].bfloat16()
+    return inputs
+
+
+def test_bf16_activations_make_a_w4a16_shape_and_unchained_links(monkeypatch):
+    monkeypatch.setattr(moe, "_check_device", lambda *args: None)
+    inputs = w4a16_inputs()
+    shape = moe.check_moe_inputs(**inputs, alpha=torch.ones(4, 2))
+    assert shape == moe.MoeShape(300, 4, 256, 512, None, "blocked", "halves", "bfloat16") and shape.w4a16
+    assert not moe.check_moe_inputs(**cpu_inputs()).w4a16
+    for chain_calls in (True, False):
+        chain = moe.moe_chain(shape, 132, chain_calls, None)
+        assert chain[-1].host and all(not (c.config[0].pdl or c.config[0].chain_calls) for c in chain[:-1])
+        assert "bf16 activations (W4A16)" in chain[0].label
+    # the fp4 path's link of the same sizes is another kernel (demoted and self-checked on its own)
+    fp4 = moe.MoeShape(300, 4, 256, 512, "plain", "blocked", "halves", "bfloat16")
+    assert moe.moe_chain(fp4, 132, True, None)[0].kernel_key(4) != moe.moe_chain(shape, 132, True, None)[0].kernel_key(4)
+    # the GEMM refuses a chained config (it has no pre-pass to chain to)
+    with pytest.raises(ValueError, match="no pre-pass to chain to"):
+        hopper_moe.Sm90MoeW4A16Gemm(dataclasses.replace(SWAP_AB_T32_CONFIG, pdl=True), 4)
+
+
+def test_the_w4a16_reference_is_the_float64_product_of_the_bf16_rows_and_the_decoded_weights():
+    inputs = w4a16_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets")
+    alpha = torch.tensor([0.5, 3.0, 2.0**-6, 7.0])
+    out = moe.moe_reference(**{n: inputs[n] for n in names}, c=torch.zeros(300, 256, dtype=torch.float64),
+                            alpha=alpha)
+    sfb_plain = torch.stack([moe.plain_scales_of_blocked(inputs["sfb"][g], 256, 512) for g in range(4)])
+    for g, (lo, hi) in enumerate(([0, 10], [10, 10], [10, 200], [200, 300])):
+        weights = core.decode_fp4(inputs["b"][g], sfb_plain[g]).double()
+        expected = inputs["a"][lo:hi].double() @ weights.T * float(alpha[g])
+        assert torch.equal(out[lo:hi], expected), g
+    # and it is what the fp4 path gives for activations that are exact e2m1 x e4m3 values
+    fp4 = cpu_inputs()
+    sfa = fp4["sfa"] if fp4["sfa"].dim() == 2 else moe.plain_scales_of_blocked(fp4["sfa"], 300, 512)
+    decoded = core.decode_fp4(fp4["a"], sfa).bfloat16()  # exact: e2m1 x e4m3 has at most 6 significant bits
+    assert torch.equal(decoded.double(), core.decode_fp4(fp4["a"], sfa).double())
+    both = [moe.moe_reference(a, s, fp4["b"], fp4["sfb"], fp4["offsets"], c=torch.zeros(300, 256, dtype=torch.float64))
+            for a, s in ((fp4["a"], fp4["sfa"]), (decoded, None))]
+    assert torch.equal(both[0], both[1])
+
+
+def test_the_op_on_cpu_tensors_takes_bf16_activations():
+    inputs = w4a16_inputs()
+    alpha = torch.tensor([1.0, 2.0, 0.5, 4.0])
+    c = torch.full((300, 256), float("nan"), dtype=torch.bfloat16)
+    status = torch.full((1,), 7, dtype=torch.int32)
+    gemm.moe_grouped_gemm_op(inputs["a"], None, inputs["b"], inputs["sfb"], inputs["offsets"], c, status, alpha)
+    expected = moe.moe_reference(inputs["a"], None, inputs["b"], inputs["sfb"], inputs["offsets"],
+                                 c=torch.zeros(300, 256, dtype=torch.bfloat16), alpha=alpha)
+    assert int(status) == 0 and torch.equal(c, expected)
+
+
+def test_the_w4a16_self_check_bounds_fp32_accumulation_and_catches_a_wrong_output(capsys):
+    """The W4A16 check: the exact product within fp32 accumulation's bound (every bf16 x weight
+    product exact, only the additions round) plus one bf16 unit; a kernel that decoded one
+    weight wrong is demoted."""
+    inputs = w4a16_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets")
+    expected = moe.moe_reference(**{n: inputs[n] for n in names}, c=torch.zeros(300, 256, dtype=torch.bfloat16))
+    shape = moe.MoeShape(300, 4, 256, 512, None, "blocked", None, "bfloat16")
+    plan = FakePlan(moe.moe_chain(shape, 132, True, None), 4)
+    moe._self_check(plan, *(inputs[n] for n in names), expected.clone(), None)
+    assert plan.checked and not core.is_demoted(plan.kernel_key)
+    core.reset_runtime()
+    wrong = expected.clone()
+    wrong[150, 7] = wrong[150, 7] * 1.5 + 1
+    plan = FakePlan(moe.moe_chain(shape, 132, True, None), 4)
+    moe._self_check(plan, *(inputs[n] for n in names), wrong, None)
+    assert core.is_demoted(plan.kernel_key) and "expert 2 row 150 column 7" in capsys.readouterr().err
+    bound = moe.w4a16_accumulation_bound(inputs["a"][10:200], inputs["b"][2], moe.plain_scales_of_blocked(
+        inputs["sfb"][2], 256, 512))
+    assert bound.shape == (190, 256) and bool((bound > 0).all()) and float(bound.max()) < 1e-2 * float(
+        expected[10:200].float().abs().max())
+
+
+def test_the_sm100_version_refuses_bf16_activations_naming_the_fp4_path(monkeypatch):
+    monkeypatch.setattr(switches, "CURRENT", dataclasses.replace(switches.CURRENT, moe_sm100=True))
+    inputs = w4a16_inputs()
+    shape = moe.MoeShape(300, 4, 256, 512, None, "blocked", None, "bfloat16")
+    with pytest.raises(TypeError, match=r"bf16 activations \(W4A16\) run on sm_90 only; .*\(the fp4 path"):
+        moe._launch_sm100(shape, *(inputs[n] for n in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)

@@ -29,7 +29,9 @@ from .config import (
 from .ptx import (
     a_word_selector,
     atomic_add_u32,
+    bf16_word_selector,
     cp_async_16B,
+    decode_bf16_rows_to_registers,
     decode_scale_blocks,
     decode_scale_blocks_to_registers,
     fence_acq_rel_gpu,
@@ -38,6 +40,7 @@ from .ptx import (
     load_f32x4_global_l2,
     load_u32_shared,
     opaque_i64,
+    pack_16x8,
     pack_f16x8,
     store_f16x2,
     store_f32x4_global,
@@ -93,6 +96,34 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
             step_frag.store(
                 cute.TensorSSA(pack_f16x8(steps_of_parts[part][step]), step_frag.shape, cutlass.Float16)
             )
+
+
+@cute.jit
+def decode_bf16_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr,
+                                 parts: cutlass.Constexpr = 1, part_bytes: cutlass.Constexpr = 0):
+    """decode_rows_to_fragment's W4A16 twin: lane (g, t) of warp w in warpgroup v decodes rows
+    64 v + 16 w + g and + 8 into bf16 fragment registers in natural K order (hopper.ptx's bf16
+    decode: the whole 8 bytes of each row's block, the bytes bf16_word_selector(t) picks)."""
+    lane = tidx % 32
+    row = (tidx // 32) * 16 + lane // 4
+    t = lane % 4
+    # bf16_word_selector(t) is linear in t
+    selector = bf16_word_selector(0) + (bf16_word_selector(1) - bf16_word_selector(0)) * t
+    rows = (row, row + 8)
+    units = [
+        (
+            *(packed_base + part * part_bytes + r * row_bytes for r in rows),
+            selector,
+            *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) for r in rows),
+        )
+        for part in range(parts)
+    ]
+    steps_of_parts = decode_bf16_rows_to_registers(units)
+    for part in cutlass.range_constexpr(parts):
+        for step in cutlass.range_constexpr(tile_k // 16):
+            step_frag = a_frag[(None, 0, part * (tile_k // 16) + step)]
+            step_frag.store(cute.TensorSSA(pack_16x8(steps_of_parts[part][step], cutlass.BFloat16), step_frag.shape,
+                                           cutlass.BFloat16))
 
 
 @cute.jit

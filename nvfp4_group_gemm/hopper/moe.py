@@ -40,8 +40,14 @@ from cutlass import cute
 from nvfp4_group_gemm import core
 
 from .config import SF_VEC_SIZE, SWAP_AB_HALF_K, SwapAbConfig
-from .kernel import smem_per_sm_known_without_gpu
-from .ptx import decode_scale_blocks_global, load_f32_global
+from .kernel import decode_bf16_rows_to_fragment, smem_per_sm_known_without_gpu
+from .ptx import (
+    cp_async_16B,
+    cp_async_mbarrier_arrive_noinc,
+    decode_scale_blocks_global,
+    fence_proxy_async_shared_cta,
+    load_f32_global,
+)
 from .schedules import TOKEN_CLASS_STEP
 from .swap_ab import (
     DECODE_THREADS,
@@ -49,6 +55,7 @@ from .swap_ab import (
     activation_chunk_offsets,
     activation_scale_offset,
     fake_ptr,
+    token_stage_chunk_offset,
 )
 
 # Rows of a group's padded slab start on multiples of this (the slab swizzle repeats every 8
@@ -378,7 +385,7 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                 b.toint() + cutlass.Int64(group) * (cutlass.Int64(n) * (k // 2)),
                 sfb.toint() + cutlass.Int64(group) * (cutlass.Int64(n) * (k // SF_VEC_SIZE)),
                 c.toint() + cutlass.Int64(row0) * n * 2,
-                acts.toint() + cutlass.Int64(pad0) * (SWAP_AB_HALF_K * 2),
+                self.group_tokens_address(acts, row0, pad0, slab_bytes),
                 slab_bytes,
                 None if cutlass.const_expr(alpha is None) else alpha.toint() + cutlass.Int64(group) * (
                     4 * (2 if cutlass.const_expr(self.epilogue.alpha == "halves") else 1)),
@@ -397,17 +404,22 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                               weight_tile, a_frag, accumulators_by_class[self.tile_t])
 
 
+    def group_tokens_address(self, acts, row0, pad0, slab_bytes):
+        """The address of the group's first token row in the token source: its padded row pad0
+        (group_x_row) of the pre-pass's slabs (plain Python: traced inline)."""
+        return acts.toint() + cutlass.Int64(pad0) * (SWAP_AB_HALF_K * 2)
+
     def epilogue_scale(self, operands, group, n0, n):
-        """2^28 (the decode's exact rescale) times the tile's alpha where the epilogue has one:
+        """decode_rescale (the decode's exact rescale, 2^28) times the tile's alpha where the epilogue has one:
         alpha[g], or alpha[g, 0] for the first half of N and alpha[g, 1] for the second (a
         power-of-two product: exact, so the sums are rounded once, sum x alpha, as a plain
         fp32 multiply of the exact accumulator would)."""
         if cutlass.const_expr(operands.alpha_addr is None):
-            return cutlass.Float32(2.0**28)
+            return cutlass.Float32(self.decode_rescale)
         address = operands.alpha_addr
         if cutlass.const_expr(self.epilogue.alpha == "halves"):
             address = address + cutlass.Int64(4) * (n0 >= n // 2)
-        return load_f32_global(address) * cutlass.Float32(2.0**28)
+        return load_f32_global(address) * cutlass.Float32(self.decode_rescale)
 
 
 class Sm90MoeScaledGemm(Sm90MoeSwapAbGemm):
@@ -431,6 +443,138 @@ class Sm90MoeScaledGemm(Sm90MoeSwapAbGemm):
                mOffsets: cute.Tensor, alpha: cute.Pointer, tokens: cutlass.Int32, n: cutlass.Int32,
                k: cutlass.Int32, slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32):
         self.moe_tile(acts, b, sfb, c, mOffsets, tokens, n, k, slab_bytes, fill_ctas, alpha)
+
+
+class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
+    """W4A16: the MoE GEMM with bf16 activations a[T, K] read by the GEMM itself (no pre-pass, no
+    activation scales) and the weights decoded exactly into bf16 in natural K order
+    (hopper.ptx's bf16 decode): bf16 wgmma, fp32 sums times 2^8 (the decode's exact rescale)
+    and alpha where the epilogue has one, rounded to the output's dtype.
+
+    The token rows of a k-tile come by every thread's 16-byte cp.async straight from a's rows
+    offsets[g] + token0 .. (zero-filled past the group's rows, placed in wgmma's 128-byte swizzle:
+    swap_ab.token_stage_chunk_offset), each thread arriving on the stage's mbarrier once its copies
+    land (cp.async.mbarrier.arrive.noinc; the barrier counts every thread); the waiting threads
+    fence the generic-proxy writes before wgmma reads them (tokens_landed). With no pre-pass, CTA
+    0 checks the offsets and writes `status` (0 or 1), and the calls are not chained (the
+    config's pdl and chain_calls are off: w4a16_config)."""
+
+    operand_dtype = cutlass.BFloat16
+    decode_rescale = 2.0**8  # the bf16 decode's v * s * 2^-8 on the weights alone
+
+    def __init__(self, config: SwapAbConfig, num_groups: int, epilogue: MoeEpilogue = MoeEpilogue()):
+        if config.pdl or config.chain_calls:
+            raise ValueError(f"{config}: the W4A16 GEMM has no pre-pass to chain to (w4a16_config turns pdl and "
+                             "chain_calls off)")
+        super().__init__(config, num_groups, epilogue)
+
+    @cute.jit
+    def __call__(
+        self, a: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer, offsets: cute.Pointer,
+        alpha: cute.Pointer, status: cute.Pointer, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
+        max_tiles: cutlass.Int32, fill_ctas: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        """alpha: read only where the epilogue has one (any address otherwise)."""
+        self.define_shared_storage()
+        mOffsets = cute.make_tensor(offsets, cute.make_layout(self.num_groups + 1))
+        mStatus = cute.make_tensor(status, cute.make_layout(1))
+        self.kernel(a, b, sfb, c, mOffsets, alpha, mStatus, tokens, n, k, fill_ctas).launch(
+            grid=(max_tiles * self.config.split_k, 1, 1), stream=stream, **self.launch_attributes())
+
+    @cute.kernel
+    def kernel(self, a: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer, mOffsets: cute.Tensor,
+               alpha: cute.Pointer, mStatus: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32,
+               k: cutlass.Int32, fill_ctas: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        if bidx == 0 and tidx < WARP:
+            # the pre-pass's check of the fp4 path: every CTA skips its tile on bad offsets
+            # (locate_tile), CTA 0 says so
+            bad, _, _ = read_groups(mOffsets, self.num_groups, tidx, tokens)
+            if tidx == 0:
+                if bad:
+                    mStatus[0] = cutlass.Int32(1)
+                else:
+                    mStatus[0] = cutlass.Int32(0)
+        # the row pitch of a (bf16 [T, K]) is what the tile's token source takes as slab_bytes
+        self.moe_tile(a, b, sfb, c, mOffsets, tokens, n, k, k * 2, fill_ctas,
+                      None if cutlass.const_expr(self.epilogue.alpha is None) else alpha)
+
+    def group_tokens_address(self, acts, row0, pad0, slab_bytes):
+        """The group's first row of a: row offsets[g] (slab_bytes: a's row pitch)."""
+        return acts.toint() + cutlass.Int64(row0) * slab_bytes
+
+    def token_source(self, operands, group, half_begin, token0, m, slab_bytes):
+        """(the tile's first row of a at the rank's first half, (a's row pitch, the group's rows
+        from token0 on))."""
+        row_bytes = slab_bytes
+        x_addr = operands.activations(group, 0) + cutlass.Int64(token0) * row_bytes + half_begin * self.x_row_bytes
+        return x_addr, (row_bytes, m - token0)
+
+    @cute.jit
+    def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes):
+        """The tile's bf16 token rows of k-tile k_tile from a (x_addr, slab_bytes = (row pitch,
+        rows left): token_source), 16 bytes per cp.async, consecutive threads along a row; rows
+        past the group's zero-filled; then this thread's arrival on the stage's mbarrier."""
+        row_bytes, rows_left = slab_bytes
+        half_bytes = tile_t * self.x_row_bytes
+        stage_base = x_base + stage * (half_bytes * self.k_halves)
+        chunks_per_half = tile_t * (self.x_row_bytes // 16)
+        chunks = chunks_per_half * self.k_halves
+        for i in cutlass.range_constexpr((chunks + self.num_threads - 1) // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            if cutlass.const_expr(chunks % self.num_threads == 0) or chunk < chunks:
+                h = chunk // chunks_per_half
+                row = (chunk % chunks_per_half) // 8
+                part = chunk % 8
+                valid = row < rows_left
+                src_row = row if valid else 0
+                src = (x_addr + cutlass.Int64(src_row) * row_bytes
+                       + (k_tile * self.k_halves + h) * self.x_row_bytes + part * 16)
+                cp_async_16B(stage_base + h * half_bytes + token_stage_chunk_offset(row, part), src, 16 if valid else 0)
+        cp_async_mbarrier_arrive_noinc(mbar_base + stage * 8)
+
+    def token_arrivals(self) -> int:
+        """Every thread arrives on a token stage's mbarrier (load_tokens)."""
+        return self.num_threads
+
+    def tokens_landed(self):
+        """The token rows came by cp.async, the generic proxy: fenced before wgmma reads them
+        through the async proxy."""
+        fence_proxy_async_shared_cta()
+
+    @cute.jit
+    def decode_weights(self, tidx, w_base, stage, a_frag):
+        """The stage's weight rows into the bf16 fragment in natural K order
+        (kernel.decode_bf16_rows_to_fragment)."""
+        w_stage = w_base + stage * self.config.weight_stage_bytes
+        decode_bf16_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag,
+                                     SWAP_AB_HALF_K, self.k_halves, self.config.weight_half_bytes)
+
+
+def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:
+    """`config` for the W4A16 GEMM: unchained (no pre-pass to overlap or wait for)."""
+    if config.pdl or config.chain_calls:
+        return dataclasses.replace(config, pdl=False, chain_calls=False)
+    return config
+
+
+def moe_w4a16_build(num_groups: int, config: SwapAbConfig, epilogue: MoeEpilogue = MoeEpilogue()) -> tuple:
+    return Sm90MoeW4A16Gemm(config, num_groups, epilogue), (
+        fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8),
+        fake_ptr(cutlass.Int32), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32), cutlass.Int32(1),
+        cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(132), cuda.CUstream(0))
+
+
+def compile_moe_w4a16_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None,
+                           epilogue: MoeEpilogue = MoeEpilogue()):
+    """Compile (cached: core.compile_key) the W4A16 MoE GEMM of `config` (w4a16_config applied)
+    and `epilogue` for num_groups groups."""
+    from .config import SWAP_AB_CONFIG
+
+    config = w4a16_config(SWAP_AB_CONFIG if config is None else config)
+    return core.compile_once(moe_w4a16_build, num_groups, config, epilogue, options=options,
+                             context=smem_per_sm_known_without_gpu)
 
 
 def moe_gemm_build(num_groups: int, config: SwapAbConfig, epilogue: MoeEpilogue = MoeEpilogue()) -> tuple:
@@ -499,4 +643,12 @@ def moe_compile_targets():
          functools.partial(compile_moe_gemm, config=gemms[name], epilogue=epilogue))
         for name in ("t32", "t32_split_k4", "variable")
         for label, epilogue in (("alpha_bf16", MoeEpilogue("expert", "bfloat16")),
-                                ("halves_f16", MoeEpilogue("halves", "float16")))]
+                                ("halves_f16", MoeEpilogue("halves", "float16")))] + [
+        # W4A16 (bf16 activations read by the GEMM): every config the choice may run, with a
+        # checkpoint's epilogue, and the fused gate-and-up's on the decode and variable configs
+        (f"sm90_moe_w4a16_{name}", "sm_90a",
+         functools.partial(compile_moe_w4a16_gemm, config=config, epilogue=MoeEpilogue("expert", "bfloat16")))
+        for name, config in gemms.items()] + [
+        (f"sm90_moe_w4a16_{name}_halves", "sm_90a",
+         functools.partial(compile_moe_w4a16_gemm, config=gemms[name], epilogue=MoeEpilogue("halves", "bfloat16")))
+        for name in ("t32", "variable")]

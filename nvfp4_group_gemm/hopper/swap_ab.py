@@ -197,12 +197,12 @@ class TableOperands:
         return self.mActs[group, field]
 
 
-def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int):
-    """fp16 wgmma (fp32 accumulators): one warpgroup per 64 weight rows, weights from
-    registers, tokens from shared memory, both K-major; N = tile_t."""
+def make_swap_ab_tiled_mma(config: SwapAbConfig, tile_t: int, dtype=cutlass.Float16):
+    """fp16 (or bf16: W4A16) wgmma (fp32 accumulators): one warpgroup per 64 weight rows,
+    weights from registers, tokens from shared memory, both K-major; N = tile_t."""
     return sm90_utils.make_trivial_tiled_mma(
-        cutlass.Float16,
-        cutlass.Float16,
+        dtype,
+        dtype,
         OPERAND_MAJOR_MODE.K,
         OPERAND_MAJOR_MODE.K,
         cutlass.Float32,
@@ -220,6 +220,10 @@ class Sm90SwapAbGemm:
 
     # the output's dtype (a subclass's epilogue may write bfloat16)
     out_dtype = "float16"
+    # wgmma's operand type: the decoded weights' and the token rows' (bf16 in W4A16)
+    operand_dtype = cutlass.Float16
+    # the exact rescale of the decoded operands: both carry 2^-14 (hopper.ptx's fp16 decode)
+    decode_rescale = 2.0**28
 
     def __init__(self, config: SwapAbConfig, num_groups: int):
         config.check()
@@ -261,7 +265,8 @@ class Sm90SwapAbGemm:
 
         # built from evaluated annotations (this module's annotations are strings)
         fields = {
-            "sX": cute.struct.Align[cute.struct.MemRange[cutlass.Float16, cute.cosize(x_smem_layout_staged)], 1024],
+            "sX": cute.struct.Align[cute.struct.MemRange[self.operand_dtype, cute.cosize(x_smem_layout_staged)],
+                                    1024],
             "raw_w": cute.struct.Align[
                 cute.struct.MemRange[cutlass.Uint8, self.config.weight_stage_bytes * self.config.weight_stages], 128
             ],
@@ -295,7 +300,7 @@ class Sm90SwapAbGemm:
     def token_smem_layout(self, tile_t: int):
         """Staged K-major swizzled layout of tile_t fp16 token rows per k-tile."""
         return sm90_utils.make_smem_layout_b(
-            utils.LayoutEnum.ROW_MAJOR, (self.tile_w, tile_t, self.tile_k), cutlass.Float16, self.stages
+            utils.LayoutEnum.ROW_MAJOR, (self.tile_w, tile_t, self.tile_k), self.operand_dtype, self.stages
         )
 
     # -------------------------------------------------------------------------
@@ -323,6 +328,8 @@ class Sm90SwapAbGemm:
 
     @cute.jit
     def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes):
+        """The tile's token rows of k-tile k_tile into token stage `stage`, completing on its
+        mbarrier (x_addr, slab_bytes: token_source's)."""
         # the tile's fp16 token rows of this k-tile: per 64-wide half one contiguous run of its
         # group's slab, already swizzled by the pre-pass, into the stage's half (the K-major
         # swizzled stage holds the tile's rows of each half in turn); bulk copies by one
@@ -365,12 +372,13 @@ class Sm90SwapAbGemm:
         w_base = storage.raw_w.data_ptr().toint()
         mbar_base = storage.token_full.data_ptr().toint()
         a_frag = cute.make_rmem_tensor(
-            make_swap_ab_tiled_mma(self.config, self.tile_t).partition_shape_A((self.tile_w, self.tile_k)),
-            cutlass.Float16,
+            make_swap_ab_tiled_mma(self.config, self.tile_t, self.operand_dtype).partition_shape_A(
+                (self.tile_w, self.tile_k)),
+            self.operand_dtype,
         )
         accumulators_by_class = {}
         for tile_t in self.token_classes():
-            thr = make_swap_ab_tiled_mma(self.config, tile_t).get_slice(0)
+            thr = make_swap_ab_tiled_mma(self.config, tile_t, self.operand_dtype).get_slice(0)
             acc_shape = thr.partition_C(cute.make_identity_tensor((self.tile_w, tile_t))).shape
             accumulators_by_class[tile_t] = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         return sX_ptr, w_base, mbar_base, a_frag, accumulators_by_class
@@ -437,6 +445,7 @@ class Sm90SwapAbGemm:
         self.decode_weights(tidx, w_base, w_stage, a_frag)
         # the token rows of k-tile k_tile (its stage's (k_tile // stages)-th copy)
         mbarrier_wait_parity(mbar_base + x_stage * 8, x_parity)
+        self.tokens_landed()
         self.mma_k_tile(tiled_mma, accumulators, a_frag, tCrB, x_stage)
 
     @cute.jit
@@ -448,17 +457,17 @@ class Sm90SwapAbGemm:
         token0 + tile_t of `group` (this split-K rank's k-tiles): copies, decode, wgmma with
         N = tile_t, epilogue (its scale: epilogue_scale)."""
         warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-        tiled_mma = make_swap_ab_tiled_mma(self.config, tile_t)
+        tiled_mma = make_swap_ab_tiled_mma(self.config, tile_t, self.operand_dtype)
         x_smem_layout_staged = self.token_smem_layout(tile_t)
         sX = cute.make_tensor(
-            cute.recast_ptr(sX_ptr, x_smem_layout_staged.inner, dtype=cutlass.Float16), x_smem_layout_staged.outer
+            cute.recast_ptr(sX_ptr, x_smem_layout_staged.inner, dtype=self.operand_dtype), x_smem_layout_staged.outer
         )
         x_base = sX_ptr.toint()
 
-        # the stages' mbarriers, one arrival each (the copying thread's expect_tx)
+        # the stages' mbarriers, token_arrivals() each (the copying thread's expect_tx)
         if tidx == 0:
             for s in cutlass.range_constexpr(self.stages):
-                mbarrier_init_shared(mbar_base + s * 8, 1)
+                mbarrier_init_shared(mbar_base + s * 8, self.token_arrivals())
             fence_mbarrier_init()
         cute.arch.sync_threads()
 
@@ -482,7 +491,7 @@ class Sm90SwapAbGemm:
         half_begin = k_tile_begin * self.k_halves  # the rank's first 64-wide half
         b_addr = operands.address(group, _PTR_B) + cutlass.Int64(half_begin) * self.w_row_bytes
         sfb_addr = operands.address(group, _PTR_SFB) + cutlass.Int64(half_begin) * SF_ATOM_BYTES
-        x_addr = operands.activations(group, 0) + cutlass.Int64(half_begin) * slab_bytes + token0 * self.x_row_bytes
+        x_addr, slab_bytes = self.token_source(operands, group, half_begin, token0, m, slab_bytes)
 
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
@@ -536,10 +545,25 @@ class Sm90SwapAbGemm:
             self.store_tile_staged(tile_t, tidx, accumulators, x_base, c_addr, m, n, token0, n0, acc_scale)
 
     def epilogue_scale(self, operands, group, n0, n):
-        """What the fp32 sums are multiplied by before rounding: 2^28, the exact rescale of the
-        decode's 2^-14 on both operands (a subclass multiplies in a per-group scale). Read
+        """What the fp32 sums are multiplied by before rounding: decode_rescale, the exact
+        rescale of the decoded operands (a subclass multiplies in a per-group scale). Read
         after the main loop: after the grid-dependency wait of chained calls."""
-        return cutlass.Float32(2.0**28)
+        return cutlass.Float32(self.decode_rescale)
+
+    def token_source(self, operands, group, half_begin, token0, m, slab_bytes):
+        """(x_addr, slab_bytes) of load_tokens for the tile of tokens token0 .. of `group`
+        from the rank's first 64-wide half `half_begin` on (plain Python: traced inline): the
+        tile's first row of that half's slab of decoded activations, and the slab's bytes."""
+        return operands.activations(group, 0) + cutlass.Int64(half_begin) * slab_bytes + token0 * self.x_row_bytes, \
+            slab_bytes
+
+    def token_arrivals(self) -> int:
+        """Arrivals that complete a token stage's mbarrier: the one bulk-copying thread's."""
+        return 1
+
+    def tokens_landed(self):
+        """After the wait on a token stage's mbarrier, before its wgmma: nothing (the bulk
+        copies write through the async proxy that wgmma reads through)."""
 
     @cute.jit
     def store_tile_staged(self, tile_t: cutlass.Constexpr, tidx, accumulators, stage_base, c_addr, m, n, token0, n0,
