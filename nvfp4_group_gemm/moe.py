@@ -572,7 +572,6 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
     variable token tiles (the config every routing runs), then the exact decode (moe_reference:
     it reads the offsets on the host, so it runs only outside a capture)."""
     from .hopper.config import SWAP_AB_VARIABLE_CONFIG, config_name
-
     from .hopper.moe import w4a16_config
 
     first = moe_config(shape, num_sms, chain_calls, forced)
@@ -1081,10 +1080,12 @@ GENERAL_SCALE_BYTES = (0x08, 0x50)
 
 
 def random_moe_inputs(tokens: int, groups: int, n: int, k: int, *, general_scales: bool = True,
-                      sfa_layout: str = "plain", sfb_layout: str = "blocked", device="cuda",
+                      sfa_layout: str | None = "plain", sfb_layout: str = "blocked", device="cuda",
                       generator: torch.Generator | None = None) -> dict:
     """Random a, sfa, b, sfb (every e2m1 code; scales general or the competition's 1.0 and
-    2.0), zero offsets [G + 1] int32 and c [T, N] fp16 filled with NaN, on `device`."""
+    2.0), zero offsets [G + 1] int32 and c [T, N] fp16 filled with NaN, on `device`.
+    sfa_layout None: W4A16, a bf16 [T, K] (normal, standard deviation 4: every bf16 exponent a
+    layer's activations reach, and subnormal-free sums of thousands of terms) and sfa None."""
 
     def scales(shape):
         if general_scales:
@@ -1104,6 +1105,13 @@ def random_moe_inputs(tokens: int, groups: int, n: int, k: int, *, general_scale
         sfa = blocked_scales(sfa)
     if sfb_layout == "blocked":
         sfb = blocked_scales(sfb)
+    if sfa_layout is None:  # W4A16
+        a = (torch.randn(tokens, k, generator=generator) * 4).to(torch.bfloat16)
+        return {
+            "a": a.to(device), "sfa": None, "b": b.view(fp4).to(device), "sfb": sfb.to(device),
+            "offsets": torch.zeros(groups + 1, dtype=torch.int32, device=device),
+            "c": torch.full((tokens, n), float("nan"), dtype=torch.float16, device=device),
+        }
     return {
         "a": a.view(fp4).to(device), "sfa": sfa.to(device), "b": b.view(fp4).to(device), "sfb": sfb.to(device),
         "offsets": torch.zeros(groups + 1, dtype=torch.int32, device=device),

@@ -1,21 +1,22 @@
 """A MoE feed-forward layer on the MoE entry, from a ModelOpt NVFP4 checkpoint's tensors.
 
-    layer = MoeFfn(tensors, prefix, router_weight, top_k)     # once, at load
+    layer = MoeFfn(tensors, prefix, router_weight, top_k)     # once, at load (W4A16)
     y = layer(x)                                              # x [T, H] bf16 -> y [T, H] bf16
 
 One call: router logits (fp32), softmax, top-k, the weights renormalized over the k experts; the
 T x k (token, expert) pairs sorted by expert on the GPU (a stable argsort) and the group offsets
 from their counts (scatter_add, cumsum: no host read); the gate-and-up GEMM of the sorted rows
 (the entry with the checkpoint's per-expert alpha, bf16 output), SwiGLU (silu(gate) x up in
-fp32), the down GEMM, and the weighted sum of each token's k rows. Nothing reads a value on the
+fp32), the down GEMM, and the weighted sum of each token's k rows (in fp32, rounded to bf16). Nothing reads a value on the
 host, so after one eager call the whole layer can be captured once as a CUDA graph and replayed
 for any routing (the offsets, the permutation and the weights are tensors the graph recomputes).
 
-Activations: NVFP4 (the entry's fp4 path, W4A4): each GEMM's input is quantized on the GPU with
+Activations (`activations`): "bf16" (W4A16, the default: what Hopper servers run for NVFP4
+checkpoints) gives each GEMM its bf16 rows as they are, with alpha = each expert's
+weight_scale_2, and rounds SwiGLU's output to bf16 for the down GEMM; no activation quantizer,
+no input_scale. "nvfp4" (the entry's fp4 path, W4A4) quantizes each GEMM's input on the GPU with
 the projection's calibrated input scale (the largest over the experts, as servers quantize one
-token once for all its experts) and alpha = that scale x each expert's weight_scale_2. The
-W4A16 path (bf16 activations into the GEMM, no activation quantization) needs the entry's bf16
-activations, which the sm_90 kernels do not take yet.
+token once for all its experts), alpha = that scale x each expert's weight_scale_2.
 
 The GEMMs go through torch.ops.nvfp4_group_gemm.moe_grouped_gemm: on CUDA tensors the entry,
 on CPU tensors the exact decode (which reads the offsets on the host), so the layer also runs,
@@ -39,12 +40,20 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[to
     return codes.view(torch.float4_e2m1fn_x2), block_scale
 
 
+ACTIVATIONS = ("bf16", "nvfp4")
+
+
 class MoeFfn:
     """A MoE FFN (module docstring) over ModelOpt NVFP4 experts `<prefix>w13_*` (gate rows, then
     up rows: N = 2 I) and `<prefix>w2_*` (N = H), with a router `router_weight` [E, H] and
-    `top_k` experts per token. Every expert is local."""
+    `top_k` experts per token; `activations` "bf16" (W4A16) or "nvfp4" (W4A4). Every expert is
+    local."""
 
-    def __init__(self, tensors: dict, prefix: str, router_weight: torch.Tensor, top_k: int):
+    def __init__(self, tensors: dict, prefix: str, router_weight: torch.Tensor, top_k: int,
+                 activations: str = "bf16"):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"MoeFfn: activations = {activations!r}: must be one of {ACTIVATIONS}")
+        self.activations = activations
         layer = checkpoint.load_moe_layer(tensors, prefix)
         self.w13, self.w2 = layer["w13"], layer["w2"]
         self.router_weight = router_weight.float()
@@ -55,12 +64,14 @@ class MoeFfn:
         self.scale13, self.alpha13 = self._scale_and_alpha(self.w13)
         self.scale2, self.alpha2 = self._scale_and_alpha(self.w2)
 
-    @staticmethod
-    def _scale_and_alpha(projection: checkpoint.MoeProjection) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = projection.input_scale.max()
+    def _scale_and_alpha(self, projection: checkpoint.MoeProjection) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the activations' global scale, None in W4A16; the GEMM's alpha [G] or [G, 2])."""
         weight_scale_2 = projection.weight_scale_2
-        alpha = scale * (weight_scale_2 if weight_scale_2.dim() == 2 else weight_scale_2.reshape(-1))
-        return scale, alpha.float().contiguous()
+        weight_scale_2 = weight_scale_2 if weight_scale_2.dim() == 2 else weight_scale_2.reshape(-1)
+        if self.activations == "bf16":
+            return None, weight_scale_2.float().contiguous()
+        scale = projection.input_scale.max()
+        return scale, (scale * weight_scale_2).float().contiguous()
 
     def route(self, x: torch.Tensor):
         """(each (token, expert) pair's expert [T k], its weight [T, k]): softmax over the router's
@@ -88,6 +99,8 @@ class MoeFfn:
         gate_up = self.gemm(rows, self.w13, self.scale13, self.alpha13, offsets, status)
         gate, up = gate_up[:, :self.intermediate].float(), gate_up[:, self.intermediate:].float()
         hidden = torch.nn.functional.silu(gate) * up
+        if self.scale2 is None:  # W4A16: the down GEMM reads bf16 rows
+            hidden = hidden.to(torch.bfloat16)
         down = self.gemm(hidden, self.w2, self.scale2, self.alpha2, offsets, status)
         unsorted = torch.empty_like(down)
         unsorted[order] = down  # row p: pair p = (token p // k, its (p % k)-th expert)
@@ -95,10 +108,14 @@ class MoeFfn:
         return weighted.sum(dim=1).to(torch.bfloat16)
 
     @staticmethod
-    def gemm(rows: torch.Tensor, projection: checkpoint.MoeProjection, scale: torch.Tensor, alpha: torch.Tensor,
-             offsets: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
-        """One grouped GEMM of the layer: `rows` quantized with `scale`, bf16 output."""
-        a, sfa = quantize_activations(rows, scale)
+    def gemm(rows: torch.Tensor, projection: checkpoint.MoeProjection, scale: torch.Tensor | None,
+             alpha: torch.Tensor, offsets: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
+        """One grouped GEMM of the layer, bf16 output: `rows` as they are (bf16, W4A16: scale
+        None), or quantized with `scale`."""
+        if scale is None:
+            a, sfa = rows.to(torch.bfloat16).contiguous(), None
+        else:
+            a, sfa = quantize_activations(rows, scale)
         c = torch.empty(rows.shape[0], projection.b.shape[1], dtype=torch.bfloat16, device=rows.device)
         moe_grouped_gemm_op(a, sfa, projection.b, projection.sfb, offsets, c, status, alpha)
         return c

@@ -73,7 +73,7 @@ class Thread:
         if token in self.registers:
             return self.registers[token]
         if token.startswith("0f"):
-            return int(token[2:], 16)
+            return int("0x" + token[2:], 0)  # PTX 0fXXXXXXXX: an fp32 bit pattern
         if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", token):
             return int(token, 0) & MASK32
         raise KeyError(f"register {token} read before it is written")

@@ -422,3 +422,93 @@ def test_without_alpha_the_output_is_bit_for_bit_as_before():
     torch.cuda.synchronize()
     assert torch.equal(plain.view(torch.int16)[offsets[0]:offsets[-1]], ones.view(torch.int16)[offsets[0]:offsets[-1]])
     check_call(dict(inputs, c=plain), offsets, "no alpha")
+
+
+# -----------------------------------------------------------------------------
+# W4A16: bf16 activations read by the GEMM (hopper.moe.Sm90MoeW4A16Gemm)
+# -----------------------------------------------------------------------------
+# every config the choice may run, forced, with a family that gives it several tiles
+W4A16 = [("swap_ab_t32", (64, 64, 256, 768)), ("swap_ab_t32_k128", (96, 32, 512, 1024)),
+         ("swap_ab_t32_split_k2", (8, 16, 512, 2048)), ("swap_ab_t32_split_k4", (40, 64, 256, 4096)),
+         ("swap_ab_t64", (2048, 40, 256, 512)), ("swap_ab_split_k", (300, 4, 256, 512)),
+         ("swap_ab_one_round", (512, 2, 3072, 1024)), ("swap_ab_one_round_k128", (512, 2, 1024, 4096)),
+         ("swap_ab_variable", (2000, 16, 512, 1024)), ("swap_ab_variable", (256, 512, 256, 512))]
+
+
+@pytest.mark.parametrize("label,family", W4A16, ids=[f"{label}_G{family[1]}" for label, family in W4A16])
+def test_w4a16_matches_the_exact_product_of_the_bf16_rows(label, family, monkeypatch):
+    """bf16 activations, alpha [G] then [G, 2], fp16 then bf16 output, routings that change
+    (empty groups, rows past offsets[G]): every group's rows within the fp32 bound of alpha x
+    the exact float64 product (moe.compare_with_exact: W4A16's bound, one bf16 unit), every
+    other row untouched; status 0; then one CUDA graph replayed over new routings."""
+    if SM100:
+        pytest.skip("W4A16 runs on sm_90 only")
+    monkeypatch.setenv("NVFP4_MOE_CONFIG", label)
+    gemm.reset_runtime()
+    try:
+        tokens, groups, n, k = family
+        rng = random.Random(23)
+        inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=None,
+                                       generator=torch.Generator().manual_seed(11))
+        status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+        for trial, (alpha_shape, dtype) in enumerate((("expert", torch.float16), ("halves", torch.bfloat16),
+                                                      (None, torch.bfloat16))):
+            inputs["c"] = torch.full((tokens, n), float("nan"), dtype=dtype, device="cuda")
+            alpha = None if alpha_shape is None else (torch.rand(
+                (groups,) if alpha_shape == "expert" else (groups, 2), generator=torch.Generator().manual_seed(trial))
+                * 4 + 2.0**-6).cuda()
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            gemm.moe_grouped_gemm(**inputs, status=status, alpha=alpha)
+            torch.cuda.synchronize()
+            assert int(status.item()) == 0
+            mismatches, _, first, _, _ = moe.compare_with_exact(
+                *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), alpha)
+            assert mismatches == 0, (label, trial, first)
+            outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
+            outside[offsets[0]:offsets[-1]] = False
+            assert torch.isnan(inputs["c"][outside]).all()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemm.moe_grouped_gemm(**inputs, status=status)
+        for trial in range(4):
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            inputs["c"].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            mismatches, _, first, _, _ = moe.compare_with_exact(
+                *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")))
+            assert mismatches == 0, (label, "replay", trial, first)
+    finally:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG")
+        gemm.reset_runtime()
+
+
+def test_w4a16_of_exactly_decodable_activations_is_the_fp4_paths_result_bit_for_bit():
+    """Activations that are e2m1 x e4m3 values (the fp4 path's, decoded: exact in bf16) with the
+    competition's scales: every partial sum exact in fp32, so W4A16 and the fp4 path give the
+    same bits."""
+    tokens, groups, n, k = 512, 2, 3072, 4096
+    inputs = moe.random_moe_inputs(tokens, groups, n, k, general_scales=False)
+    inputs["offsets"].copy_(torch.tensor([0, 128, 512], dtype=torch.int32))
+    fp4_out = gemm.moe_grouped_gemm(**inputs).clone()
+    decoded = core.decode_fp4(inputs["a"], inputs["sfa"]).to(torch.bfloat16)
+    w4a16 = dict(inputs, a=decoded, sfa=None, c=torch.full_like(inputs["c"], float("nan")))
+    w4a16_out = gemm.moe_grouped_gemm(**w4a16)
+    torch.cuda.synchronize()
+    assert torch.equal(w4a16_out, fp4_out)
+
+
+def test_w4a16_bad_offsets_write_nothing_and_flag():
+    tokens, groups, n, k = 300, 4, 256, 512
+    inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=None)
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for case in sorted(BAD_OFFSETS):
+        inputs["offsets"].copy_(torch.tensor(BAD_OFFSETS[case](tokens, groups), dtype=torch.int32))
+        sentinel = torch.randn(tokens, n, device="cuda").half()
+        inputs["c"].copy_(sentinel)
+        gemm.moe_grouped_gemm(**inputs, status=status)
+        torch.cuda.synchronize()
+        assert int(status.item()) == 1, case
+        assert torch.equal(inputs["c"], sentinel), case

@@ -16,7 +16,7 @@ TOKENS = 64
 
 def to_cuda(layer: moe_layer.MoeFfn, tensors, router) -> moe_layer.MoeFfn:
     return moe_layer.MoeFfn({name: value.cuda() for name, value in tensors.items()}, "layer.", router.cuda(),
-                            layer.top_k)
+                            layer.top_k, layer.activations)
 
 
 def close(got, want):
@@ -26,9 +26,10 @@ def close(got, want):
     return float((got.float().cpu() - want.float()).norm() / want.float().norm())
 
 
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"], ids=["w4a16", "w4a4"])
 @pytest.mark.parametrize("split", [False, True], ids=["one_w13_scale", "gate_and_up_scales"])
-def test_the_layer_on_the_gpu_matches_the_exact_layer_and_replays_as_one_graph(split):
-    tensors, cpu_layer, router = make_layer(split)
+def test_the_layer_on_the_gpu_matches_the_exact_layer_and_replays_as_one_graph(split, activations):
+    tensors, cpu_layer, router = make_layer(split, activations=activations)
     layer = to_cuda(cpu_layer, tensors, router)
     inputs = [torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
               for seed in range(4)]

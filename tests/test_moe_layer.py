@@ -11,13 +11,13 @@ from nvfp4_group_gemm import checkpoint, core, moe_layer
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 4, 256, 128, 2
 
 
-def make_layer(split_w13_scales=False, seed=5):
+def make_layer(split_w13_scales=False, seed=5, activations="nvfp4"):
     tensors = layer_tensors(EXPERTS, HIDDEN, INTERMEDIATE, split_w13_scales)
     # calibrated input scales that differ by expert: the layer quantizes with their largest
     tensors["layer.w13_input_scale"] = torch.tensor([2.0, 3.0, 2.5, 1.0]) / (6 * 448)
     tensors["layer.w2_input_scale"] = torch.tensor([0.5, 0.4, 0.6, 0.5]) / (6 * 448)
     router = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(seed))
-    return tensors, moe_layer.MoeFfn(tensors, "layer.", router, TOP_K), router
+    return tensors, moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, activations), router
 
 
 def dequantized(tensors, name):
@@ -28,8 +28,9 @@ def dequantized(tensors, name):
 
 def reference_layer(tensors, router, x, scale13, scale2):
     """The same layer in float64, one token and one expert at a time, from the dequantized
-    weights: the activations quantized the same way (their dequantized values multiply), each
-    GEMM's float64 result rounded to bf16 where the entry rounds its output."""
+    weights: the activations quantized the same way (their dequantized values multiply; scale
+    None: W4A16, the bf16 rows themselves, SwiGLU's output rounded to bf16 as the layer does),
+    each GEMM's float64 result rounded to bf16 where the entry rounds its output."""
     w13, w2 = dequantized(tensors, "w13"), dequantized(tensors, "w2")
     out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
     probabilities = torch.softmax(x.float() @ router.float().T, dim=-1)
@@ -37,12 +38,18 @@ def reference_layer(tensors, router, x, scale13, scale2):
         weights, experts = torch.topk(probabilities[t], TOP_K)
         weights = weights / weights.sum()
         for weight, e in zip(weights.tolist(), experts.tolist()):
-            a, sfa = moe_layer.quantize_activations(x[t:t + 1], scale13)
-            a_values = core.decode_fp4(a.view(torch.uint8), sfa).double() * float(scale13)
+            if scale13 is None:
+                a_values = x[t:t + 1].double()
+            else:
+                a, sfa = moe_layer.quantize_activations(x[t:t + 1], scale13)
+                a_values = core.decode_fp4(a.view(torch.uint8), sfa).double() * float(scale13)
             gate_up = (a_values @ w13[e].T).to(torch.bfloat16).float()
             hidden = torch.nn.functional.silu(gate_up[:, :INTERMEDIATE]) * gate_up[:, INTERMEDIATE:]
-            h, sfh = moe_layer.quantize_activations(hidden, scale2)
-            h_values = core.decode_fp4(h.view(torch.uint8), sfh).double() * float(scale2)
+            if scale2 is None:
+                h_values = hidden.to(torch.bfloat16).double()
+            else:
+                h, sfh = moe_layer.quantize_activations(hidden, scale2)
+                h_values = core.decode_fp4(h.view(torch.uint8), sfh).double() * float(scale2)
             down = (h_values @ w2[e].T).to(torch.bfloat16).double()
             out[t] += float(weight) * down[0].float().double()
     return out
@@ -61,8 +68,9 @@ def test_activation_quantization_follows_the_formula():
     assert bool(((decoded - blocks).abs() <= sfa.float()[..., None] * 0.01 * 1.0 + 1e-7).all())
 
 
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"], ids=["w4a16", "w4a4"])
 @pytest.mark.parametrize("split", [False, True], ids=["one_w13_scale", "gate_and_up_scales"])
-def test_the_layer_on_cpu_is_the_float64_layer_to_bf16_roundings(split, capsys):
+def test_the_layer_on_cpu_is_the_float64_layer_to_bf16_roundings(split, activations, capsys):
     """Routing, permutation with offsets computed by torch ops, both grouped GEMMs (the op's
     exact decode on a CPU), SwiGLU and the weighted un-permute, against the float64 layer
     computed token by token. Both round each GEMM's result to bf16 at the same place and quantize
@@ -70,8 +78,9 @@ def test_the_layer_on_cpu_is_the_float64_layer_to_bf16_roundings(split, capsys):
     weighted rows summed in fp32 and rounded to bf16 by the layer, in float64 by the reference:
     every output within one bf16 unit of the float64 result, at most 0.1 % of them not its
     rounding. The quantization error against the bf16 layer of the unquantized weights is
-    printed, not asserted."""
-    tensors, layer, router = make_layer(split)
+    printed, not asserted. W4A16 (bf16 activations): the same, SwiGLU's output rounded to bf16
+    by both."""
+    tensors, layer, router = make_layer(split, activations=activations)
     x = (torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(7))).to(torch.bfloat16)
     out = layer(x)
     assert out.dtype == torch.bfloat16 and out.shape == (24, HIDDEN)
@@ -79,8 +88,12 @@ def test_the_layer_on_cpu_is_the_float64_layer_to_bf16_roundings(split, capsys):
     unit = expected.abs().float() * 2.0**-7  # one bf16 unit in the last place, at most
     assert bool(((out.float() - expected.float()).abs() <= unit).all())
     assert int((out != expected.to(torch.bfloat16)).sum()) <= out.numel() // 1000
-    # the layer's alphas: the largest input scale times each expert's weight_scale_2
-    assert torch.allclose(layer.alpha13, layer.scale13 * layer.w13.weight_scale_2)
+    # the layer's alphas: each expert's weight_scale_2, times the largest input scale in W4A4
+    weight_scale_2 = layer.w13.weight_scale_2.reshape(layer.alpha13.shape)
+    if activations == "bf16":
+        assert layer.scale13 is None and torch.equal(layer.alpha13, weight_scale_2.float())
+    else:
+        assert torch.allclose(layer.alpha13, layer.scale13 * weight_scale_2)
     # quantization error against the bf16 layer of the unquantized weights (printed, not asserted)
     generator = torch.Generator().manual_seed(3)
     w13 = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) * 0.02
@@ -96,7 +109,8 @@ def test_the_layer_on_cpu_is_the_float64_layer_to_bf16_roundings(split, capsys):
             exact[t] += weights[t, j] * (torch.nn.functional.silu(gu[:INTERMEDIATE]) * gu[INTERMEDIATE:]) @ w2[e].T
     error = (out.float() - exact).norm() / exact.norm()
     with capsys.disabled():
-        print(f"\n  MoE layer, NVFP4 weights and activations against bf16: relative error {error:.3f}")
+        what = "NVFP4 weights, bf16 activations (W4A16)" if activations == "bf16" else "NVFP4 weights and activations"
+        print(f"\n  MoE layer, {what}, against bf16: relative error {error:.3f}")
 
 
 def test_routing_and_offsets_need_no_host_read():
@@ -106,3 +120,10 @@ def test_routing_and_offsets_need_no_host_read():
     assert offsets.tolist() == [0, 1, 4, 5, 8] and offsets.dtype == torch.int32
     assert experts[order].tolist() == [0, 1, 1, 1, 2, 3, 3, 3]
     assert order.tolist()[1:4] == [1, 2, 7]  # stable: pairs of one expert in token order
+
+
+def test_the_layer_names_its_activation_modes():
+    tensors = layer_tensors(EXPERTS, HIDDEN, INTERMEDIATE, False)
+    with pytest.raises(ValueError, match=r"activations = 'fp8': must be one of \('bf16', 'nvfp4'\)"):
+        moe_layer.MoeFfn(tensors, "layer.", torch.randn(EXPERTS, HIDDEN), TOP_K, "fp8")
+    assert moe_layer.MoeFfn(tensors, "layer.", torch.randn(EXPERTS, HIDDEN), TOP_K).activations == "bf16"

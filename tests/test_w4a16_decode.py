@@ -13,9 +13,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from ptx_interpreter import Thread, bf16_lanes, e4m3_to_float  # noqa: E402
+from ptx_interpreter import Thread, bf16_lanes, e4m3_to_float
 
-from nvfp4_group_gemm.hopper import ptx  # noqa: E402
+from nvfp4_group_gemm.hopper import ptx
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 # e4m3 bytes: the smallest subnormal, a subnormal, the smallest normal, 1, 448 (the largest), 0,
