@@ -46,11 +46,16 @@ ACTIVATIONS = ("bf16", "nvfp4")
 class MoeFfn:
     """A MoE FFN (module docstring) over ModelOpt NVFP4 experts `<prefix>w13_*` (gate rows, then
     up rows: N = 2 I) and `<prefix>w2_*` (N = H), with a router `router_weight` [E, H] and
-    `top_k` experts per token; `activations` "bf16" (W4A16) or "nvfp4" (W4A4). Every expert is
-    local."""
+    `top_k` experts per token; `activations` "bf16" (W4A16) or "nvfp4" (W4A4).
+
+    Expert parallelism: the router scores every expert (router_weight [E_all, H]) and `tensors`
+    hold the E local ones, experts first_local .. first_local + E - 1 of them; the pairs routed
+    elsewhere sort after the local groups (rows past offsets[E]: neither read nor written by the
+    entry) and add nothing here, so the layer returns this GPU's part of the output, which an
+    all-reduce over the expert-parallel GPUs sums. E_all = E (the default): every expert local."""
 
     def __init__(self, tensors: dict, prefix: str, router_weight: torch.Tensor, top_k: int,
-                 activations: str = "bf16"):
+                 activations: str = "bf16", first_local: int = 0):
         if activations not in ACTIVATIONS:
             raise ValueError(f"MoeFfn: activations = {activations!r}: must be one of {ACTIVATIONS}")
         self.activations = activations
@@ -60,6 +65,10 @@ class MoeFfn:
         self.top_k = top_k
         self.experts, self.intermediate = self.w13.b.shape[0], self.w13.b.shape[1] // 2
         self.hidden = self.w2.b.shape[1]
+        self.first_local = first_local
+        if not 0 <= first_local <= router_weight.shape[0] - self.experts:
+            raise ValueError(f"MoeFfn: first_local = {first_local}: the {self.experts} local experts must lie within "
+                             f"the router's {router_weight.shape[0]}")
         # one activation scale per projection (the experts' largest), alpha recomputed with it
         self.scale13, self.alpha13 = self._scale_and_alpha(self.w13)
         self.scale2, self.alpha2 = self._scale_and_alpha(self.w2)
@@ -80,19 +89,26 @@ class MoeFfn:
         weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
         return experts.reshape(-1), weights / weights.sum(dim=-1, keepdim=True)
 
+    def local_experts(self, experts: torch.Tensor) -> torch.Tensor:
+        """Each pair's local expert, E (one past the last) for a pair routed to another GPU's."""
+        local = experts - self.first_local
+        return torch.where((local >= 0) & (local < self.experts), local, self.experts)
+
     def sort_by_expert(self, experts: torch.Tensor):
         """(the pairs in expert order: their index into the T k pairs, the int32 offsets [E + 1])
-        on the pairs' device, with no host read."""
+        on the pairs' device, with no host read; `experts` local (local_experts: E, another GPU's,
+        sorts last, past offsets[E])."""
         order = torch.argsort(experts, stable=True)
-        counts = torch.zeros(self.experts, dtype=torch.int64, device=experts.device)
+        counts = torch.zeros(self.experts + 1, dtype=torch.int64, device=experts.device)
         counts.scatter_add_(0, experts, torch.ones_like(experts))
         offsets = torch.zeros(self.experts + 1, dtype=torch.int32, device=experts.device)
-        offsets[1:] = torch.cumsum(counts, 0)
+        offsets[1:] = torch.cumsum(counts[:self.experts], 0)
         return order, offsets
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.shape[0]
         experts, weights = self.route(x)
+        experts = self.local_experts(experts)
         order, offsets = self.sort_by_expert(experts)
         rows = x[order // self.top_k]  # the sorted pairs' tokens, [T k, H]
         status = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -104,7 +120,9 @@ class MoeFfn:
         down = self.gemm(hidden, self.w2, self.scale2, self.alpha2, offsets, status)
         unsorted = torch.empty_like(down)
         unsorted[order] = down  # row p: pair p = (token p // k, its (p % k)-th expert)
-        weighted = unsorted.float().view(tokens, self.top_k, self.hidden) * weights[..., None]
+        # the rows of pairs on other GPUs' experts were not written: they add nothing here
+        unsorted = torch.where((experts < self.experts)[:, None], unsorted.float(), 0.0)
+        weighted = unsorted.view(tokens, self.top_k, self.hidden) * weights[..., None]
         return weighted.sum(dim=1).to(torch.bfloat16)
 
     @staticmethod

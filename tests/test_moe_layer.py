@@ -127,3 +127,26 @@ def test_the_layer_names_its_activation_modes():
     with pytest.raises(ValueError, match=r"activations = 'fp8': must be one of \('bf16', 'nvfp4'\)"):
         moe_layer.MoeFfn(tensors, "layer.", torch.randn(EXPERTS, HIDDEN), TOP_K, "fp8")
     assert moe_layer.MoeFfn(tensors, "layer.", torch.randn(EXPERTS, HIDDEN), TOP_K).activations == "bf16"
+
+
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"], ids=["w4a16", "w4a4"])
+def test_expert_parallel_shards_sum_to_the_whole_layer(activations):
+    """Two GPUs' worth of experts (0-1 and 2-3): each shard's layer routes over all four experts
+    and computes its own experts' pairs only; the two outputs summed (the all-reduce) are the
+    whole layer's, up to each shard's rounding to bf16 (one unit of each part)."""
+    tensors, whole, router = make_layer(activations=activations)
+    x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    parts = []
+    for first in (0, 2):
+        shard = {name: value[first:first + 2] if value.dim() and value.shape[0] == EXPERTS else value
+                 for name, value in tensors.items()}
+        layer = moe_layer.MoeFfn(shard, "layer.", router, TOP_K, activations, first_local=first)
+        # the shard's input scales are its experts' (W4A4): the whole layer's largest for comparability
+        layer.scale13, layer.alpha13 = whole.scale13, whole.alpha13[first:first + 2]
+        layer.scale2, layer.alpha2 = whole.scale2, whole.alpha2[first:first + 2]
+        parts.append(layer(x).float())
+    out = whole(x).float()
+    unit = (parts[0].abs() + parts[1].abs() + out.abs()) * 2.0**-7
+    assert bool(((parts[0] + parts[1] - out).abs() <= unit).all())
+    with pytest.raises(ValueError, match=r"first_local = 3: the 2 local experts must lie within the router's 4"):
+        moe_layer.MoeFfn(shard, "layer.", router, TOP_K, activations, first_local=3)
