@@ -10,7 +10,8 @@ N = H, K = I):
                                             the low nibble (as this package's float4_e2m1fn_x2)
     <p>_weight_scale    e4m3  [E, N, K/16]  one scale per 16 consecutive elements of K
     <p>_weight_scale_2  fp32  [E] (or [E, 2] for w13: gate and up quantized apart)
-    <p>_input_scale     fp32  [E] (a calibrated bound of the activations: amax / (6 x 448))
+    <p>_input_scale     fp32  [E] (a calibrated bound of the activations: amax / (6 x 448));
+                                            only W4A4 reads it (absent: W4A16 only)
 
 Quantization of one expert's weight w (one tensor: one weight_scale_2):
     weight_scale_2 = amax(|w|) / (6 x 448)
@@ -19,9 +20,12 @@ Quantization of one expert's weight w (one tensor: one weight_scale_2):
 so w ~ value x block scale x weight_scale_2. A GEMM of activations quantized the same way with
 input_scale multiplies its fp32 accumulator by alpha = input_scale x weight_scale_2 (per expert).
 
-The MoE entry applies alpha: moe_grouped_gemm(..., alpha=projection.alpha) multiplies each
-expert's fp32 sums by it before rounding to c's dtype (the raw sums of a real layer reach 1e7:
-past fp16's range without it). nvfp4_group_gemm.moe_layer builds a whole MoE FFN on it.
+The MoE entry applies alpha: moe_grouped_gemm(..., alpha=...) multiplies each expert's fp32 sums
+by it before rounding to c's dtype (the raw sums of a real layer reach 1e7: past fp16's range
+without it). With bf16 activations (W4A16) the sums carry the weights' global scale alone:
+alpha = projection.w4a16_alpha (weight_scale_2); with NVFP4 activations quantized with
+input_scale (W4A4), alpha = projection.alpha (input_scale x weight_scale_2).
+nvfp4_group_gemm.moe_layer builds a whole MoE FFN on it, either way.
 """
 
 from __future__ import annotations
@@ -117,22 +121,28 @@ class MoeProjection:
 
     b: torch.Tensor  # float4_e2m1fn_x2 [E, N, K/2]
     sfb: torch.Tensor  # float8_e4m3fn, blocked [E, N/128, K/64, 32, 4, 4] (prepare_weight_scales)
-    alpha: torch.Tensor  # float32 [E] or [E, 2]: input_scale x weight_scale_2
-    weight_scale_2: torch.Tensor
-    input_scale: torch.Tensor
+    alpha: torch.Tensor | None  # float32 [E] or [E, 2]: input_scale x weight_scale_2 (W4A4; None: no input_scale)
+    weight_scale_2: torch.Tensor  # float32 [E] or [E, 2]
+    input_scale: torch.Tensor | None  # float32 [E]
+
+    @property
+    def w4a16_alpha(self) -> torch.Tensor:
+        """alpha of bf16 activations (W4A16): weight_scale_2, [E] or [E, 2], contiguous fp32."""
+        return self.weight_scale_2.float().contiguous()
 
 
 def load_projection(tensors: dict, name: str) -> MoeProjection:
     """`<name>_weight`, `<name>_weight_scale`, `<name>_weight_scale_2` and `<name>_input_scale`
     of a ModelOpt MoE layer (a dict of tensors) as the entry's b, blocked sfb (converted once)
-    and alpha. A ValueError names a missing or malformed tensor."""
+    and alpha. A ValueError names a missing or malformed tensor; `<name>_input_scale` may be
+    absent (a checkpoint for W4A16 only: alpha and input_scale None)."""
     fields = {}
     for suffix in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
         key = f"{name}_{suffix}"
-        if key not in tensors:
+        if key not in tensors and suffix != "input_scale":
             raise ValueError(f"load_projection: no tensor {key!r} (ModelOpt NVFP4 names: {name}_weight, "
                              f"{name}_weight_scale, {name}_weight_scale_2, {name}_input_scale)")
-        fields[suffix] = tensors[key]
+        fields[suffix] = tensors.get(key)
     weight, scale = fields["weight"], fields["weight_scale"]
     if weight.dtype not in (torch.uint8, torch.float4_e2m1fn_x2) or weight.dim() != 3:
         raise ValueError(f"load_projection: {name}_weight: dtype {weight.dtype}, shape {tuple(weight.shape)}: "
@@ -146,13 +156,16 @@ def load_projection(tensors: dict, name: str) -> MoeProjection:
         raise ValueError(f"load_projection: {name}_weight_scale_2: shape {tuple(fields['weight_scale_2'].shape)}: "
                          f"expected [{experts}] or [{experts}, 2]")
     scale_2 = scale_2[:, 0] if scale_2.shape[1] == 1 or bool((scale_2[:, 0] == scale_2[:, 1]).all()) else scale_2
-    input_scale = fields["input_scale"].float().reshape(-1)
-    input_scale = input_scale.expand(experts) if input_scale.numel() == 1 else input_scale
-    if input_scale.numel() != experts:
-        raise ValueError(f"load_projection: {name}_input_scale: {input_scale.numel()} values: expected 1 or {experts}")
-    alpha = input_scale[:, None] * scale_2 if scale_2.dim() == 2 else input_scale * scale_2
-    return MoeProjection(weight.view(torch.float4_e2m1fn_x2), prepare_weight_scales(scale), alpha.contiguous(),
-                         scale_2, input_scale)
+    input_scale = alpha = None
+    if fields["input_scale"] is not None:
+        input_scale = fields["input_scale"].float().reshape(-1)
+        input_scale = input_scale.expand(experts) if input_scale.numel() == 1 else input_scale
+        if input_scale.numel() != experts:
+            raise ValueError(f"load_projection: {name}_input_scale: {input_scale.numel()} values: expected 1 or "
+                             f"{experts}")
+        alpha = (input_scale[:, None] * scale_2 if scale_2.dim() == 2 else input_scale * scale_2).contiguous()
+    return MoeProjection(weight.view(torch.float4_e2m1fn_x2), prepare_weight_scales(scale), alpha, scale_2,
+                         input_scale)
 
 
 def load_moe_layer(tensors: dict, prefix: str = "") -> dict[str, MoeProjection]:

@@ -75,12 +75,13 @@ class MoeFfn:
 
     def _scale_and_alpha(self, projection: checkpoint.MoeProjection) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the activations' global scale, None in W4A16; the GEMM's alpha [G] or [G, 2])."""
-        weight_scale_2 = projection.weight_scale_2
-        weight_scale_2 = weight_scale_2 if weight_scale_2.dim() == 2 else weight_scale_2.reshape(-1)
         if self.activations == "bf16":
-            return None, weight_scale_2.float().contiguous()
+            return None, projection.w4a16_alpha
+        if projection.input_scale is None:
+            raise ValueError("MoeFfn: activations = 'nvfp4' needs each projection's <p>_input_scale (the checkpoint "
+                             "has none: use activations = 'bf16', W4A16)")
         scale = projection.input_scale.max()
-        return scale, (scale * weight_scale_2).float().contiguous()
+        return scale, (scale * projection.weight_scale_2).float().contiguous()
 
     def route(self, x: torch.Tensor):
         """(each (token, expert) pair's expert [T k], its weight [T, k]): softmax over the router's

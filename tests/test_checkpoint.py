@@ -91,9 +91,15 @@ def test_a_layer_loads_as_the_entrys_operands_and_raw_sums_times_alpha_are_the_g
 
 def test_a_missing_or_malformed_tensor_is_named():
     tensors = layer_tensors()
-    del tensors["layer.w2_input_scale"]
-    with pytest.raises(ValueError, match=r"no tensor 'w2_input_scale'"):
+    del tensors["layer.w2_weight_scale_2"]
+    with pytest.raises(ValueError, match=r"no tensor 'w2_weight_scale_2'"):
         checkpoint.load_moe_layer(tensors, prefix="layer.")
+    # no input scale: a checkpoint for W4A16 only (alpha None, w4a16_alpha the weight scales)
+    tensors = layer_tensors()
+    del tensors["layer.w2_input_scale"]
+    w2 = checkpoint.load_moe_layer(tensors, prefix="layer.")["w2"]
+    assert w2.alpha is None and w2.input_scale is None
+    assert torch.equal(w2.w4a16_alpha, tensors["layer.w2_weight_scale_2"].float())
     tensors = layer_tensors()
     tensors["layer.w13_weight_scale"] = tensors["layer.w13_weight_scale"][:, :, :8]
     with pytest.raises(ValueError, match=r"w13_weight_scale: dtype torch.float8_e4m3fn, shape \(4, 256, 8\)"):

@@ -150,3 +150,15 @@ def test_expert_parallel_shards_sum_to_the_whole_layer(activations):
     assert bool(((parts[0] + parts[1] - out).abs() <= unit).all())
     with pytest.raises(ValueError, match=r"first_local = 3: the 2 local experts must lie within the router's 4"):
         moe_layer.MoeFfn(shard, "layer.", router, TOP_K, activations, first_local=3)
+
+
+def test_a_checkpoint_without_input_scales_runs_w4a16_only():
+    tensors = {name: value for name, value in layer_tensors(EXPERTS, HIDDEN, INTERMEDIATE, True).items()
+               if "input_scale" not in name}
+    router = torch.randn(EXPERTS, HIDDEN)
+    layer = moe_layer.MoeFfn(tensors, "layer.", router, TOP_K)
+    assert layer.scale13 is None and layer.alpha13.shape == (EXPERTS, 2) and layer.w13.alpha is None
+    x = torch.randn(8, HIDDEN).to(torch.bfloat16)
+    assert torch.isfinite(layer(x).float()).all()
+    with pytest.raises(ValueError, match=r"needs each projection's <p>_input_scale .* use activations = 'bf16'"):
+        moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, "nvfp4")
