@@ -1,26 +1,29 @@
 """The MoE entry: one NVFP4 grouped GEMM over stacked tokens whose group boundaries stay on the
 GPU.
 
-    c = moe_grouped_gemm(a, sfa, b, sfb, offsets, c=None, status=None)
+    c = moe_grouped_gemm(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None)
 
-a        [T, K/2]  float4_e2m1fn_x2 (or uint8), the tokens of every group stacked (T is a
-                   capacity: rows past offsets[G] are neither read nor written)
-sfa      e4m3 scales of a, one per 16 elements: plain [T, K/16] (what a quantizer writes), or
-                   blocked [ceil(T/128), K/64, 32, 4, 4] (cuBLAS's 128x4 atoms over the stacked
-                   rows; blocked_scales makes it from plain)
+a        [T, K]    bfloat16 (W4A16: sfa None), or [T, K/2] float4_e2m1fn_x2 (or uint8, with sfa),
+                   the tokens of every group stacked (T is a capacity: rows past offsets[G] are
+                   neither read nor written)
+sfa      None with bf16 activations; else e4m3 scales of a, one per 16 elements: plain [T, K/16]
+                   (what a quantizer writes), or blocked [ceil(T/128), K/64, 32, 4, 4] (cuBLAS's
+                   128x4 atoms over the stacked rows; blocked_scales makes it from plain)
 b        [G, N, K/2]  float4_e2m1fn_x2 (or uint8), the experts' weights
 sfb      e4m3 scales of b: blocked [G, N/128, K/64, 32, 4, 4] (the competition's reordered layout
                    per group; what prepare_weight_scales returns), or plain [G, N, K/16]
                    (converted on every call: one more copy kernel and a fresh binding)
 offsets  [G + 1]  int32 on the GPU: group g is rows offsets[g] .. offsets[g + 1] of a and c
-c        [T, N]   float16, written in the groups' rows only (allocated when None)
+c        [T, N]   float16 or bfloat16, written in the groups' rows only (allocated bf16 when None)
 status   [1]      int32 on the GPU, optional: 0 after a call with valid offsets, 1 otherwise
+alpha    fp32 [G] or [G, 2] on the GPU, optional: each expert's global scale (checkpoint)
 
-C[rows of g] = (A[rows of g] * SFA) @ (B[g] * SFB[g])^T, exact products accumulated in fp32,
-as custom_kernel computes per group.
+C[rows of g] = alpha[g] x (A[rows of g] * SFA) @ (B[g] * SFB[g])^T, exact products accumulated
+in fp32, as custom_kernel computes per group; with bf16 activations (W4A16) A's rows are the
+bf16 values themselves (each bf16 x e2m1 x e4m3 product is exact in fp32 too).
 
 No call reads the offsets on the host: a call is two launches (the activation pre-pass, then the
-GEMM) whose grids depend only on (T, G, N, K). The GPU derives each CTA's group and tile from the
+GEMM; in W4A16 the GEMM alone, which reads a itself) whose grids depend only on (T, G, N, K). The GPU derives each CTA's group and tile from the
 offsets, and CTAs with no tile do nothing. So nothing synchronizes, and one CUDA graph captured
 with this call replays correctly for any offsets and values written into the same tensors.
 

@@ -15,6 +15,10 @@ A call is two launches whose grids depend only on (T, G, N, K), never on the off
         A loop over the groups per thread (two global loads per group): 17 µs per CTA at G = 64,
         136 µs for a one-token layer (EXPERIMENTS E80).
 
+W4A16 (Sm90MoeW4A16Gemm): bf16 activations a[T, K] are read by the GEMM itself, its token rows
+copied straight from a's rows of the group (no pre-pass, no X); the weights decode into bf16 in
+natural K order; CTA 0 checks the offsets and writes status.
+
 Group g holds rows offsets[g] .. offsets[g + 1] of a and c. In X, its rows start at
 P_g = 16 (ceil(offsets[g] / 16) + g) (group_x_row: token tiles must start on a 16-row boundary
 for the slabs' swizzle; P_g + M_g <= P_(g+1) for any g), a function of offsets[g] alone, so
