@@ -907,3 +907,31 @@ def test_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch, kernel):
     assert bindings[0].plan is bindings[1].plan and backend_plan.shared_scratch
     assert (backend_plan.stream_k is not None) == (kernel == "in_gemm_decode")
     assert (backend_plan.activations is not None) == (kernel == "swap_ab")
+
+
+W4A16_TARGETS = [name for name, _arch, _compile in hopper.moe.moe_compile_targets() if "w4a16" in name]
+
+
+@pytest.mark.parametrize("target", W4A16_TARGETS)
+def test_w4a16_gemms_read_bf16_rows_and_fence_them_before_wgmma(sm90_builds, target):
+    """The W4A16 GEMM (every config the choice may run): bf16 wgmma only; no bulk copies (no
+    pre-pass slabs) and no grid-dependency control (unchained); its token rows by cp.async,
+    each thread arriving on the stage's mbarrier (noinc); after every wait on a token stage a
+    proxy fence comes before the next wgmma (the rows were written through the generic proxy);
+    the weights scaled in bf16; the epilogue's alpha times 2^8, the bf16 decode's rescale; no
+    local memory up to G = 8."""
+    report = sm90_builds[(target, 8)]
+    assert report.error is None and report.ptx_target == "sm_90a"
+    assert report.frame_bytes == 0 and report.spill_bytes_max == 0
+    assert report.mma and all(m.endswith(".f32.bf16.bf16") for m in report.mma), report.mma
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    assert "cp.async.bulk" not in ptx and "griddepcontrol" not in ptx
+    assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx and "mul.rn.bf16x2" in ptx
+    waits = [m.start() for m in re.finditer(r"mbarrier\.try_wait\.parity", ptx)]
+    assert waits
+    for start in waits:
+        fence, mma = ptx.find("fence.proxy.async", start), ptx.find("wgmma.mma_async", start)
+        assert 0 <= fence < mma, f"{target}: a wgmma after a token wait without a proxy fence between"
+    for register in re.findall(r"ld\.global\.f32 (%f\d+)", ptx):
+        assert re.search(rf"mul\.f32\s+%f\d+, {register}, 0f43800000;", ptx)  # alpha x 2^8
+    assert re.findall(r"ld\.global\.f32", ptx), "the checkpoint epilogue loads alpha"

@@ -313,7 +313,8 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         32 groups), the variable tiles' cap is one warp sum (moe_token_cap), and per round of
         32 groups a warp prefix sum of the tile counts, one ballot, and shuffles from the lane
         whose group holds the tile. Returns (found, group, local tile, M, first row, token
-        tiles, tile size); found is false for a CTA past the tile count or bad offsets."""
+        tiles, tile size, bad); found is false for a CTA past the tile count or bad offsets
+        (bad: the offsets break the rule, the same in every lane)."""
         # Up to 4 groups every thread walking them in turn instead: no faster (EXPERIMENTS E81).
         lane = tidx % WARP
         rounds = (self.num_groups + WARP - 1) // WARP
@@ -352,7 +353,7 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
             before = cute.arch.shuffle_sync(inclusive, WARP - 1)
         if bad:
             found = cutlass.Int32(0)
-        return found, group, local, m, row0, token_tiles, tile_size
+        return found, group, local, m, row0, token_tiles, tile_size, bad
 
     @cute.kernel
     def kernel(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
@@ -363,9 +364,10 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
     @cute.jit
     def moe_tile(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
                  mOffsets: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32, alpha):
+                 slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32, alpha, mStatus=None):
         """A CTA's tile, whatever the kernel's arguments: `alpha` None, or the epilogue scales'
-        pointer (Sm90MoeScaledGemm)."""
+        pointer (Sm90MoeScaledGemm); `mStatus` None, or the status word CTA 0 writes from the
+        offsets' check (the W4A16 GEMM, which has no pre-pass to write it)."""
         if cutlass.const_expr(self.config.chain_calls):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
@@ -377,8 +379,14 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         weight_tiles = n // self.tile_w
         # Variable tiles longest first (the per-size-set path's order), per token class over
         # every group at each CTA's start: slower (EXPERIMENTS E78).
-        found, group, local, m, row0, token_tiles, tile_size = self.locate_tile(
+        found, group, local, m, row0, token_tiles, tile_size, bad = self.locate_tile(
             mOffsets, tidx, tile_idx, weight_tiles, tokens, fill_ctas)
+        if cutlass.const_expr(mStatus is not None):  # noqa: SIM102 - a trace-time branch around a device one
+            if bidx == 0 and tidx == 0:
+                if bad:
+                    mStatus[0] = cutlass.Int32(1)
+                else:
+                    mStatus[0] = cutlass.Int32(0)
         pad0 = group_x_row(row0, group)
 
         if found != 0:
@@ -489,20 +497,11 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
     def kernel(self, a: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer, mOffsets: cute.Tensor,
                alpha: cute.Pointer, mStatus: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32,
                k: cutlass.Int32, fill_ctas: cutlass.Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, _, _ = cute.arch.block_idx()
-        if bidx == 0 and tidx < WARP:
-            # the pre-pass's check of the fp4 path: every CTA skips its tile on bad offsets
-            # (locate_tile), CTA 0 says so
-            bad, _, _ = read_groups(mOffsets, self.num_groups, tidx, tokens)
-            if tidx == 0:
-                if bad:
-                    mStatus[0] = cutlass.Int32(1)
-                else:
-                    mStatus[0] = cutlass.Int32(0)
-        # the row pitch of a (bf16 [T, K]) is what the tile's token source takes as slab_bytes
+        # the row pitch of a (bf16 [T, K]) is what the tile's token source takes as slab_bytes;
+        # CTA 0 writes status (the fp4 path's pre-pass does): every CTA skips its tile on bad
+        # offsets (locate_tile), CTA 0 says so
         self.moe_tile(a, b, sfb, c, mOffsets, tokens, n, k, k * 2, fill_ctas,
-                      None if cutlass.const_expr(self.epilogue.alpha is None) else alpha)
+                      None if cutlass.const_expr(self.epilogue.alpha is None) else alpha, mStatus)
 
     def group_tokens_address(self, acts, row0, pad0, slab_bytes):
         """The group's first row of a: row offsets[g] (slab_bytes: a's row pitch)."""
