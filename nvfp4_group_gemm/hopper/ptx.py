@@ -639,7 +639,8 @@ def _decode_bf16_registers_asm(num_units: int) -> str:
     k16 step s of unit u; inputs after the 16 * num_units outputs, per unit: row g's packed
     bytes of the 64-wide k-tile (32 bytes, 8-byte aligned), row g+8's, bf16_word_selector(t), row
     g's 4 scale bytes (4-byte aligned), row g+8's. All loads first, then the scales, then the
-    codes (as _decode_blocks_asm)."""
+    codes (as _decode_blocks_asm). Each step's loads folded into its word at once, or each step
+    done in turn: more spill at the 64-register bound (EXPERIMENTS E83)."""
     first_input = 16 * num_units
     lines = [
         "{",
