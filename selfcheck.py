@@ -49,7 +49,8 @@ def _fail_usage(message: str) -> int:
 KERNEL_NAMES = ("persistent_t128", "persistent_t256", "per_tile", "scaled_mm",  # sm_100
                 "swap_ab", "in_gemm_decode", "exact_decode",  # sm_90
                 "custom_kernel",  # the automatic choice, with its self-check and fallback
-                "moe")  # the MoE entry (sm_90; sm_100 with NVFP4_MOE_SM100=1): its chained-call pattern
+                "moe",  # the MoE entry (sm_90; sm_100 with NVFP4_MOE_SM100=1): its chained-call pattern
+                "moe_w4a16")  # the MoE entry with bf16 activations (sm_90): the same pattern
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -259,7 +260,7 @@ def kernel_names(capability) -> list[str]:
     from nvfp4_group_gemm import switches
 
     chain = KERNEL_NAMES[:4] if capability[0] == 10 else KERNEL_NAMES[4:7]
-    moe = ["moe"] if capability[0] == 9 or switches.CURRENT.moe_sm100 else []
+    moe = ["moe", "moe_w4a16"] if capability[0] == 9 else ["moe"] if switches.CURRENT.moe_sm100 else []
     return [*chain, "custom_kernel", *moe]
 
 
@@ -411,6 +412,8 @@ def pattern_rows(backend, capability, wanted) -> list[dict]:
     if "moe" in kernel_names(capability) and (wanted is None or "moe" in wanted):
         for chain in ((True, False) if capability[0] == 10 else (None,)):
             rows += moe_pattern_rows(chain)
+    if "moe_w4a16" in kernel_names(capability) and (wanted is None or "moe_w4a16" in wanted):
+        rows += moe_pattern_rows(None, w4a16=True)
     return rows
 
 
@@ -582,27 +585,31 @@ def _pattern_line(row) -> str:
     return f"  {row['case']:<24} {row['kernel'] + how:<28} {row['status']:<8} {detail}"
 
 
-def moe_pattern_rows(chain) -> list[dict]:
+def moe_pattern_rows(chain, w4a16: bool = False, device: str = "cuda") -> list[dict]:
     """The MoE entry's calls back to back on one plan (MOE_ROUTINGS: each call its own offsets,
     c and status; empty groups and invalid offsets between valid ones), then each checked: a
     valid call's rows against the exact sum, every other row still NaN, status 0; an invalid
-    call's c untouched and status 1. sm_100 (NVFP4_MOE_SM100=1) chained and unchained."""
+    call's c untouched and status 1. sm_100 (NVFP4_MOE_SM100=1) chained and unchained; `w4a16`:
+    bf16 activations (sm_90). `device`: where the tensors live (the tests run the checker on a
+    CPU with the entry replaced)."""
     import nvfp4_group_gemm
     from nvfp4_group_gemm import moe
 
     tokens, groups, n, k = MOE_PATTERN_SHAPE
-    row = {"case": "moe routings", "kind": "pattern", "kernel": "moe", "calls": len(MOE_ROUTINGS)}
+    row = {"case": "moe routings" + (" (W4A16)" if w4a16 else ""), "kind": "pattern",
+           "kernel": "moe_w4a16" if w4a16 else "moe", "calls": len(MOE_ROUTINGS)}
     if chain is not None:
         row["chained"] = chain
     try:
         with chained_calls(chain):
             nvfp4_group_gemm.reset_runtime()  # plans built under this chaining
-            inputs = moe.random_moe_inputs(tokens, groups, n, k, generator=torch.Generator().manual_seed(5))
+            inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=None if w4a16 else "plain",
+                                           device=device, generator=torch.Generator().manual_seed(5))
             calls = []
             for _, offsets in MOE_ROUTINGS:
-                calls.append(dict(inputs, offsets=torch.tensor(offsets, dtype=torch.int32, device="cuda"),
-                                  c=torch.full((tokens, n), float("nan"), dtype=torch.float16, device="cuda")))
-            statuses = [torch.full((1,), 7, dtype=torch.int32, device="cuda") for _ in calls]
+                calls.append(dict(inputs, offsets=torch.tensor(offsets, dtype=torch.int32, device=device),
+                                  c=torch.full((tokens, n), float("nan"), dtype=torch.float16, device=device)))
+            statuses = [torch.full((1,), 7, dtype=torch.int32, device=device) for _ in calls]
             nvfp4_group_gemm.moe_grouped_gemm(**calls[0], status=statuses[0])  # compiled, self-checked
             synchronize()
             for call in calls:
@@ -621,7 +628,7 @@ def moe_pattern_rows(chain) -> list[dict]:
                     failures.append(f"call {index + 1} ({what}): c written with invalid offsets")
                 continue
             bad = moe.compare_with_exact(*(call[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")))[0]
-            outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
+            outside = torch.ones(tokens, dtype=torch.bool, device=device)
             outside[offsets[0]:offsets[-1]] = False
             if bad or not torch.isnan(call["c"][outside]).all():
                 failures.append(f"call {index + 1} ({what}): {bad} outputs differ"

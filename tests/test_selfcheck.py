@@ -292,3 +292,46 @@ def test_a_race_between_chained_calls_is_named_by_kernel_pattern_and_call(monkey
     assert "small same c" in out and "per_tile chained" in out and "MISMATCH" in out
     unchained = selfcheck.chained_pattern_rows(backend, submission.SM100_CHOICES["per_tile"], "per_tile", False)
     assert [row["status"] for row in unchained] == ["pass", "pass"]
+
+
+@pytest.mark.parametrize("w4a16", [False, True], ids=["fp4", "w4a16"])
+def test_the_moe_pattern_checks_every_call_and_names_the_wrong_one(monkeypatch, capsys, w4a16):
+    """The MoE entry's pattern (MOE_ROUTINGS back to back on one plan) checked on a CPU with the
+    entry replaced: the exact decode passes every call; an entry that writes one wrong output in
+    the fourth call, or rows of c under invalid offsets, or a wrong status, is a MISMATCH naming
+    the call and what is wrong; the row names its kernel (moe or moe_w4a16)."""
+    import nvfp4_group_gemm
+    from nvfp4_group_gemm import moe
+
+    monkeypatch.setattr(selfcheck, "synchronize", lambda: None)
+    monkeypatch.setattr(nvfp4_group_gemm, "reset_runtime", lambda: None)
+    calls = []
+
+    def entry(a, sfa, b, sfb, offsets, c, status=None, alpha=None):
+        calls.append(offsets)
+        moe.exact_moe_call(a, sfa, b, sfb, offsets, c, status, alpha)
+
+    monkeypatch.setattr(nvfp4_group_gemm, "moe_grouped_gemm", entry)
+    [row] = selfcheck.moe_pattern_rows(None, w4a16=w4a16, device="cpu")
+    assert row["status"] == "pass" and row["kernel"] == ("moe_w4a16" if w4a16 else "moe"), row
+    assert len(calls) == 1 + len(selfcheck.MOE_ROUTINGS)
+
+    def wrong_fourth(a, sfa, b, sfb, offsets, c, status=None, alpha=None):
+        entry(a, sfa, b, sfb, offsets, c, status, alpha)
+        if len(calls) == 5:  # the first call compiles; then the pattern's calls 1 .. 6
+            c[5, 3] += 100
+    monkeypatch.setattr(nvfp4_group_gemm, "moe_grouped_gemm", wrong_fourth)
+    calls.clear()
+    [row] = selfcheck.moe_pattern_rows(None, w4a16=w4a16, device="cpu")
+    assert row["status"] == "MISMATCH" and row["failures"] == ["call 4 (valid): 1 outputs differ"], row
+
+    def writes_under_bad_offsets(a, sfa, b, sfb, offsets, c, status=None, alpha=None):
+        entry(a, sfa, b, sfb, offsets, c, status, alpha)
+        if int(status) == 1:
+            c.zero_()
+            status.fill_(0)
+    monkeypatch.setattr(nvfp4_group_gemm, "moe_grouped_gemm", writes_under_bad_offsets)
+    [row] = selfcheck.moe_pattern_rows(None, w4a16=w4a16, device="cpu")
+    assert row["failures"] == ["call 3 (decreasing): status 0", "call 3 (decreasing): c written with invalid offsets",
+                               "call 5 (past T): status 0", "call 5 (past T): c written with invalid offsets"], row
+    assert "moe routings" in capsys.readouterr().out
