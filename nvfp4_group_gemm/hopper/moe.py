@@ -473,6 +473,9 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
 
     operand_dtype = cutlass.BFloat16
     decode_rescale = 2.0**8  # the bf16 decode's v * s * 2^-8 on the weights alone
+    # each thread's token arrival covers every cp.async it issued before: issued after the
+    # step's weight copies, a token stage would also wait for weights needed a k-tile later
+    tokens_before_weights = True
 
     def __init__(self, config: SwapAbConfig, num_groups: int, epilogue: MoeEpilogue = MoeEpilogue()):
         if config.pdl or config.chain_calls:

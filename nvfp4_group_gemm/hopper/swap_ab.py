@@ -224,6 +224,10 @@ class Sm90SwapAbGemm:
     operand_dtype = cutlass.Float16
     # the exact rescale of the decoded operands: both carry 2^-14 (hopper.ptx's fp16 decode)
     decode_rescale = 2.0**28
+    # a k-tile's token copies issued before its step's weight copies (prologue and main loop): a
+    # token stage that completes with every earlier copy of the thread (cp.async arrivals) then
+    # waits for no weights issued after it
+    tokens_before_weights = False
 
     def __init__(self, config: SwapAbConfig, num_groups: int):
         config.check()
@@ -433,14 +437,19 @@ class Sm90SwapAbGemm:
         cute.arch.cp_async_wait_group(weights_ahead - 1)
         # Without it (weight stages per warp, token stages freed by the last warp): slower (EXPERIMENTS E8).
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.tokens_before_weights):  # noqa: SIM102 - a trace-time branch around a device one
+            if k_tile + tokens_ahead < k_tile_cnt:
+                self.load_tokens(tile_t, tidx, x_base, mbar_base, x_stage_next, k_tile + tokens_ahead, x_addr,
+                                 slab_bytes)
         next_weights = k_tile + weights_ahead
         # Weights straight to registers (no stage) saves at most the no-copy ceiling (EXPERIMENTS E75).
         if next_weights < k_tile_cnt:
             self.load_weights(tidx, w_base, w_stage_next, next_weights, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
         cute.arch.cp_async_commit_group()
-        next_tokens = k_tile + tokens_ahead
-        if next_tokens < k_tile_cnt:
-            self.load_tokens(tile_t, tidx, x_base, mbar_base, x_stage_next, next_tokens, x_addr, slab_bytes)
+        if cutlass.const_expr(not self.tokens_before_weights):
+            next_tokens = k_tile + tokens_ahead
+            if next_tokens < k_tile_cnt:
+                self.load_tokens(tile_t, tidx, x_base, mbar_base, x_stage_next, next_tokens, x_addr, slab_bytes)
         cute.nvgpu.warpgroup.wait_group(0)  # wgmma k_tile - 1 still reads a_frag
         self.decode_weights(tidx, w_base, w_stage, a_frag)
         # the token rows of k-tile k_tile (its stage's (k_tile // stages)-th copy)
@@ -496,6 +505,10 @@ class Sm90SwapAbGemm:
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
         weights_ahead, tokens_ahead = self.config.weights_ahead, self.config.tokens_ahead
+        if cutlass.const_expr(self.tokens_before_weights):
+            for s in cutlass.range_constexpr(tokens_ahead):
+                if s < k_tile_cnt:
+                    self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
         for s in cutlass.range_constexpr(weights_ahead):
             if s < k_tile_cnt:
                 self.load_weights(tidx, w_base, s, s, b_addr, sfb_addr, n0, b_row_bytes, rest_k)
@@ -506,9 +519,10 @@ class Sm90SwapAbGemm:
             # An L2 prefetch of all the tile's weights before this: slower (EXPERIMENTS E22).
             # Waiting per slab on the pre-pass's counters instead: slower (EXPERIMENTS E16).
             cute.arch.griddepcontrol_wait()
-        for s in cutlass.range_constexpr(tokens_ahead):
-            if s < k_tile_cnt:
-                self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
+        if cutlass.const_expr(not self.tokens_before_weights):
+            for s in cutlass.range_constexpr(tokens_ahead):
+                if s < k_tile_cnt:
+                    self.load_tokens(tile_t, tidx, x_base, mbar_base, s, s, x_addr, slab_bytes)
 
         # Main loop, one A fragment.
         # Two (the decode of k-tile k + 1 beside wgmma k): no faster (EXPERIMENTS E4, E26).
