@@ -313,6 +313,11 @@ def test_compile_targets_list_what_the_backend_runs():
         # the real-checkpoint epilogues (a scale per expert or per half of N, bf16 output)
         **{f"sm90_moe_gemm_{name}_{epilogue}": "sm_90a" for name in ("t32", "t32_split_k4", "variable")
            for epilogue in ("alpha_bf16", "halves_f16")},
+        # W4A16 (bf16 activations): the GEMM of every config moe_config can return, and the
+        # fused gate-and-up's epilogue on the decode and variable configs
+        **{f"sm90_moe_w4a16_{name}": "sm_90a" for name in ("split_k", "one_round", "one_round_k128", "variable",
+                                                            "t32", "t32_k128", "t64", "t32_split_k2", "t32_split_k4")},
+        **{f"sm90_moe_w4a16_{name}_halves": "sm_90a" for name in ("t32", "variable")},
     }
     # every config the automatic choice can return is registered
     for groups, n, k in ((8, 4096, 7168), (2, 3072, 4096), (1, 128, 256)):
