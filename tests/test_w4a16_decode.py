@@ -90,3 +90,34 @@ def test_the_decoded_products_are_exact_in_bf16():
     products = (codes[:, None] * scales[None, :] * 2.0**-8).flatten()
     assert torch.equal(products.to(torch.bfloat16).double(), products)
     assert float(products.abs().max()) == 6 * 448 * 2.0**-8
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_interpreter_reads_the_fp16_decode_as_the_hardware_does(seed):
+    """The interpreter checked on the fp16 register decode (`_decode_blocks_asm` "registers"),
+    whose results the GPU tests have confirmed: lane (g, t)'s register i of step s holds the
+    fragment's (row g or g+8, columns 2t + 8 (i // 2), + 1) in ptx's K permutation, i.e. the
+    physical element whose LOGICAL_COLUMN is that column, times its scale and 2^-14."""
+    inverse = {column: element for element, column in enumerate(ptx.LOGICAL_COLUMN)}
+    rng = np.random.default_rng(100 + seed)
+    rows = tuple(bytes(rng.integers(0, 256, 32, dtype=np.uint8).tolist()) for _ in range(2))
+    scales = tuple(bytes(rng.choice(SCALE_BYTES, 4).tolist()) for _ in range(2))
+    for t in range(4):
+        shared = {}
+        for base, data in ((0x100, rows[0]), (0x200, rows[1]), (0x300, scales[0]), (0x340, scales[1])):
+            shared.update({base + i: b for i, b in enumerate(data)})
+        half = 4 * (t // 2)
+        operands = {16 + i: v for i, v in enumerate((0x100 + half, 0x200 + half, ptx.a_word_selector(t), 0x300, 0x340))}
+        thread = Thread(operands, shared)
+        thread.run(ptx._decode_blocks_asm(1, "registers"))
+        for step in range(4):
+            for i, name in enumerate(ptx.FRAGMENT_REGISTERS):
+                row = 0 if name in ("e02", "o02") else 1
+                register = thread.registers[f"${4 * step + i}"]
+                got = [float(np.array([(register >> shift) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+                       for shift in (0, 16)]
+                pair = 2 * t + 8 * (i // 2)  # wgmma's columns of register i: row g for e02, o02
+                want = [float(np.float16(element(rows[row][8 * step:8 * step + 8], inverse[column])
+                                         * e4m3_to_float(scales[row][step]) * 2.0**-14))
+                        for column in (pair, pair + 1)]
+                assert got == want, (t, step, name, got, want)
