@@ -3,11 +3,11 @@ ModelOpt-format NVFP4 tensors, in W4A16 (bf16 activations, the default) and W4A4
 same layer with bf16 weights on `torch._grouped_mm`, each eager and as one CUDA graph replayed,
 with the bytes its expert weights take.
 
-    python bench/moe_ffn.py [--tokens 1,16,128,1024,4096] [--layers qwen3_30b,dsv3_ep8]
+    python bench/moe_ffn.py [--tokens 1,16,128,1024,4096] [--layers qwen3,dsv3_ep8]
                             [--repeats 20] [--json PATH]
 
-Layers:
-    qwen3_30b  Qwen3-30B-A3B: H 2048, I 768, top-8 of 128 experts, all local
+Layers (bench/moe_layers.py's):
+    qwen3      Qwen3-30B-A3B: H 2048, I 768, top-8 of 128 experts, all local
     dsv3_ep8   DeepSeek-V3 with 8-way expert parallelism: H 7168, I 2048, top-8 of 256 experts,
                32 local (experts 0..31; the pairs routed elsewhere add nothing here: MoeFfn's
                first_local)
@@ -26,7 +26,6 @@ Exit codes: 0 done; 2 cannot run (no sm_90 GPU, a bad option).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,27 +33,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moe_layers import LAYERS as GEMM_LAYERS
+from moe_layers import Layer
 
 FLUSH_BYTES = 256 << 20
+LAYERS = {name: GEMM_LAYERS[name] for name in ("qwen3", "dsv3_ep8")}
 
 
-@dataclasses.dataclass(frozen=True)
-class FfnLayer:
-    name: str
-    hidden: int
-    intermediate: int
-    experts: int  # routed experts in all
-    local: int  # experts on this GPU
-    top_k: int
-
-
-LAYERS = {
-    "qwen3_30b": FfnLayer("qwen3_30b", 2048, 768, 128, 128, 8),
-    "dsv3_ep8": FfnLayer("dsv3_ep8", 7168, 2048, 256, 32, 8),
-}
-
-
-def checkpoint_tensors(layer: FfnLayer, device, seed: int = 0) -> tuple[dict, dict]:
+def checkpoint_tensors(layer: Layer, device, seed: int = 0) -> tuple[dict, dict]:
     """(ModelOpt-format tensors of the local experts, under "layer.", the bf16 weights they
     quantize: {"w13": [E, 2I, H], "w2": [E, H, I]})."""
     from nvfp4_group_gemm import checkpoint
@@ -126,7 +114,7 @@ def time_us(fn, inputs: list[torch.Tensor], static_x: torch.Tensor, flush: torch
     return sum(times) / len(times)
 
 
-def run_layer(layer: FfnLayer, tokens_list: list[int], repeats: int, flush: torch.Tensor) -> list[dict]:
+def run_layer(layer: Layer, tokens_list: list[int], repeats: int, flush: torch.Tensor) -> list[dict]:
     from nvfp4_group_gemm import moe_layer
 
     tensors, weights = checkpoint_tensors(layer, "cuda")

@@ -1109,14 +1109,12 @@ def random_moe_inputs(tokens: int, groups: int, n: int, k: int, *, general_scale
     if sfb_layout == "blocked":
         sfb = blocked_scales(sfb)
     if sfa_layout is None:  # W4A16
-        a = (torch.randn(tokens, k, generator=generator) * 4).to(torch.bfloat16)
-        return {
-            "a": a.to(device), "sfa": None, "b": b.view(fp4).to(device), "sfb": sfb.to(device),
-            "offsets": torch.zeros(groups + 1, dtype=torch.int32, device=device),
-            "c": torch.full((tokens, n), float("nan"), dtype=torch.float16, device=device),
-        }
+        a, sfa = (torch.randn(tokens, k, generator=generator) * 4).to(torch.bfloat16), None
+    else:
+        a = a.view(fp4)
     return {
-        "a": a.view(fp4).to(device), "sfa": sfa.to(device), "b": b.view(fp4).to(device), "sfb": sfb.to(device),
+        "a": a.to(device), "sfa": None if sfa is None else sfa.to(device), "b": b.view(fp4).to(device),
+        "sfb": sfb.to(device),
         "offsets": torch.zeros(groups + 1, dtype=torch.int32, device=device),
         "c": torch.full((tokens, n), float("nan"), dtype=torch.float16, device=device),
     }

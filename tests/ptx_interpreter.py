@@ -37,6 +37,13 @@ def _float_to_bf16_bits(value: float) -> int:
     return int(torch.tensor([value], dtype=torch.float32).to(torch.bfloat16).view(torch.int16)[0]) & 0xFFFF
 
 
+# mul.rn of two 16-bit lanes: (lane value, rounding to the lane's bits)
+PAIRED_MULTIPLIES = {
+    "mul.rn.f16x2": (_f16_bits_to_float, _float_to_f16_bits),
+    "mul.rn.bf16x2": (_bf16_bits_to_float, _float_to_bf16_bits),
+}
+
+
 def e4m3_to_float(byte: int) -> float:
     return float(torch.tensor([byte], dtype=torch.uint8).view(torch.float8_e4m3fn).float()[0])
 
@@ -140,18 +147,10 @@ class Thread:
         elif opcode == "cvt.rn.bf16x2.f32":  # d = {cvt(a) high, cvt(b) low}
             high, low = (_float_to_bf16_bits(float(_bits_to_f32(x))) for x in v[:2])
             regs[d] = low | (high << 16)
-        elif opcode == "mul.rn.bf16x2":
-            lanes = []
-            for shift in (0, 16):
-                product = _bf16_bits_to_float(v[0] >> shift) * _bf16_bits_to_float(v[1] >> shift)
-                lanes.append(_float_to_bf16_bits(product))
-            regs[d] = lanes[0] | (lanes[1] << 16)
-        elif opcode == "mul.rn.f16x2":
-            lanes = []
-            for shift in (0, 16):
-                product = _f16_bits_to_float(v[0] >> shift) * _f16_bits_to_float(v[1] >> shift)
-                lanes.append(_float_to_f16_bits(product))
-            regs[d] = lanes[0] | (lanes[1] << 16)
+        elif opcode in PAIRED_MULTIPLIES:  # per 16-bit lane: the exact product, rounded once
+            value_of, bits_of = PAIRED_MULTIPLIES[opcode]
+            low, high = (bits_of(value_of(v[0] >> shift) * value_of(v[1] >> shift)) for shift in (0, 16))
+            regs[d] = low | (high << 16)
         else:
             raise NotImplementedError(f"PTX opcode {opcode} ({rest})")
 

@@ -15,7 +15,7 @@ import moe_ffn
 
 from nvfp4_group_gemm import moe_layer
 
-SMALL = moe_ffn.FfnLayer("small", hidden=256, intermediate=128, experts=8, local=4, top_k=2)
+SMALL = moe_ffn.Layer("small", hidden=256, intermediate=128, experts=8, local=4, top_k=2)
 
 
 @pytest.mark.parametrize("activations", ["bf16", "nvfp4"])

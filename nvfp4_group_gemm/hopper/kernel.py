@@ -41,7 +41,6 @@ from .ptx import (
     load_u32_shared,
     opaque_i64,
     pack_16x8,
-    pack_f16x8,
     store_f16x2,
     store_f32x4_global,
     store_f32x4_to_rank,
@@ -66,19 +65,28 @@ def stage_scale_offset(row, block, base=0):
 
 @cute.jit
 def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr,
-                            parts: cutlass.Constexpr = 1, part_bytes: cutlass.Constexpr = 0):
+                            parts: cutlass.Constexpr = 1, part_bytes: cutlass.Constexpr = 0,
+                            dtype: cutlass.Constexpr = cutlass.Float16):
     """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
     64 v + 16 w + g and + 8 of a stage (packed rows of row_bytes from packed_base, their scale
-    atoms from scales_base; 4-byte half t // 2 of every scale block, the bytes
-    a_word_selector(t) picks) into the wgmma A fragment, in ptx's K permutation. `parts`
+    atoms from scales_base) into the wgmma A fragment. fp16: in ptx's K permutation, from the
+    4-byte half t // 2 of every scale block (the bytes a_word_selector(t) picks); bf16 (W4A16):
+    in natural K order, from the whole 8 bytes (the bytes bf16_word_selector(t) picks). `parts`
     stages of tile_k (64) each, part_bytes apart, fill the fragment's k16 steps in order (one
     decode, every load first)."""
     lane = tidx % 32
     row = (tidx // 32) * 16 + lane // 4
     t = lane % 4
-    half_offset = (t // 2) * 4
-    # a_word_selector(t) depends on t % 2 only, by one step per byte selector
-    selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
+    if cutlass.const_expr(dtype == cutlass.Float16):
+        half_offset = (t // 2) * 4
+        # a_word_selector(t) depends on t % 2 only, by one step per byte selector
+        selector = a_word_selector(0) + (a_word_selector(1) - a_word_selector(0)) * (t % 2)
+        decode = decode_scale_blocks_to_registers
+    else:
+        half_offset = 0
+        # bf16_word_selector(t) is linear in t
+        selector = bf16_word_selector(0) + (bf16_word_selector(1) - bf16_word_selector(0)) * t
+        decode = decode_bf16_rows_to_registers
     rows = (row, row + 8)
     units = [
         (
@@ -88,42 +96,12 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
         )
         for part in range(parts)
     ]
-    steps_of_parts = decode_scale_blocks_to_registers(units)
+    steps_of_parts = decode(units)
     # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
     for part in cutlass.range_constexpr(parts):
         for step in cutlass.range_constexpr(tile_k // 16):
             step_frag = a_frag[(None, 0, part * (tile_k // 16) + step)]
-            step_frag.store(
-                cute.TensorSSA(pack_f16x8(steps_of_parts[part][step]), step_frag.shape, cutlass.Float16)
-            )
-
-
-@cute.jit
-def decode_bf16_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr,
-                                 parts: cutlass.Constexpr = 1, part_bytes: cutlass.Constexpr = 0):
-    """decode_rows_to_fragment's W4A16 twin: lane (g, t) of warp w in warpgroup v decodes rows
-    64 v + 16 w + g and + 8 into bf16 fragment registers in natural K order (hopper.ptx's bf16
-    decode: the whole 8 bytes of each row's block, the bytes bf16_word_selector(t) picks)."""
-    lane = tidx % 32
-    row = (tidx // 32) * 16 + lane // 4
-    t = lane % 4
-    # bf16_word_selector(t) is linear in t
-    selector = bf16_word_selector(0) + (bf16_word_selector(1) - bf16_word_selector(0)) * t
-    rows = (row, row + 8)
-    units = [
-        (
-            *(packed_base + part * part_bytes + r * row_bytes for r in rows),
-            selector,
-            *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) for r in rows),
-        )
-        for part in range(parts)
-    ]
-    steps_of_parts = decode_bf16_rows_to_registers(units)
-    for part in cutlass.range_constexpr(parts):
-        for step in cutlass.range_constexpr(tile_k // 16):
-            step_frag = a_frag[(None, 0, part * (tile_k // 16) + step)]
-            step_frag.store(cute.TensorSSA(pack_16x8(steps_of_parts[part][step], cutlass.BFloat16), step_frag.shape,
-                                           cutlass.BFloat16))
+            step_frag.store(cute.TensorSSA(pack_16x8(steps_of_parts[part][step], dtype), step_frag.shape, dtype))
 
 
 @cute.jit

@@ -44,7 +44,7 @@ from cutlass import cute
 from nvfp4_group_gemm import core
 
 from .config import SF_VEC_SIZE, SWAP_AB_HALF_K, SwapAbConfig
-from .kernel import decode_bf16_rows_to_fragment, smem_per_sm_known_without_gpu
+from .kernel import decode_rows_to_fragment, smem_per_sm_known_without_gpu
 from .ptx import (
     cp_async_16B,
     cp_async_mbarrier_arrive_noinc,
@@ -552,10 +552,10 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
     @cute.jit
     def decode_weights(self, tidx, w_base, stage, a_frag):
         """The stage's weight rows into the bf16 fragment in natural K order
-        (kernel.decode_bf16_rows_to_fragment)."""
+        (kernel.decode_rows_to_fragment)."""
         w_stage = w_base + stage * self.config.weight_stage_bytes
-        decode_bf16_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag,
-                                     SWAP_AB_HALF_K, self.k_halves, self.config.weight_half_bytes)
+        decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, SWAP_AB_HALF_K,
+                                self.k_halves, self.config.weight_half_bytes, cutlass.BFloat16)
 
 
 def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:

@@ -578,15 +578,6 @@ def decode_scale_blocks_to_registers(units, *, loc=None, ip=None):
     return [[registers[16 * u + 4 * s : 16 * u + 4 * s + 4] for s in range(4)] for u in range(len(units))]
 
 
-@dsl_user_op
-def pack_f16x8(registers, *, loc=None, ip=None):
-    """Four Int32 registers (fp16x2 each) -> vector<8 x f16> in register order."""
-    vec_i32 = vector.from_elements(
-        ir.VectorType.get([4], cutlass.Int32.mlir_type, loc=loc), list(registers), loc=loc, ip=ip
-    )
-    return llvm.bitcast(ir.VectorType.get([8], cutlass.Float16.mlir_type, loc=loc), vec_i32, loc=loc, ip=ip)
-
-
 
 # Decode of packed e2m1 into bf16 in natural K order (W4A16: the activations are read as they
 # are, so the weights' fragment must hold K in order; the fp16 decode's K permutation above is
