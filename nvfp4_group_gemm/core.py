@@ -2909,6 +2909,14 @@ class RuntimeCache:
             evicted.append(entry)
         return evicted
 
+    def drop(self, predicate: Callable) -> list:
+        """Remove every entry whose value `predicate` selects (the byte count follows); return
+        them, least recently used first."""
+        dropped = [key for key, entry in self.entries.items() if predicate(entry)]
+        removed = [self.entries.pop(key) for key in dropped]
+        self.nbytes -= sum(getattr(entry, "nbytes", 0) for entry in removed)
+        return removed
+
     def __len__(self):
         return len(self.entries)
 
@@ -3221,10 +3229,8 @@ def select_backend(device_index: int) -> Sm100Backend:
 
 def _drop_plans(predicate) -> None:
     """Remove the plans that `predicate` selects, and their bindings."""
-    for key in [key for key, plan in _PLANS.entries.items() if predicate(plan)]:
-        _PLANS.nbytes -= _PLANS.entries.pop(key).nbytes
-    for key in [key for key, binding in _BINDINGS.entries.items() if predicate(binding.plan)]:
-        del _BINDINGS.entries[key]
+    _PLANS.drop(predicate)
+    _BINDINGS.drop(lambda binding: predicate(binding.plan))
 
 
 def get_plan(backend, problem_sizes, device: torch.device) -> Plan:

@@ -633,17 +633,14 @@ def _evict_bindings_of(evicted_plans) -> None:
     launch.retire(evicted_plans)
     gone = {id(plan) for plan in evicted_plans}
     for per_stream in _BINDINGS.entries.values():
-        stale = [k for k, v in per_stream.entries.items() if v is not _SEEN_ONCE and id(v.plan) in gone]
-        launch.retire([per_stream.entries.pop(k) for k in stale])
+        launch.retire(per_stream.drop(lambda binding: binding is not _SEEN_ONCE and id(binding.plan) in gone))
 
 
 def _forget_plans_of(kernel_key: tuple) -> None:
-    """A demotion of a MoE kernel: drop the plans that run it and their bindings (their shapes
-    plan again on the next call, on the next link)."""
-    if kernel_key[0] != MOE_BACKEND:
-        return
-    dropped = [k for k, plan in _PLANS.entries.items() if plan.kernel_key == kernel_key]
-    _evict_bindings_of([_PLANS.entries.pop(k) for k in dropped])
+    """A demotion of a MoE kernel (sm_90 or sm_100): drop the plans that run it and their
+    bindings (their shapes plan again on the next call, on the next link)."""
+    if kernel_key[0] in (MOE_BACKEND, SM100_MOE_BACKEND):
+        _evict_bindings_of(_PLANS.drop(lambda plan: plan.kernel_key == kernel_key))
 
 
 core.DEMOTION_LISTENERS.append(_forget_plans_of)
@@ -799,6 +796,7 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
     if entry is None or entry is _SEEN_ONCE:
         _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where, alpha=alpha)
     else:
+        per_stream.entries.move_to_end(key)  # least recently used bindings go first
         entry.launch()
     return c
 

@@ -426,16 +426,13 @@ def select_backend(device_index: int):
 def _drop_bindings(predicate) -> None:
     """Remove the bindings whose plan `predicate` selects (they would keep its memory alive;
     retired instead while a capture runs)."""
-    for binding_key in [k for k, b in _BINDINGS.entries.items() if predicate(b.plan)]:
-        _retire([_BINDINGS.entries.pop(binding_key)])
+    _retire(_BINDINGS.drop(lambda binding: predicate(binding.plan)))
 
 
 def _drop_plans(predicate) -> None:
     """Remove the plans that `predicate` selects, and their bindings."""
-    for key in [key for key, plan in _PLANS.entries.items() if predicate(plan)]:
-        _PLANS.nbytes -= _PLANS.entries.pop(key).nbytes
-    for key in [key for key, plan in _SIZE_PLANS.entries.items() if predicate(plan)]:
-        _SIZE_PLANS.nbytes -= _SIZE_PLANS.entries.pop(key).nbytes
+    _PLANS.drop(predicate)
+    _SIZE_PLANS.drop(predicate)
     _drop_bindings(predicate)
 
 

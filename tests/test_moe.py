@@ -434,7 +434,7 @@ def test_a_demotion_drops_the_plans_of_that_kernel_and_their_bindings():
     chain = moe.moe_chain(shape, 132, True, None)
     doomed, other = FakePlan(chain, 4), FakePlan(chain[1:], 4)
     for plan in (doomed, other):
-        plan.captured, plan.nbytes = False, 0
+        plan.captured, plan.nbytes = False, 100
         moe._PLANS.put(("key", plan.choice.name), plan)
     per_stream = core.RuntimeCache(max_entries=moe.MAX_BINDINGS)
     per_stream.put("doomed", types.SimpleNamespace(plan=doomed))
@@ -442,6 +442,51 @@ def test_a_demotion_drops_the_plans_of_that_kernel_and_their_bindings():
     moe._BINDINGS.put((0, 0), per_stream)
     core.demote(moe.MOE_BACKEND, chain[0], chain, 4, "a test")
     assert list(moe._PLANS.entries) == [("key", chain[1].name)] and list(per_stream.entries) == ["other"]
+    assert moe._PLANS.nbytes == 100  # the byte count follows the dropped plan
+
+
+def test_a_demotion_of_the_sm100_kernel_drops_its_plans_bindings_and_their_bytes():
+    """The sm_100 MoE kernel is demoted like the sm_90 ones: its plans go (and the plan cache's
+    byte count with them), so no binding of it launches again."""
+    import types
+
+    shape = moe.MoeShape(300, 4, 256, 512, "plain", "blocked")
+    chain = [core.KernelChoice(moe.SM100_MOE_BACKEND, "sm100_moe", shape.epilogue(), per_group_count=True),
+             core.KernelChoice(moe.SM100_MOE_BACKEND, "exact_decode", host=True)]
+    doomed = moe.Sm100MoePlan(types.SimpleNamespace(), {"scratch": torch.zeros(256, dtype=torch.uint8)}, chain, 4)
+    other = FakePlan(moe.moe_chain(shape, 132, True, None), 4)
+    other.captured, other.nbytes = False, 1000
+    moe._PLANS.put("doomed", doomed)
+    moe._PLANS.put("other", other)
+    assert moe._PLANS.nbytes == 1256
+    per_stream = core.RuntimeCache(max_entries=moe.MAX_BINDINGS)
+    per_stream.put("doomed", types.SimpleNamespace(plan=doomed))
+    per_stream.put("other", types.SimpleNamespace(plan=other))
+    moe._BINDINGS.put((0, 0), per_stream)
+    core.demote(moe.SM100_MOE_BACKEND, chain[0], chain, 4, "a test")
+    assert list(moe._PLANS.entries) == ["other"] and list(per_stream.entries) == ["other"]
+    assert moe._PLANS.nbytes == 1000
+
+
+def test_the_hit_path_keeps_bindings_least_recently_used_first(monkeypatch):
+    """A hit touches its binding: with MAX_BINDINGS bindings cached, the next new one evicts the
+    binding used longest ago, not the first one made."""
+    import types
+
+    inputs = cpu_inputs()
+    names = ("a", "sfa", "b", "sfb", "offsets", "c")
+    monkeypatch.setattr(launch, "_current_stream_handle", lambda: 0)
+    monkeypatch.setattr(core, "current_device_index", lambda: 0)
+    launches = []
+    first = types.SimpleNamespace(launch=lambda: launches.append("first"))
+    per_stream = core.RuntimeCache(max_entries=2)
+    key = moe._binding_key(*(inputs[n] for n in names), None)
+    per_stream.put(key, first)
+    per_stream.put("second", types.SimpleNamespace(launch=None))
+    moe._BINDINGS.put((0, 0), per_stream)
+    moe.moe_grouped_gemm(*(inputs[n] for n in names))  # a hit on the first binding made
+    assert launches == ["first"]
+    assert per_stream.put("third", types.SimpleNamespace()) and list(per_stream.entries) == [key, "third"]
 
 
 def test_the_exact_link_writes_valid_calls_and_flags_bad_offsets(monkeypatch):
