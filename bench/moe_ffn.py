@@ -76,8 +76,8 @@ class Bf16Ffn:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         layer = self.layer
         tokens = x.shape[0]
-        experts, weights = layer.route(x)
-        experts = layer.local_experts(experts)
+        topk_ids, weights = layer.route(x)
+        experts = layer.local_experts(topk_ids.reshape(-1))
         order, offsets = layer.sort_by_expert(experts)
         rows = x[order // layer.top_k]
         gate_up = torch._grouped_mm(rows, self.w13_t, offs=offsets[1:])
