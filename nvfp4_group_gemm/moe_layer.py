@@ -213,3 +213,29 @@ class MoeFfn:
         c = torch.empty(rows.shape[0], projection.b.shape[1], dtype=torch.bfloat16, device=rows.device)
         moe_grouped_gemm_op(a, sfa, projection.b, projection.sfb, offsets, c, status, alpha)
         return c
+
+
+def float64_reference(layer: MoeFfn, x: torch.Tensor) -> torch.Tensor:
+    """What `layer` computes before its roundings, float64 [T, H]: its routing of x (layer.route),
+    each routed pair through its expert dequantized exactly (checkpoint.dequantize_projection)
+    with SwiGLU, weighted and summed, plus the shared expert; the pairs routed to other ranks'
+    experts add nothing. A reference (it loops over the experts): tests and examples."""
+    topk_ids, topk_weights = layer.route(x)
+    x64 = x.double()
+    out = torch.zeros(x.shape[0], layer.hidden, dtype=torch.float64, device=x.device)
+
+    def expert_ffn(rows, w13, w2):
+        gate, up = (rows @ w13.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+    w13, w2 = checkpoint.dequantize_projection(layer.w13), checkpoint.dequantize_projection(layer.w2)
+    local = layer.local_experts(topk_ids.long())
+    for e in range(layer.experts):
+        tokens, slots = torch.nonzero(local == e, as_tuple=True)
+        if tokens.numel():
+            weights = topk_weights[tokens, slots].double()[:, None]
+            out.index_add_(0, tokens, weights * expert_ffn(x64[tokens], w13[e], w2[e]))
+    if layer.shared is not None:
+        out += expert_ffn(x64, checkpoint.dequantize_projection(layer.shared["w13"])[0],
+                          checkpoint.dequantize_projection(layer.shared["w2"])[0])
+    return out
