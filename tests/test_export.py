@@ -342,3 +342,17 @@ def test_loading_one_layer_holds_about_that_layers_bytes_on_the_host(tmp_path, c
               f"the layer's {layer_bytes / 2**20:.1f} MiB (file {file_bytes / 2**20:.0f} MiB)")
     assert peak <= 2.5 * layer_bytes + (8 << 20)
     assert peak < file_bytes
+
+
+@needs_checkpoints
+def test_the_example_runs_every_layer_of_an_export_within_its_bound(capsys):
+    """examples/run_export.py on a CPU: one line per MoE layer, each error within W4A16's bound."""
+    sys.path.insert(0, str(REPO_ROOT / "examples"))
+    import run_export
+
+    assert run_export.main([str(CHECKPOINTS / "deepseek_v3"), "--device", "cpu", "--tokens", "8", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:-1]]
+    assert [int(row[0]) for row in rows] == [1] and all(float(row[2]) < W4A16_BOUND for row in rows), lines
+    assert lines[-1].startswith("largest relative error") and lines[-1].endswith("(within 1%)")
+    assert run_export.main([str(CHECKPOINTS / "mixtral"), "--device", "cpu", "--tokens", "0"]) == 2
