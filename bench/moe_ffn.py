@@ -251,6 +251,8 @@ def run_layer(layer: Layer, directory: Path, tokens_list: list[int], repeats: in
     memory["W4A4"] = memory["W4A16"]
     load = {"layer": layer.name, "load_s": load_s, "host_peak_bytes": peak, "weight_bytes": memory}
     print_load(load)
+    print(f"{'layer':<10}{'tokens':>6}{'W4A16 eager':>12}{'graph':>6}{'W4A4 eager':>12}{'graph':>6}"
+          f"{'bf16 eager':>12}{'graph':>6}{'W4A16/bf16':>11}{'W4A4/bf16':>10}{'err W4A16':>10}{'W4A4':>6}")
     rows = []
     for tokens in tokens_list:
         generator = torch.Generator(device="cuda").manual_seed(tokens)
@@ -324,8 +326,6 @@ def main(argv=None) -> int:
             begin = time.perf_counter()
             directory = write_export(layer, root / name, ARCHITECTURES[name], "cuda")
             print(f"{name}: export {directory} ready in {time.perf_counter() - begin:.1f} s", flush=True)
-            print(f"{'layer':<10}{'tokens':>6}{'W4A16 eager':>12}{'graph':>6}{'W4A4 eager':>12}{'graph':>6}"
-                  f"{'bf16 eager':>12}{'graph':>6}{'W4A16/bf16':>11}{'W4A4/bf16':>10}{'err W4A16':>10}{'W4A4':>6}")
             results.append(run_layer(layer, directory, tokens_list, args.repeats, flush))
             torch.cuda.empty_cache()
     finally:

@@ -1,9 +1,12 @@
-"""A MoE feed-forward layer on the MoE entry, from a ModelOpt NVFP4 checkpoint's tensors.
+"""A MoE feed-forward layer on the MoE entry, from a ModelOpt NVFP4 export or its tensors.
 
-    layer = MoeFfn(tensors, prefix, router_weight, top_k)     # once, at load (W4A16)
-    y = layer(x)                                              # x [T, H] bf16 -> y [T, H] bf16
+    layer = MoeFfn.from_pretrained(path, layer_index, device="cuda")   # an export directory (W4A16)
+    layer = MoeFfn(tensors, prefix, router_weight, top_k)              # or tensors given by hand
+    y = layer(x)                                                       # x [T, H] bf16 -> y [T, H] bf16
+    y = layer.experts_output(x, topk_ids, topk_weights)                # a caller's own routing
 
-One call: router logits (fp32), softmax, top-k, the weights renormalized over the k experts; the
+One call: router logits (fp32), the architecture's routing (nvfp4_group_gemm.routing; by hand:
+softmax, top-k, the weights renormalized over the k experts); the
 T x k (token, expert) pairs sorted by expert on the GPU (a stable argsort) and the group offsets
 from their counts (scatter_add, cumsum: no host read); the gate-and-up GEMM of the sorted rows
 (the entry with the checkpoint's per-expert alpha, bf16 output), SwiGLU (silu(gate) x up in
