@@ -168,6 +168,21 @@ def load_projection(tensors: dict, name: str) -> MoeProjection:
                          input_scale)
 
 
+def dequantize_projection(projection: MoeProjection, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """A loaded projection's weights [E, N, K] in `dtype` (float64: exact): e2m1 x e4m3 (the
+    core's decode of the plain scales, read back from the blocked ones) x weight_scale_2."""
+    from .moe import plain_scales_of_blocked
+
+    experts, n, half_k = projection.b.shape
+    codes = projection.b.view(torch.uint8)
+    scaled = torch.stack([core.decode_fp4(codes[g], plain_scales_of_blocked(projection.sfb[g], n, 2 * half_k))
+                          for g in range(experts)]).to(dtype)
+    scale_2 = projection.weight_scale_2.to(dtype)
+    if scale_2.dim() == 2:  # gate and up halves of a fused w13, each its own scale
+        return scaled * scale_2.repeat_interleave(n // 2, dim=1)[:, :, None]
+    return scaled * scale_2[:, None, None]
+
+
 def load_moe_layer(tensors: dict, prefix: str = "") -> dict[str, MoeProjection]:
     """A ModelOpt NVFP4 MoE layer's tensors (names `<prefix>w13_weight`, ...) as the entry's
     operands: {"w13": gate-and-up, "w2": down}."""

@@ -1,9 +1,12 @@
-"""A MoE feed-forward layer on the MoE entry, from a ModelOpt NVFP4 checkpoint's tensors.
+"""A MoE feed-forward layer on the MoE entry, from a ModelOpt NVFP4 export or its tensors.
 
-    layer = MoeFfn(tensors, prefix, router_weight, top_k)     # once, at load (W4A16)
-    y = layer(x)                                              # x [T, H] bf16 -> y [T, H] bf16
+    layer = MoeFfn.from_pretrained(path, layer_index, device="cuda")   # an export directory (W4A16)
+    layer = MoeFfn(tensors, prefix, router_weight, top_k)              # or tensors given by hand
+    y = layer(x)                                                       # x [T, H] bf16 -> y [T, H] bf16
+    y = layer.experts_output(x, topk_ids, topk_weights)                # a caller's own routing
 
-One call: router logits (fp32), softmax, top-k, the weights renormalized over the k experts; the
+One call: router logits (fp32), the architecture's routing (nvfp4_group_gemm.routing; by hand:
+softmax, top-k, the weights renormalized over the k experts); the
 T x k (token, expert) pairs sorted by expert on the GPU (a stable argsort) and the group offsets
 from their counts (scatter_add, cumsum: no host read); the gate-and-up GEMM of the sorted rows
 (the entry with the checkpoint's per-expert alpha, bf16 output), SwiGLU (silu(gate) x up in
@@ -29,6 +32,7 @@ import torch
 
 from . import checkpoint
 from .op import moe_grouped_gemm_op
+from .routing import Routing, route
 
 
 def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +52,12 @@ class MoeFfn:
     up rows: N = 2 I) and `<prefix>w2_*` (N = H), with a router `router_weight` [E, H] and
     `top_k` experts per token; `activations` "bf16" (W4A16) or "nvfp4" (W4A4).
 
+    From an export directory: MoeFfn.from_pretrained(path, layer) (nvfp4_group_gemm.export),
+    routing as the architecture routes (nvfp4_group_gemm.routing), DeepSeek-V3's shared expert
+    added to every token. `routing` (default: softmax, top-k, renormalized),
+    `e_score_correction_bias` and `shared` ({"w13", "w2"} projections of one group) are the
+    same settings for tensors given by hand.
+
     Expert parallelism: the router scores every expert (router_weight [E_all, H]) and `tensors`
     hold the E local ones, experts first_local .. first_local + E - 1 of them; the pairs routed
     elsewhere sort after the local groups (rows past offsets[E]: neither read nor written by the
@@ -55,14 +65,45 @@ class MoeFfn:
     all-reduce over the expert-parallel GPUs sums. E_all = E (the default): every expert local."""
 
     def __init__(self, tensors: dict, prefix: str, router_weight: torch.Tensor, top_k: int,
-                 activations: str = "bf16", first_local: int = 0):
+                 activations: str = "bf16", first_local: int = 0, *, routing: Routing | None = None,
+                 e_score_correction_bias: torch.Tensor | None = None,
+                 shared: dict[str, checkpoint.MoeProjection] | None = None):
+        layer = checkpoint.load_moe_layer(tensors, prefix)
+        routing = Routing("softmax", top_k, renormalize=True) if routing is None else routing
+        if routing.top_k != top_k:
+            raise ValueError(f"MoeFfn: top_k = {top_k}: routing.top_k = {routing.top_k} differs")
+        self._build(layer["w13"], layer["w2"], router_weight, routing, activations, first_local,
+                    e_score_correction_bias, shared)
+
+    @classmethod
+    def from_weights(cls, weights, activations: str = "bf16", with_shared: bool | None = None) -> MoeFfn:
+        """The layer of an export's MoeLayerWeights (export.Export.load_moe_layer). The shared
+        expert is added where `with_shared` (default: where the weights' experts start at 0, so
+        that an all-reduce over expert-parallel ranks adds it once)."""
+        with_shared = weights.first_expert == 0 if with_shared is None else with_shared
+        layer = cls.__new__(cls)
+        layer._build(weights.w13, weights.w2, weights.router_weight, weights.routing, activations,
+                     weights.first_expert, weights.e_score_correction_bias, weights.shared if with_shared else None)
+        return layer
+
+    @classmethod
+    def from_pretrained(cls, path, layer: int, device="cuda", activations: str = "bf16",
+                        experts: range | None = None) -> MoeFfn:
+        """MoE layer `layer` of the ModelOpt NVFP4 export directory `path` on `device`: its
+        experts (all, or the range `experts`), router and routing, shared expert (MoeFfn.from_weights)."""
+        from .export import open_export
+
+        return cls.from_weights(open_export(path).load_moe_layer(layer, device=device, experts=experts), activations)
+
+    def _build(self, w13, w2, router_weight, routing, activations, first_local, e_score_correction_bias, shared):
         if activations not in ACTIVATIONS:
             raise ValueError(f"MoeFfn: activations = {activations!r}: must be one of {ACTIVATIONS}")
         self.activations = activations
-        layer = checkpoint.load_moe_layer(tensors, prefix)
-        self.w13, self.w2 = layer["w13"], layer["w2"]
+        self.w13, self.w2 = w13, w2
         self.router_weight = router_weight.float()
-        self.top_k = top_k
+        self.routing = routing
+        self.top_k = routing.top_k
+        self.e_score_correction_bias = None if e_score_correction_bias is None else e_score_correction_bias.float()
         self.experts, self.intermediate = self.w13.b.shape[0], self.w13.b.shape[1] // 2
         self.hidden = self.w2.b.shape[1]
         self.first_local = first_local
@@ -72,6 +113,10 @@ class MoeFfn:
         # one activation scale per projection (the experts' largest), alpha recomputed with it
         self.scale13, self.alpha13 = self._scale_and_alpha(self.w13)
         self.scale2, self.alpha2 = self._scale_and_alpha(self.w2)
+        self.shared = shared
+        if shared is not None:
+            self.shared_scale13, self.shared_alpha13 = self._scale_and_alpha(shared["w13"])
+            self.shared_scale2, self.shared_alpha2 = self._scale_and_alpha(shared["w2"])
 
     def _scale_and_alpha(self, projection: checkpoint.MoeProjection) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the activations' global scale, None in W4A16; the GEMM's alpha [G] or [G, 2])."""
@@ -83,12 +128,10 @@ class MoeFfn:
         scale = projection.input_scale.max()
         return scale, (scale * projection.weight_scale_2).float().contiguous()
 
-    def route(self, x: torch.Tensor):
-        """(each (token, expert) pair's expert [T k], its weight [T, k]): softmax over the router's
-        logits, top-k, renormalized."""
-        probabilities = torch.softmax(x.float() @ self.router_weight.T, dim=-1)
-        weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
-        return experts.reshape(-1), weights / weights.sum(dim=-1, keepdim=True)
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids int64 [T, k], topk_weights fp32 [T, k]) of x [T, H]: the router's fp32
+        logits through the layer's routing (nvfp4_group_gemm.routing)."""
+        return route(x.float() @ self.router_weight.T, self.routing, self.e_score_correction_bias)
 
     def local_experts(self, experts: torch.Tensor) -> torch.Tensor:
         """Each pair's local expert, E (one past the last) for a pair routed to another GPU's."""
@@ -107,24 +150,59 @@ class MoeFfn:
         return order, offsets
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.shape[0]
-        experts, weights = self.route(x)
-        experts = self.local_experts(experts)
+        """x [T, H] bf16 -> y [T, H] bf16: routing, the routed experts, the shared expert."""
+        topk_ids, topk_weights = self.route(x)
+        if self.shared is None:
+            return self.experts_output(x, topk_ids, topk_weights)
+        routed = self.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32)
+        return (routed + self.shared_expert(x).float()).to(torch.bfloat16)
+
+    def experts_output(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The routed experts' weighted sum for a caller that routes itself (vLLM's
+        `fused_experts` convention): hidden_states [T, H] bf16, each token's experts topk_ids
+        [T, k] (int32 or int64, global expert ids: the local ones first_local .. count) and
+        their weights topk_weights [T, k]; no shared expert. Torch ops and the entry only: no
+        host read, graph-safe."""
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden:
+            raise ValueError(f"MoeFfn: hidden_states.shape = {tuple(hidden_states.shape)}: must be [T, {self.hidden}]")
+        tokens = hidden_states.shape[0]
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(f"MoeFfn: topk_ids.shape = {tuple(topk_ids.shape)}, topk_weights.shape = "
+                             f"{tuple(topk_weights.shape)}: both must be [T, k] with T = {tokens}")
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"MoeFfn: topk_ids.dtype = {topk_ids.dtype}: must be int32 or int64")
+        top_k = topk_ids.shape[1]
+        experts = self.local_experts(topk_ids.reshape(-1).long())
         order, offsets = self.sort_by_expert(experts)
-        rows = x[order // self.top_k]  # the sorted pairs' tokens, [T k, H]
-        status = torch.zeros(1, dtype=torch.int32, device=x.device)
-        gate_up = self.gemm(rows, self.w13, self.scale13, self.alpha13, offsets, status)
-        gate, up = gate_up[:, :self.intermediate].float(), gate_up[:, self.intermediate:].float()
-        hidden = torch.nn.functional.silu(gate) * up
-        if self.scale2 is None:  # W4A16: the down GEMM reads bf16 rows
-            hidden = hidden.to(torch.bfloat16)
-        down = self.gemm(hidden, self.w2, self.scale2, self.alpha2, offsets, status)
+        rows = hidden_states[order // top_k]  # the sorted pairs' tokens, [T k, H]
+        status = torch.zeros(1, dtype=torch.int32, device=hidden_states.device)
+        down = self.ffn(rows, self.w13, self.w2, (self.scale13, self.alpha13), (self.scale2, self.alpha2), offsets,
+                        status)
         unsorted = torch.empty_like(down)
         unsorted[order] = down  # row p: pair p = (token p // k, its (p % k)-th expert)
         # the rows of pairs on other GPUs' experts were not written: they add nothing here
         unsorted = torch.where((experts < self.experts)[:, None], unsorted.float(), 0.0)
-        weighted = unsorted.view(tokens, self.top_k, self.hidden) * weights[..., None]
-        return weighted.sum(dim=1).to(torch.bfloat16)
+        weighted = unsorted.view(tokens, top_k, self.hidden) * topk_weights.float()[..., None]
+        return weighted.sum(dim=1).to(out_dtype)
+
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert of every token, bf16 [T, H] (one group: offsets [0, T] made on
+        the device)."""
+        offsets = torch.arange(2, dtype=torch.int32, device=x.device) * x.shape[0]
+        status = torch.zeros(1, dtype=torch.int32, device=x.device)
+        return self.ffn(x, self.shared["w13"], self.shared["w2"], (self.shared_scale13, self.shared_alpha13),
+                        (self.shared_scale2, self.shared_alpha2), offsets, status)
+
+    def ffn(self, rows, w13, w2, scale_alpha13, scale_alpha2, offsets, status) -> torch.Tensor:
+        """Gate-and-up GEMM, SwiGLU (fp32), down GEMM over rows grouped by `offsets`, bf16."""
+        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets, status)
+        intermediate = w13.b.shape[1] // 2
+        gate, up = gate_up[:, :intermediate].float(), gate_up[:, intermediate:].float()
+        hidden = torch.nn.functional.silu(gate) * up
+        if scale_alpha2[0] is None:  # W4A16: the down GEMM reads bf16 rows
+            hidden = hidden.to(torch.bfloat16)
+        return self.gemm(hidden, w2, *scale_alpha2, offsets, status)
 
     @staticmethod
     def gemm(rows: torch.Tensor, projection: checkpoint.MoeProjection, scale: torch.Tensor | None,
@@ -138,3 +216,29 @@ class MoeFfn:
         c = torch.empty(rows.shape[0], projection.b.shape[1], dtype=torch.bfloat16, device=rows.device)
         moe_grouped_gemm_op(a, sfa, projection.b, projection.sfb, offsets, c, status, alpha)
         return c
+
+
+def float64_reference(layer: MoeFfn, x: torch.Tensor) -> torch.Tensor:
+    """What `layer` computes before its roundings, float64 [T, H]: its routing of x (layer.route),
+    each routed pair through its expert dequantized exactly (checkpoint.dequantize_projection)
+    with SwiGLU, weighted and summed, plus the shared expert; the pairs routed to other ranks'
+    experts add nothing. A reference (it loops over the experts): tests and examples."""
+    topk_ids, topk_weights = layer.route(x)
+    x64 = x.double()
+    out = torch.zeros(x.shape[0], layer.hidden, dtype=torch.float64, device=x.device)
+
+    def expert_ffn(rows, w13, w2):
+        gate, up = (rows @ w13.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w2.T
+
+    w13, w2 = checkpoint.dequantize_projection(layer.w13), checkpoint.dequantize_projection(layer.w2)
+    local = layer.local_experts(topk_ids.long())
+    for e in range(layer.experts):
+        tokens, slots = torch.nonzero(local == e, as_tuple=True)
+        if tokens.numel():
+            weights = topk_weights[tokens, slots].double()[:, None]
+            out.index_add_(0, tokens, weights * expert_ffn(x64[tokens], w13[e], w2[e]))
+    if layer.shared is not None:
+        out += expert_ffn(x64, checkpoint.dequantize_projection(layer.shared["w13"])[0],
+                          checkpoint.dequantize_projection(layer.shared["w2"])[0])
+    return out

@@ -1,11 +1,21 @@
 """The MoE layer (nvfp4_group_gemm.moe_layer) on the H200: the entry's kernels against the same
-layer on the CPU (the exact decode), eager and as one CUDA graph replayed for new routings."""
+layer on the CPU (the exact decode), eager and as one CUDA graph replayed for new routings; the
+real ModelOpt exports (tests/test_export.py's) through MoeFfn.from_pretrained on the GPU."""
 
 import pytest
 import torch
+from test_export import (
+    CHECKPOINTS,
+    EXPORTS,
+    INPUTS,
+    W4A16_BOUND,
+    block_outputs,
+    needs_checkpoints,
+    relative_error,
+)
 from test_moe_layer import HIDDEN, make_layer
 
-from nvfp4_group_gemm import moe_layer
+from nvfp4_group_gemm import moe, moe_layer
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -26,10 +36,25 @@ def close(got, want):
     return float((got.float().cpu() - want.float()).norm() / want.float().norm())
 
 
+def entry_refuses_k(k: int) -> str | None:
+    """The entry's own rule for K (check_moe_inputs, on CPU tensors: devices are checked last):
+    its message where it refuses K, else None."""
+    try:
+        moe.check_moe_inputs(torch.zeros(1, k, dtype=torch.bfloat16), None,
+                             torch.zeros(1, 128, k // 2, dtype=torch.uint8),
+                             torch.zeros(1, 128, k // 16, dtype=torch.uint8), torch.zeros(2, dtype=torch.int32))
+    except ValueError as error:
+        if "K" in str(error).split(":")[1]:
+            return str(error)
+    return None
+
+
+@pytest.mark.parametrize("intermediate", [128, 256], ids=["down_k128", "down_k256"])
 @pytest.mark.parametrize("activations", ["bf16", "nvfp4"], ids=["w4a16", "w4a4"])
 @pytest.mark.parametrize("split", [False, True], ids=["one_w13_scale", "gate_and_up_scales"])
-def test_the_layer_on_the_gpu_matches_the_exact_layer_and_replays_as_one_graph(split, activations):
-    tensors, cpu_layer, router = make_layer(split, activations=activations)
+def test_the_layer_on_the_gpu_matches_the_exact_layer_and_replays_as_one_graph(split, activations, intermediate):
+    """The down GEMM's K is the intermediate size: 128 needs the entry's K % 64 support."""
+    tensors, cpu_layer, router = make_layer(split, activations=activations, intermediate=intermediate)
     layer = to_cuda(cpu_layer, tensors, router)
     inputs = [torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
               for seed in range(4)]
@@ -46,3 +71,52 @@ def test_the_layer_on_the_gpu_matches_the_exact_layer_and_replays_as_one_graph(s
         graph.replay()
         torch.cuda.synchronize()
         assert close(static_out, cpu_layer(x)) <= 1e-2
+
+
+@needs_checkpoints
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_every_export_runs_w4a16_on_the_gpu_within_one_percent(name):
+    """from_pretrained(path, layer, device="cuda"): every MoE layer and input of the export
+    within 1 % of transformers' float64 block (bf16 roundings: 0.3-0.5 %)."""
+    outputs = block_outputs(name)
+    for layer in EXPORTS[name][1]:
+        ffn = moe_layer.MoeFfn.from_pretrained(CHECKPOINTS / name, layer, device="cuda")
+        refused = entry_refuses_k(ffn.intermediate)
+        if refused:
+            pytest.skip(f"{name}: the down GEMM's K = {ffn.intermediate}: {refused}")
+        assert ffn.w13.b.is_cuda and ffn.router_weight.is_cuda
+        for i in range(INPUTS):
+            y = ffn(outputs[f"layer{layer}.x{i}"].cuda())
+            error = relative_error(y.cpu(), outputs[f"layer{layer}.y{i}"])
+            assert error < W4A16_BOUND, (name, layer, i, error)
+
+
+@needs_checkpoints
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"], ids=["w4a16", "w4a4"])
+def test_an_export_layer_captured_once_replays_equal_to_eager(name, activations):
+    """One CUDA graph of the whole layer (routing, DeepSeek-V3's grouped sigmoid and shared
+    expert included) captured once and replayed over new inputs in the same tensor: each
+    replay's output is the eager call's on that input, bit for bit (no host read anywhere)."""
+    layer = EXPORTS[name][1][-1]
+    ffn = moe_layer.MoeFfn.from_pretrained(CHECKPOINTS / name, layer, device="cuda", activations=activations)
+    generator = torch.Generator().manual_seed(21)
+    inputs = [torch.randn(TOKENS, ffn.hidden, generator=generator).to(torch.bfloat16).cuda() for _ in range(4)]
+    static_x = inputs[0].clone()
+    ffn(static_x)  # eager first: compiles, plans, binds
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ffn(static_x)
+    for x in inputs[1:]:
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = ffn(x)
+        assert torch.equal(static_out, eager)
+    # and routed by the caller: the same graph-safe entry, the same result
+    topk_ids, topk_weights = ffn.route(inputs[1])
+    routed = ffn.experts_output(inputs[1], topk_ids, topk_weights, out_dtype=torch.float32)
+    if ffn.shared is not None:
+        routed = routed + ffn.shared_expert(inputs[1]).float()
+    assert torch.equal(routed.to(torch.bfloat16), ffn(inputs[1]))

@@ -11,8 +11,8 @@ from nvfp4_group_gemm import checkpoint, core, moe_layer
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 4, 256, 128, 2
 
 
-def make_layer(split_w13_scales=False, seed=5, activations="nvfp4"):
-    tensors = layer_tensors(EXPERTS, HIDDEN, INTERMEDIATE, split_w13_scales)
+def make_layer(split_w13_scales=False, seed=5, activations="nvfp4", intermediate=INTERMEDIATE):
+    tensors = layer_tensors(EXPERTS, HIDDEN, intermediate, split_w13_scales)
     # calibrated input scales that differ by expert: the layer quantizes with their largest
     tensors["layer.w13_input_scale"] = torch.tensor([2.0, 3.0, 2.5, 1.0]) / (6 * 448)
     tensors["layer.w2_input_scale"] = torch.tensor([0.5, 0.4, 0.6, 0.5]) / (6 * 448)
