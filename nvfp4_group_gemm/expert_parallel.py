@@ -54,6 +54,7 @@ ranks (one all-reduce at load) so every rank quantizes as the whole layer does.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -76,7 +77,7 @@ def split_experts(num_experts: int, ranks: int) -> list[range]:
     bounds = [0]
     for rank in range(ranks):
         bounds.append(bounds[-1] + base + (rank < extra))
-    return [range(start, stop) for start, stop in zip(bounds, bounds[1:])]
+    return [range(start, stop) for start, stop in itertools.pairwise(bounds)]
 
 
 def check_expert_ranges(expert_ranges: Sequence[range], world_size: int, num_experts: int) -> list[range]:
@@ -190,6 +191,8 @@ class ExpertParallelMoe:
             raise ValueError(f"ExpertParallelMoe: topk_ids.shape = {tuple(topk_ids.shape)}, topk_weights.shape = "
                              f"{tuple(topk_weights.shape)}: both must be [T, k] with T = {x.shape[0]}")
         if self.combine == "all_reduce":
+            if x.shape[0] == 0:  # every rank holds the same (no) tokens: nothing to sum
+                return x.new_empty(0, self.hidden, dtype=torch.bfloat16)
             out = self._all_reduce_form(x, topk_ids, topk_weights, with_shared)
         else:
             out = self._dispatch_form(x, topk_ids, topk_weights, with_shared)
@@ -216,7 +219,7 @@ class ExpertParallelMoe:
         packed = pack_rows(x, topk_ids, topk_weights)
         if self.combine == "all_to_all_padded":
             # every peer gets every row: equal splits, no host read
-            send = packed.expand(world, *packed.shape).reshape(world * tokens, packed.shape[1])
+            send = packed.repeat(world, 1)
             send_counts = receive_counts = None
             token_of_row = None
         else:
