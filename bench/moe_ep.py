@@ -1,0 +1,306 @@
+"""Expert parallelism across GPUs (nvfp4_group_gemm.expert_parallel) on torch.distributed: the
+equality of every combine form with the one-process layer, then the layer's time, its
+collectives' share and its scaling, on a DeepSeek-V3-sized MoE layer written as a ModelOpt NVFP4
+export with the real tensor names.
+
+    torchrun --nproc-per-node 8 bench/moe_ep.py                      # NCCL, one GPU per rank
+    torchrun --nproc-per-node 2 bench/moe_ep.py --tiny --device cpu  # the same steps on gloo, tiny sizes
+
+The layer: H 7168, I 2048, 256 routed experts, top-8, grouped sigmoid routing (n_group 8,
+topk_group 4, routed_scaling_factor 2.5, a correction bias) and one shared expert (`--tiny`: H
+256, I 256, 32 experts, the same routing). Rank 0 writes it once to `--export` (default: a
+folder under the system's temporary directory; 6.3 GB at full size: random e2m1 codes, e4m3
+block scales in [64, 448], per-expert weight_scale_2 around 3.5e-5, so weights of about 0.02;
+a random fp32 router), the ranks wait, and each reads its experts only
+(ExpertParallelMoe.from_pretrained). Weights in W4A16 (bf16 activations), the default.
+
+1. Check (--check-tokens per rank, 64): every combine form against the whole layer loaded on
+   each rank (MoeFfn.from_pretrained, all the experts) on the same tokens. On CPUs (the exact
+   decode) every value within one bf16 unit of the whole layer's; on GPUs the GEMMs' tile
+   configs follow the rows per call, which differ between the two layers, so fp32 accumulation
+   orders may differ: the relative difference within 2^-7. One line per form; exit 1 on a
+   failure (after the timings).
+2. Times, per tokens per GPU T (--tokens, 1,16,128,1024,4096) and form (--combine, all three):
+     all_reduce         every rank holds the N T tokens (the same on every rank) and their
+                        output; the other forms: each rank its own T tokens
+     layer              the layer's call, host-synchronized (the all-to-all form's host read
+                        included), median of --repeats, the slowest rank's
+     collective         the same call's collectives alone (recorded during a call, replayed with
+                        the same sizes), and their share of the layer
+     1/N experts        one GPU holding 1/N of the experts (this rank's) serving the same N T
+                        tokens with no communication: the all-reduce form without its
+                        all-reduce, the per-GPU work at perfect scaling
+     scaling            1/N experts / layer (1.0: the collectives cost nothing)
+
+Exit codes: 0 done; 1 a check failed; 2 cannot run (a bad option, no process group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nvfp4_group_gemm import expert_parallel
+from nvfp4_group_gemm.moe_layer import MoeFfn
+
+LAYER = 3  # DeepSeek-V3's first MoE layer (first_k_dense_replace = 3)
+SIZES = {  # (hidden, expert intermediate, routed experts)
+    "full": (7168, 2048, 256),
+    "tiny": (256, 256, 32),
+}
+ROUTING = {"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+           "norm_topk_prob": True, "n_shared_experts": 1}
+EXPERTS_PER_SHARD = 32
+
+
+# -- the export --------------------------------------------------------------------------------
+
+
+def _projection(n: int, k: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """One NVFP4 projection as ModelOpt stores it: random codes, e4m3 block scales in [64, 448],
+    weight_scale_2 near 3.5e-5 (weights of about 0.02), an input scale."""
+    weight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(n, k // 16, generator=generator) * 384 + 64).to(torch.float8_e4m3fn)
+    scale_2 = (torch.rand((), generator=generator) + 0.5) * 3.5e-5
+    return {"weight": weight, "weight_scale": scale, "weight_scale_2": scale_2.float(),
+            "input_scale": torch.tensor(4.0 / (6 * 448))}
+
+
+def write_export(path: Path, hidden: int, intermediate: int, experts: int, seed: int = 0) -> None:
+    """A one-MoE-layer DeepSeek-V3 export (layer LAYER) at `path`: config.json,
+    hf_quant_config.json, shards of EXPERTS_PER_SHARD experts and their index."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    prefix = f"model.layers.{LAYER}.mlp."
+    names = ("gate_proj", "up_proj", "down_proj")
+    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
+    generator = torch.Generator().manual_seed(seed)
+    weight_map = {}
+
+    def save(tensors: dict, shard: str) -> None:
+        save_file(tensors, str(path / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+
+    shards = (experts + EXPERTS_PER_SHARD - 1) // EXPERTS_PER_SHARD + 1
+    for index, first in enumerate(range(0, experts, EXPERTS_PER_SHARD)):
+        tensors = {}
+        for expert in range(first, min(first + EXPERTS_PER_SHARD, experts)):
+            for name in names:
+                for field, value in _projection(*shapes[name], generator).items():
+                    tensors[f"{prefix}experts.{expert}.{name}.{field}"] = value
+        save(tensors, f"model-{index + 1:05d}-of-{shards:05d}.safetensors")
+    tensors = {f"{prefix}gate.weight": torch.randn(experts, hidden, generator=generator) * 0.01,
+               f"{prefix}gate.e_score_correction_bias": torch.randn(experts, generator=generator) * 0.01}
+    for name in names:
+        for field, value in _projection(*shapes[name], generator).items():
+            tensors[f"{prefix}shared_experts.{name}.{field}"] = value
+    save(tensors, f"model-{shards:05d}-of-{shards:05d}.safetensors")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    quantization = {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                    "exclude_modules": ["lm_head", "model.embed_tokens", f"{prefix}gate"]}
+    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+                                                           "quantization": quantization}))
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": hidden,
+              "moe_intermediate_size": intermediate, "intermediate_size": 18432, "n_routed_experts": experts,
+              "num_hidden_layers": LAYER + 1, "first_k_dense_replace": LAYER, **ROUTING,
+              "quantization_config": {"quant_algo": "NVFP4", "quant_method": "modelopt", "group_size": 16}}
+    (path / "config.json").write_text(json.dumps(config, indent=1))  # last: its presence marks a whole export
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+class RecordingLayer(expert_parallel.ExpertParallelMoe):
+    """The layer, its collectives recorded while `record` is a list: (kind, output, input,
+    output splits, input splits) with tensors of the same shapes, to replay them alone."""
+
+    record: list | None = None
+
+    def all_reduce(self, tensor):
+        if self.record is not None:
+            self.record.append(("all_reduce", tensor.clone(), None, None, None))
+        super().all_reduce(tensor)
+
+    def all_to_all(self, output, input, output_splits, input_splits, async_op=False):
+        if self.record is not None:
+            self.record.append(("all_to_all", output.clone(), input.clone(), output_splits, input_splits))
+        return super().all_to_all(output, input, output_splits, input_splits, async_op)
+
+
+def replay(layer: expert_parallel.ExpertParallelMoe, recorded: list) -> None:
+    for kind, output, input, output_splits, input_splits in recorded:
+        if kind == "all_reduce":
+            expert_parallel.ExpertParallelMoe.all_reduce(layer, output)
+        else:
+            expert_parallel.ExpertParallelMoe.all_to_all(layer, output, input, output_splits, input_splits)
+
+
+def timed(function, device: torch.device, repeats: int) -> float:
+    """Median seconds of `function()` over `repeats` calls after two warm-up calls, every rank
+    starting together, each call host-synchronized; the slowest rank's median."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(2):
+        function()
+    samples = []
+    for _ in range(repeats):
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        function()
+        sync()
+        samples.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)  # NCCL: on the GPU
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+# -- the steps ---------------------------------------------------------------------------------
+
+
+def tokens_for(form: str, tokens: int, world: int, rank: int, hidden: int, device, seed: int) -> torch.Tensor:
+    """All-reduce form: the same N T tokens on every rank; the other forms: this rank's T."""
+    generator = torch.Generator().manual_seed(seed if form == "all_reduce" else seed * 1000 + rank)
+    rows = world * tokens if form == "all_reduce" else tokens
+    return torch.randn(rows, hidden, generator=generator).to(device=device, dtype=torch.bfloat16)
+
+
+def check(path: Path, args, device, world: int, rank: int, hidden: int) -> bool:
+    whole = MoeFfn.from_pretrained(path, LAYER, device=device)
+    passed = True
+    for form in args.combine:
+        layer = expert_parallel.ExpertParallelMoe.from_pretrained(path, LAYER, device=device, combine=form)
+        x = tokens_for(form, args.check_tokens, world, rank, hidden, device, seed=11)
+        out, ref = layer(x).float(), whole(x).float()
+        diff = (out - ref).abs()
+        unit = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+        relative = float(diff.norm() / ref.norm())
+        if device.type == "cpu":
+            ok = bool((diff <= unit + 2.0**-20 * float(ref.abs().max())).all())
+            rule = "every value within one bf16 unit"
+        else:
+            ok = relative <= 2.0**-7
+            rule = "relative difference <= 2^-7"
+        verdict = torch.tensor([0 if ok else 1], device=device)
+        dist.all_reduce(verdict)
+        summary = torch.tensor([float(diff.max()), relative], dtype=torch.float64, device=device)
+        dist.all_reduce(summary, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(f"check {form:18s} {'ok' if int(verdict) == 0 else 'FAIL'}: {world} ranks, {args.check_tokens} tokens "
+                  f"per rank, max |diff| {float(summary[0]):.3g}, relative {float(summary[1]):.3g} "
+                  f"({rule}; the whole layer on every rank)", flush=True)
+        passed &= int(verdict) == 0
+        del layer
+    del whole
+    return passed
+
+
+def one_gpu(local: MoeFfn, x, topk_ids, topk_weights, shared_chunk: range) -> torch.Tensor:
+    """The all-reduce form's work on one rank without its all-reduce: this rank's experts over
+    every token, the shared expert over its chunk."""
+    part = local.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32)
+    if local.shared is not None and len(shared_chunk):
+        part[shared_chunk.start:shared_chunk.stop] += local.shared_expert(
+            x[shared_chunk.start:shared_chunk.stop]).float()
+    return part
+
+
+def bench(path: Path, args, device, world: int, rank: int, hidden: int) -> list[dict]:
+    rows = []
+    layers = {form: RecordingLayer.from_pretrained(path, LAYER, device=device, combine=form) for form in args.combine}
+    local = next(iter(layers.values())).local
+    if rank == 0:
+        print(f"\n{world} ranks, {local.experts} experts on rank 0 of {local.router_weight.shape[0]}, "
+              f"{'W4A16' if local.scale13 is None else 'W4A4'}, median of {args.repeats}, the slowest rank",
+              flush=True)
+        print(f"{'T/GPU':>6s} {'form':18s} {'layer us':>10s} {'collective us':>14s} {'share':>6s} "
+              f"{'1/N experts us':>15s} {'scaling':>8s}", flush=True)
+    for tokens in args.tokens:
+        # one GPU with 1/N of the experts, the same N T tokens, no communication
+        xg = tokens_for("all_reduce", tokens, world, rank, hidden, device, seed=tokens)
+        ids, weights = local.route(xg)
+        chunk = next(iter(layers.values())).shared_chunk(xg.shape[0])
+
+        baseline = timed(lambda xg=xg, ids=ids, weights=weights, chunk=chunk: one_gpu(local, xg, ids, weights, chunk),
+                         device, args.repeats)
+        for form, layer in layers.items():
+            x = tokens_for(form, tokens, world, rank, hidden, device, seed=tokens)
+            layer_s = timed(lambda layer=layer, x=x: layer(x), device, args.repeats)
+            layer.record = []
+            layer(x)
+            recorded, layer.record = layer.record, None
+            collective_s = timed(lambda layer=layer, recorded=recorded: replay(layer, recorded), device, args.repeats)
+            row = {"tokens_per_gpu": tokens, "form": form, "ranks": world, "layer_us": layer_s * 1e6,
+                   "collective_us": collective_s * 1e6, "share": collective_s / layer_s,
+                   "one_gpu_1_over_n_us": baseline * 1e6, "scaling": baseline / layer_s}
+            rows.append(row)
+            if rank == 0:
+                print(f"{tokens:6d} {form:18s} {row['layer_us']:10.1f} {row['collective_us']:14.1f} "
+                      f"{row['share']:6.0%} {row['one_gpu_1_over_n_us']:15.1f} {row['scaling']:8.2f}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="H 256, I 256, 32 experts (the same routing)")
+    parser.add_argument("--export", type=Path, help="the export folder (written by rank 0 when it has no config.json)")
+    parser.add_argument("--tokens", default="1,16,128,1024,4096", help="tokens per GPU, comma-separated")
+    parser.add_argument("--combine", default=",".join(expert_parallel.COMBINES))
+    parser.add_argument("--check-tokens", type=int, default=64)
+    parser.add_argument("--no-check", action="store_true")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", type=Path, help="rank 0 writes every row there")
+    args = parser.parse_args(argv)
+    try:
+        args.tokens = [int(value) for value in args.tokens.split(",")]
+    except ValueError:
+        parser.error(f"--tokens {args.tokens!r}: comma-separated integers")
+    args.combine = args.combine.split(",")
+    unknown = [form for form in args.combine if form not in expert_parallel.COMBINES]
+    if unknown:
+        parser.error(f"--combine: {unknown}: each one of {expert_parallel.COMBINES}")
+    if "RANK" not in os.environ:
+        print("moe_ep: no process group (RANK unset): run it under torchrun --nproc-per-node N", file=sys.stderr)
+        return 2
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hidden, intermediate, experts = SIZES["tiny" if args.tiny else "full"]
+    path = args.export or Path(tempfile.gettempdir()) / f"nvfp4_moe_ep_dsv3_{'tiny' if args.tiny else 'full'}"
+    if rank == 0 and not (path / "config.json").exists():
+        started = time.perf_counter()
+        write_export(path, hidden, intermediate, experts)
+        print(f"wrote the export to {path} in {time.perf_counter() - started:.1f} s", flush=True)
+    dist.barrier()
+    passed = True if args.no_check else check(path, args, device, world, rank, hidden)
+    rows = bench(path, args, device, world, rank, hidden)
+    if rank == 0 and args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    dist.destroy_process_group()
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
