@@ -9,10 +9,10 @@ export with the real tensor names.
 The layer: H 7168, I 2048, 256 routed experts, top-8, grouped sigmoid routing (n_group 8,
 topk_group 4, routed_scaling_factor 2.5, a correction bias) and one shared expert (`--tiny`: H
 256, I 256, 32 experts, the same routing). Rank 0 writes it once to `--export` (default: a
-folder under the system's temporary directory; 6.3 GB at full size: random e2m1 codes, e4m3
-block scales in [64, 448], per-expert weight_scale_2 around 3.5e-5, so weights of about 0.02;
-a random fp32 router), the ranks wait, and each reads its experts only
-(ExpertParallelMoe.from_pretrained). Weights in W4A16 (bf16 activations), the default.
+folder under the system's temporary directory; bench/moe_ffn.py's write_export: N(0, 0.02)
+weights quantized by ModelOpt's formula, shards of 32 experts, 6.4 GB at full size; a complete
+folder is kept and reused), the ranks wait, and each reads its experts only
+(ExpertParallelMoe.from_pretrained). W4A16 (bf16 activations), the default.
 
 1. Check (--check-tokens per rank, 64): every combine form against the whole layer loaded on
    each rank (MoeFfn.from_pretrained, all the experts) on the same tokens. On CPUs (the exact
@@ -50,73 +50,19 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moe_ffn import write_export
+from moe_layers import Layer
 
 from nvfp4_group_gemm import expert_parallel
 from nvfp4_group_gemm.moe_layer import MoeFfn
 
-LAYER = 3  # DeepSeek-V3's first MoE layer (first_k_dense_replace = 3)
-SIZES = {  # (hidden, expert intermediate, routed experts)
-    "full": (7168, 2048, 256),
-    "tiny": (256, 256, 32),
+LAYER = 0  # the export's one MoE layer (moe_ffn.write_export)
+SIZES = {  # every expert in the export; `local` is unused here (the ranks split them)
+    "full": Layer("dsv3", 7168, 2048, 256, 256, 8),
+    "tiny": Layer("dsv3_tiny", 256, 256, 32, 32, 8),
 }
-ROUTING = {"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
-           "norm_topk_prob": True, "n_shared_experts": 1}
-EXPERTS_PER_SHARD = 32
-
-
-# -- the export --------------------------------------------------------------------------------
-
-
-def _projection(n: int, k: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """One NVFP4 projection as ModelOpt stores it: random codes, e4m3 block scales in [64, 448],
-    weight_scale_2 near 3.5e-5 (weights of about 0.02), an input scale."""
-    weight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=generator)
-    scale = (torch.rand(n, k // 16, generator=generator) * 384 + 64).to(torch.float8_e4m3fn)
-    scale_2 = (torch.rand((), generator=generator) + 0.5) * 3.5e-5
-    return {"weight": weight, "weight_scale": scale, "weight_scale_2": scale_2.float(),
-            "input_scale": torch.tensor(4.0 / (6 * 448))}
-
-
-def write_export(path: Path, hidden: int, intermediate: int, experts: int, seed: int = 0) -> None:
-    """A one-MoE-layer DeepSeek-V3 export (layer LAYER) at `path`: config.json,
-    hf_quant_config.json, shards of EXPERTS_PER_SHARD experts and their index."""
-    from safetensors.torch import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    prefix = f"model.layers.{LAYER}.mlp."
-    names = ("gate_proj", "up_proj", "down_proj")
-    shapes = {"gate_proj": (intermediate, hidden), "up_proj": (intermediate, hidden), "down_proj": (hidden, intermediate)}
-    generator = torch.Generator().manual_seed(seed)
-    weight_map = {}
-
-    def save(tensors: dict, shard: str) -> None:
-        save_file(tensors, str(path / shard), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, shard))
-
-    shards = (experts + EXPERTS_PER_SHARD - 1) // EXPERTS_PER_SHARD + 1
-    for index, first in enumerate(range(0, experts, EXPERTS_PER_SHARD)):
-        tensors = {}
-        for expert in range(first, min(first + EXPERTS_PER_SHARD, experts)):
-            for name in names:
-                for field, value in _projection(*shapes[name], generator).items():
-                    tensors[f"{prefix}experts.{expert}.{name}.{field}"] = value
-        save(tensors, f"model-{index + 1:05d}-of-{shards:05d}.safetensors")
-    tensors = {f"{prefix}gate.weight": torch.randn(experts, hidden, generator=generator) * 0.01,
-               f"{prefix}gate.e_score_correction_bias": torch.randn(experts, generator=generator) * 0.01}
-    for name in names:
-        for field, value in _projection(*shapes[name], generator).items():
-            tensors[f"{prefix}shared_experts.{name}.{field}"] = value
-    save(tensors, f"model-{shards:05d}-of-{shards:05d}.safetensors")
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    quantization = {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                    "exclude_modules": ["lm_head", "model.embed_tokens", f"{prefix}gate"]}
-    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
-                                                           "quantization": quantization}))
-    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": hidden,
-              "moe_intermediate_size": intermediate, "intermediate_size": 18432, "n_routed_experts": experts,
-              "num_hidden_layers": LAYER + 1, "first_k_dense_replace": LAYER, **ROUTING,
-              "quantization_config": {"quant_algo": "NVFP4", "quant_method": "modelopt", "group_size": 16}}
-    (path / "config.json").write_text(json.dumps(config, indent=1))  # last: its presence marks a whole export
 
 
 # -- timing ------------------------------------------------------------------------------------
@@ -287,12 +233,13 @@ def main(argv=None) -> int:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    hidden, intermediate, experts = SIZES["tiny" if args.tiny else "full"]
-    path = args.export or Path(tempfile.gettempdir()) / f"nvfp4_moe_ep_dsv3_{'tiny' if args.tiny else 'full'}"
-    if rank == 0 and not (path / "config.json").exists():
+    layer = SIZES["tiny" if args.tiny else "full"]
+    hidden = layer.hidden
+    path = args.export or Path(tempfile.gettempdir()) / f"nvfp4_moe_ep_{layer.name}"
+    if rank == 0:  # once: moe_ffn.write_export keeps a complete folder
         started = time.perf_counter()
-        write_export(path, hidden, intermediate, experts)
-        print(f"wrote the export to {path} in {time.perf_counter() - started:.1f} s", flush=True)
+        write_export(layer, path, "deepseek_v3", device)
+        print(f"export at {path} ({time.perf_counter() - started:.1f} s)", flush=True)
     dist.barrier()
     passed = True if args.no_check else check(path, args, device, world, rank, hidden)
     rows = bench(path, args, device, world, rank, hidden)
