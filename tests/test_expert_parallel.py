@@ -75,16 +75,18 @@ def test_a_packed_row_carries_the_token_its_experts_and_weights_bit_for_bit():
 # ---------------------------------------------------------------------------------------
 
 
-def _case(name, model, layer, combine, block, tokens, ranges=None, routing=None, partial="fp32") -> dict:
+def _case(name, model, layer, combine, block, tokens, ranges=None, routing=None, partial="fp32",
+          activations="bf16") -> dict:
     return {"name": name, "model": model, "layer": layer, "combine": combine, "block": block, "tokens": tokens,
-            "ranges": ranges, "routing": routing, "partial": partial}
+            "ranges": ranges, "routing": routing, "partial": partial, "activations": activations}
 
 
 def _cases(world: int) -> list[dict]:
     """What each rank computes, as plain data: an export, its MoE layer, the combine form, tokens
     (a block input of block_outputs.safetensors and each rank's row count), the expert ranges
     (None: split_experts), the routing (None: the layer's router; R: a caller's routing that
-    sends every pair to rank R's experts) and the partials' dtype."""
+    sends every pair to rank R's experts), the partials' dtype and the activations (W4A16, or
+    W4A4: nvfp4)."""
     cases = []
     if world == 2:
         for combine in COMBINES:
@@ -100,6 +102,8 @@ def _cases(world: int) -> list[dict]:
         cases += [
             _case("deepseek_v3 bf16 partials all_to_all", "deepseek_v3", 1, "all_to_all", 3, [100, 60], partial="bf16"),
             _case("qwen3_moe bf16 partials all_reduce", "qwen3_moe", 1, "all_reduce", 3, [100, 100], partial="bf16"),
+            _case("qwen3_moe W4A4 all_to_all", "qwen3_moe", 1, "all_to_all", 2, [40, 24], activations="nvfp4"),
+            _case("deepseek_v3 W4A4 all_reduce", "deepseek_v3", 1, "all_reduce", 2, [40, 24], activations="nvfp4"),
         ]
     else:
         uneven = [[0, 1], [1, 8], [8, 11], [11, 16]]  # 1, 7, 3 and 5 experts
@@ -151,16 +155,18 @@ def _worker(rank: int, world: int, init_method: str, result_dir: str) -> None:
     whole_layers, blocks = {}, {}
     for case in _cases(world):
         path = CHECKPOINTS / case["model"]
-        key = (case["model"], case["layer"])
+        key = (case["model"], case["layer"], case["activations"])
         if key not in whole_layers:
-            whole_layers[key] = MoeFfn.from_pretrained(path, case["layer"], device="cpu")
+            whole_layers[key] = MoeFfn.from_pretrained(path, case["layer"], device="cpu",
+                                                       activations=case["activations"])
             blocks[case["model"]] = load_file(path / "block_outputs.safetensors")
         whole = whole_layers[key]
         ranges = None if case["ranges"] is None else [range(*bounds) for bounds in case["ranges"]]
         partial = torch.bfloat16 if case["partial"] == "bf16" else torch.float32
         layer = expert_parallel.ExpertParallelMoe.from_pretrained(path, case["layer"], device="cpu",
                                                                   combine=case["combine"], expert_ranges=ranges,
-                                                                  partial_dtype=partial)
+                                                                  partial_dtype=partial,
+                                                                  activations=case["activations"])
         x_all = blocks[case["model"]][f"layer{case['layer']}.x{case['block']}"]
         if case["combine"] == "all_reduce":  # every rank holds every token
             x = x_all[:sum(case["tokens"])]
@@ -177,7 +183,20 @@ def _worker(rank: int, world: int, init_method: str, result_dir: str) -> None:
             out, ref = layer.experts_output(x, ids, weights), whole.experts_output(x, ids, weights)
         result = {"case": case["name"], "rank": rank, "tokens": x.shape[0], "local_experts": layer.local.experts,
                   "shared": layer.local.shared is not None, "partial": str(partial), **_compare(out, ref)}
+        if case["activations"] == "nvfp4":  # the activation scales: this rank's experts' largest, and the one used
+            result["own_scales"] = [float(layer.local.w13.input_scale.max()), float(layer.local.w2.input_scale.max())]
+            result["scales"] = [float(layer.local.scale13), float(layer.local.scale2)]
+            result["whole_scales"] = [float(whole.scale13), float(whole.scale2)]
         results.append(result)
+        if case["activations"] == "nvfp4" and world == 2:
+            # rank-dependent scales (the exports hold one input scale for every expert): the largest wins
+            layer.local.scale13 = torch.tensor(0.001 * (rank + 1))
+            layer.local.scale2 = torch.tensor(0.01 * (2 - rank))
+            expert_parallel.share_input_scales(layer.local)
+            results.append({"case": "share_input_scales", "scales": [float(layer.local.scale13),
+                                                                      float(layer.local.scale2)],
+                            "alpha_is_scale_x_weight_scale_2": bool(torch.equal(
+                                layer.local.alpha13, (layer.local.scale13 * layer.local.w13.weight_scale_2).float()))})
     # a process group whose size disagrees with the expert split
     try:
         expert_parallel.ExpertParallelMoe.from_pretrained(CHECKPOINTS / "qwen3_moe", 0, device="cpu",
@@ -195,13 +214,27 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _warm_up() -> None:
+    """One tiny MoE layer call: the imports and set-up of the op's first call, done once here,
+    before the fork (torch.distributed and safetensors too)."""
+    import torch.distributed
+    from safetensors.torch import load_file  # noqa: F401
+
+    from nvfp4_group_gemm.moe_layer import MoeFfn
+
+    MoeFfn.from_pretrained(CHECKPOINTS / "mixtral", 0, device="cpu")(torch.zeros(1, 256, dtype=torch.bfloat16))
+
+
 def _spawn(world: int, tmp_path: Path) -> list[dict]:
     """Runs _worker on `world` processes (tcp://127.0.0.1 on a free port), killed past the
     timeout (a rank waiting forever in a collective); every rank's results."""
     import torch.multiprocessing as mp
 
-    context = mp.spawn(_worker, args=(world, f"tcp://127.0.0.1:{_free_port()}", str(tmp_path)), nprocs=world,
-                       join=False)
+    _warm_up()
+    # forked from this warmed-up process: the ranks skip importing torch and the library again
+    # and the op's first-call set-up (about 5 s of CPU each, most of this test's time on CI)
+    context = mp.start_processes(_worker, args=(world, f"tcp://127.0.0.1:{_free_port()}", str(tmp_path)),
+                                 nprocs=world, join=False, start_method="fork")
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
@@ -222,7 +255,7 @@ def test_every_rank_equals_the_one_process_layer(ranks, capsys):
     (module docstring); most are bitwise equal (printed)."""
     world, results = ranks
     checked = [r for r in results if "max_abs" in r and r["partial"] == "torch.float32"]
-    assert len(checked) == world * len(COMBINES) * (6 if world == 2 else 3)
+    assert len(checked) == world * len(COMBINES) * (6 if world == 2 else 3) + (2 * world if world == 2 else 0)
     for r in checked:
         assert r["within_unit"], r
         assert r["differing"] <= max(1, r["numel"] // 100), r
@@ -275,3 +308,21 @@ def test_a_group_that_disagrees_with_the_expert_split_is_refused(ranks):
     world, results = ranks
     errors = [r["error"] for r in results if r["case"] == "ranges of another group size"]
     assert errors == [f"expert_ranges: 1 ranges for a process group of {world} ranks: need one range per rank"] * world
+
+
+@needs_checkpoints
+def test_w4a4_ranks_quantize_with_the_whole_layers_input_scales(ranks):
+    """W4A4: every rank quantizes with the whole layer's input scales (the largest over all the
+    experts: from_pretrained's all-reduce of each rank's largest), so the outputs are equal as in
+    W4A16 (checked with the others above). ModelOpt's exports hold one input scale for every
+    expert, so there the sharing changes nothing; with rank-dependent scales the largest over
+    the ranks is taken and alpha recomputed with it."""
+    world, results = ranks
+    checked = [r for r in results if "whole_scales" in r]
+    assert len(checked) == (2 * world if world == 2 else 0)
+    for r in checked:
+        assert r["scales"] == r["whole_scales"] == r["own_scales"] and r["within_unit"], r
+    shared = [r for r in results if r["case"] == "share_input_scales"]
+    assert len(shared) == (2 * world if world == 2 else 0)
+    for r in shared:
+        assert r["scales"] == [pytest.approx(0.002), pytest.approx(0.02)] and r["alpha_is_scale_x_weight_scale_2"], r
