@@ -18,7 +18,10 @@ folder is kept and reused), the ranks wait, and each reads its experts only
    each rank (MoeFfn.from_pretrained, all the experts) on the same tokens. On CPUs (the exact
    decode) every value within one bf16 unit of the whole layer's; on GPUs the GEMMs' tile
    configs follow the rows per call, which differ between the two layers, so fp32 accumulation
-   orders may differ: the relative difference within 2^-7. One line per form; exit 1 on a
+   orders may differ: the relative difference within 2^-7. One line per form. On GPUs, for the
+   forms without a host read (all_reduce, all_to_all_padded), a `graph` line: one call under
+   torch.cuda.set_sync_debug_mode("error"), then one CUDA graph captured with the layer (NCCL
+   collectives included) and replayed on new tokens, equal to eager bit for bit. Exit 1 on a
    failure (after the timings).
 2. Times, per tokens per GPU T (--tokens, 1,16,128,1024,4096) and form (--combine, all three):
      all_reduce         every rank holds the N T tokens (the same on every rank) and their
@@ -150,9 +153,49 @@ def check(path: Path, args, device, world: int, rank: int, hidden: int) -> bool:
                   f"per rank, max |diff| {float(summary[0]):.3g}, relative {float(summary[1]):.3g} "
                   f"({rule}; the whole layer on every rank)", flush=True)
         passed &= int(verdict) == 0
+        if device.type == "cuda" and form != "all_to_all":  # the forms without a host read
+            passed &= check_graph_safety(layer, form, x, device, world, rank, hidden)
         del layer
     del whole
     return passed
+
+
+def check_graph_safety(layer, form: str, x: torch.Tensor, device, world: int, rank: int, hidden: int) -> bool:
+    """GPUs, the forms without a host read: one call under torch.cuda.set_sync_debug_mode("error")
+    (any host synchronization raises), then one CUDA graph captured with the layer and replayed on
+    new tokens, against an eager call on them (the same kernels and sizes: bit for bit)."""
+    failures = []
+    try:
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        layer(x)
+    except RuntimeError as error:
+        failures.append(f"a host synchronization ({str(error).splitlines()[0][:120]})")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    try:
+        static_x = x.clone()
+        layer(static_x)  # eager first on the tensor to capture (tests/test_gpu_moe_layer.py's recipe)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+        fresh = tokens_for(form, x.shape[0] // (world if form == "all_reduce" else 1), world, rank, hidden, device,
+                           seed=12)
+        static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        if not torch.equal(static_y, layer(fresh)):
+            failures.append("the replay differs from eager")
+    except RuntimeError as error:
+        failures.append(f"capture failed ({str(error).splitlines()[0][:120]})")
+    verdict = torch.tensor([len(failures)], device=device)
+    dist.all_reduce(verdict)
+    if rank == 0:
+        print(f"graph {form:18s} {'ok' if int(verdict) == 0 else 'FAIL'}: no host synchronization, one CUDA graph "
+              f"replayed on new tokens equal to eager{'' if not failures else ' (rank 0: ' + '; '.join(failures) + ')'}",
+              flush=True)
+    return int(verdict) == 0
 
 
 def one_gpu(local: MoeFfn, x, topk_ids, topk_weights, shared_chunk: range) -> torch.Tensor:
