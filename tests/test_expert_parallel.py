@@ -16,6 +16,7 @@ to near zero. With bf16 partials each rank's part is rounded once more: a normwi
 import json
 import os
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -197,6 +198,12 @@ def _worker(rank: int, world: int, init_method: str, result_dir: str) -> None:
                                                                       float(layer.local.scale2)],
                             "alpha_is_scale_x_weight_scale_2": bool(torch.equal(
                                 layer.local.alpha13, (layer.local.scale13 * layer.local.w13.weight_scale_2).float()))})
+    if world == 2:
+        x = blocks["qwen3_moe"]["layer1.x2"][rank * 20:rank * 20 + 20]
+        for combine in COMBINES:
+            layer = expert_parallel.ExpertParallelMoe.from_pretrained(CHECKPOINTS / "qwen3_moe", 1, device="cpu",
+                                                                      combine=combine)
+            results.append({"case": f"host reads {combine}", "reads": _host_reads(lambda layer=layer: layer(x))})
     # a process group whose size disagrees with the expert split
     try:
         expert_parallel.ExpertParallelMoe.from_pretrained(CHECKPOINTS / "qwen3_moe", 0, device="cpu",
@@ -206,6 +213,32 @@ def _worker(rank: int, world: int, init_method: str, result_dir: str) -> None:
         results.append({"case": "ranges of another group size", "error": str(error)})
     dist.destroy_process_group()
     (Path(result_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
+
+
+def _host_reads(function) -> list[str]:
+    """The tensor-to-host conversions (HOST_READS) that expert_parallel.py's own code makes
+    while `function` runs (the exact decode's read of the offsets, the CPU op's, is MoeFfn's)."""
+    reads = []
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counting(name, original):
+        def read(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename == expert_parallel.__file__:
+                reads.append(name)
+            return original(self, *args, **kwargs)
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counting(name, original))
+    try:
+        function()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return reads
 
 
 def _free_port() -> int:
@@ -326,3 +359,13 @@ def test_w4a4_ranks_quantize_with_the_whole_layers_input_scales(ranks):
     assert len(shared) == (2 * world if world == 2 else 0)
     for r in shared:
         assert r["scales"] == [pytest.approx(0.002), pytest.approx(0.02)] and r["alpha_is_scale_x_weight_scale_2"], r
+
+
+@needs_checkpoints
+def test_only_the_all_to_all_form_reads_the_host(ranks):
+    """The one host read of the forward is the all-to-all form's split sizes (one tolist of the
+    per-peer counts); the all-reduce and padded forms make none (graph-capturable)."""
+    world, results = ranks
+    reads = {(r["case"], tuple(r["reads"])) for r in results if r["case"].startswith("host reads")}
+    assert reads == ({("host reads all_reduce", ()), ("host reads all_to_all", ("tolist",)),
+                      ("host reads all_to_all_padded", ())} if world == 2 else set()), reads
