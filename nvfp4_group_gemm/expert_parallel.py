@@ -40,7 +40,8 @@ The parts are summed in `partial_dtype`: fp32 (the default) keeps the one-proces
 rounding to bf16 at the end, so the result differs from it only by the order of the fp32 sum
 over the k contributions (per rank, then over the ranks): at most one bf16 unit where the two
 fp32 sums straddle a rounding boundary. bf16 halves the bytes moved (what servers send) and
-rounds each rank's part once more.
+rounds each rank's part once more. Every form sums in a fixed order (the all-to-all forms add
+the peers' rows in rank order), so a call is repeatable bit for bit.
 
 The shared expert (DeepSeek-V3) is computed once per token: in the all-to-all forms by each rank
 for its own tokens (overlapping the dispatch), in the all-reduce form by one rank per token,
@@ -241,7 +242,10 @@ class ExpertParallelMoe:
             out = returned.view(world, tokens, self.hidden).float().sum(dim=0)
         else:
             out = torch.zeros(tokens, self.hidden, dtype=torch.float32, device=x.device)
-            out.index_add_(0, token_of_row, returned.float())
+            # one peer's rows at a time, in rank order: a token is at most once in each, so the
+            # sum's order is fixed (one index_add_ of all rows would follow the GPU's atomics)
+            for peer_rows, peer_tokens in zip(returned.split(send_counts), token_of_row.split(send_counts)):
+                out.index_add_(0, peer_tokens, peer_rows.float())
         return out if shared is None else out + shared
 
     def _compact_dispatch(self, packed, topk_ids):
