@@ -60,6 +60,14 @@ def test_expert_ranges_are_checked_against_the_group_and_the_layer():
         check([range(8), range(8, 12)], 2, 16)
 
 
+def test_a_combine_form_and_a_partial_dtype_not_offered_are_refused():
+    with pytest.raises(ValueError, match=r"combine = 'ring': must be one of \('all_reduce', 'all_to_all', "
+                                         r"'all_to_all_padded'\)"):
+        expert_parallel.ExpertParallelMoe(None, [], combine="ring")
+    with pytest.raises(ValueError, match=r"partial_dtype = torch.float16: must be one of"):
+        expert_parallel.ExpertParallelMoe(None, [], partial_dtype=torch.float16)
+
+
 def test_a_packed_row_carries_the_token_its_experts_and_weights_bit_for_bit():
     generator = torch.Generator().manual_seed(2)
     rows = torch.randn(5, 48, generator=generator).to(torch.bfloat16)
@@ -204,6 +212,12 @@ def _worker(rank: int, world: int, init_method: str, result_dir: str) -> None:
             layer = expert_parallel.ExpertParallelMoe.from_pretrained(CHECKPOINTS / "qwen3_moe", 1, device="cpu",
                                                                       combine=combine)
             results.append({"case": f"host reads {combine}", "reads": _host_reads(lambda layer=layer: layer(x))})
+    # a local layer whose experts are not its rank's range
+    try:
+        expert_parallel.ExpertParallelMoe(layer.local, [range(5), range(5, 16)])
+        results.append({"case": "local layer off its range", "error": None})
+    except ValueError as error:
+        results.append({"case": "local layer off its range", "error": str(error)})
     # a process group whose size disagrees with the expert split
     try:
         expert_parallel.ExpertParallelMoe.from_pretrained(CHECKPOINTS / "qwen3_moe", 0, device="cpu",
@@ -369,3 +383,16 @@ def test_only_the_all_to_all_form_reads_the_host(ranks):
     reads = {(r["case"], tuple(r["reads"])) for r in results if r["case"].startswith("host reads")}
     assert reads == ({("host reads all_reduce", ()), ("host reads all_to_all", ("tolist",)),
                       ("host reads all_to_all_padded", ())} if world == 2 else set()), reads
+
+
+@needs_checkpoints
+def test_a_local_layer_off_its_ranks_range_is_refused(ranks):
+    world, results = ranks
+    errors = [r["error"] for r in results if r["case"] == "local layer off its range"]
+    if world == 2:  # the last layer built: qwen3_moe's, split 0..7 and 8..15
+        assert errors == [
+            "ExpertParallelMoe: the local layer holds experts 0..7: expert_ranges[0] = range(0, 5) says 0..4",
+            "ExpertParallelMoe: the local layer holds experts 8..15: expert_ranges[1] = range(5, 16) says 5..15",
+        ]
+    else:  # 4 ranks: expert_ranges of 2 ranges
+        assert errors == ["expert_ranges: 2 ranges for a process group of 4 ranks: need one range per rank"] * 4
