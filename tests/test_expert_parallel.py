@@ -14,7 +14,6 @@ result, plus an fp32 rounding scale (2^-20 of the tensor's largest value) where 
 to near zero. With bf16 partials each rank's part is rounded once more: a normwise bound."""
 
 import json
-import os
 import socket
 import sys
 import time
@@ -23,12 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_export import CHECKPOINTS, needs_checkpoints
 
 from nvfp4_group_gemm import expert_parallel
 
-CHECKPOINTS = Path(os.environ.get("NVFP4_TEST_CHECKPOINTS", "/work/shared/checkpoints"))
-needs_checkpoints = pytest.mark.skipif(not (CHECKPOINTS / "deepseek_v3" / "model.safetensors").exists(),
-                                       reason=f"no ModelOpt exports under {CHECKPOINTS}")
 COMBINES = expert_parallel.COMBINES
 SPAWN_TIMEOUT_S = 240
 
