@@ -12,7 +12,8 @@ topk_group 4, routed_scaling_factor 2.5, a correction bias) and one shared exper
 folder under the system's temporary directory; bench/moe_ffn.py's write_export: N(0, 0.02)
 weights quantized by ModelOpt's formula, shards of 32 experts, 6.4 GB at full size; a complete
 folder is kept and reused), the ranks wait, and each reads its experts only
-(ExpertParallelMoe.from_pretrained). W4A16 (bf16 activations), the default.
+(ExpertParallelMoe.from_pretrained). W4A16 (bf16 activations), the default; --activations nvfp4:
+W4A4.
 
 1. Check (--check-tokens per rank, 64): every combine form against the whole layer loaded on
    each rank (MoeFfn.from_pretrained, all the experts) on the same tokens. On CPUs (the exact
@@ -128,11 +129,10 @@ def tokens_for(form: str, tokens: int, world: int, rank: int, hidden: int, devic
     return torch.randn(rows, hidden, generator=generator).to(device=device, dtype=torch.bfloat16)
 
 
-def check(path: Path, args, device, world: int, rank: int, hidden: int) -> bool:
-    whole = MoeFfn.from_pretrained(path, LAYER, device=device)
+def check(path: Path, layers: dict, args, device, world: int, rank: int, hidden: int) -> bool:
+    whole = MoeFfn.from_pretrained(path, LAYER, device=device, activations=args.activations)
     passed = True
-    for form in args.combine:
-        layer = expert_parallel.ExpertParallelMoe.from_pretrained(path, LAYER, device=device, combine=form)
+    for form, layer in layers.items():
         x = tokens_for(form, args.check_tokens, world, rank, hidden, device, seed=11)
         out, ref = layer(x).float(), whole(x).float()
         diff = (out - ref).abs()
@@ -155,7 +155,6 @@ def check(path: Path, args, device, world: int, rank: int, hidden: int) -> bool:
         passed &= int(verdict) == 0
         if device.type == "cuda" and form != "all_to_all":  # the forms without a host read
             passed &= check_graph_safety(layer, form, x, device, world, rank, hidden)
-        del layer
     del whole
     return passed
 
@@ -208,9 +207,8 @@ def one_gpu(local: MoeFfn, x, topk_ids, topk_weights, shared_chunk: range) -> to
     return part
 
 
-def bench(path: Path, args, device, world: int, rank: int, hidden: int) -> list[dict]:
+def bench(layers: dict, args, device, world: int, rank: int, hidden: int) -> list[dict]:
     rows = []
-    layers = {form: RecordingLayer.from_pretrained(path, LAYER, device=device, combine=form) for form in args.combine}
     local = next(iter(layers.values())).local
     if rank == 0:
         print(f"\n{world} ranks, {local.experts} experts on rank 0 of {local.router_weight.shape[0]}, "
@@ -251,6 +249,7 @@ def main(argv=None) -> int:
     parser.add_argument("--export", type=Path, help="the export folder (written by rank 0 when it has no config.json)")
     parser.add_argument("--tokens", default="1,16,128,1024,4096", help="tokens per GPU, comma-separated")
     parser.add_argument("--combine", default=",".join(expert_parallel.COMBINES))
+    parser.add_argument("--activations", choices=("bf16", "nvfp4"), default="bf16", help="W4A16 (bf16) or W4A4")
     parser.add_argument("--check-tokens", type=int, default=64)
     parser.add_argument("--no-check", action="store_true")
     parser.add_argument("--repeats", type=int, default=10)
@@ -284,8 +283,12 @@ def main(argv=None) -> int:
         write_export(layer, path, "deepseek_v3", device)
         print(f"export at {path} ({time.perf_counter() - started:.1f} s)", flush=True)
     dist.barrier()
-    passed = True if args.no_check else check(path, args, device, world, rank, hidden)
-    rows = bench(path, args, device, world, rank, hidden)
+    # this rank's experts read once; one layer object per form over them
+    first = RecordingLayer.from_pretrained(path, LAYER, device=device, combine=args.combine[0],
+                                           activations=args.activations)
+    layers = {form: RecordingLayer(first.local, first.expert_ranges, combine=form) for form in args.combine}
+    passed = True if args.no_check else check(path, layers, args, device, world, rank, hidden)
+    rows = bench(layers, args, device, world, rank, hidden)
     if rank == 0 and args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     dist.destroy_process_group()
