@@ -291,6 +291,7 @@ def main(argv=None) -> int:
     rows = bench(layers, args, device, world, rank, hidden)
     if rank == 0 and args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    dist.barrier()  # no rank tears its group down while a peer still talks to it (gloo aborts then)
     dist.destroy_process_group()
     return 0 if passed else 1
 
