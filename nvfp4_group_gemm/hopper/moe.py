@@ -682,10 +682,10 @@ def moe_compile_targets():
          functools.partial(compile_moe_w4a16_gemm, config=gemms[name], epilogue=MoeEpilogue("halves", "bfloat16")))
         for name in ("t32", "variable")] + [
         # K not a multiple of the config's k_multiple (moe_k_config: 1408, 2880, ...): the k_tail
-        # builds of every config the choice may run with 64-wide k-tiles (the 128-wide ones
-        # narrow to them where K % 128 != 0), fp4 activations and W4A16, a checkpoint's epilogue
+        # builds of every config the choice may run (the 128-wide ones where K % 128 == 0, else
+        # their 64-wide configs'), fp4 activations and W4A16, a checkpoint's epilogue
         (f"sm90_moe_{path}_{name}_k_tail", "sm_90a",
          functools.partial(compile_fn, config=dataclasses.replace(config, k_tail=True),
                            epilogue=MoeEpilogue("expert", "bfloat16")))
         for path, compile_fn in (("gemm", compile_moe_gemm), ("w4a16", compile_moe_w4a16_gemm))
-        for name, config in gemms.items() if config.k_halves == 1]
+        for name, config in gemms.items()]
