@@ -10,6 +10,8 @@ library's custom_kernel on the harness's own 15 input sets of the shape.
 
     python bench/moe.py [--repeats 30] [--shapes 0,1,2,3] [--json PATH]
     python bench/moe.py --layers ...      # real MoE layers' GEMMs: bench/moe_layers.py
+    python bench/moe.py --layers --layers-only dsv2_lite --gemms down --tokens 1,16,128,1024
+                                          # a 1408-K down GEMM (K % 256 != 0) beside torch._grouped_mm
         [--triton-json PATH]  # ../shared/peers/bench_triton_kernels_mxfp4.py --json, same run
         [--torch-json PATH]   # ../shared/peers/bench_torch_grouped_mm.py --json, same run
 

@@ -9,6 +9,9 @@ Layers (gate-up: N = 2 I, K = H; down: N = H, K = I):
     dsv3_ep8   DeepSeek-V3 with 8-way expert parallelism: H 7168, I 2048, top-8 of 256, experts
                0..31 local (the rows routed to them are the GEMM's T)
     mixtral    Mixtral-like, H 4096, I 14336, top-2 of 8
+    dsv2_lite  DeepSeek-V2-Lite: H 2048, I 1408 (the down GEMM's K not a multiple of 256, as GLM-4.5's
+               and Qwen1.5-MoE-A2.7B's), top-6 of 64; its down GEMM at the issue's token counts:
+               --layers-only dsv2_lite --gemms down --tokens 1,16,128,1024
 at 1, 8, 64, 512 and 4096 tokens; routing = top-k of random N(0, 1) router logits, and one
 skewed routing per layer (--skewed-tokens: logits + 2.5 on a quarter of the experts).
 
@@ -69,6 +72,8 @@ LAYERS = {
     "mixtral": Layer("mixtral", 4096, 14336, 8, 8, 2),
     "qwen3": Layer("qwen3", 2048, 768, 128, 128, 8),
     "dsv3_tp": Layer("dsv3_tp", 7168, 256, 256, 256, 8),
+    # K not a multiple of 256: the down GEMM's K = I = 1408 (64-wide k-tiles, the k_tail builds)
+    "dsv2_lite": Layer("dsv2_lite", 2048, 1408, 64, 64, 6),
 }
 
 

@@ -10,6 +10,8 @@ sfa      None with bf16 activations; else e4m3 scales of a, one per 16 elements:
                    (what a quantizer writes), or blocked [ceil(T/128), K/64, 32, 4, 4] (cuBLAS's
                    128x4 atoms over the stacked rows; blocked_scales makes it from plain)
 b        [G, N, K/2]  float4_e2m1fn_x2 (or uint8), the experts' weights
+K        any positive multiple of 64 on sm_90 (1408, 2880: a checkpoint's expert intermediate
+                   size as the down projection's K), a multiple of 256 on sm_100
 sfb      e4m3 scales of b: blocked [G, N/128, K/64, 32, 4, 4] (the competition's reordered layout
                    per group; what prepare_weight_scales returns), or plain [G, N, K/16]
                    (converted on every call: one more copy kernel and a fresh binding)
@@ -74,6 +76,11 @@ _SCALE_DTYPES = tuple(d for d in (torch.float8_e4m3fn, torch.uint8) if d is not 
 OUT_DTYPES = (torch.float16, torch.bfloat16)
 # bf16's unit in the last place relative to the value (8 significant bits)
 BF16_RELATIVE_ULP = 2.0**-7
+# What K must be a multiple of (hopper.moe.MOE_K_MULTIPLE: one 64-wide k-tile; a K that is not a
+# multiple of the config's k-tile times its unrolled stages runs its k_tail build); the sm_100a
+# version takes K % 256 == 0 only (SM100_K_MULTIPLE)
+K_MULTIPLE = 64
+SM100_K_MULTIPLE = 256
 
 
 # =============================================================================
@@ -207,8 +214,10 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None) -
         _fail(ValueError, "T (a.shape[0])", tokens, "must be >= 1")
     if not 1 <= groups <= MAX_GROUPS:
         _fail(ValueError, "G (b.shape[0])", groups, f"must be in 1..{MAX_GROUPS}")
-    if k % 256 or k == 0:
-        _fail(ValueError, k_field, k, "must be a positive multiple of 256")
+    if k % K_MULTIPLE or k <= 0:
+        _fail(ValueError, k_field, k, f"must be a positive multiple of {K_MULTIPLE} (the 64-wide k-tile: four "
+              "16-element scale blocks, one atom of the blocked scales along K; NVFP4's own rule, K % 16 == 0, "
+              "is not enough here)")
     if b_half_k != half_k:
         _fail(ValueError, "b.shape[2]", b_half_k, f"must be K/2 = {half_k}, K from a.shape[1]")
     if n % 128 or n == 0:
@@ -530,7 +539,7 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     if forced:
         from .hopper.config import config_named
 
-        return config_named(forced)
+        return hopper_moe.moe_k_config(config_named(forced), shape.k)
     tokens, groups, n, k = shape[:4]
     # rows per group where every group that can hold a row holds as many (the routing's mean)
     rows_per_group = tokens / min(groups, tokens)
@@ -555,7 +564,7 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     chain = default_chain_calls() if chain_calls is None else chain_calls
     if config.chain_calls and not chain:
         config = dataclasses.replace(config, chain_calls=False)
-    return config
+    return hopper_moe.moe_k_config(config, k)
 
 
 def _switches() -> tuple:
@@ -575,13 +584,14 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
     variable token tiles (the config every routing runs), then the exact decode (moe_reference:
     it reads the offsets on the host, so it runs only outside a capture)."""
     from .hopper.config import SWAP_AB_VARIABLE_CONFIG, config_name
-    from .hopper.moe import w4a16_config
+    from .hopper.moe import moe_k_config, w4a16_config
 
     first = moe_config(shape, num_sms, chain_calls, forced)
     configs = [first]
     variable = SWAP_AB_VARIABLE_CONFIG
     if variable.chain_calls and not chain_calls:
         variable = dataclasses.replace(variable, chain_calls=False)
+    variable = moe_k_config(variable, shape.k)
     if not forced and variable != first:
         configs.append(variable)
     if shape.w4a16:  # no pre-pass: unchained
@@ -933,6 +943,9 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
     if shape.sfa_layout != "plain":
         _fail(ValueError, "sfa.shape", tuple(sfa.shape), "on sm_100 the MoE entry takes plain activation scales "
               "[T, K/16] (it repacks them per group on the GPU)")
+    if shape.k % SM100_K_MULTIPLE:
+        _fail(ValueError, "K (2 x a.shape[1])", shape.k, f"must be a multiple of {SM100_K_MULTIPLE} on sm_100 (the "
+              "sm_100a kernels' 256-wide k-tile; sm_90 takes any multiple of 64)")
     if shape.groups > core.MAX_GROUPS:
         _fail(ValueError, "G (b.shape[0])", shape.groups, f"must be in 1..{core.MAX_GROUPS} on sm_100 (sm_90 takes "
               f"up to {MAX_GROUPS})")
@@ -1031,8 +1044,9 @@ def reset_moe() -> None:
 # =============================================================================
 def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None) -> torch.Tensor:
     """The exact result (float64 accumulation, times alpha[g] (or alpha[g, half of N]) where
-    given, rounded to c's dtype; fp16 when c is None) into c's rows of each group, on any
-    device; reads the offsets on the host. Scales in either layout."""
+    given, rounded to c's dtype in the epilogue's order: epilogue_rounding; fp16 when c is None)
+    into c's rows of each group, on any device; reads the offsets on the host. Scales in either
+    layout; K any multiple of 64."""
     tokens, a_columns = a.shape
     groups, n, _ = b.shape
     w4a16 = sfa is None  # bf16 activations
@@ -1049,11 +1063,26 @@ def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None) -> torch.Tensor:
             continue
         a_values = a[lo:hi].double() if w4a16 else core.decode_fp4(a[lo:hi], sfa_plain[lo:hi]).double()
         b_values = core.decode_fp4(b[g], sfb_plain[g]).double()
-        exact = a_values @ b_values.T
-        if scales is not None:
-            exact = exact * scales[g]
-        c[lo:hi] = exact.to(c.dtype)
+        c[lo:hi] = epilogue_rounding(a_values @ b_values.T, None if scales is None else scales[g], c.dtype)
     return c
+
+
+def epilogue_rounding(sums: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The exact sums (float64) as the kernels' epilogue rounds its fp32 sums: rounded to fp32
+    (what the fp32 accumulators hold where every partial sum is exact), times alpha (`scales`,
+    one per column, or None) in one fp32 rounding (the kernel's one multiply by alpha x 2^28 or
+    2^8, a power-of-two product: exact), then fp32 -> c's dtype, round to nearest even (cvt.rn,
+    inf past the range: 65520 and up in fp16). In float64 the fp32 sum times an fp32 alpha is
+    exact (48 significant bits), so .float() is the kernel's one fp32 rounding; a float64 ->
+    fp16 cast straight from the unrounded product could round differently at fp16's overflow
+    boundary (65519.998 is 65504 in one rounding, inf through fp32). A float64 c (an oracle's)
+    takes the exact product unrounded."""
+    if dtype == torch.float64:
+        return sums if scales is None else sums * scales.double()
+    values = sums.float()
+    if scales is not None:
+        values = (values.double() * scales.double()).float()
+    return values.to(dtype)
 
 
 def alpha_columns(alpha: torch.Tensor, n: int) -> torch.Tensor:

@@ -309,3 +309,89 @@ def per_group_data(inputs, offsets):
         plain.append((sfa[lo:hi].unsqueeze(-1), sfb[g].unsqueeze(-1)))
         sizes.append((hi - lo, n, k, 1))
     return (abc, plain, None, sizes), [c[offsets[g]:offsets[g + 1]].unsqueeze(-1) for g in range(b.shape[0])]
+
+
+# -----------------------------------------------------------------------------
+# The MoE epilogue at fp16's overflow boundary (tests/test_moe.py on CPU, tests/test_gpu_moe.py)
+# -----------------------------------------------------------------------------
+E2M1_CODES = {0.0: 0, 0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 3.0: 5, 4.0: 6, 6.0: 7}
+FP16_MAX = 65504.0  # fp16's largest finite value; 65520 (halfway to 2^16) and up round to inf
+
+
+def double_rounding_case():
+    """(s, alpha): an exact sum s = v1 w1 + v0 w0 of e2m1 values and an fp32 alpha whose exact
+    product lies within 2^-9 below 65520 and is not an fp32 value: rounded to fp32 it is 65520
+    (inf in fp16, the kernel's fp32 multiply then cvt.rn), rounded once straight to fp16 65504."""
+    import itertools
+
+    values = [v for v in E2M1_CODES if v]
+    for v1, w1, v0, w0 in itertools.product(values, values, [0.0, 0.5, 1.5], [0.5, 1.5]):
+        s = v1 * w1 + v0 * w0
+        alpha = torch.nextafter(torch.tensor(65520.0 / s, dtype=torch.float32), torch.tensor(1e30))
+        for _ in range(8):  # the fp32 alphas around 65520 / s, downwards
+            product = s * float(alpha)  # exact in float64 (at most 24 + 8 significant bits)
+            if 65520 - 2.0**-9 < product < 65520 and float(torch.tensor(product, dtype=torch.float64).float()) == 65520:
+                return (v1, w1, v0, w0), float(alpha)
+            alpha = torch.nextafter(alpha, torch.tensor(0.0))
+    raise AssertionError("no double-rounding case among the e2m1 sums")
+
+
+def fp16_boundary_case(tokens: int, groups: int, k: int, *, w4a16: bool, alpha_mode: str, device="cpu"):
+    """MoE inputs whose every sum is exact in fp32 (two products of e2m1 values, scales 1.0: at
+    K positions 0 and K - 1, the last in the tail k-tile where K % 256 != 0), N = 256, the rows
+    in `groups` equal groups, and alphas that put alpha x s at 65504, 65519.996, 65520 (a tie:
+    inf), past it, and at a double-rounding case (double_rounding_case) on sums s = 4 and the
+    case's. Returns (inputs, alpha, the product s x alpha in float64 [T, N])."""
+    n = 256
+    (dv1, dw1, dv0, dw0), dr_alpha = double_rounding_case()
+    rows = [(2.0, 0.0), (dv1, dv0), (1.5, 0.5), (-3.0, 0.0), (6.0, 1.5), (0.5, 0.0), (-2.0, 0.0), (4.0, 0.5)]
+    cols = [(2.0, 0.0), (dw1, dw0), (-1.0, 0.5), (3.0, 1.5), (0.5, 0.5), (6.0, 0.0), (1.5, 1.5), (-4.0, 0.0)]
+    v = torch.tensor([rows[t % len(rows)] for t in range(tokens)], dtype=torch.float64)
+    w = torch.tensor([cols[j % len(cols)] for j in range(n)], dtype=torch.float64)
+    sums = v[:, :1] @ w[:, :1].T + v[:, 1:] @ w[:, 1:].T  # row 0 x column 0: 4; row 1 x column 1: the case's
+
+    def codes(values):
+        out = torch.zeros(values.shape[0], k, dtype=torch.uint8)
+        for column, position in ((0, k - 1), (1, 0)):
+            magnitude = torch.tensor([E2M1_CODES[abs(x)] for x in values[:, column].tolist()], dtype=torch.uint8)
+            out[:, position] = magnitude | (values[:, column] < 0).to(torch.uint8) << 3
+        return out[:, 0::2] | out[:, 1::2] << 4
+
+    one = torch.full((1,), 0x38, dtype=torch.uint8)  # e4m3 1.0
+    b = codes(w).unsqueeze(0).expand(groups, n, k // 2).contiguous()
+    sfb = one.expand(groups, n, k // 16).contiguous().view(torch.float8_e4m3fn)
+    fp4 = getattr(torch, "float4_e2m1fn_x2", torch.uint8)
+    if w4a16:
+        a_values = torch.zeros(tokens, k, dtype=torch.float64)
+        a_values[:, k - 1], a_values[:, 0] = v[:, 0], v[:, 1]
+        a, sfa = a_values.to(torch.bfloat16), None
+    else:
+        a = codes(v).view(fp4)
+        sfa = one.expand(tokens, k // 16).contiguous().view(torch.float8_e4m3fn)
+    per_group = tokens // groups
+    offsets = torch.tensor([g * per_group for g in range(groups + 1)], dtype=torch.int32)
+    targets = [FP16_MAX / 4, (65520 - 2.0**-8) / 4, 65520 / 4, 65536 / 4, dr_alpha, 1.0, 2.0**-3, 1e9]
+    if alpha_mode == "expert":
+        alpha = torch.tensor([targets[g % len(targets)] for g in range(groups)], dtype=torch.float32)
+    else:
+        alpha = torch.tensor([[targets[(2 * g) % len(targets)], targets[(2 * g + 1) % len(targets)]]
+                              for g in range(groups)], dtype=torch.float32)
+    alpha_rows = alpha.repeat_interleave(per_group, dim=0)
+    if alpha_mode == "expert":
+        alpha_rows = alpha_rows[:, None].expand(-1, n)
+    else:
+        alpha_rows = alpha_rows.repeat_interleave(n // 2, dim=1)
+    products = torch.zeros(tokens, n, dtype=torch.float64)
+    products[: groups * per_group] = sums[: groups * per_group] * alpha_rows.double()
+    inputs = {"a": a.to(device), "sfa": None if sfa is None else sfa.to(device), "b": b.view(fp4).to(device),
+              "sfb": sfb.to(device), "offsets": offsets.to(device)}
+    return inputs, alpha.to(device), sums, products
+
+
+def epilogue_of_sums(sums, alpha_columns, dtype):
+    """What the sm_90 kernels' epilogue computes from fp32 sums that hold the exact sums (the
+    PTX: alpha x 2^28 (2^8 in W4A16) in one fp32 multiply, the sum times it in one more,
+    cvt.rn to c's dtype): fp32 arithmetic in torch."""
+    rescale = torch.tensor(2.0**28, dtype=torch.float32)
+    accumulators = (sums.float() / rescale).float()  # the decoded operands carry 2^-14 each: exact
+    return (accumulators * (alpha_columns.float() * rescale)).to(dtype)

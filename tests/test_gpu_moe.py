@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from helpers import per_group_data
+from helpers import epilogue_of_sums, fp16_boundary_case, per_group_data
 
 import nvfp4_group_gemm as gemm
 from nvfp4_group_gemm import core, moe, switches
@@ -395,17 +395,45 @@ def test_alpha_and_bf16_output_match_the_exact_decode(label, family, alpha_shape
             assert torch.isnan(inputs["c"][outside]).all()
         if dtype == torch.bfloat16:
             return  # bf16's range is fp32's: no alpha below 2^100 (alpha x 2^28 finite) takes these sums past it
-        # overflow: an alpha far past fp16's range gives inf, as a cast of the product would
+        # overflow: an alpha far past fp16's range gives inf, as the exact decode's rounding does,
+        # wherever fp32 accumulation cannot decide it (fp16_boundary: the boundary bit for bit)
         alpha.fill_(1e9)
         inputs["c"].fill_(0.0)
         gemm.moe_grouped_gemm(**inputs, alpha=alpha)
-        expected = moe.moe_reference(*(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets")),
-                                     c=torch.zeros_like(inputs["c"]), alpha=alpha)
         torch.cuda.synchronize()
-        assert torch.equal(torch.isinf(inputs["c"]), torch.isinf(expected))
+        assert_overflow_as_the_exact_decode(inputs, alpha, offsets)
     finally:
         monkeypatch.delenv("NVFP4_MOE_CONFIG")
         gemm.reset_runtime()
+
+
+def assert_overflow_as_the_exact_decode(inputs, alpha, offsets):
+    """c's infs are the exact decode's (alpha x the float64 sum past 65520) on every output whose
+    fp32 accumulation error (core.group_accumulation_bound, times alpha) cannot take it across
+    65520: with general scales and alpha = 1e9 a sum within about 1e-4 of 65520 / alpha may round
+    either way in fp32 (the accumulation error, not the epilogue's order: the old check compared
+    every output and failed on such a sum, swap_ab_t64 halves fp16 on the H200)."""
+    a, sfa, b, sfb = (inputs[name] for name in ("a", "sfa", "b", "sfb"))
+    k = 2 * a.shape[1]
+    exact = moe.moe_reference(a, sfa, b, sfb, inputs["offsets"], c=torch.zeros(inputs["c"].shape, dtype=torch.float64,
+                              device=a.device), alpha=alpha)
+    sfa_plain = sfa if sfa.dim() == 2 else moe.plain_scales_of_blocked(sfa, a.shape[0], k)
+    scales = moe.alpha_columns(alpha, b.shape[1]).double().abs()
+    decided = 0
+    for g in range(b.shape[0]):
+        lo, hi = offsets[g], offsets[g + 1]
+        if hi <= lo:
+            continue
+        sfb_g = sfb[g] if sfb.dim() == 3 else moe.plain_scales_of_blocked(sfb[g], b.shape[1], k)
+        bound = core.group_accumulation_bound(a[lo:hi], b[g], sfa_plain[lo:hi], sfb_g, 1)
+        bound = 0.0 if bound is None else bound.double() * scales[g]
+        magnitude = exact[lo:hi].abs()
+        sure_inf = magnitude - bound > 65520 + 1
+        sure_finite = magnitude + bound < 65520 - 1
+        inf = torch.isinf(inputs["c"][lo:hi])
+        assert torch.equal(inf[sure_inf | sure_finite], sure_inf[sure_inf | sure_finite]), g
+        decided += int((sure_inf | sure_finite).sum())
+    assert decided > 0
 
 
 def test_without_alpha_the_output_is_bit_for_bit_as_before():
@@ -512,3 +540,137 @@ def test_w4a16_bad_offsets_write_nothing_and_flag():
         torch.cuda.synchronize()
         assert int(status.item()) == 1, case
         assert torch.equal(inputs["c"], sentinel), case
+
+
+# -----------------------------------------------------------------------------
+# K any multiple of 64 (k_tail builds: hopper.moe.moe_k_config) and fp16's overflow boundary
+# -----------------------------------------------------------------------------
+# (forced config or None for the choice, (T, G, N, K)): every config the choice may run, at K =
+# 64, 192, 1408, 2880 (a runtime k-tile count; split-K shares uneven, some ranks with none;
+# 128-wide k-tiles narrowed to 64 where K % 128 != 0), and K % 256 == 0 beside them
+K_TAIL = [
+    ("swap_ab_t32", (64, 64, 256, 64)),
+    ("swap_ab_t32_k128", (96, 32, 512, 192)),       # K % 128 != 0: 64-wide k-tiles
+    ("swap_ab_t32_k128", (96, 32, 512, 1408)),      # 11 128-wide k-tiles
+    ("swap_ab_t32_split_k2", (8, 16, 512, 2880)),   # 45 k-tiles over 2 ranks
+    ("swap_ab_t32_split_k4", (40, 64, 256, 1408)),  # 22 over 4
+    ("swap_ab_t32_split_k4", (8, 8, 256, 192)),     # 3 over 4: a rank without k-tiles
+    ("swap_ab_t64", (2048, 40, 256, 1408)),
+    ("swap_ab_split_k", (300, 4, 256, 64)),         # 1 over 2
+    ("swap_ab_one_round", (512, 2, 3072, 2880)),
+    ("swap_ab_one_round_k128", (512, 2, 1024, 1408)),
+    ("swap_ab_variable", (2000, 16, 512, 192)),
+    ("swap_ab_variable", (1024, 8, 2048, 1408)),
+    (None, (1, 64, 2048, 1408)),     # a 1408-K layer's down GEMM at 1, 16, 128, 1024 tokens: the choice
+    (None, (16, 64, 2048, 1408)),
+    (None, (128, 64, 2048, 1408)),
+    (None, (1024, 64, 2048, 1408)),
+    (None, (256, 8, 512, 2880)),
+    (None, (512, 16, 512, 1024)),    # K % 256 == 0: the kernels of before
+]
+
+
+def _forced(monkeypatch, label):
+    if label is None:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("NVFP4_MOE_CONFIG", label)
+    gemm.reset_runtime()
+
+
+@pytest.mark.parametrize("path", ["fp4", "w4a16"])
+@pytest.mark.parametrize("label,family", K_TAIL, ids=[f"{label or 'chosen'}_T{f[0]}_K{f[3]}" for label, f in K_TAIL])
+def test_k_any_multiple_of_64_matches_the_exact_decode_and_replays(label, family, path, monkeypatch):
+    """Random routings against the exact decode (moe.compare_with_exact: the fp32 bound, alpha
+    [G] with fp16 c, [G, 2] with bf16 c, none), status 0, rows outside the groups untouched; the
+    plan's config the k_tail build exactly where K is not a multiple of its k_multiple; then
+    one CUDA graph replayed over new routings."""
+    if SM100:
+        pytest.skip("sm_90 configs (sm_100 takes K % 256 == 0)")
+    _forced(monkeypatch, label)
+    try:
+        tokens, groups, n, k = family
+        rng = random.Random(k + tokens)
+        inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=None if path == "w4a16" else "plain",
+                                       generator=torch.Generator().manual_seed(k))
+        status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+        for trial, (alpha_shape, dtype) in enumerate((("expert", torch.float16), ("halves", torch.bfloat16),
+                                                      (None, torch.float16))):
+            inputs["c"] = torch.full((tokens, n), float("nan"), dtype=dtype, device="cuda")
+            alpha = None if alpha_shape is None else (torch.rand(
+                (groups,) if alpha_shape == "expert" else (groups, 2), generator=torch.Generator().manual_seed(trial))
+                * 4 + 2.0**-6).cuda()
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            gemm.moe_grouped_gemm(**inputs, status=status, alpha=alpha)
+            torch.cuda.synchronize()
+            assert int(status.item()) == 0
+            mismatches, _, first, _, _ = moe.compare_with_exact(
+                *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), alpha)
+            assert mismatches == 0, (label, family, path, trial, first)
+            outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
+            outside[offsets[0]:offsets[-1]] = False
+            assert torch.isnan(inputs["c"][outside]).all()
+        plans = list(moe._PLANS.entries.values())
+        assert plans and all(plan.config.k_tail == (k % hopper_k_multiple(plan.config) != 0) for plan in plans)
+        assert all(not core.is_demoted(plan.kernel_key) for plan in plans)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemm.moe_grouped_gemm(**inputs, status=status)
+        for trial in range(4):
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            inputs["c"].fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert int(status.item()) == 0
+            mismatches, _, first, _, _ = moe.compare_with_exact(
+                *(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")))
+            assert mismatches == 0, (label, family, path, "replay", trial, first)
+    finally:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
+        gemm.reset_runtime()
+
+
+def hopper_k_multiple(config):
+    """K's multiple of the kernels of before for `config` (k_tail's own is its k-tile)."""
+    import dataclasses
+
+    return dataclasses.replace(config, k_tail=False).k_multiple
+
+
+# every config the choice may run (NVFP4_MOE_CONFIG), at K = 1408 (k_tail) and 1024
+BOUNDARY_CONFIGS = ["swap_ab_t32", "swap_ab_t32_k128", "swap_ab_t32_split_k2", "swap_ab_t32_split_k4", "swap_ab_t64",
+                    "swap_ab_split_k", "swap_ab_one_round", "swap_ab_one_round_k128", "swap_ab_variable"]
+
+
+@pytest.mark.parametrize("k", [1408, 1024])
+@pytest.mark.parametrize("path", ["fp4", "w4a16"])
+@pytest.mark.parametrize("label", BOUNDARY_CONFIGS)
+def test_fp16_boundary_bit_for_bit_as_the_exact_decode(label, path, k, monkeypatch):
+    """Sums exact in fp32 (helpers.fp16_boundary_case: two products per output, one in K's last
+    k-tile) times alphas that put alpha x s at 65504, 65519.996, 65520, past it, and at a
+    double-rounding case: c is the exact decode's bit for bit (the same infs), in fp16 with
+    alpha [G] and [G, 2] and in bf16, for every config."""
+    if SM100:
+        pytest.skip("sm_90 epilogues")
+    _forced(monkeypatch, label)
+    try:
+        tokens, groups = 64, 8
+        for alpha_mode, dtype in (("expert", torch.float16), ("halves", torch.float16), ("halves", torch.bfloat16)):
+            inputs, alpha, sums, _ = fp16_boundary_case(tokens, groups, k, w4a16=path == "w4a16",
+                                                        alpha_mode=alpha_mode, device="cuda")
+            c = torch.full((tokens, 256), float("nan"), dtype=dtype, device="cuda")
+            gemm.moe_grouped_gemm(**inputs, c=c, alpha=alpha)
+            expected = moe.moe_reference(**inputs, c=torch.zeros_like(c), alpha=alpha)
+            formula = epilogue_of_sums(sums.cuda(), moe.alpha_columns(alpha, 256).repeat_interleave(
+                tokens // groups, dim=0), dtype)
+            torch.cuda.synchronize()
+            assert torch.equal(expected.view(torch.int16), formula.view(torch.int16))
+            differ = (c.view(torch.int16) != expected.view(torch.int16)).nonzero()
+            assert differ.numel() == 0, (label, path, k, alpha_mode, dtype, differ[:4].tolist())
+            # not the self-check's exact result in place of a demoted kernel's
+            assert not any(core.is_demoted(plan.kernel_key) for plan in moe._PLANS.entries.values()), core.demotions()
+    finally:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
+        gemm.reset_runtime()

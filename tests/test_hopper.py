@@ -318,6 +318,10 @@ def test_compile_targets_list_what_the_backend_runs():
         **{f"sm90_moe_w4a16_{name}": "sm_90a" for name in ("split_k", "one_round", "one_round_k128", "variable",
                                                             "t32", "t32_k128", "t64", "t32_split_k2", "t32_split_k4")},
         **{f"sm90_moe_w4a16_{name}_halves": "sm_90a" for name in ("t32", "variable")},
+        # K any multiple of 64 (moe_k_config): the k_tail build of every config, both paths
+        **{f"sm90_moe_{path}_{name}_k_tail": "sm_90a" for path in ("gemm", "w4a16")
+           for name in ("split_k", "one_round", "one_round_k128", "variable", "t32", "t32_k128", "t64", "t32_split_k2",
+                        "t32_split_k4")},
     }
     # every config the automatic choice can return is registered
     for groups, n, k in ((8, 4096, 7168), (2, 3072, 4096), (1, 128, 256)):
@@ -940,3 +944,30 @@ def test_w4a16_gemms_read_bf16_rows_and_fence_them_before_wgmma(sm90_builds, tar
     for register in re.findall(r"ld\.global\.f32 (%f\d+)", ptx):
         assert re.search(rf"mul\.f32\s+%f\d+, {register}, 0f43800000;", ptx)  # alpha x 2^8
     assert re.findall(r"ld\.global\.f32", ptx), "the checkpoint epilogue loads alpha"
+
+
+K_TAIL_TARGETS = [name for name, _arch, _compile in hopper.moe.moe_compile_targets() if name.endswith("_k_tail")]
+
+
+@pytest.mark.parametrize("target", K_TAIL_TARGETS)
+def test_k_tail_builds_have_no_local_memory_and_the_epilogue_of_the_others(sm90_builds, target):
+    """The k_tail builds (K any multiple of 64: the k-tile count and split-K's shares at run time,
+    the main loop not unrolled): within the CTAs-per-SM register bound, no local memory up to
+    G = 8, one wgmma shape per token class as the kernels of K % 256 == 0; the epilogue of
+    those kernels: alpha times the decode's exact rescale in one fp32 multiply, the sums times
+    it, then a round-to-nearest conversion to c's dtype (cvt.rn, no .satfinite: inf past the
+    range, as the exact decode's rounding; tests/test_moe.py pins that rounding at fp16's
+    boundary)."""
+    report = sm90_builds[(target, 8)]
+    config = hopper.config_named("swap_ab_" + target.removesuffix("_k_tail").split("_", 3)[3])
+    assert report.error is None and report.ptx_target == "sm_90a"
+    assert report.frame_bytes == 0 and report.spill_bytes_max == 0
+    assert 0 < report.registers * config.num_threads * config.ctas_per_sm <= 65536
+    w4a16 = "_w4a16_" in target
+    assert report.mma and all(m.endswith(".f32.bf16.bf16" if w4a16 else ".f32.f16.f16") for m in report.mma)
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    rescale = "0f43800000" if w4a16 else "0f4D800000"  # 2^8, 2^28
+    loads = re.findall(r"ld\.global\.f32 (%f\d+)", ptx)
+    assert loads and all(re.search(rf"mul\.f32\s+%f\d+, {register}, {rescale};", ptx) for register in loads)
+    assert "cvt.rn.bf16x2.f32" in ptx or "cvt.rn.bf16.f32" in ptx
+    assert "satfinite" not in ptx and ".sat." not in ptx.replace("cvt.rni.sat", "")

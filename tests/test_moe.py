@@ -8,10 +8,12 @@ import random
 
 import pytest
 import torch
+from helpers import FP16_MAX, epilogue_of_sums, fp16_boundary_case
 
 import nvfp4_group_gemm as gemm
 from nvfp4_group_gemm import core, launch, moe, switches
 from nvfp4_group_gemm.hopper import moe as hopper_moe
+from nvfp4_group_gemm.hopper.config import CONFIGS as REGISTRY
 from nvfp4_group_gemm.hopper.config import (
     SWAP_AB_CONFIG,
     SWAP_AB_ONE_ROUND_K128_CONFIG,
@@ -57,8 +59,8 @@ BAD_INPUTS = {
                r"a\.dtype = torch\.float16: 16-bit activations must be bfloat16 \[T, K\] \(W4A16"),
     "w4a16_with_sfa": (lambda i: _replaced(i, a=torch.zeros(300, 512, dtype=torch.bfloat16)), ValueError,
                        r"sfa = a Tensor: must be None with bf16 activations \(W4A16 takes no activation scales\)"),
-    "w4a16_k": (lambda i: _replaced(i, a=torch.zeros(300, 384, dtype=torch.bfloat16), sfa=None), ValueError,
-                r"K \(a\.shape\[1\]\) = 384: must be a positive multiple of 256"),
+    "w4a16_k": (lambda i: _replaced(i, a=torch.zeros(300, 48, dtype=torch.bfloat16), sfa=None), ValueError,
+                r"K \(a\.shape\[1\]\) = 48: must be a positive multiple of 64 \(the 64-wide k-tile"),
     "w4a16_b_k": (lambda i: _replaced(i, a=torch.zeros(300, 1024, dtype=torch.bfloat16), sfa=None), ValueError,
                   r"b\.shape\[2\] = 256: must be K/2 = 512, K from a\.shape\[1\]"),
     "w4a16_rank": (lambda i: _replaced(i, a=torch.zeros(300, 512, 1, dtype=torch.bfloat16), sfa=None), ValueError,
@@ -76,8 +78,9 @@ BAD_INPUTS = {
                        ValueError, r"N \(b\.shape\[1\]\) = 128: must be a multiple of 256 with alpha \[G, 2\]"),
     "alpha_strided": (lambda i: _replaced(i, alpha=torch.ones(8)[::2]), ValueError, r"alpha\.stride\(\)"),
     "a_rank": (lambda i: _replaced(i, a=i["a"].unsqueeze(-1)), ValueError, r"a\.shape .*\[T, K/2\]"),
-    "k_multiple": (lambda i: _replaced(i, a=i["a"][:, :192], sfa=i["sfa"][:, :24], b=i["b"][:, :, :192]),
-                   ValueError, r"K \(2 x a\.shape\[1\]\) = 384: must be a positive multiple of 256"),
+    "k_multiple": (lambda i: _replaced(i, a=i["a"][:, :24].contiguous(), sfa=i["sfa"][:, :3].contiguous(),
+                                       b=i["b"][:, :, :24].contiguous(), sfb=i["sfb"][:, :, :3].contiguous()),
+                   ValueError, r"K \(2 x a\.shape\[1\]\) = 48: must be a positive multiple of 64 .*K % 16 == 0"),
     "b_k": (lambda i: _replaced(i, b=i["b"][:, :, :128].contiguous()), ValueError, r"b\.shape\[2\] = 128"),
     "n_multiple": (lambda i: _replaced(i, b=i["b"][:, :200].contiguous(), sfb=i["sfb"][:, :200].contiguous()),
                    ValueError, r"N \(b\.shape\[1\]\) = 200: must be a positive multiple of 128"),
@@ -544,7 +547,9 @@ def test_the_reference_scales_each_expert_and_rounds_to_cs_dtype(halves):
         out = moe.moe_reference(**{n: inputs[n] for n in names}, c=torch.zeros(300, 256, dtype=dtype), alpha=alpha)
         for g, (lo, hi) in enumerate(([0, 10], [10, 10], [10, 200], [200, 300])):
             scale = alpha[g].repeat_interleave(128) if halves else alpha[g]
-            assert torch.equal(out[lo:hi], (unscaled[lo:hi] * scale.double()).to(dtype)), (dtype, g)
+            # the epilogue's order: the sum in fp32, one fp32 multiply by alpha, then c's dtype
+            fp32_product = (unscaled[lo:hi].float().double() * scale.double()).float()
+            assert torch.equal(out[lo:hi], fp32_product.to(dtype)), (dtype, g)
 
 
 def test_past_the_output_types_range_the_result_is_inf_as_a_plain_cast():
@@ -696,3 +701,113 @@ def test_the_sm100_version_refuses_bf16_activations_naming_the_fp4_path(monkeypa
     shape = moe.MoeShape(300, 4, 256, 512, None, "blocked", None, "bfloat16")
     with pytest.raises(TypeError, match=r"bf16 activations \(W4A16\) run on sm_90 only; .*\(the fp4 path"):
         moe._launch_sm100(shape, *(inputs[n] for n in ("a", "sfa", "b", "sfb", "offsets", "c")), None, (), 0)
+
+
+# -----------------------------------------------------------------------------
+# K any multiple of 64 (the down projection's K: an expert's intermediate size, 1408, 2880)
+# -----------------------------------------------------------------------------
+K_NOT_256 = (64, 192, 1408, 2880)
+# every swap-AB config of the registry (the choice's and NVFP4_MOE_CONFIG's)
+CONFIGS_BY_NAME = {name: config for name, config in REGISTRY.items() if name.startswith("swap_ab")}
+
+
+@pytest.mark.parametrize("k", K_NOT_256)
+def test_k_a_multiple_of_64_passes_every_host_rule(k):
+    """K % 64 == 0 is the rule (K = 48 is refused naming it: BAD_INPUTS' k_multiple, w4a16_k)."""
+    for sfa_layout in ("plain", "blocked", None):
+        inputs = moe.random_moe_inputs(300, 4, 256, k, sfa_layout=sfa_layout, device="cpu",
+                                       generator=torch.Generator().manual_seed(k))
+        with pytest.raises(ValueError, match="a.device = cpu"):  # only the device rule is left
+            moe.check_moe_inputs(**inputs)
+
+
+@pytest.mark.parametrize("k", K_NOT_256)
+def test_the_exact_decode_and_the_blocked_scales_at_k_not_a_multiple_of_256(k):
+    """prepare_weight_scales / blocked_scales at K/64 atoms along K (not a multiple of 4): the
+    inverse gives the plain scales back, the pre-pass's byte offset of every activation scale
+    is where blocked_scales put it, and the exact decode gives the same result from either
+    layout, equal to the float64 product of the decoded rows (and within the bound, 0
+    mismatches, against itself through compare_with_exact)."""
+    tokens, groups, n = 200, 3, 256
+    generator = torch.Generator().manual_seed(k)
+    plain = moe.random_moe_inputs(tokens, groups, n, k, sfb_layout="plain", device="cpu", generator=generator)
+    sfb_blocked = moe.prepare_weight_scales(plain["sfb"])
+    assert sfb_blocked.shape == (groups, n // 128, k // 64, 32, 4, 4)
+    for g in range(groups):
+        assert torch.equal(moe.plain_scales_of_blocked(sfb_blocked[g], n, k).view(torch.uint8),
+                           plain["sfb"][g].view(torch.uint8))
+    sfa_blocked = moe.blocked_scales(plain["sfa"])
+    assert sfa_blocked.shape == (-(-tokens // 128), k // 64, 32, 4, 4)
+    flat = sfa_blocked.view(torch.uint8).reshape(-1)
+    for row in (0, 1, 127, 128, tokens - 1):
+        for block in range(k // 16):
+            assert flat[activation_scale_offset(row, block, k)] == plain["sfa"].view(torch.uint8)[row, block]
+    offsets = [0, 50, 50, 170]
+    plain["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+    names = ("a", "sfa", "b", "sfb", "offsets")
+    from_plain = moe.moe_reference(**{x: plain[x] for x in names}, c=torch.zeros(tokens, n, dtype=torch.float64))
+    from_blocked = moe.moe_reference(plain["a"], sfa_blocked, plain["b"], sfb_blocked, plain["offsets"],
+                                     c=torch.zeros(tokens, n, dtype=torch.float64))
+    assert torch.equal(from_plain, from_blocked)
+    for g in range(groups):
+        lo, hi = offsets[g], offsets[g + 1]
+        expected = (core.decode_fp4(plain["a"][lo:hi], plain["sfa"][lo:hi]).double()
+                    @ core.decode_fp4(plain["b"][g], plain["sfb"][g]).double().T)
+        assert torch.equal(from_plain[lo:hi], expected)
+    c = moe.moe_reference(**{x: plain[x] for x in names}, c=torch.zeros(tokens, n, dtype=torch.float16))
+    assert moe.compare_with_exact(plain["a"], sfa_blocked, plain["b"], sfb_blocked, plain["offsets"], c)[0] == 0
+
+
+@pytest.mark.parametrize("k", (*K_NOT_256, 256, 1024, 7168))
+def test_the_config_follows_k(k):
+    """moe_k_config: K a multiple of the config's k_multiple keeps the config (the kernels of
+    before); else the k_tail build, with 64-wide k-tiles where K % 128 != 0. Over every
+    config the choice or NVFP4_MOE_CONFIG can run, the k-tile shares the kernel computes (rank
+    r of s: r (t // s) + min(r, t % s) on) cover K's k-tiles once, each rank's in order."""
+    for name, registered in CONFIGS_BY_NAME.items():
+        for config in (registered, hopper_moe.w4a16_config(registered)):
+            fitted = hopper_moe.moe_k_config(config, k)
+            assert k % fitted.tile_k == 0
+            if k % config.k_multiple == 0:
+                assert fitted is config, name
+                continue
+            assert fitted.k_tail and not fitted.unrolled_main_loop, name
+            assert fitted.k_halves == (config.k_halves if k % config.tile_k == 0 else 1), name
+            assert (fitted.tile_tokens, fitted.split_k, fitted.variable_tokens, fitted.pdl, fitted.chain_calls) == (
+                config.tile_tokens, config.split_k, config.variable_tokens, config.pdl, config.chain_calls), name
+            total, split = k // fitted.tile_k, fitted.split_k
+            share = total // split
+            covered = []
+            for rank in range(split):
+                begin = rank * share + min(rank, total - share * split)
+                count = (rank + 1) * share + min(rank + 1, total - share * split) - begin
+                covered += range(begin, begin + count)
+            assert covered == list(range(total)), (name, k)
+    shape = moe.MoeShape(8, 128, 4096, k, "plain", "blocked")
+    for choice in moe.moe_chain(shape, 132, True, None)[:-1]:
+        config = choice.config[0]
+        assert config.k_tail == (k % 256 != 0), (k, choice.name)
+        assert ("k_tail=True" in choice.name) == config.k_tail
+
+
+@pytest.mark.parametrize("w4a16", [False, True], ids=["fp4", "w4a16"])
+@pytest.mark.parametrize("alpha_mode", ["expert", "halves"])
+@pytest.mark.parametrize("k", [64, 1408, 1024])
+def test_the_exact_decode_rounds_at_fp16s_boundary_as_the_kernels_epilogue(w4a16, alpha_mode, k):
+    """Sums exact in fp32 times alphas that land alpha x s at 65504, 65519.996, 65520 (a tie,
+    rounded to even: inf), past it, and at a double-rounding case (an exact product within
+    2^-9 below 65520: inf through fp32, as the kernel's fp32 multiply then cvt.rn rounds it):
+    the exact decode's c is bit for bit the kernel's epilogue formula (epilogue_of_sums; its
+    PTX: tests/test_hopper.py), in fp16 and bf16."""
+    inputs, alpha, sums, products = fp16_boundary_case(64, 8, k, w4a16=w4a16, alpha_mode=alpha_mode)
+    columns = moe.alpha_columns(alpha, 256).repeat_interleave(8, dim=0)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = moe.moe_reference(**inputs, c=torch.zeros(64, 256, dtype=dtype), alpha=alpha)
+        assert torch.equal(out.view(torch.int16), epilogue_of_sums(sums, columns, dtype).view(torch.int16))
+    out = moe.moe_reference(**inputs, c=torch.zeros(64, 256, dtype=torch.float16), alpha=alpha)
+    magnitude = products.abs()
+    assert (out[magnitude == FP16_MAX].abs() == FP16_MAX).all() and (magnitude == FP16_MAX).any()
+    below = (magnitude > 65519.99) & (magnitude < 65520)  # 65519.996 (an fp32 value) and the double-rounding case
+    assert (out[below & (magnitude.float() < 65520)].abs() == FP16_MAX).all()
+    assert torch.isinf(out[below & (magnitude.float() == 65520)]).all() and (below & (magnitude.float() == 65520)).any()
+    assert torch.isinf(out[magnitude >= 65520]).all() and not torch.isinf(out[magnitude.float() < 65520]).any()

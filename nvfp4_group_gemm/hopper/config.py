@@ -201,6 +201,11 @@ class SwapAbConfig:
     # (barrier, copy issue, waits, wgmma fence and commit); needs K % (128 x stages) == 0 for
     # the unrolled main loop (SwapAbConfig.k_multiple)
     k_halves: int = 1
+    # K any multiple of the k-tile (the MoE entry's K % 64 == 0, hopper.moe.moe_k_config): the
+    # main loop not unrolled (stage indices at run time: any k-tile count), and split-K ranks
+    # of uneven shares (the first (k-tiles % split_k) ranks one k-tile more; a rank may have
+    # none). False: the kernels of K % k_multiple == 0, unchanged
+    k_tail: bool = False
     arch: str = "sm_90a"
 
     # Weight rows per tile (wgmma M): two warpgroups of 64.
@@ -215,7 +220,9 @@ class SwapAbConfig:
     @property
     def k_multiple(self) -> int:
         """What every group's K must be a multiple of: the k-tile times the stage count where
-        the main loop is unrolled by it (256 with one half, 512 with two)."""
+        the main loop is unrolled by it (256 with one half, 512 with two); with k_tail, the k-tile."""
+        if self.k_tail:
+            return self.tile_k
         return max(256, self.tile_k * (self.stages if self.unrolled_main_loop else 1))
 
     @property
@@ -236,8 +243,9 @@ class SwapAbConfig:
     def unrolled_main_loop(self) -> bool:
         """The main loop unrolled by the stage count, so that every stage index is a constant:
         where weight and token stages are as many and the tile's k-tile count is a multiple of
-        them (without split-K, K % 256 == 0 gives a multiple of 4 k-tiles)."""
-        return self.split_k == 1 and self.stages == self.weight_stages and 4 % self.stages == 0
+        them (without split-K, K % 256 == 0 gives a multiple of 4 k-tiles; not with k_tail)."""
+        return (self.split_k == 1 and self.stages == self.weight_stages and 4 % self.stages == 0
+                and not self.k_tail)
 
     @property
     def weights_ahead(self) -> int:

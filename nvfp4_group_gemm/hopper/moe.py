@@ -558,6 +558,29 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
                                 self.k_halves, self.config.weight_half_bytes, cutlass.BFloat16)
 
 
+# What the MoE entry's K must be a multiple of on sm_90: one 64-wide k-tile half (4 scale blocks,
+# one 512-byte scale atom of the blocked layouts along K)
+MOE_K_MULTIPLE = SWAP_AB_HALF_K
+
+
+def moe_k_config(config: SwapAbConfig, k: int) -> SwapAbConfig:
+    """`config` for K = k (a multiple of MOE_K_MULTIPLE): itself where K is a multiple of its
+    k_multiple (the kernels of before, PTX unchanged); else 64-wide k-tiles where K % 128 != 0
+    (the registered config of which it is the 128-wide variant, schedules.WIDE_K_TILE_CONFIGS),
+    and k_tail (the main loop's k-tile count and split-K's shares at run time)."""
+    if k % config.k_multiple == 0:
+        return config
+    if k % config.tile_k:
+        from .schedules import WIDE_K_TILE_CONFIGS
+
+        calls = {"pdl": config.pdl, "chain_calls": config.chain_calls}  # w4a16_config's, or unchained
+        narrow = [base for base, wide in WIDE_K_TILE_CONFIGS.items() if dataclasses.replace(wide, **calls) == config]
+        config = dataclasses.replace(narrow[0] if narrow else config, k_halves=1, **calls)
+        if k % config.k_multiple == 0:
+            return config
+    return dataclasses.replace(config, k_tail=True)
+
+
 def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:
     """`config` for the W4A16 GEMM: unchained (no pre-pass to overlap or wait for)."""
     if config.pdl or config.chain_calls:
@@ -657,4 +680,12 @@ def moe_compile_targets():
         for name, config in gemms.items()] + [
         (f"sm90_moe_w4a16_{name}_halves", "sm_90a",
          functools.partial(compile_moe_w4a16_gemm, config=gemms[name], epilogue=MoeEpilogue("halves", "bfloat16")))
-        for name in ("t32", "variable")]
+        for name in ("t32", "variable")] + [
+        # K not a multiple of the config's k_multiple (moe_k_config: 1408, 2880, ...): the k_tail
+        # builds of every config the choice may run (the 128-wide ones where K % 128 == 0, else
+        # their 64-wide configs'), fp4 activations and W4A16, a checkpoint's epilogue
+        (f"sm90_moe_{path}_{name}_k_tail", "sm_90a",
+         functools.partial(compile_fn, config=dataclasses.replace(config, k_tail=True),
+                           epilogue=MoeEpilogue("expert", "bfloat16")))
+        for path, compile_fn in (("gemm", compile_moe_gemm), ("w4a16", compile_moe_w4a16_gemm))
+        for name, config in gemms.items()]

@@ -491,8 +491,17 @@ class Sm90SwapAbGemm:
         n = operands.size(group, 1)
         k = operands.size(group, 2)
         n0 = weight_tile * self.tile_w
-        k_tile_cnt = k // (self.tile_k * split)
-        k_tile_begin = (bidx % split) * k_tile_cnt
+        if cutlass.const_expr(self.config.k_tail):
+            # any k-tile count (K % tile_k == 0): rank r runs k-tiles begin(r) .. begin(r + 1),
+            # begin(r) = r (total // split) + min(r, total % split) (none where total < split)
+            k_tiles = k // self.tile_k
+            share = k_tiles // split
+            rank = bidx % split
+            k_tile_begin = rank * share + cutlass.min(rank, k_tiles - share * split)
+            k_tile_cnt = (rank + 1) * share + cutlass.min(rank + 1, k_tiles - share * split) - k_tile_begin
+        else:
+            k_tile_cnt = k // (self.tile_k * split)
+            k_tile_begin = (bidx % split) * k_tile_cnt
         b_row_bytes = k // 2
         rest_k = k // (SF_VEC_SIZE * 4)
         slab_bytes = operands.activations(group, 1)
