@@ -695,7 +695,7 @@ _CAPABILITY = core.RuntimeCache(max_entries=64)
 
 def _capability(device: torch.device) -> tuple[int, int]:
     """The device's compute capability, asked once per device."""
-    capability = _CAPABILITY.entries.get(device.index)
+    capability = _CAPABILITY.get(device.index)
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
         _CAPABILITY.put(device.index, capability)
@@ -866,7 +866,7 @@ _LAYOUTS = core.RuntimeCache(max_entries=MAX_LAYOUTS)
 def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None) -> MoeShape:
     """check_moe_inputs, short where the layout (`key[-1]`) was validated before: then the
     addresses' alignment and the devices alone."""
-    known = _LAYOUTS.entries.get(key[-1])
+    known = _LAYOUTS.get(key[-1])  # touched: a layout in use stays cached
     if known is not None:
         shape, masks = known
         device = a.get_device()
@@ -918,7 +918,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         check = not (capturing or plan.checked or not core.SELF_CHECK)
         if check and plan.kernel_key in core.SELF_CHECKED:
             plan.checked, check = True, False
-        per_stream = _BINDINGS.entries.get((stream_handle, device.index))
+        per_stream = _BINDINGS.get((stream_handle, device.index))
         if per_stream is None:
             per_stream = core.RuntimeCache(max_entries=MAX_BINDINGS)
             for evicted in _BINDINGS.put((stream_handle, device.index), per_stream):
@@ -1036,7 +1036,7 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
                                   stream_handle)
         check = not capturing and core.SELF_CHECK and plan.kernel_key not in core.SELF_CHECKED
         if not check:
-            per_stream = _BINDINGS.entries.get((stream_handle, device.index))
+            per_stream = _BINDINGS.get((stream_handle, device.index))
             if per_stream is None:
                 per_stream = core.RuntimeCache(max_entries=MAX_BINDINGS)
                 for evicted in _BINDINGS.put((stream_handle, device.index), per_stream):

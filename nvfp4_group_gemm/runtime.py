@@ -728,6 +728,39 @@ def custom_kernel(data: input_t) -> output_t:
 
 _c_of_group = operator.itemgetter(2)
 no_launch = core.no_launch
+
+
+# -----------------------------------------------------------------------------
+# For tools (selfcheck.py, bench/host_overhead.py): the runtime's state through functions, its
+# caches' names private
+# -----------------------------------------------------------------------------
+def binding_of(key: tuple) -> Binding | None:
+    """The binding of the input set of input_key `key` (its plan's choice: the kernel its
+    calls run), touched as most recently used; None before its second call (a first call
+    binds nothing), or after an eviction or a demotion dropped it."""
+    return _BINDINGS.get(key)
+
+
+def current_stream() -> cuda.CUstream:
+    """torch's current stream as the cuda.CUstream a launch takes (Binding.run), one object
+    per handle, made once: what custom_kernel looks up at every call."""
+    return _stream_for_current()
+
+
+def forget_size_plans() -> None:
+    """Forget every size plan, so that the next call of each size set chooses its kernel and
+    packs its tables again (a benchmark timing new-size calls); compiled kernels stay."""
+    with RUNTIME_LOCK:
+        _SIZE_PLANS.clear()
+
+
+def launch_first_call(size_plan: SizePlan, key: tuple, device: torch.device) -> None:
+    """Launch the input set of input_key `key` as custom_kernel launches its first call (no
+    binding), for `size_plan` (get_size_plan of its sizes), on torch's current stream, outside
+    a capture: its tables written to staging memory, copied, and the kernels launched. A tool's
+    timing of that phase; the launch's scratch is kept until the stream has used it."""
+    stream = _stream_for_current()
+    _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, False)
 SUPPORTED_GPUS = "NVIDIA B200/GB200 (sm_100, compute capability 10.x) and H100/H200 (sm_90, 9.0)"
 
 
