@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import itertools
 import json
 import math
 import platform
@@ -158,6 +157,13 @@ def runtime_of(backend):
     return runtime_module((10, 0) if backend.name == "sm100" else (9, 0))
 
 
+def binding_of(runtime, data):
+    """The binding `runtime`'s custom_kernel keeps for `data` (None: none): the library's
+    runtime.binding_of; the leaderboard core keeps its bindings' cache to itself."""
+    key = runtime.input_key(data)
+    return submission._BINDINGS.get(key) if runtime is submission else runtime.binding_of(key)
+
+
 def kernels_for(backend, sizes) -> list:
     """Every kernel the automatic choice can pick for these sizes, forced one by one."""
     if backend.name == "sm100":
@@ -185,7 +191,7 @@ def run_forced(backend, choice, data):
         launch = binding.launch
     else:
         binding.mode = runtime.LaunchMode.DIRECT
-        stream = runtime._stream_for_current()
+        stream = runtime.current_stream()
 
         def launch():
             binding.run(stream)
@@ -373,7 +379,7 @@ def run_in_process(args, capability, report_path: Path) -> int:
                 with contextlib.redirect_stderr(stderr):
                     if choice is None:
                         outputs = runtime.custom_kernel(data)
-                        binding = runtime._BINDINGS.get(runtime.input_key(data))
+                        binding = binding_of(runtime, data)
                         row["ran"] = binding.plan.choice.name if binding is not None else None
                     else:
                         outputs, _ = run_forced(backend, choice, data)
@@ -620,7 +626,7 @@ def moe_pattern_rows(chain, w4a16: bool = False, device: str = "cuda") -> list[d
             synchronize()
         failures = []
         for index, ((what, offsets), call, status) in enumerate(zip(MOE_ROUTINGS, calls, statuses)):
-            valid = offsets[0] >= 0 and all(x <= y for x, y in itertools.pairwise(offsets)) and offsets[-1] <= tokens
+            valid = moe.offsets_error(offsets, tokens) is None
             if int(status.item()) != (0 if valid else 1):
                 failures.append(f"call {index + 1} ({what}): status {int(status.item())}")
             if not valid:

@@ -345,11 +345,10 @@ def moe_phases(module, family, count: int) -> None:
         sizes = module.checked_problem_sizes(data, key)
         marks.append(("validation", time.perf_counter()))
         backend = module.select_backend(device.index)
-        module._SIZE_PLANS.clear()  # new sizes: plan them again
+        module.forget_size_plans()  # new sizes: plan them again
         size_plan = module.get_size_plan(backend, sizes, device)
         marks.append(("size plan", time.perf_counter()))
-        stream = module._stream_for_current()
-        module._launch_first_call(size_plan, key, stream, int(stream), device, False)
+        module.launch_first_call(size_plan, key, device)
         marks.append(("tables and launches", time.perf_counter()))
         for (_, before), (name, after) in itertools.pairwise(marks):
             phases.setdefault(name, []).append((after - before) * 1e6)
@@ -360,7 +359,7 @@ def moe_phases(module, family, count: int) -> None:
     whole = moe_inputs(groups, n, k, count, seed=9)  # every tensor alive until the end
     for data in whole:
         torch.cuda.synchronize()
-        module._SIZE_PLANS.clear()
+        module.forget_size_plans()
         start = time.perf_counter()
         module.custom_kernel(data)
         phases.setdefault("whole call", []).append((time.perf_counter() - start) * 1e6)
@@ -377,12 +376,12 @@ def breakdown(module, groups: int, iterations: int = 2000) -> None:
     for _ in range(3):  # the first call launches directly, the second records the graph
         module.custom_kernel(data)
     key = module.input_key(data)
-    binding = module._BINDINGS.get(key)
+    binding = module.binding_of(key)
     bare_tensor = torch.zeros(16, device="cuda")
     steps = {
         "input_key": lambda: module.input_key(data),
-        "cache get": lambda: module._BINDINGS.get(key),
-        "stream lookup": module._stream_for_current,
+        "cache get": lambda: module.binding_of(key),
+        "stream lookup": module.current_stream,
         binding.mode.value: binding.launch,
         "custom_kernel": lambda: module.custom_kernel(data),
         "bare add_": lambda: bare_tensor.add_(1),

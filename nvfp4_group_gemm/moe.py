@@ -132,8 +132,8 @@ def _check_tensor(field: str, tensor, dtypes) -> None:
         _fail(TypeError, f"{field}.dtype", tensor.dtype, f"must be one of {', '.join(str(d) for d in dtypes)}")
 
 
-def _check_device(field: str, tensor, device) -> None:
-    if tensor.device.type != "cuda":
+def _check_device(field: str, tensor, device, require_cuda: bool = True) -> None:
+    if require_cuda and tensor.device.type != "cuda":
         _fail(ValueError, f"{field}.device", tensor.device, "must be a CUDA device")
     if tensor.device != device:
         _fail(ValueError, f"{field}.device", tensor.device, f"must be a's device, {device}")
@@ -182,10 +182,13 @@ class MoeShape(tuple):
         return MoeEpilogue(self.alpha, self.out_dtype)
 
 
-def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None) -> MoeShape:
+def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *,
+                     require_cuda: bool = True) -> MoeShape:
     """Validate everything the host can see (types, dtypes, devices, shapes, strides,
     alignment, G, N, K), before any launch; returns the problem's MoeShape. Raises TypeError
-    or ValueError naming the field, its value and the rule."""
+    or ValueError naming the field, its value and the rule. `require_cuda` False: the CPU
+    path's rules (the op on CPU tensors, the exact decode, moe_reference), every rule but
+    "a CUDA device" (all tensors still on a's device)."""
     w4a16 = isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16
     if isinstance(a, torch.Tensor) and a.dtype == torch.float16:
         _fail(TypeError, "a.dtype", a.dtype, "16-bit activations must be bfloat16 [T, K] (W4A16, no activation "
@@ -279,8 +282,40 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None) -
     for field, tensor in (("a", a), ("b", b), ("sfa", sfa), ("sfb", sfb), ("offsets", offsets), ("c", c),
                           ("status", status), ("alpha", alpha)):
         if tensor is not None:
-            _check_device(field, tensor, a.device)
+            _check_device(field, tensor, a.device, require_cuda)
     return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout, alpha_mode, out_dtype)
+
+
+# The offsets' rule: the GPU checks it (a call with bad offsets writes nothing and sets status
+# 1); the CPU path reads the offsets on the host and checks it before any work (check_offsets)
+OFFSETS_RULE = "0 <= offsets[0] <= offsets[1] <= ... <= offsets[G] <= T"
+# Offsets printed whole up to this many values (G = 512 would make a 3000-character line)
+MAX_PRINTED_OFFSETS = 17
+
+
+def offsets_error(bounds: list[int], tokens: int) -> str | None:
+    """What breaks OFFSETS_RULE in the host copy `bounds` of offsets [G + 1] (T = `tokens`), in
+    words, or None where they follow it."""
+    if bounds[0] < 0:
+        return f"offsets[0] = {bounds[0]} < 0"
+    for g, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        if hi < lo:
+            return f"offsets[{g + 1}] = {hi} < offsets[{g}] = {lo}"
+    if bounds[-1] > tokens:
+        return f"offsets[{len(bounds) - 1}] = {bounds[-1]} > T = {tokens}"
+    return None
+
+
+def check_offsets(offsets: torch.Tensor, tokens: int) -> list[int]:
+    """The offsets as host integers (a read: a sync on the GPU), or a ValueError naming
+    offsets, their value and OFFSETS_RULE: what the CPU path checks before any work, where the
+    GPU path flags bad offsets in `status` (check_status). `tokens`: T, a.shape[0]."""
+    bounds = [int(v) for v in offsets.cpu().tolist()]
+    broken = offsets_error(bounds, tokens)
+    if broken is not None:
+        shown = bounds if len(bounds) <= MAX_PRINTED_OFFSETS else f"[{len(bounds)} values]"
+        _fail(ValueError, "offsets", shown, f"{broken}; the rule is {OFFSETS_RULE} (T = a.shape[0] = {tokens})")
+    return bounds
 
 
 def check_status(status: torch.Tensor) -> None:
@@ -290,10 +325,8 @@ def check_status(status: torch.Tensor) -> None:
         raise ValueError("moe_grouped_gemm: the offsets made more tiles than the table holds (status 2, sm_100 "
                          "version): some of c was not computed; report the offsets, T, G and N")
     if value != 0:
-        raise ValueError(
-            "moe_grouped_gemm: offsets were invalid on the GPU (status 1): the rule is "
-            "0 <= offsets[0] <= offsets[1] <= ... <= offsets[G] <= T; nothing was written"
-        )
+        raise ValueError(f"moe_grouped_gemm: offsets were invalid on the GPU (status 1): the rule is {OFFSETS_RULE}; "
+                         "nothing was written")
 
 
 # =============================================================================
@@ -662,7 +695,7 @@ _CAPABILITY = core.RuntimeCache(max_entries=64)
 
 def _capability(device: torch.device) -> tuple[int, int]:
     """The device's compute capability, asked once per device."""
-    capability = _CAPABILITY.entries.get(device.index)
+    capability = _CAPABILITY.get(device.index)
     if capability is None:
         capability = torch.cuda.get_device_capability(device)
         _CAPABILITY.put(device.index, capability)
@@ -741,26 +774,38 @@ def w4a16_accumulation_bound(a, b, sfb):
 
 
 def exact_moe_call(a, sfa, b, sfb, offsets, c, status=None, alpha=None) -> None:
-    """The exact decode as the entry's kernels behave: valid offsets, every group's rows written
-    (moe_reference) and status 0; bad offsets, nothing written and status 1. Reads the offsets
-    on the host: the op's CPU implementation and the chain's last link."""
+    """The exact decode as the entry's kernels behave, on any device: the entry's rules
+    (check_moe_inputs, the CUDA device excepted) before any work; then valid offsets: every
+    group's rows written (moe_reference) and status 0; bad offsets: nothing written and status
+    1, or, without a status to flag them in, check_offsets' ValueError. Reads the offsets on
+    the host: the op's CPU implementation."""
+    check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, require_cuda=False)
+    if not _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha) and status is None:
+        check_offsets(offsets, a.shape[0])  # raises, naming what breaks the rule
+
+
+def _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha) -> bool:
+    """On validated inputs: what the kernels do (valid offsets: c's groups written, status 0;
+    bad ones: nothing written, status 1); whether the offsets were valid."""
     bounds = [int(v) for v in offsets.cpu().tolist()]
-    valid = 0 <= bounds[0] and all(x <= y for x, y in itertools.pairwise(bounds)) and bounds[-1] <= a.shape[0]
+    valid = offsets_error(bounds, a.shape[0]) is None
     if valid:
-        moe_reference(a, sfa, b, sfb, offsets, c, alpha)
+        _reference_rows(a, sfa, b, sfb, bounds, c, alpha)
     if status is not None:
         status.fill_(0 if valid else 1)
+    return valid
 
 
 def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None) -> None:
-    """The chain's last link: exact_moe_call, refused under a caller's capture (it reads the
-    offsets on the host)."""
+    """The chain's last link, on inputs the entry validated: the exact decode as the kernels
+    behave (bad offsets without a status: nothing written, nothing raised, as a kernel
+    launch), refused under a caller's capture (it reads the offsets on the host)."""
     if launch._capturing():
         raise RuntimeError(f"moe_grouped_gemm: every MoE kernel for T = {shape.tokens}, G = {shape.groups}, "
                            f"N = {shape.n}, K = {shape.k} is demoted in this process (the lines above say why), and "
                            "its last link, the exact decode, reads the offsets on the host: it cannot run under a "
                            "CUDA graph capture")
-    exact_moe_call(a, sfa, b, sfb, offsets, c, status, alpha)
+    _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha)
 
 
 data_address = core.data_address
@@ -821,7 +866,7 @@ _LAYOUTS = core.RuntimeCache(max_entries=MAX_LAYOUTS)
 def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None) -> MoeShape:
     """check_moe_inputs, short where the layout (`key[-1]`) was validated before: then the
     addresses' alignment and the devices alone."""
-    known = _LAYOUTS.entries.get(key[-1])
+    known = _LAYOUTS.get(key[-1])  # touched: a layout in use stays cached
     if known is not None:
         shape, masks = known
         device = a.get_device()
@@ -873,7 +918,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         check = not (capturing or plan.checked or not core.SELF_CHECK)
         if check and plan.kernel_key in core.SELF_CHECKED:
             plan.checked, check = True, False
-        per_stream = _BINDINGS.entries.get((stream_handle, device.index))
+        per_stream = _BINDINGS.get((stream_handle, device.index))
         if per_stream is None:
             per_stream = core.RuntimeCache(max_entries=MAX_BINDINGS)
             for evicted in _BINDINGS.put((stream_handle, device.index), per_stream):
@@ -991,7 +1036,7 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
                                   stream_handle)
         check = not capturing and core.SELF_CHECK and plan.kernel_key not in core.SELF_CHECKED
         if not check:
-            per_stream = _BINDINGS.entries.get((stream_handle, device.index))
+            per_stream = _BINDINGS.get((stream_handle, device.index))
             if per_stream is None:
                 per_stream = core.RuntimeCache(max_entries=MAX_BINDINGS)
                 for evicted in _BINDINGS.put((stream_handle, device.index), per_stream):
@@ -1046,14 +1091,26 @@ def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None) -> torch.Tensor:
     """The exact result (float64 accumulation, times alpha[g] (or alpha[g, half of N]) where
     given, rounded to c's dtype in the epilogue's order: epilogue_rounding; fp16 when c is None)
     into c's rows of each group, on any device; reads the offsets on the host. Scales in either
-    layout; K any multiple of 64."""
+    layout; K any multiple of 64. The entry's rules first (check_moe_inputs, the CUDA device
+    excepted; c may also be float64, an oracle's exact values), then the offsets' (check_offsets):
+    a ValueError or TypeError before any work."""
+    oracle_c = c is not None and isinstance(c, torch.Tensor) and c.dtype == torch.float64
+    shape = check_moe_inputs(a, sfa, b, sfb, offsets, None if oracle_c else c, None, alpha, require_cuda=False)
+    if oracle_c:  # the entry's rules for c but its dtype
+        _check_shape("c", c, (shape.tokens, shape.n), "fp16 or bf16 [T, N]")
+        _check_device("c", c, a.device, require_cuda=False)
+    bounds = check_offsets(offsets, shape.tokens)
+    if c is None:
+        c = torch.zeros((shape.tokens, shape.n), dtype=torch.float16, device=a.device)
+    return _reference_rows(a, sfa, b, sfb, bounds, c, alpha)
+
+
+def _reference_rows(a, sfa, b, sfb, bounds: list[int], c, alpha=None) -> torch.Tensor:
+    """moe_reference's computation on validated inputs and valid host offsets `bounds`."""
     tokens, a_columns = a.shape
     groups, n, _ = b.shape
     w4a16 = sfa is None  # bf16 activations
     k = a_columns if w4a16 else 2 * a_columns
-    if c is None:
-        c = torch.zeros((tokens, n), dtype=torch.float16, device=a.device)
-    bounds = [int(v) for v in offsets.cpu().tolist()]
     sfa_plain = None if w4a16 else sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, tokens, k)
     sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], n, k) for g in range(groups)])
     scales = None if alpha is None else alpha_columns(alpha, n).double()

@@ -1,12 +1,14 @@
 """custom_kernel as the torch op ``torch.ops.nvfp4_group_gemm.grouped_gemm``."""
 
 
+import operator
+
 import torch
 
 from nvfp4_group_gemm import core
 
 from .moe import exact_moe_call, moe_grouped_gemm
-from .runtime import custom_kernel
+from .runtime import custom_kernel, validate_inputs
 
 input_t = core.input_t
 output_t = core.output_t
@@ -16,7 +18,8 @@ exact_decode_group_gemm = core.exact_decode_group_gemm
 # Registered with torch.library so that torch.compile(fullgraph=True) traces a function that
 # calls it without a graph break: it mutates the c tensors and returns nothing, its fake
 # implementation does nothing (the outputs exist already). On CUDA tensors it is
-# custom_kernel; on CPU tensors (tracing, tests) the exact decode.
+# custom_kernel; on CPU tensors (tracing, tests) the exact decode, after the same validation
+# (every rule but the CUDA device's: a bad input raises custom_kernel's error, c untouched).
 def _op_input_set(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes):
     groups = len(a)
     return (
@@ -33,6 +36,7 @@ def _grouped_gemm_cuda(a: list[torch.Tensor], b: list[torch.Tensor], c: list[tor
 
 def _grouped_gemm_cpu(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes) -> None:
     data = _op_input_set(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_sizes)
+    validate_inputs(data, require_cuda=False)
     exact_decode_group_gemm(data, list(c))
 
 
@@ -55,20 +59,31 @@ grouped_gemm_op = _register_op()
 def grouped_gemm(data: input_t) -> output_t:
     """custom_kernel through the torch op (the same input and result): what a
     torch.compile'd model calls."""
-    abc, sfasfb, sfasfb_reordered, problem_sizes = data
-    grouped_gemm_op(
-        [a for a, _, _ in abc], [b for _, b, _ in abc], [c for _, _, c in abc],
-        [sfa for sfa, _ in sfasfb], [sfb for _, sfb in sfasfb],
-        [sfa for sfa, _ in sfasfb_reordered], [sfb for _, sfb in sfasfb_reordered],
-        [int(v) for size in problem_sizes for v in size],
-    )
+    try:
+        abc, sfasfb, sfasfb_reordered, problem_sizes = data
+        # operator.index, not int: a float size is custom_kernel's TypeError, not truncated
+        sizes = [operator.index(v) for size in problem_sizes for v in size]
+        if len(problem_sizes) != len(abc) or len(sizes) != 4 * len(abc):
+            raise ValueError("the flat sizes would be read at the wrong places")  # validation names the field
+        grouped_gemm_op(
+            [a for a, _, _ in abc], [b for _, b, _ in abc], [c for _, _, c in abc],
+            [sfa for sfa, _ in sfasfb], [sfb for _, sfb in sfasfb],
+            [sfa for sfa, _ in sfasfb_reordered], [sfb for _, sfb in sfasfb_reordered], sizes,
+        )
+    except Exception:
+        # malformed input fails in the unpacking or in torch's parsing of the op's arguments:
+        # custom_kernel's validation names the field (the device rule aside: the op's kernels
+        # check it); any other error is the op's own
+        validate_inputs(data, require_cuda=False)
+        raise
     return [c for _, _, c in abc]
 
 
 # The MoE entry as torch.ops.nvfp4_group_gemm.moe_grouped_gemm(a, sfa, b, sfb, offsets, c,
 # status, alpha=None) (sfa None: bf16 activations, W4A16): mutates c and the status word (int32 [1]: 0, or 1 for bad offsets),
 # returns nothing; the fake implementation does nothing; on CPU tensors the exact decode
-# (moe.exact_moe_call: it reads the offsets on the host, as only a reference may). status is
+# (moe.exact_moe_call: the entry's validation, then it reads the offsets on the host, as only a
+# reference may, and flags bad ones in status as the GPU does). status is
 # required: a mutated optional argument left out fails torch 2.11's fake-tensor tracing.
 def _moe_cuda(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
               c: torch.Tensor, status: torch.Tensor, alpha: torch.Tensor | None = None) -> None:

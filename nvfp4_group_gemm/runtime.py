@@ -70,9 +70,29 @@ input_t = core.input_t
 output_t = core.output_t
 
 
-def validate_inputs(data):
-    """The leaderboard file's rules (looked up at each call: the CPU tests waive one)."""
-    return core.validate_inputs(data)
+# core.validate_inputs' rule for devices other than CUDA's, the one the CPU path waives
+CUDA_DEVICE_RULE = "rule: every tensor must be on a CUDA device"
+
+
+def validate_inputs(data, *, require_cuda: bool = True):
+    """The leaderboard file's rules (looked up at each call: the CPU tests waive one).
+    `require_cuda` False: the CPU path's rules (the torch op on CPU tensors), every rule but
+    "a CUDA device": the same errors, and every tensor on group 0's a's device."""
+    if require_cuda:
+        return core.validate_inputs(data)
+    try:
+        return core.validate_inputs(data)
+    except ValueError as error:
+        # devices are the leaderboard rules' last check: this error means every other rule held
+        if CUDA_DEVICE_RULE not in str(error):
+            raise
+    device = data[0][0][0].device
+    for g, ((a, b, c), (sfa, sfb)) in enumerate(zip(data[0], data[2])):
+        for field, tensor in (("a", a), ("b", b), ("c", c), ("sfa_reordered", sfa), ("sfb_reordered", sfb)):
+            if tensor.device != device:
+                raise ValueError(f"group {g}: {field}.device = {str(tensor.device)!r}; rule: expected {device} like "
+                                 "group 0's a")
+    return tuple(tuple(int(v) for v in size) for size in data[3])
 
 
 # An input set's first call launches without a binding where its backend can (its tables
@@ -708,6 +728,39 @@ def custom_kernel(data: input_t) -> output_t:
 
 _c_of_group = operator.itemgetter(2)
 no_launch = core.no_launch
+
+
+# -----------------------------------------------------------------------------
+# For tools (selfcheck.py, bench/host_overhead.py): the runtime's state through functions, its
+# caches' names private
+# -----------------------------------------------------------------------------
+def binding_of(key: tuple) -> Binding | None:
+    """The binding of the input set of input_key `key` (its plan's choice: the kernel its
+    calls run), touched as most recently used; None before its second call (a first call
+    binds nothing), or after an eviction or a demotion dropped it."""
+    return _BINDINGS.get(key)
+
+
+def current_stream() -> cuda.CUstream:
+    """torch's current stream as the cuda.CUstream a launch takes (Binding.run), one object
+    per handle, made once: what custom_kernel looks up at every call."""
+    return _stream_for_current()
+
+
+def forget_size_plans() -> None:
+    """Forget every size plan, so that the next call of each size set chooses its kernel and
+    packs its tables again (a benchmark timing new-size calls); compiled kernels stay."""
+    with RUNTIME_LOCK:
+        _SIZE_PLANS.clear()
+
+
+def launch_first_call(size_plan: SizePlan, key: tuple, device: torch.device) -> None:
+    """Launch the input set of input_key `key` as custom_kernel launches its first call (no
+    binding), for `size_plan` (get_size_plan of its sizes), on torch's current stream, outside
+    a capture: its tables written to staging memory, copied, and the kernels launched. A tool's
+    timing of that phase; the launch's scratch is kept until the stream has used it."""
+    stream = _stream_for_current()
+    _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, False)
 SUPPORTED_GPUS = "NVIDIA B200/GB200 (sm_100, compute capability 10.x) and H100/H200 (sm_90, 9.0)"
 
 

@@ -8,14 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import moe_ep
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "bench"))
-
-import moe_ep
-
 from nvfp4_group_gemm import expert_parallel
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_two_gloo_ranks_check_and_time_every_combine_form(tmp_path):

@@ -6,15 +6,10 @@ GEMMs, the shared expert a plain matmul), tokens routed only elsewhere get nothi
 expert alone), and the NVFP4 weights take about 0.28 of the bf16 bytes."""
 
 import json
-import sys
-from pathlib import Path
-
-import pytest
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import moe_ffn
+import pytest
+import torch
 
 from nvfp4_group_gemm import export, moe_layer
 

@@ -493,14 +493,6 @@ def test_commands_without_a_gpu_fail_with_one_line_and_no_traceback(script, mess
         completed.stderr
 
 
-def load_bench(name: str):
-    sys.path.insert(0, str(REPO_ROOT / "bench"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO_ROOT / "bench"))
-
-
 @pytest.mark.parametrize(("script", "argv", "message"), [
     ("peers", ["--repeats", "0"],
      "peers.py: argument --repeats: invalid positive integer value: '0'"),
@@ -518,7 +510,7 @@ def load_bench(name: str):
     ("breakdown", ["--configs", ","], "breakdown.py: --configs ',': no config named; known: ['auto',"),
 ])
 def test_bench_scripts_reject_bad_arguments_with_one_line(capsys, script, argv, message):
-    module = load_bench(script)
+    module = importlib.import_module(script)  # bench/ is on the tests' path (pyproject)
     try:
         status = module.main(argv)
     except SystemExit as exit_info:  # argparse
@@ -532,7 +524,8 @@ def test_first_call_device_figures_time_first_calls_and_hits(monkeypatch):
     sets back to back, 15 more behind the sleep, 15 hits on the set itself, no two sets with
     the same output (every set alive to the end); the figures are the medians of what the
     events measured."""
-    host_overhead = load_bench("host_overhead")
+    import host_overhead
+
     import utils
 
     elapsed_ms = iter([0.015 * (i + 1) for i in range(100)])
@@ -572,7 +565,7 @@ def test_first_call_device_figures_time_first_calls_and_hits(monkeypatch):
 
 
 def test_peers_shapes_option_selects_benchmark_shapes_in_order():
-    peers = load_bench("peers")
+    import peers
     assert peers.shape_list("2,3") == [2, 3]
     assert peers.shape_list("3,0") == [3, 0]
     assert [peers.BENCHMARKS[i][2][0] for i in peers.shape_list("2,3")] == [4096, 1536]
@@ -1111,13 +1104,13 @@ def test_plot_without_matplotlib_is_one_line_and_exit_2(monkeypatch, capsys, tmp
     assert harness.main(["benchmark", "--plot", str(tmp_path / "p.png")]) == 2
     assert capsys.readouterr().err == ("--plot needs matplotlib, which is not installed: "
                                        "pip install -e '.[plot]' (or pip install matplotlib)\n")
-    peers = load_bench("peers")
+    import peers
     assert peers.main(["--plot", str(tmp_path / "p.png")]) == 2
     assert capsys.readouterr().err.startswith("--plot needs matplotlib, which is not installed")
 
 
 def test_peers_plot_shows_ours_beside_cublas_and_the_roofline(monkeypatch):
-    peers = load_bench("peers")
+    import peers
     drawn = []
     monkeypatch.setattr(harness, "write_plot", lambda *args: drawn.append(args))
     row = {"shape": "G=2 M=192..320 N=3072 K=4096", "ours_us": 46.3, "cublas_us": 44.3,
@@ -1215,7 +1208,8 @@ def test_attribute_reads_read_every_tensor_a_check_needs(monkeypatch):
     """The floor beside --fresh: attribute_reads returns the pointers of input_key and each
     tensor's dtype, shape, strides and device, a, b, c then the reordered scales; the timing
     runs on clones (new pointers), one figure per clone."""
-    host_overhead = load_bench("host_overhead")
+    import host_overhead
+
     from nvfp4_group_gemm import core as submission
     from reference import generate_input
 

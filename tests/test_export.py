@@ -347,7 +347,6 @@ def test_loading_one_layer_holds_about_that_layers_bytes_on_the_host(tmp_path, c
 @needs_checkpoints
 def test_the_example_runs_every_layer_of_an_export_within_its_bound(capsys):
     """examples/run_export.py on a CPU: one line per MoE layer, each error within W4A16's bound."""
-    sys.path.insert(0, str(REPO_ROOT / "examples"))
     import run_export
 
     assert run_export.main([str(CHECKPOINTS / "deepseek_v3"), "--device", "cpu", "--tokens", "8", "--repeats", "1"]) == 0

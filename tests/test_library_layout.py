@@ -167,3 +167,25 @@ def test_every_bounded_cache_is_a_runtime_cache():
                           (launch, ("_STREAM_OBJECTS",))):
         for name in names:
             assert isinstance(getattr(module, name), core.RuntimeCache), (module.__name__, name)
+
+
+# Private names a tool still reads, with why: the leaderboard core (bundled as submission.py)
+# has no public lookup of its bindings' cache
+TOOLS_PRIVATE_READS = {("selfcheck.py", "submission._BINDINGS")}
+
+
+def test_the_tools_read_the_package_through_public_names():
+    """selfcheck.py and bench/host_overhead.py call the runtime's functions (binding_of,
+    current_stream, forget_size_plans, launch_first_call), not its private caches and helpers:
+    no `name._private` read of a module but torch's."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    reads = set()
+    for path in ("selfcheck.py", "bench/host_overhead.py"):
+        text = (root / path).read_text()
+        for node in ast.walk(ast.parse(text)):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (ast.get_source_segment(text, node) or "").startswith("torch.")):
+                reads.add((path, ast.get_source_segment(text, node)))
+    assert reads == TOOLS_PRIVATE_READS

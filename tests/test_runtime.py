@@ -269,6 +269,19 @@ def recording_runtime(monkeypatch):
     return backend, calls
 
 
+def test_the_tools_read_bindings_streams_and_size_plans_through_functions(recording_runtime):
+    data = make_inputs([(40, 384, 512, 1)])
+    key = runtime.input_key(data)
+    assert runtime.binding_of(key) is None
+    runtime.custom_kernel(data)
+    binding = runtime.binding_of(key)
+    assert binding is not None and binding.plan.problem_sizes == ((40, 384, 512, 1),)
+    assert runtime.current_stream() == "stream-0"  # runtime_on_cpu's stand-in for torch's current stream
+    assert len(runtime._SIZE_PLANS) == 1
+    runtime.forget_size_plans()
+    assert len(runtime._SIZE_PLANS) == 0 and runtime.binding_of(key) is binding  # size plans alone
+
+
 def test_hit_is_one_launch_and_no_validation(recording_runtime):
     backend, validations = recording_runtime
     data = make_inputs([(40, 384, 512, 1), (129, 128, 768, 1)])

@@ -4,15 +4,9 @@ independent decode: every register of every k16 step is the natural-order fragme
 v * s * 2^-8, bit for bit, for every e2m1 code and a spread of e4m3 scales (subnormal, zero,
 negative, the largest)."""
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from ptx_interpreter import Thread, bf16_lanes, e4m3_to_float
 
 from nvfp4_group_gemm.hopper import ptx
