@@ -1,5 +1,5 @@
-# GPU MODE nvfp4_group_gemm leaderboard file: nvfp4_group_gemm/core.py, bundled by
-# `python -m nvfp4_group_gemm.bundle`. Edit that module and bundle again; the tests fail
+# GPU MODE nvfp4_group_gemm leaderboard file: the rooms of nvfp4_group_gemm/core/, bundled by
+# `python -m nvfp4_group_gemm.bundle`. Edit those modules and bundle again; the tests fail
 # while this file differs from the bundle.
 """NVFP4 block-scaled grouped GEMM for GPU MODE's ``nvfp4_group_gemm`` (NVIDIA B200, sm_100a).
 
@@ -67,12 +67,25 @@ Kernel design (sm_100a), two kernels selected by ``SM100_KERNEL`` (below):
     demotes the kernel for the process, with one line on stderr; the call still returns a
     correct result (NVFP4_SELF_CHECK=0: no check).
 
-This module is the package's core (``nvfp4_group_gemm.core``) and, bundled by ``python
-bundle.py`` into ``submission.py``, the leaderboard submission: it stands alone (torch, cutlass,
-``task``, the standard library). Everything else a caller may need (Hopper sm_90a kernels,
-callers' own queues of work, graph capture, threads, a torch op) is the rest of the
-``nvfp4_group_gemm`` package, which builds on this module; on a GPU other than sm_100
+This package is the library's core (``nvfp4_group_gemm.core``) and, bundled by ``python -m
+nvfp4_group_gemm.bundle`` into ``submission.py``, the leaderboard submission: it stands alone
+(torch, cutlass, ``task``, the standard library). Everything else a caller may need (Hopper
+sm_90a kernels, callers' own queues of work, graph capture, threads, a torch op) is the rest
+of the ``nvfp4_group_gemm`` package, which builds on this one; on a GPU other than sm_100
 ``custom_kernel`` says so in one line.
+
+Its rooms, in dependency order (``ROOMS``: each imports only rooms before it, and the bundle
+is their concatenation in this order, their imports of each other dropped):
+  * ``config``: the NVFP4_* switches, the sm_100a constants, the compile cache;
+  * ``validation``: ``validate_inputs`` and its fast path, ``input_key``;
+  * ``device_helpers``, ``per_tile``, ``persistent``: the sm_100a kernels;
+  * ``chain``: ``KernelChoice``, the demotions, ``choose_kernel``/``demote``;
+  * ``launching``: prepared launches, device tables, ``RuntimeCache``, ``Plan``/``Binding``;
+  * ``self_check``: the first-use self-check and the host computations (the oracles);
+  * ``backend``: the builds, the kernel registry, ``Sm100Backend``;
+  * ``runtime``: plans and bindings per input set, ``custom_kernel``, ``warmup``.
+``nvfp4_group_gemm.core`` holds every name of every room (``core.X``, as in the one file), and
+setting ``core.X`` sets X in every room that holds it: the one namespace the bundle has.
 
 Status: both sm_100a kernels are compiled for sm_100a and checked from their cubin, SASS and
 PTX, and the persistent kernel's pipeline protocol by a model (``tests/``); neither has run
@@ -117,6 +130,16 @@ try:  # the leaderboard's runner and this repository have the task's task.py; an
 except ImportError:
     input_t = output_t = tuple
 
+
+# =============================================================================
+# nvfp4_group_gemm/core/config.py
+# The leaderboard file's switches, the sm_100a constants, and the compile cache.
+#
+# Every NVFP4_* switch of the leaderboard file is read here, once, at import (``env_switch``).
+# ``SM100_CHAIN_CALLS`` lives with the two readers that must see it change under
+# ``chain_calls_as``: ``chained_launch`` (the traced launches) and ``compile_key`` (the cache
+# key), so a build under one setting is never found under the other.
+# =============================================================================
 # The operands' major mode: cute.nvgpu.OperandMajorMode from DSL 4.4 on, where tcgen05's own is
 # deprecated; DSL 4.3.5 (the competition's runner) has only tcgen05's.
 OPERAND_MAJOR_MODE = getattr(cute.nvgpu, "OperandMajorMode", None) or tcgen05.OperandMajorMode
@@ -230,6 +253,73 @@ def ceil_div(a, b):
     return (a + b - 1) // b
 
 
+# =============================================================================
+# Host code (Python): compile caches, the sm_100 backend
+# =============================================================================
+def fake_ptr(dtype):
+    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+
+
+# Every build of every backend, by compile_key
+_COMPILED: dict = {}
+# Module switches the traced kernels read as they are built: their values join every key
+TRACE_SWITCHES = ("SM100_CHAIN_CALLS",)
+
+
+def compile_key(build: Callable[..., tuple], args: tuple, options: str | None) -> tuple:
+    """What a compiled kernel depends on, derived from the call rather than typed at it: the
+    build (module and qualified name), every argument the build takes, the DSL options, and the
+    value of each module switch the traced code reads (TRACE_SWITCHES)."""
+    switches = globals()
+    return (build.__module__, build.__qualname__, args, options,
+            tuple((name, switches[name]) for name in TRACE_SWITCHES))
+
+
+def compile_once(build: Callable[..., tuple], *args, options: str | None = None, context=contextlib.nullcontext):
+    """cute.compile of what build(*args) returns, (function, example arguments), once per
+    compile_key(build, args, options), inside `context()`; the DSL's options passed only where
+    given. A build is a module-level function: it sees only its arguments, all of them in the
+    key (a lambda or a closure could bake in what the key does not hold, and is refused).
+    Every build of every backend goes through here."""
+    if build.__name__ == "<lambda>" or build.__closure__:
+        raise TypeError(f"compile_once: build {build.__qualname__} must be a module-level function (what it closes "
+                        "over would not be in the compile key)")
+    key = compile_key(build, args, options)
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        fn, example = build(*args)
+        with context():
+            compiled = _COMPILED[key] = cute.compile(fn, *example, **({"options": options} if options else {}))
+    return compiled
+FORCE_PLAIN_LAUNCH = env_switch("NVFP4_PLAIN_LAUNCH", ("0", "1"), "0") == "1"
+
+
+# =============================================================================
+# Fallback chain and self-check (both backends)
+# =============================================================================
+# Every backend names a chain of kernels per size set, best first (kernel_chain): on sm_100
+# the persistent kernel, the per-tile kernel, torch._scaled_mm; on sm_90 the automatic
+# choice, the in-GEMM-decode kernel, the exact decode. A kernel that fails to compile, fails
+# its launch (with the context still usable) or disagrees with the oracle at its first use is
+# demoted for the rest of the process: one line on stderr, and its plans run the next link.
+# A hang cannot be caught in-process.
+# NVFP4_SELF_CHECK=0: no first-use check (it costs one oracle computation and a comparison per
+# compiled kernel, at its first input set).
+SELF_CHECK = env_switch("NVFP4_SELF_CHECK", ("0", "1"), "1") == "1"
+# One thread at a time through compilation (the DSL's session state is not thread-safe), the
+# caches' misses and demotions; a hit takes no lock
+RUNTIME_LOCK = threading.RLock()
+
+
+# =============================================================================
+# nvfp4_group_gemm/core/validation.py
+# Validation: every constraint of the input, checked before anything is launched.
+#
+# ``validate_inputs`` names the group, the field, the value and the rule of the first violation
+# (ValueError or TypeError); ``accepted_problem_sizes`` is its fast verdict for input sets in
+# the official layout, and ``checked_input`` the miss path's entry to both. ``input_key``: an
+# input set's cache key (its data pointers).
+# =============================================================================
 # =============================================================================
 # Validation: every path calls this before any launch
 # =============================================================================
@@ -392,6 +482,138 @@ def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
     return tuple(sizes)
 
 
+# const_data_ptr: the same address as data_ptr, without the mutable-data bookkeeping (the key
+# reads 5G pointers on every call; EXPERIMENTS E59)
+data_address = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
+flatten = itertools.chain.from_iterable
+
+
+def input_key(data) -> tuple:
+    """Cache key of an input set: the data pointers of every a, b, c (group by group), then
+    of every reordered sfa, sfb.
+
+    Built from the raw input on every call, so it holds only what must be hashed:
+      * the device is implied: under CUDA's unified virtual addressing a device pointer
+        identifies its allocation process-wide (and the backend follows the device);
+      * the problem sizes are not hashed: a hit compares them with the plan's validated
+        sizes (hashing 4G more ints per call cost more than the comparison).
+    With G = 8 the 40 data_ptr() calls are most of its cost. Raises on malformed input.
+    """
+    abc, _, sfasfb_reordered, _ = data
+    return (*map(data_address, flatten(abc)), *map(data_address, flatten(sfasfb_reordered)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _scale_layout(mn: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, strides) of the official reordered scale tensor of mn rows and K (pure)."""
+    return reordered_scale_shape(mn, k), reordered_scale_strides(mn, k)
+
+
+def _accepted_device(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+_SEQUENCE_TYPES = (tuple, list)
+
+
+def _loose_layout(tensor: torch.Tensor, shape: tuple, strides: tuple) -> bool:
+    """_check_layout's rule without its errors: the shape, and the strides of modes of extent
+    above 1."""
+    return tensor.shape == shape and all(
+        extent <= 1 or got == want for extent, got, want in zip(shape, tensor.stride(), strides))
+
+
+def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], ...] | None:
+    """validate_inputs' verdict where every rule holds in its strictest form, at a fraction of
+    its cost (a MoE step validates new sizes on every call): the sizes when the structure is
+    right, every dtype, shape and stride is exactly the official layout's (also on modes of
+    extent 1), every tensor is on group 0's CUDA device and every pointer of `key`
+    (input_key) is 32-byte aligned; None otherwise, and the full rules decide (with their
+    error, or accepting what is valid only in their looser form). EXPERIMENTS E65."""
+    try:
+        abc, sfasfb, reordered, problem_sizes = data
+        num_groups = len(problem_sizes)
+        if (not 1 <= num_groups <= MAX_GROUPS or not isinstance(problem_sizes, _SEQUENCE_TYPES)
+                or not isinstance(abc, _SEQUENCE_TYPES) or not isinstance(sfasfb, _SEQUENCE_TYPES)
+                or not isinstance(reordered, _SEQUENCE_TYPES)
+                or len(abc) != num_groups or len(sfasfb) != num_groups or len(reordered) != num_groups):
+            return None
+        device = abc[0][0].device
+        if not _accepted_device(device) or any(pointer & (BASE_ALIGN_BYTES - 1) for pointer in key):
+            return None
+        index = abc[0][0].get_device()
+        fp4, e4m3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
+        sizes = []
+        for size, group, plain, scales in zip(problem_sizes, abc, sfasfb, reordered):
+            if (not isinstance(size, _SEQUENCE_TYPES) or not isinstance(group, _SEQUENCE_TYPES)
+                    or not isinstance(plain, _SEQUENCE_TYPES) or not isinstance(scales, _SEQUENCE_TYPES)
+                    or len(plain) != 2):
+                return None
+            m, n, k, l = size
+            a, b, c = group
+            sfa, sfb = scales
+            if (type(m) is not int or type(n) is not int or type(k) is not int or type(l) is not int
+                    or l != 1 or k <= 0 or k % K_TILE or n <= 0 or m < 0):
+                return None
+            half_k = k // 2
+            sfa_shape, sfa_strides = _scale_layout(m, k)
+            sfb_shape, sfb_strides = _scale_layout(n, k)
+            if m == 0:  # no rows: a, c and sfa have strides of their own on the empty modes
+                a_strides, c_strides, sfa_strides = a.stride(), c.stride(), sfa.stride()
+                if not (_loose_layout(a, (0, half_k, 1), (half_k, 1, 0))
+                        and _loose_layout(c, (0, n, 1), (n, 1, 0))
+                        and _loose_layout(sfa, sfa_shape, _scale_layout(0, k)[1])):
+                    return None
+            else:
+                a_strides, c_strides = (half_k, 1, m * half_k), (n, 1, m * n)
+            # a, b, c, sfa and sfb are tensors: `key` holds their data pointers
+            if not (
+                a.dtype == fp4 and a.shape == (m, half_k, 1) and a.stride() == a_strides
+                and b.dtype == fp4 and b.shape == (n, half_k, 1) and b.stride() == (half_k, 1, n * half_k)
+                and c.dtype == torch.float16 and c.shape == (m, n, 1) and c.stride() == c_strides
+                and sfa.dtype == e4m3 and sfa.shape == sfa_shape and sfa.stride() == sfa_strides
+                and sfb.dtype == e4m3 and sfb.shape == sfb_shape and sfb.stride() == sfb_strides
+                and a.get_device() == index and b.get_device() == index and c.get_device() == index
+                and sfa.get_device() == index and sfb.get_device() == index
+            ):
+                return None
+            sizes.append((m, n, k, 1))
+    except Exception:  # noqa: BLE001 - malformed input: the full rules name what is wrong
+        return None
+    return tuple(sizes)
+
+
+def checked_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], ...]:
+    """validate_inputs' result for an input set of input_key `key`: accepted_problem_sizes
+    where it accepts, else the full rules (which raise their errors)."""
+    problem_sizes = accepted_problem_sizes(data, key)
+    return validate_inputs(data) if problem_sizes is None else problem_sizes
+
+
+def checked_input(data, key: tuple | None) -> tuple[tuple, tuple[tuple[int, int, int, int], ...]]:
+    """(input_key, the validated sizes) of an input set whose key the hit path computed, or
+    could not (None: malformed input, which validate_inputs then names)."""
+    if key is None:
+        try:
+            key = input_key(data)
+        except Exception:
+            validate_inputs(data)  # names what is wrong
+            raise
+    return key, checked_problem_sizes(data, key)
+
+
+def pointers_of_key(key: tuple, num_groups: int) -> list[tuple[int, int, int, int, int]]:
+    """pointers_of from input_key's pointers (a, b, c of every group, then sfa, sfb of every
+    group), without reading the tensors again: per group (a, b, c, sfa, sfb)."""
+    abc, scales = key[: 3 * num_groups], key[3 * num_groups:]
+    return [(*abc[3 * g: 3 * g + 3], *scales[2 * g: 2 * g + 2]) for g in range(num_groups)]
+
+
+# =============================================================================
+# nvfp4_group_gemm/core/device_helpers.py
+# Device helpers of both sm_100a kernels: TMA descriptor addresses, the tensormap
+# fences and prefetch, and the grid-dependency instructions of chained calls.
+# =============================================================================
 # =============================================================================
 # Device code: tensormap initialization (one CTA per group)
 # =============================================================================
@@ -467,6 +689,16 @@ def group_tensormap_gmem_ptrs(tensormap_manager, tensormaps: cute.Tensor, group_
     )
 
 
+# =============================================================================
+# nvfp4_group_gemm/core/per_tile.py
+# The per-tile sm_100a kernel (the known-good fallback): one CTA per 128x128 output tile.
+#
+# Device code (``init_tensormaps_kernel``: every group's TMA descriptors, one CTA per group;
+# ``gemm_kernel``: warp 0 drives TMA and the 1-CTA block-scaled MMA, all 4 warps run the
+# epilogue), then the host side (``@cute.jit`` entries ``init_tensormaps_jit``, ``gemm_jit``,
+# and the launch helpers the library's entries share: ``per_tile_init_launch``,
+# ``per_tile_gemm_launch``).
+# =============================================================================
 @cute.kernel
 def init_tensormaps_kernel(
     tma_atom_a: cute.CopyAtom,
@@ -1261,6 +1493,14 @@ def gemm_jit(
     kernel.launch(**geometry)
 
 
+# =============================================================================
+# nvfp4_group_gemm/core/persistent.py
+# The persistent sm_100a kernel: warp-specialized, 2-CTA block-scaled MMA, swap-AB.
+#
+# ``PersistentGemmConfig`` (what is baked into a build), ``PersistentGemmSm100`` (its
+# ``can_implement``, the host set-up of its launches, the descriptor-init and GEMM kernels),
+# and the shared-memory budget of one pipeline stage (``persistent_stage_bytes``).
+# =============================================================================
 # =============================================================================
 # sm_100a persistent kernel: warp-specialized, 2-CTA block-scaled MMA, swap-AB
 # =============================================================================
@@ -2213,106 +2453,6 @@ class PersistentGemmSm100:
         return tiled_copy_t2r, tTR_tAcc, tTR_rAcc
 
 
-# =============================================================================
-# Host code (Python): compile caches, the sm_100 backend
-# =============================================================================
-def fake_ptr(dtype):
-    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
-
-
-# Every build of every backend, by compile_key
-_COMPILED: dict = {}
-# Module switches the traced kernels read as they are built: their values join every key
-TRACE_SWITCHES = ("SM100_CHAIN_CALLS",)
-
-
-def compile_key(build: Callable[..., tuple], args: tuple, options: str | None) -> tuple:
-    """What a compiled kernel depends on, derived from the call rather than typed at it: the
-    build (module and qualified name), every argument the build takes, the DSL options, and the
-    value of each module switch the traced code reads (TRACE_SWITCHES)."""
-    switches = globals()
-    return (build.__module__, build.__qualname__, args, options,
-            tuple((name, switches[name]) for name in TRACE_SWITCHES))
-
-
-def compile_once(build: Callable[..., tuple], *args, options: str | None = None, context=contextlib.nullcontext):
-    """cute.compile of what build(*args) returns, (function, example arguments), once per
-    compile_key(build, args, options), inside `context()`; the DSL's options passed only where
-    given. A build is a module-level function: it sees only its arguments, all of them in the
-    key (a lambda or a closure could bake in what the key does not hold, and is refused).
-    Every build of every backend goes through here."""
-    if build.__name__ == "<lambda>" or build.__closure__:
-        raise TypeError(f"compile_once: build {build.__qualname__} must be a module-level function (what it closes "
-                        "over would not be in the compile key)")
-    key = compile_key(build, args, options)
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        fn, example = build(*args)
-        with context():
-            compiled = _COMPILED[key] = cute.compile(fn, *example, **({"options": options} if options else {}))
-    return compiled
-
-
-def per_tile_init_build(num_groups: int) -> tuple:
-    return init_tensormaps_jit, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
-                                 cutlass.Int32(num_groups))
-
-
-def per_tile_gemm_build(num_groups: int) -> tuple:
-    return gemm_jit, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
-                      cutlass.Int32(1), cutlass.Int32(num_groups))
-
-
-def compile_init_tensormaps(num_groups: int, options: str | None = None):
-    """The per-tile kernel's descriptor init (its constants are the module's)."""
-    return compile_once(per_tile_init_build, num_groups, options=options)
-
-
-def compile_gemm(num_groups: int, options: str | None = None):
-    """The per-tile GEMM (its constants are the module's)."""
-    return compile_once(per_tile_gemm_build, num_groups, options=options)
-
-
-def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
-    """Kernels of this backend for the build report: (kernel name, arch, compile(G, options))."""
-    targets = [
-        ("sm100_init_tensormaps", SM100_ARCH, compile_init_tensormaps),
-        ("sm100_gemm", SM100_ARCH, compile_gemm),
-    ]
-    for tokens, config in PERSISTENT_CONFIGS.items():
-        # One build serves every G (G is a runtime value there); the report lists it per G
-        targets += [
-            (f"sm100_persistent_init_t{tokens}", config.arch,
-             lambda g, options, config=config: compile_persistent_init(config, options)),
-            (f"sm100_persistent_gemm_t{tokens}", config.arch,
-             lambda g, options, config=config: compile_persistent_gemm(config, options)),
-        ]
-    return targets
-
-
-def gmem_ptr(dtype, tensor: torch.Tensor):
-    return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
-
-
-def plan_persistent_tiles(problem_sizes, tokens_per_tile: int, mma_m: int = 256) -> list[tuple[int, int, int]]:
-    """Tile list of the persistent kernel: (group, MMA m tile, MMA n tile) per entry.
-
-    A tile covers `mma_m` rows of the problem's N and `tokens_per_tile` rows of its M (swap-AB).
-    Order: groups by descending M (ties by group index), then N tile, then token tile fastest.
-    Cluster c runs entries c, c + num_clusters, ..., so the clusters of one wave hold
-    consecutive entries: they share a group's N slice of B, the operand that dominates the
-    bytes, which is then read from DRAM once and from L2 by the others.
-    """
-    order = sorted(range(len(problem_sizes)), key=lambda g: (-problem_sizes[g][0], g))
-    tiles = []
-    for g in order:
-        m, n, _k, _l = problem_sizes[g]
-        for n_tile in range(ceil_div(n, mma_m)):
-            for m_tile in range(ceil_div(m, tokens_per_tile)):  # none when M == 0
-                tiles.append((g, n_tile, m_tile))
-    return tiles
-
-
 def persistent_stage_bytes(tokens_per_tile: int) -> int:
     """Bytes one k-tile stage brings into each CTA of the pair (the kernel's
     num_tma_load_bytes / 2): 128 N rows of the problem's B, half the token rows of its A,
@@ -2327,74 +2467,15 @@ def persistent_stage_bytes(tokens_per_tile: int) -> int:
     )
 
 
-# sm_100 SMs a B200 has; the host reads the real count from the device when it has one
-B200_NUM_SMS = 148
-
-
-# Per-SM rates of the token-tile rule: the TMA load rate of a CTA, fitted by bench/b200_model.py to the
-# published B200 times of the fastest public entry (122.7 KB/µs per SM), and the nvfp4 MMA rate
-# that entry measured (5797 TFLOP/s over 148 SMs). A model's constants, not measurements here.
-SM100_LOAD_BYTES_PER_US = 122_700
-SM100_MMA_FLOP_PER_US = 5797.05e6 / 148
-
-
-def persistent_k_tile_us(tokens_per_tile: int) -> float:
-    """Modelled µs of one k-tile of a CTA of the pair: its stage's bytes at the per-SM load
-    rate or its MMAs (128 N rows x tokens x 256 K), whichever is longer."""
-    load_us = persistent_stage_bytes(tokens_per_tile) / SM100_LOAD_BYTES_PER_US
-    mma_us = 2 * 128 * tokens_per_tile * K_TILE / SM100_MMA_FLOP_PER_US
-    return max(load_us, mma_us)
-
-
-def choose_tokens_per_tile(problem_sizes, num_sms: int = B200_NUM_SMS) -> int:
-    """Tokens per tile (MMA N) of the persistent kernel for this input set.
-
-    The DSL's 2-CTA block-scaled MMA takes N = 16..256 in steps of 16; the kernel compiles 128
-    and 256, the two sizes NVIDIA's grouped block-scaled example runs with cta_group::2 (the
-    tokens' scales are loaded as whole 128-row atoms, so other sizes waste them or need
-    column offsets into TMEM). Rule: the size whose busiest CTA pair finishes first, its
-    tiles' k-tiles at persistent_k_tile_us each; 128 on a tie. A k-tile of 256 tokens is
-    MMA-bound (0.43 µs against 0.23 for 128), so 256 pays only where it removes tiles from
-    the busiest pair: large M without a partial last wave. 128 also keeps two accumulators,
-    so its epilogues overlap the next tile's mainloop.
-    """
-    num_clusters = max(num_sms // 2, 1)
-    best = None
-    for tokens_per_tile in (128, 256):
-        tiles = plan_persistent_tiles(problem_sizes, tokens_per_tile)
-        k_tiles_per_pair = [0] * num_clusters
-        for index, (g, _n_tile, _m_tile) in enumerate(tiles):
-            k_tiles_per_pair[index % num_clusters] += problem_sizes[g][2] // K_TILE
-        cost = max(k_tiles_per_pair) * persistent_k_tile_us(tokens_per_tile)
-        if best is None or cost < best[0]:
-            best = (cost, tokens_per_tile)
-    return best[1]
-
-
-persistent_can_implement = PersistentGemmSm100.can_implement
-
-
-def persistent_init_build(config: PersistentGemmConfig) -> tuple:
-    return PersistentGemmSm100(config).init_tensormaps, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32),
-                                                         fake_ptr(cutlass.Int64), cutlass.Int32(1))
-
-
-def persistent_gemm_build(config: PersistentGemmConfig) -> tuple:
-    return PersistentGemmSm100(config), (fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
-                                         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1))
-
-
-def compile_persistent_init(config: PersistentGemmConfig, options: str | None = None):
-    """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
-    return compile_once(persistent_init_build, config, options=options)
-
-
-def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = None):
-    """The persistent GEMM for `config`; G, the tile count and the cluster count are runtime
-    values, so one build serves every input set of that config."""
-    return compile_once(persistent_gemm_build, config, options=options)
-
-
+# =============================================================================
+# nvfp4_group_gemm/core/chain.py
+# The fallback chain: its links and the process's demotions.
+#
+# ``KernelChoice`` (one link: a named kernel config), ``KernelChain`` (links made on first
+# access), the demotion state shared by every runtime of the process (``_DEMOTED``,
+# ``SELF_CHECKED``, ``DEMOTION_LISTENERS``), the one lock (``RUNTIME_LOCK`` lives in config),
+# ``choose_kernel`` and ``demote``.
+# =============================================================================
 @dataclasses.dataclass(frozen=True)
 class KernelChoice:
     """One named kernel config of a backend: a link of its fallback chain.
@@ -2452,234 +2533,94 @@ class KernelChain(collections.abc.Sequence):
         return link
 
 
-# The sm_100 registry: every kernel the automatic choice can pick, by name
-SM100_CHOICES = {
-    **{f"persistent_t{tokens}": KernelChoice("sm100", f"persistent_t{tokens}", config)
-       for tokens, config in PERSISTENT_CONFIGS.items()},
-    "per_tile": KernelChoice("sm100", "per_tile", per_group_count=True),
-    # what the competition's reference runs on a B200: always correct there, only slow
-    "scaled_mm": KernelChoice("sm100", "scaled_mm", host=True),
-}
+_c_of_group = operator.itemgetter(2)
+
+# kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle. Shared
+# by every runtime in the process (the library's too): a kernel found wrong is wrong for all.
+_DEMOTED: dict[tuple, str] = {}
+SELF_CHECKED: set[tuple] = set()
+# What a demotion calls: each runtime registers the dropping of its plans that run the demoted
+# kernel (each called with the demoted kernel_key): this file's runtime first, at its import,
+# then the library's
+DEMOTION_LISTENERS: list[Callable[[tuple], None]] = []
 
 
-class Sm100Plan:
-    """The sm_100 backend's part of a plan: which kernel runs these sizes (config None: the
-    per-tile kernel), over how many CTA pairs, and whether its calls chain (its link's
-    KernelChoice.chained: its kernels are looked up under chain_calls_as of it)."""
-
-    __slots__ = ("chained", "config", "num_clusters")
-    nbytes = 0  # no device buffers beyond the runtime's tables
-
-    def __init__(self, config, num_clusters, chained: bool | None = None):
-        self.config = config
-        self.num_clusters = num_clusters
-        self.chained = chained
+def report(line: str) -> None:
+    """One line on stderr, prefixed with the project's name."""
+    print(f"nvfp4_group_gemm: {line}", file=sys.stderr, flush=True)
 
 
-def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None:
-    """How many clusters of `cluster_size` CTAs can be resident at once on `device` (the
-    examples' HardwareInfo().get_max_active_clusters); None off a GPU. More would run as a
-    second persistent wave. Asked once per device."""
-    if device.type != "cuda":
-        return None
-    key = (device.index, cluster_size)
-    if key not in _RESIDENT_CLUSTERS:
+def is_demoted(kernel_key: tuple) -> bool:
+    """Whether a compiled kernel (KernelChoice.kernel_key) was demoted in this process."""
+    return kernel_key in _DEMOTED
+
+
+def demotions() -> dict[tuple, str]:
+    """Every demotion of this process: kernel key -> why (a copy)."""
+    return dict(_DEMOTED)
+
+
+def _next_usable(chain, num_groups: int, after: KernelChoice) -> str:
+    later = list(chain)
+    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
+    return names[0] if names else "nothing (the next call raises)"
+
+
+def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why: str) -> None:
+    """Move `choice`'s compiled kernel down its chain for the rest of the process: record
+    why, drop the plans that run it (their size sets plan again on their next call), and
+    say so in one line."""
+    key = choice.kernel_key(num_groups)
+    with RUNTIME_LOCK:
+        _DEMOTED[key] = why
+        for listener in DEMOTION_LISTENERS:
+            listener(key)
+    report(f"{backend_name} kernel {choice.describe()}, G = {num_groups}: {why}; "
+           f"demoted for this process, next: {_next_usable(chain, num_groups, choice)}")
+
+
+def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
+    """The first link of `chain` that is not demoted and compiles; a compile failure
+    demotes its link."""
+    for choice in chain:
+        if choice.kernel_key(num_groups) in _DEMOTED:
+            continue
         try:
-            _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
-        except Exception as error:  # noqa: BLE001 - a failed query must not fail the call
-            report(f"the resident {cluster_size}-CTA cluster query failed ({one_line(error)}); "
-                   "the persistent kernel runs one cluster per two SMs")
-            _RESIDENT_CLUSTERS[key] = None
-    return _RESIDENT_CLUSTERS[key]
+            backend.compile(choice, num_groups)
+        except Exception as error:  # noqa: BLE001 - any compile failure moves down the chain
+            demote(backend.name, choice, chain, num_groups, f"compile failed ({one_line(error)})")
+            continue
+        return choice
+    raise RuntimeError(f"no kernel of the {backend.name} chain {[c.name for c in chain]} is left: "
+                       + "; ".join(f"{c.name}: {_DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
 
 
-_RESIDENT_CLUSTERS: dict = {}
+def one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}"
 
 
-class Sm100Backend:
-    """The B200 (sm_100a) backend.
-
-    `kernel`: "persistent" (chain: PersistentGemmSm100 where persistent_can_implement allows,
-    then the per-tile kernel, then torch._scaled_mm) or "per_tile" (chain: the per-tile
-    kernel, then torch._scaled_mm)."""
-
-    name = "sm100"
-    oracle = SM100_CHOICES["scaled_mm"]
-
-    def __init__(self, kernel: str = SM100_KERNEL, num_sms: int = B200_NUM_SMS):
-        if kernel not in SM100_KERNELS:
-            raise ValueError(f"SM100_KERNEL = {kernel!r}; rule: one of {SM100_KERNELS}")
-        self.kernel = kernel
-        self.num_sms = num_sms
-        # Descriptors depend on the pointers and sizes: the per-tile kernel's not on C (input
-        # sets that differ only in C share them), the persistent kernel's on C too (C is
-        # stored by TMA). The init kernel runs only when one of those changed.
-        self._descriptors = RuntimeCache(max_entries=64)
-
-    @property
-    def plan_key(self):
-        """What, besides the device and the sizes, a plan of this backend depends on."""
-        return (self.name, self.kernel, self.num_sms)
-
-    def kernel_chain(self, problem_sizes) -> list[KernelChoice]:
-        """The kernels that can run these sizes, best first; the last always can. With calls
-        chained (SM100_CHAIN_CALLS), each kernel twice: chained, then the same kernel plain, so
-        that a failure of the chaining alone (a launch with the attribute that fails, a chained
-        self-check that disagrees) costs the chaining, not the kernel."""
-        kernels = []
-        if self.kernel == "persistent" and persistent_can_implement(problem_sizes) is None:
-            kernels.append(SM100_CHOICES[f"persistent_t{choose_tokens_per_tile(problem_sizes, self.num_sms)}"])
-        kernels.append(SM100_CHOICES["per_tile"])
-        if SM100_CHAIN_CALLS:
-            kernels = [dataclasses.replace(kernel, chained=chained) for kernel in kernels for chained in (True, False)]
-        return [*kernels, SM100_CHOICES["scaled_mm"]]
-
-    def can_implement(self, problem_sizes) -> None:
-        """validate_inputs states every sm_100 constraint; input sets the persistent kernel
-        cannot run get a chain without it."""
-
-    def family_choices(self, groups: int, n: int, k: int) -> list[KernelChoice]:
-        """Every kernel the automatic choice can pick for `groups` groups of this N and K,
-        whatever their M (warmup compiles them): both token tiles of the persistent kernel
-        where it runs (N % 8 == 0), else the per-tile kernel."""
-        sizes = [(128, n, k, 1)] * groups
-        if self.kernel == "persistent" and persistent_can_implement(sizes) is None:
-            return [SM100_CHOICES["persistent_t128"], SM100_CHOICES["persistent_t256"]]
-        return [SM100_CHOICES["per_tile"]]
-
-    def prepare_device(self, device: torch.device) -> None:
-        """What a first plan on `device` would otherwise ask the driver: its resident clusters."""
-        resident_clusters(device)
-
-    def compile(self, choice: KernelChoice, num_groups: int) -> None:
-        """Compile (cached) the kernels of `choice`; raises what the compiler raised."""
-        with chain_calls_as(choice.chained):
-            if choice.name == "per_tile":
-                self.compile_per_tile_init(num_groups)
-                self.compile_per_tile_gemm(num_groups)
-            elif not choice.host:
-                self.compile_persistent_init(choice.config)
-                self.compile_persistent_gemm(choice.config)
-
-    def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
-        """Tile rows of `choice` (the chain's first when None): (group, tile_m, tile_n) of
-        128x128 tiles for the per-tile kernel; (group, MMA m tile, MMA n tile, k-tiles) for
-        the persistent kernel."""
-        if choice is None:
-            choice = self.kernel_chain(problem_sizes)[0]
-        if choice.name == "per_tile":
-            return plan_tiles(problem_sizes, mma_tiler_mnk[0], mma_tiler_mnk[1])
-        config = choice.config
-        k_tiles = [size[2] // K_TILE for size in problem_sizes]
-        return [
-            (g, n_tile, m_tile, k_tiles[g])
-            for g, n_tile, m_tile in plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
-        ]
-
-    def pack_tiles(self, problem_sizes, choice: KernelChoice) -> "PackedTiles":
-        """plan_tiles' rows packed (a size set's first call: this backend has no DirectLaunch,
-        so only the binding path reads them)."""
-        return PackedTiles.of(self.plan_tiles(problem_sizes, choice))
-
-    def prepare(self, spec: "PlanSpec") -> Sm100Plan:
-        """Compile (cached) the kernels of the spec's choice; CTA pairs: min(tiles, SMs / 2,
-        the device's resident 2-CTA clusters)."""
-        choice = spec.choice
-        self.compile(choice, spec.num_groups)
-        if choice.name == "per_tile":
-            return Sm100Plan(None, 0, choice.chained)
-        num_clusters = min(spec.num_tiles, max(self.num_sms // 2, 1))
-        resident = resident_clusters(spec.device)
-        if resident is not None:
-            num_clusters = min(num_clusters, resident)
-        return Sm100Plan(choice.config, max(num_clusters, 1), choice.chained)
-
-    # The compiled functions this backend launches, looked up at each use (the CPU tests
-    # replace the module's compilers); the library's backend of the same kernels returns entries
-    # that also take where the launch goes.
-    def compile_per_tile_init(self, num_groups: int):
-        return compile_init_tensormaps(num_groups)
-
-    def compile_per_tile_gemm(self, num_groups: int):
-        return compile_gemm(num_groups)
-
-    def compile_persistent_init(self, config: PersistentGemmConfig):
-        return compile_persistent_init(config)
-
-    def compile_persistent_gemm(self, config: PersistentGemmConfig):
-        return compile_persistent_gemm(config)
-
-    def descriptor_key(self, plan: "Plan", pointers: tuple) -> tuple:
-        """What the descriptors of an input set depend on: the device, the kernel config, the
-        sizes and the pointers they address."""
-        config = plan.backend_plan.config
-        slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB) if config is None else (PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB)
-        return (str(plan.device), config, plan.problem_sizes, tuple(tuple(p[i] for i in slots) for p in pointers))
-
-    def init_descriptors(self, plan: "Plan", ptrs: torch.Tensor, *launch_args) -> torch.Tensor:
-        """A new descriptor buffer of every group of this input set, written by the config's
-        init kernel (`launch_args` follow its other arguments: the library's entries take
-        where the launch goes)."""
-        config = plan.backend_plan.config
-        with chain_calls_as(plan.backend_plan.chained):
-            if config is None:
-                init_fn, num_slots = self.compile_per_tile_init(plan.num_groups), num_tensormaps
-            else:
-                init_fn, num_slots = self.compile_persistent_init(config), PERSISTENT_NUM_TENSORMAPS
-        tensormaps = torch.empty(
-            (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
-        )
-        init_fn(
-            gmem_ptr(cutlass.Int64, ptrs),
-            gmem_ptr(cutlass.Int32, plan.sizes),
-            gmem_ptr(cutlass.Int64, tensormaps),
-            cutlass.Int32(plan.num_groups),
-            *launch_args,
-        )
-        return tensormaps
-
-    def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor) -> torch.Tensor:
-        """TMA descriptors of every group of this input set: reused, or written now by an init
-        kernel."""
-        key = self.descriptor_key(plan, pointers)
-        tensormaps = self._descriptors.get(key)
-        if tensormaps is None:
-            tensormaps = self.init_descriptors(plan, ptrs)
-            self._descriptors.put(key, tensormaps)
-        return tensormaps
-
-    def gemm_args(self, plan: "Plan", tensormaps: torch.Tensor, ptrs: torch.Tensor, *launch_args):
-        """(compiled GEMM, its arguments) for this input set: its descriptors and pointer
-        table, then `launch_args` (as init_descriptors)."""
-        config = plan.backend_plan.config
-        with chain_calls_as(plan.backend_plan.chained):
-            gemm = self.compile_persistent_gemm(config) if config is not None else self.compile_per_tile_gemm(
-                plan.num_groups)
-        if config is not None:
-            return gemm, (
-                gmem_ptr(cutlass.Int32, plan.tiles),
-                gmem_ptr(cutlass.Int64, tensormaps),
-                cutlass.Int32(plan.num_groups),
-                cutlass.Int32(plan.num_tiles),
-                cutlass.Int32(plan.backend_plan.num_clusters),
-                *launch_args,
-            )
-        return gemm, (
-            gmem_ptr(cutlass.Int64, ptrs),
-            gmem_ptr(cutlass.Int32, plan.sizes),
-            gmem_ptr(cutlass.Int32, plan.tiles),
-            gmem_ptr(cutlass.Int64, tensormaps),
-            cutlass.Int32(plan.num_tiles),
-            cutlass.Int32(plan.num_groups),
-            *launch_args,
-        )
-
-    def launcher(self, plan: "Plan", binding: "Binding") -> Callable[[], None]:
-        """The prepared launch of a bound input set (make_launcher: its arguments converted once)."""
-        compiled, args = self.gemm_args(plan, binding.bound, binding.ptrs)
-        return make_launcher(compiled, *args)
+def context_usable(device: torch.device) -> bool:
+    """After a failed launch: can the context still run work (a synchronous launch error),
+    or did a fault poison it (then nothing in-process can recover)?"""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # noqa: BLE001 - a sticky error: the context is gone
+        return False
+    return True
 
 
+# =============================================================================
+# nvfp4_group_gemm/core/launching.py
+# The host runtime's parts both runtimes share: prepared launches, device tables, caches.
+#
+# ``PreparedCall``/``make_launcher`` (the only place that reaches into DSL internals), tile rows
+# (``plan_tiles``, ``PackedTiles``), the packing and upload of int tables, ``RuntimeCache`` (bounded
+# by count and bytes), the ``Backend`` protocol, ``PlanSpec``, ``Plan``, ``Binding``, and the
+# device helpers of the host (``device_context``, ``current_device_index``).
+# =============================================================================
 # =============================================================================
 # Shared host runtime (both backends)
 # =============================================================================
@@ -2689,7 +2630,6 @@ class Sm100Backend:
 # back to the plain call.
 # NVFP4_PLAIN_LAUNCH=1 forces the plain call (to compare, or to rule the fast path out).
 PREPARED_LAUNCH_DSL_VERSION = "4.3.5"
-FORCE_PLAIN_LAUNCH = env_switch("NVFP4_PLAIN_LAUNCH", ("0", "1"), "0") == "1"
 
 
 def _installed_dsl_version() -> str | None:
@@ -2931,27 +2871,6 @@ class RuntimeCache:
         self.nbytes = 0
 
 
-# const_data_ptr: the same address as data_ptr, without the mutable-data bookkeeping (the key
-# reads 5G pointers on every call; EXPERIMENTS E59)
-data_address = getattr(torch.Tensor, "const_data_ptr", torch.Tensor.data_ptr)
-flatten = itertools.chain.from_iterable
-
-
-def input_key(data) -> tuple:
-    """Cache key of an input set: the data pointers of every a, b, c (group by group), then
-    of every reordered sfa, sfb.
-
-    Built from the raw input on every call, so it holds only what must be hashed:
-      * the device is implied: under CUDA's unified virtual addressing a device pointer
-        identifies its allocation process-wide (and the backend follows the device);
-      * the problem sizes are not hashed: a hit compares them with the plan's validated
-        sizes (hashing 4G more ints per call cost more than the comparison).
-    With G = 8 the 40 data_ptr() calls are most of its cost. Raises on malformed input.
-    """
-    abc, _, sfasfb_reordered, _ = data
-    return (*map(data_address, flatten(abc)), *map(data_address, flatten(sfasfb_reordered)))
-
-
 
 @typing.runtime_checkable
 class Backend(typing.Protocol):
@@ -3094,404 +3013,20 @@ def current_device_index() -> int | None:
     if not torch.cuda.is_initialized():
         return None
     return cuda_get_device() if cuda_get_device is not None else torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=4096)
-def _scale_layout(mn: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shape, strides) of the official reordered scale tensor of mn rows and K (pure)."""
-    return reordered_scale_shape(mn, k), reordered_scale_strides(mn, k)
-
-
-def _accepted_device(device: torch.device) -> bool:
-    return device.type == "cuda"
-
-
-_SEQUENCE_TYPES = (tuple, list)
-
-
-def _loose_layout(tensor: torch.Tensor, shape: tuple, strides: tuple) -> bool:
-    """_check_layout's rule without its errors: the shape, and the strides of modes of extent
-    above 1."""
-    return tensor.shape == shape and all(
-        extent <= 1 or got == want for extent, got, want in zip(shape, tensor.stride(), strides))
-
-
-def accepted_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], ...] | None:
-    """validate_inputs' verdict where every rule holds in its strictest form, at a fraction of
-    its cost (a MoE step validates new sizes on every call): the sizes when the structure is
-    right, every dtype, shape and stride is exactly the official layout's (also on modes of
-    extent 1), every tensor is on group 0's CUDA device and every pointer of `key`
-    (input_key) is 32-byte aligned; None otherwise, and the full rules decide (with their
-    error, or accepting what is valid only in their looser form). EXPERIMENTS E65."""
-    try:
-        abc, sfasfb, reordered, problem_sizes = data
-        num_groups = len(problem_sizes)
-        if (not 1 <= num_groups <= MAX_GROUPS or not isinstance(problem_sizes, _SEQUENCE_TYPES)
-                or not isinstance(abc, _SEQUENCE_TYPES) or not isinstance(sfasfb, _SEQUENCE_TYPES)
-                or not isinstance(reordered, _SEQUENCE_TYPES)
-                or len(abc) != num_groups or len(sfasfb) != num_groups or len(reordered) != num_groups):
-            return None
-        device = abc[0][0].device
-        if not _accepted_device(device) or any(pointer & (BASE_ALIGN_BYTES - 1) for pointer in key):
-            return None
-        index = abc[0][0].get_device()
-        fp4, e4m3 = torch.float4_e2m1fn_x2, torch.float8_e4m3fn
-        sizes = []
-        for size, group, plain, scales in zip(problem_sizes, abc, sfasfb, reordered):
-            if (not isinstance(size, _SEQUENCE_TYPES) or not isinstance(group, _SEQUENCE_TYPES)
-                    or not isinstance(plain, _SEQUENCE_TYPES) or not isinstance(scales, _SEQUENCE_TYPES)
-                    or len(plain) != 2):
-                return None
-            m, n, k, l = size
-            a, b, c = group
-            sfa, sfb = scales
-            if (type(m) is not int or type(n) is not int or type(k) is not int or type(l) is not int
-                    or l != 1 or k <= 0 or k % K_TILE or n <= 0 or m < 0):
-                return None
-            half_k = k // 2
-            sfa_shape, sfa_strides = _scale_layout(m, k)
-            sfb_shape, sfb_strides = _scale_layout(n, k)
-            if m == 0:  # no rows: a, c and sfa have strides of their own on the empty modes
-                a_strides, c_strides, sfa_strides = a.stride(), c.stride(), sfa.stride()
-                if not (_loose_layout(a, (0, half_k, 1), (half_k, 1, 0))
-                        and _loose_layout(c, (0, n, 1), (n, 1, 0))
-                        and _loose_layout(sfa, sfa_shape, _scale_layout(0, k)[1])):
-                    return None
-            else:
-                a_strides, c_strides = (half_k, 1, m * half_k), (n, 1, m * n)
-            # a, b, c, sfa and sfb are tensors: `key` holds their data pointers
-            if not (
-                a.dtype == fp4 and a.shape == (m, half_k, 1) and a.stride() == a_strides
-                and b.dtype == fp4 and b.shape == (n, half_k, 1) and b.stride() == (half_k, 1, n * half_k)
-                and c.dtype == torch.float16 and c.shape == (m, n, 1) and c.stride() == c_strides
-                and sfa.dtype == e4m3 and sfa.shape == sfa_shape and sfa.stride() == sfa_strides
-                and sfb.dtype == e4m3 and sfb.shape == sfb_shape and sfb.stride() == sfb_strides
-                and a.get_device() == index and b.get_device() == index and c.get_device() == index
-                and sfa.get_device() == index and sfb.get_device() == index
-            ):
-                return None
-            sizes.append((m, n, k, 1))
-    except Exception:  # noqa: BLE001 - malformed input: the full rules name what is wrong
-        return None
-    return tuple(sizes)
-
-
-def checked_problem_sizes(data, key: tuple) -> tuple[tuple[int, int, int, int], ...]:
-    """validate_inputs' result for an input set of input_key `key`: accepted_problem_sizes
-    where it accepts, else the full rules (which raise their errors)."""
-    problem_sizes = accepted_problem_sizes(data, key)
-    return validate_inputs(data) if problem_sizes is None else problem_sizes
-
-
-def checked_input(data, key: tuple | None) -> tuple[tuple, tuple[tuple[int, int, int, int], ...]]:
-    """(input_key, the validated sizes) of an input set whose key the hit path computed, or
-    could not (None: malformed input, which validate_inputs then names)."""
-    if key is None:
-        try:
-            key = input_key(data)
-        except Exception:
-            validate_inputs(data)  # names what is wrong
-            raise
-    return key, checked_problem_sizes(data, key)
-
-
-def pointers_of_key(key: tuple, num_groups: int) -> list[tuple[int, int, int, int, int]]:
-    """pointers_of from input_key's pointers (a, b, c of every group, then sfa, sfb of every
-    group), without reading the tensors again: per group (a, b, c, sfa, sfb)."""
-    abc, scales = key[: 3 * num_groups], key[3 * num_groups:]
-    return [(*abc[3 * g: 3 * g + 3], *scales[2 * g: 2 * g + 2]) for g in range(num_groups)]
-
-
-# =============================================================================
-# The runtime: plans, bindings, custom_kernel
-# =============================================================================
-# Input sets (bindings) by data pointers, plans by (device, sizes, backend): 32 plans and 1 GiB
-# at most; a binding holds its pointer table and descriptors, and an evicted plan's bindings go
-# with it.
-_BINDINGS = RuntimeCache(max_entries=64)
-_PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
-_BACKEND_BY_DEVICE: dict = {}
-
-
-def select_backend(device_index: int) -> Sm100Backend:
-    """The sm_100 backend of GPU `device_index` (made once); on any other GPU a RuntimeError
-    that names the entry to use there."""
-    backend = _BACKEND_BY_DEVICE.get(device_index)
-    if backend is None:
-        major, minor = torch.cuda.get_device_capability(device_index)
-        if major != 10:
-            raise RuntimeError(
-                f"GPU {device_index} ({torch.cuda.get_device_name(device_index)}) is sm_{major}{minor}; "
-                f"submission.py runs {SUPPORTED_GPUS} only: elsewhere use the library beside it, "
-                "`from nvfp4_group_gemm import custom_kernel` (examples/library_submission.py for a harness)"
-            )
-        num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-        backend = _BACKEND_BY_DEVICE[device_index] = Sm100Backend(SM100_KERNEL, num_sms)
-    return backend
-
-
-def _drop_plans(predicate) -> None:
-    """Remove the plans that `predicate` selects, and their bindings."""
-    _PLANS.drop(predicate)
-    _BINDINGS.drop(lambda binding: predicate(binding.plan))
-
-
-def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
-    """The cached plan of these sizes on `device` for `backend`, or a new one on the first
-    kernel of the backend's chain that is not demoted and compiles."""
-    key = (str(device), problem_sizes, backend.plan_key)
-    plan = _PLANS.get(key)
-    if plan is None:
-        with RUNTIME_LOCK:
-            backend.can_implement(problem_sizes)
-            chain = backend.kernel_chain(problem_sizes)
-            plan = Plan(backend, problem_sizes, device, choose_kernel(backend, chain, len(problem_sizes)), chain)
-        for evicted in _PLANS.put(key, plan):
-            _drop_plans(lambda bound_plan, evicted=evicted: bound_plan is evicted)
-    return plan
-
-
-def _new_binding(backend, problem_sizes, device, key: tuple) -> Binding:
-    """A binding on the plan of these sizes. Writing its descriptors launches the chosen
-    kernel's init kernel: a failure there that leaves the context usable demotes that kernel,
-    and the binding is made on the next link's plan."""
-    while True:
-        plan = get_plan(backend, problem_sizes, device)
-        try:
-            return Binding(plan, pointers_of_key(key, len(problem_sizes)))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:
-            if plan.choice.host or not context_usable(plan.device):
-                raise
-            demote(backend.name, plan.choice, plan.chain, plan.num_groups,
-                   f"descriptor init failed ({one_line(error)})")
-
-
-def _bound_input_set(data, key: tuple | None) -> Binding:
-    """The validating path for an input set of input_key `key` (None: not computed, the input
-    may be malformed): checked sizes, then the cached binding of these pointers or a new one
-    on the plan of these sizes. One thread at a time (compilation and the caches)."""
-    key, problem_sizes = checked_input(data, key)
-    with RUNTIME_LOCK:
-        binding = _BINDINGS.get(key)
-        if binding is None or binding.plan.problem_sizes != problem_sizes:
-            device = data[0][0][0].device
-            try:
-                with device_context(device):
-                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key)
-            except torch.OutOfMemoryError as error:
-                raise torch.OutOfMemoryError(
-                    f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
-                    f"{list(problem_sizes)}; nothing was cached, a later call builds it again "
-                    f"({one_line(error)})"
-                ) from error
-            _BINDINGS.put(key, binding)
-    return binding
-
-
-def cached_binding(entries: collections.OrderedDict, data) -> tuple[Any, tuple | None]:
-    """The hit path's lookup: (the binding of `entries` (a RuntimeCache's) for this input set,
-    touched, or None; its input_key, or None for malformed input, which full validation then
-    names).
-
-    Hit: every pointer and the problem sizes equal those of an input set that passed
-    validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a tensor
-    replaced by one with the same address and problem size but another dtype or layout would
-    be read as the validated one. (input_key and RuntimeCache.get inlined: a Python frame
-    saved on every call.)"""
-    try:
-        key = (*map(data_address, flatten(data[0])), *map(data_address, flatten(data[2])))
-        binding = entries.get(key)
-        if binding is not None:
-            entries.move_to_end(key)
-            if tuple(data[3]) != binding.plan.problem_sizes:
-                binding = None  # same buffers, other sizes: check and bind again
-    except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
-        return None, None
-    return binding, key
-
-
-def custom_kernel(data: input_t) -> output_t:
-    """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
-    binding, key = cached_binding(_BINDINGS.entries, data)
-    first_use = binding is None
-    if first_use:
-        binding = _bound_input_set(data, key)
-    launch = binding.launch
-    if launch is None:  # a host computation (the chain's last link)
-        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
-    try:
-        launch()
-    except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
-        return _after_failed_launch(data, binding.plan, error)
-    if first_use and binding.plan.kernel_key not in SELF_CHECKED:
-        return first_use_check(data, binding.plan)
-    return list(map(_c_of_group, data[0]))
-
-
-_c_of_group = operator.itemgetter(2)
 cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
-def _after_failed_launch(data, plan: Plan, error: Exception) -> list[torch.Tensor]:
-    """A launch raised: demote its kernel and compute the call again on the next link, if
-    the context is still usable; re-raise otherwise."""
-    if not context_usable(plan.device):
-        raise error
-    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({one_line(error)})")
-    return custom_kernel(data)
-
-
 # =============================================================================
-# Fallback chain and self-check (both backends)
+# nvfp4_group_gemm/core/self_check.py
+# The first-use self-check, its tolerance, and the host computations.
+#
+# ``first_use_check`` compares the first input set a compiled kernel runs with the backend's
+# oracle at the competition's tolerance, widened only by what fp32 accumulation may add
+# (``accumulation_bounds``); a disagreement demotes the kernel. The host computations
+# (``HOST_COMPUTATIONS``: torch._scaled_mm, the exact decode) are the chain's last links and the
+# oracles.
 # =============================================================================
-# Every backend names a chain of kernels per size set, best first (kernel_chain): on sm_100
-# the persistent kernel, the per-tile kernel, torch._scaled_mm; on sm_90 the automatic
-# choice, the in-GEMM-decode kernel, the exact decode. A kernel that fails to compile, fails
-# its launch (with the context still usable) or disagrees with the oracle at its first use is
-# demoted for the rest of the process: one line on stderr, and its plans run the next link.
-# A hang cannot be caught in-process.
-# NVFP4_SELF_CHECK=0: no first-use check (it costs one oracle computation and a comparison per
-# compiled kernel, at its first input set).
-SELF_CHECK = env_switch("NVFP4_SELF_CHECK", ("0", "1"), "1") == "1"
 SELF_CHECK_RTOL = SELF_CHECK_ATOL = 1e-3  # the competition's tolerance
-
-# kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle. Shared
-# by every runtime in the process (the library's too): a kernel found wrong is wrong for all.
-_DEMOTED: dict[tuple, str] = {}
-SELF_CHECKED: set[tuple] = set()
-# What a demotion calls besides dropping this file's plans: a runtime built on this one
-# registers the dropping of its own (each called with the demoted kernel_key)
-DEMOTION_LISTENERS: list[Callable[[tuple], None]] = []
-# One thread at a time through compilation (the DSL's session state is not thread-safe), the
-# caches' misses and demotions; a hit takes no lock
-RUNTIME_LOCK = threading.RLock()
-
-
-def reset_runtime() -> None:
-    """Forget every input set, plan, backend, demotion and self-check result (compiled kernels
-    stay): the process as it was before its first call, for tests and for a caller that
-    changed an environment switch."""
-    with RUNTIME_LOCK:
-        for cache in (_BINDINGS, _PLANS):
-            cache.clear()
-        _BACKEND_BY_DEVICE.clear()
-        _DEMOTED.clear()
-        SELF_CHECKED.clear()
-        _RESIDENT_CLUSTERS.clear()
-
-
-def check_family(n: int, k: int, groups: int) -> None:
-    """warmup's argument rules: TypeError or ValueError naming the field, value and rule."""
-    for field, value, valid, rule in (
-        ("groups", groups, lambda v: 1 <= v <= MAX_GROUPS, f"an int, 1 <= groups <= {MAX_GROUPS}"),
-        ("n", n, lambda v: v >= 1, "an int >= 1"),
-        ("k", k, lambda v: v >= K_TILE and v % K_TILE == 0, f"an int, a positive multiple of {K_TILE}"),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"warmup: {field} = {value!r}; rule: {rule}")
-        if not valid(value):
-            raise ValueError(f"warmup: {field} = {value!r}; rule: {rule}")
-
-
-def compile_family(backend, device: torch.device, n: int, k: int, groups: int) -> list[str]:
-    """Compile every kernel `backend`'s automatic choice can pick for `groups` groups of N = n
-    and K = k, whatever their M, on `device`; the kernels compiled (a compile failure demotes
-    the kernel, as in a call)."""
-    compiled = []
-    with RUNTIME_LOCK, device_context(device):
-        backend.prepare_device(device)
-        # what follows a first link in this family's chains (its fallbacks), for the demotion line
-        fallbacks = list(backend.kernel_chain([(128, n, k, 1)] * groups))[1:]
-        for choice in backend.family_choices(groups, n, k):
-            if choice.kernel_key(groups) in _DEMOTED:
-                continue
-            try:
-                backend.compile(choice, groups)
-            except Exception as error:  # noqa: BLE001 - as in a call: the kernel moves down its chain
-                demote(backend.name, choice, [choice, *fallbacks], groups, f"compile failed ({one_line(error)})")
-                continue
-            compiled.append(choice.describe())
-    return compiled
-
-
-def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
-    """Compile every kernel the automatic choice can pick for `groups` groups of N = n and
-    K = k, whatever their M, on `device` (the current CUDA device when None), so that no later
-    call of that family compiles: a serving engine calls it once per (G, N, K) at start-up.
-    Returns the kernels compiled (a compile failure demotes the kernel, as in a call)."""
-    check_family(n, k, groups)
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    return compile_family(select_backend(device.index), device, n, k, groups)
-
-
-def report(line: str) -> None:
-    """One line on stderr, prefixed with the project's name."""
-    print(f"nvfp4_group_gemm: {line}", file=sys.stderr, flush=True)
-
-
-def is_demoted(kernel_key: tuple) -> bool:
-    """Whether a compiled kernel (KernelChoice.kernel_key) was demoted in this process."""
-    return kernel_key in _DEMOTED
-
-
-def demotions() -> dict[tuple, str]:
-    """Every demotion of this process: kernel key -> why (a copy)."""
-    return dict(_DEMOTED)
-
-
-def _next_usable(chain, num_groups: int, after: KernelChoice) -> str:
-    later = list(chain)
-    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
-    return names[0] if names else "nothing (the next call raises)"
-
-
-def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why: str) -> None:
-    """Move `choice`'s compiled kernel down its chain for the rest of the process: record
-    why, drop the plans that run it (their size sets plan again on their next call), and
-    say so in one line."""
-    key = choice.kernel_key(num_groups)
-    with RUNTIME_LOCK:
-        _DEMOTED[key] = why
-        _drop_plans(lambda plan: plan.kernel_key == key)
-        for listener in DEMOTION_LISTENERS:
-            listener(key)
-    report(f"{backend_name} kernel {choice.describe()}, G = {num_groups}: {why}; "
-           f"demoted for this process, next: {_next_usable(chain, num_groups, choice)}")
-
-
-def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
-    """The first link of `chain` that is not demoted and compiles; a compile failure
-    demotes its link."""
-    for choice in chain:
-        if choice.kernel_key(num_groups) in _DEMOTED:
-            continue
-        try:
-            backend.compile(choice, num_groups)
-        except Exception as error:  # noqa: BLE001 - any compile failure moves down the chain
-            demote(backend.name, choice, chain, num_groups, f"compile failed ({one_line(error)})")
-            continue
-        return choice
-    raise RuntimeError(f"no kernel of the {backend.name} chain {[c.name for c in chain]} is left: "
-                       + "; ".join(f"{c.name}: {_DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
-
-
-def one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:300]}"
-
-
-def context_usable(device: torch.device) -> bool:
-    """After a failed launch: can the context still run work (a synchronous launch error),
-    or did a fault poison it (then nothing in-process can recover)?"""
-    if device.type != "cuda":
-        return True
-    try:
-        torch.cuda.synchronize(device)
-    except Exception:  # noqa: BLE001 - a sticky error: the context is gone
-        return False
-    return True
 
 
 def count_mismatches(outputs, expected, rtol: float = SELF_CHECK_RTOL, atol: float = SELF_CHECK_ATOL,
@@ -3714,3 +3249,578 @@ def exact_decode_group_gemm(data, outputs: list[torch.Tensor]) -> list[torch.Ten
 
 # Host computations by registry name: each writes `outputs` and returns them
 HOST_COMPUTATIONS = {"scaled_mm": scaled_mm_group_gemm, "exact_decode": exact_decode_group_gemm}
+
+
+# =============================================================================
+# nvfp4_group_gemm/core/backend.py
+# The sm_100 backend: the builds of every kernel, the kernel registry, ``Sm100Backend``.
+#
+# Builds (module-level functions, keyed by ``compile_key``) and their ``compile_*`` entries,
+# ``compile_targets`` (what ``python eval.py compile`` builds), the persistent kernel's tile
+# plan and token-tile rule, ``SM100_CHOICES`` (every kernel the automatic choice can pick), and
+# ``Sm100Backend``: the chain per size set, plans, descriptors and prepared launches.
+# =============================================================================
+def per_tile_init_build(num_groups: int) -> tuple:
+    return init_tensormaps_jit, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
+                                 cutlass.Int32(num_groups))
+
+
+def per_tile_gemm_build(num_groups: int) -> tuple:
+    return gemm_jit, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
+                      cutlass.Int32(1), cutlass.Int32(num_groups))
+
+
+def compile_init_tensormaps(num_groups: int, options: str | None = None):
+    """The per-tile kernel's descriptor init (its constants are the module's)."""
+    return compile_once(per_tile_init_build, num_groups, options=options)
+
+
+def compile_gemm(num_groups: int, options: str | None = None):
+    """The per-tile GEMM (its constants are the module's)."""
+    return compile_once(per_tile_gemm_build, num_groups, options=options)
+
+
+def compile_targets() -> list[tuple[str, str, Callable[[int, str | None], Any]]]:
+    """Kernels of this backend for the build report: (kernel name, arch, compile(G, options))."""
+    targets = [
+        ("sm100_init_tensormaps", SM100_ARCH, compile_init_tensormaps),
+        ("sm100_gemm", SM100_ARCH, compile_gemm),
+    ]
+    for tokens, config in PERSISTENT_CONFIGS.items():
+        # One build serves every G (G is a runtime value there); the report lists it per G
+        targets += [
+            (f"sm100_persistent_init_t{tokens}", config.arch,
+             lambda g, options, config=config: compile_persistent_init(config, options)),
+            (f"sm100_persistent_gemm_t{tokens}", config.arch,
+             lambda g, options, config=config: compile_persistent_gemm(config, options)),
+        ]
+    return targets
+
+
+def gmem_ptr(dtype, tensor: torch.Tensor):
+    return make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+
+def plan_persistent_tiles(problem_sizes, tokens_per_tile: int, mma_m: int = 256) -> list[tuple[int, int, int]]:
+    """Tile list of the persistent kernel: (group, MMA m tile, MMA n tile) per entry.
+
+    A tile covers `mma_m` rows of the problem's N and `tokens_per_tile` rows of its M (swap-AB).
+    Order: groups by descending M (ties by group index), then N tile, then token tile fastest.
+    Cluster c runs entries c, c + num_clusters, ..., so the clusters of one wave hold
+    consecutive entries: they share a group's N slice of B, the operand that dominates the
+    bytes, which is then read from DRAM once and from L2 by the others.
+    """
+    order = sorted(range(len(problem_sizes)), key=lambda g: (-problem_sizes[g][0], g))
+    tiles = []
+    for g in order:
+        m, n, _k, _l = problem_sizes[g]
+        for n_tile in range(ceil_div(n, mma_m)):
+            for m_tile in range(ceil_div(m, tokens_per_tile)):  # none when M == 0
+                tiles.append((g, n_tile, m_tile))
+    return tiles
+
+
+# sm_100 SMs a B200 has; the host reads the real count from the device when it has one
+B200_NUM_SMS = 148
+
+
+# Per-SM rates of the token-tile rule: the TMA load rate of a CTA, fitted by bench/b200_model.py to the
+# published B200 times of the fastest public entry (122.7 KB/µs per SM), and the nvfp4 MMA rate
+# that entry measured (5797 TFLOP/s over 148 SMs). A model's constants, not measurements here.
+SM100_LOAD_BYTES_PER_US = 122_700
+SM100_MMA_FLOP_PER_US = 5797.05e6 / 148
+
+
+def persistent_k_tile_us(tokens_per_tile: int) -> float:
+    """Modelled µs of one k-tile of a CTA of the pair: its stage's bytes at the per-SM load
+    rate or its MMAs (128 N rows x tokens x 256 K), whichever is longer."""
+    load_us = persistent_stage_bytes(tokens_per_tile) / SM100_LOAD_BYTES_PER_US
+    mma_us = 2 * 128 * tokens_per_tile * K_TILE / SM100_MMA_FLOP_PER_US
+    return max(load_us, mma_us)
+
+
+def choose_tokens_per_tile(problem_sizes, num_sms: int = B200_NUM_SMS) -> int:
+    """Tokens per tile (MMA N) of the persistent kernel for this input set.
+
+    The DSL's 2-CTA block-scaled MMA takes N = 16..256 in steps of 16; the kernel compiles 128
+    and 256, the two sizes NVIDIA's grouped block-scaled example runs with cta_group::2 (the
+    tokens' scales are loaded as whole 128-row atoms, so other sizes waste them or need
+    column offsets into TMEM). Rule: the size whose busiest CTA pair finishes first, its
+    tiles' k-tiles at persistent_k_tile_us each; 128 on a tie. A k-tile of 256 tokens is
+    MMA-bound (0.43 µs against 0.23 for 128), so 256 pays only where it removes tiles from
+    the busiest pair: large M without a partial last wave. 128 also keeps two accumulators,
+    so its epilogues overlap the next tile's mainloop.
+    """
+    num_clusters = max(num_sms // 2, 1)
+    best = None
+    for tokens_per_tile in (128, 256):
+        tiles = plan_persistent_tiles(problem_sizes, tokens_per_tile)
+        k_tiles_per_pair = [0] * num_clusters
+        for index, (g, _n_tile, _m_tile) in enumerate(tiles):
+            k_tiles_per_pair[index % num_clusters] += problem_sizes[g][2] // K_TILE
+        cost = max(k_tiles_per_pair) * persistent_k_tile_us(tokens_per_tile)
+        if best is None or cost < best[0]:
+            best = (cost, tokens_per_tile)
+    return best[1]
+
+
+persistent_can_implement = PersistentGemmSm100.can_implement
+
+
+def persistent_init_build(config: PersistentGemmConfig) -> tuple:
+    return PersistentGemmSm100(config).init_tensormaps, (fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32),
+                                                         fake_ptr(cutlass.Int64), cutlass.Int32(1))
+
+
+def persistent_gemm_build(config: PersistentGemmConfig) -> tuple:
+    return PersistentGemmSm100(config), (fake_ptr(cutlass.Int32), fake_ptr(cutlass.Int64),
+                                         cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1))
+
+
+def compile_persistent_init(config: PersistentGemmConfig, options: str | None = None):
+    """The persistent kernel's descriptor init for `config` (G is a runtime value)."""
+    return compile_once(persistent_init_build, config, options=options)
+
+
+def compile_persistent_gemm(config: PersistentGemmConfig, options: str | None = None):
+    """The persistent GEMM for `config`; G, the tile count and the cluster count are runtime
+    values, so one build serves every input set of that config."""
+    return compile_once(persistent_gemm_build, config, options=options)
+
+
+# The sm_100 registry: every kernel the automatic choice can pick, by name
+SM100_CHOICES = {
+    **{f"persistent_t{tokens}": KernelChoice("sm100", f"persistent_t{tokens}", config)
+       for tokens, config in PERSISTENT_CONFIGS.items()},
+    "per_tile": KernelChoice("sm100", "per_tile", per_group_count=True),
+    # what the competition's reference runs on a B200: always correct there, only slow
+    "scaled_mm": KernelChoice("sm100", "scaled_mm", host=True),
+}
+
+
+class Sm100Plan:
+    """The sm_100 backend's part of a plan: which kernel runs these sizes (config None: the
+    per-tile kernel), over how many CTA pairs, and whether its calls chain (its link's
+    KernelChoice.chained: its kernels are looked up under chain_calls_as of it)."""
+
+    __slots__ = ("chained", "config", "num_clusters")
+    nbytes = 0  # no device buffers beyond the runtime's tables
+
+    def __init__(self, config, num_clusters, chained: bool | None = None):
+        self.config = config
+        self.num_clusters = num_clusters
+        self.chained = chained
+
+
+def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None:
+    """How many clusters of `cluster_size` CTAs can be resident at once on `device` (the
+    examples' HardwareInfo().get_max_active_clusters); None off a GPU. More would run as a
+    second persistent wave. Asked once per device."""
+    if device.type != "cuda":
+        return None
+    key = (device.index, cluster_size)
+    if key not in _RESIDENT_CLUSTERS:
+        try:
+            _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
+        except Exception as error:  # noqa: BLE001 - a failed query must not fail the call
+            report(f"the resident {cluster_size}-CTA cluster query failed ({one_line(error)}); "
+                   "the persistent kernel runs one cluster per two SMs")
+            _RESIDENT_CLUSTERS[key] = None
+    return _RESIDENT_CLUSTERS[key]
+
+
+_RESIDENT_CLUSTERS: dict = {}
+
+
+class Sm100Backend:
+    """The B200 (sm_100a) backend.
+
+    `kernel`: "persistent" (chain: PersistentGemmSm100 where persistent_can_implement allows,
+    then the per-tile kernel, then torch._scaled_mm) or "per_tile" (chain: the per-tile
+    kernel, then torch._scaled_mm)."""
+
+    name = "sm100"
+    oracle = SM100_CHOICES["scaled_mm"]
+
+    def __init__(self, kernel: str = SM100_KERNEL, num_sms: int = B200_NUM_SMS):
+        if kernel not in SM100_KERNELS:
+            raise ValueError(f"SM100_KERNEL = {kernel!r}; rule: one of {SM100_KERNELS}")
+        self.kernel = kernel
+        self.num_sms = num_sms
+        # Descriptors depend on the pointers and sizes: the per-tile kernel's not on C (input
+        # sets that differ only in C share them), the persistent kernel's on C too (C is
+        # stored by TMA). The init kernel runs only when one of those changed.
+        self._descriptors = RuntimeCache(max_entries=64)
+
+    @property
+    def plan_key(self):
+        """What, besides the device and the sizes, a plan of this backend depends on."""
+        return (self.name, self.kernel, self.num_sms)
+
+    def kernel_chain(self, problem_sizes) -> list[KernelChoice]:
+        """The kernels that can run these sizes, best first; the last always can. With calls
+        chained (SM100_CHAIN_CALLS), each kernel twice: chained, then the same kernel plain, so
+        that a failure of the chaining alone (a launch with the attribute that fails, a chained
+        self-check that disagrees) costs the chaining, not the kernel."""
+        kernels = []
+        if self.kernel == "persistent" and persistent_can_implement(problem_sizes) is None:
+            kernels.append(SM100_CHOICES[f"persistent_t{choose_tokens_per_tile(problem_sizes, self.num_sms)}"])
+        kernels.append(SM100_CHOICES["per_tile"])
+        if SM100_CHAIN_CALLS:
+            kernels = [dataclasses.replace(kernel, chained=chained) for kernel in kernels for chained in (True, False)]
+        return [*kernels, SM100_CHOICES["scaled_mm"]]
+
+    def can_implement(self, problem_sizes) -> None:
+        """validate_inputs states every sm_100 constraint; input sets the persistent kernel
+        cannot run get a chain without it."""
+
+    def family_choices(self, groups: int, n: int, k: int) -> list[KernelChoice]:
+        """Every kernel the automatic choice can pick for `groups` groups of this N and K,
+        whatever their M (warmup compiles them): both token tiles of the persistent kernel
+        where it runs (N % 8 == 0), else the per-tile kernel."""
+        sizes = [(128, n, k, 1)] * groups
+        if self.kernel == "persistent" and persistent_can_implement(sizes) is None:
+            return [SM100_CHOICES["persistent_t128"], SM100_CHOICES["persistent_t256"]]
+        return [SM100_CHOICES["per_tile"]]
+
+    def prepare_device(self, device: torch.device) -> None:
+        """What a first plan on `device` would otherwise ask the driver: its resident clusters."""
+        resident_clusters(device)
+
+    def compile(self, choice: KernelChoice, num_groups: int) -> None:
+        """Compile (cached) the kernels of `choice`; raises what the compiler raised."""
+        with chain_calls_as(choice.chained):
+            if choice.name == "per_tile":
+                self.compile_per_tile_init(num_groups)
+                self.compile_per_tile_gemm(num_groups)
+            elif not choice.host:
+                self.compile_persistent_init(choice.config)
+                self.compile_persistent_gemm(choice.config)
+
+    def plan_tiles(self, problem_sizes, choice: KernelChoice | None = None) -> list[tuple[int, ...]]:
+        """Tile rows of `choice` (the chain's first when None): (group, tile_m, tile_n) of
+        128x128 tiles for the per-tile kernel; (group, MMA m tile, MMA n tile, k-tiles) for
+        the persistent kernel."""
+        if choice is None:
+            choice = self.kernel_chain(problem_sizes)[0]
+        if choice.name == "per_tile":
+            return plan_tiles(problem_sizes, mma_tiler_mnk[0], mma_tiler_mnk[1])
+        config = choice.config
+        k_tiles = [size[2] // K_TILE for size in problem_sizes]
+        return [
+            (g, n_tile, m_tile, k_tiles[g])
+            for g, n_tile, m_tile in plan_persistent_tiles(problem_sizes, config.tokens_per_tile, config.mma_m)
+        ]
+
+    def pack_tiles(self, problem_sizes, choice: KernelChoice) -> "PackedTiles":
+        """plan_tiles' rows packed (a size set's first call: this backend has no DirectLaunch,
+        so only the binding path reads them)."""
+        return PackedTiles.of(self.plan_tiles(problem_sizes, choice))
+
+    def prepare(self, spec: "PlanSpec") -> Sm100Plan:
+        """Compile (cached) the kernels of the spec's choice; CTA pairs: min(tiles, SMs / 2,
+        the device's resident 2-CTA clusters)."""
+        choice = spec.choice
+        self.compile(choice, spec.num_groups)
+        if choice.name == "per_tile":
+            return Sm100Plan(None, 0, choice.chained)
+        num_clusters = min(spec.num_tiles, max(self.num_sms // 2, 1))
+        resident = resident_clusters(spec.device)
+        if resident is not None:
+            num_clusters = min(num_clusters, resident)
+        return Sm100Plan(choice.config, max(num_clusters, 1), choice.chained)
+
+    # The compiled functions this backend launches, looked up at each use (the CPU tests
+    # replace the module's compilers); the library's backend of the same kernels returns entries
+    # that also take where the launch goes.
+    def compile_per_tile_init(self, num_groups: int):
+        return compile_init_tensormaps(num_groups)
+
+    def compile_per_tile_gemm(self, num_groups: int):
+        return compile_gemm(num_groups)
+
+    def compile_persistent_init(self, config: PersistentGemmConfig):
+        return compile_persistent_init(config)
+
+    def compile_persistent_gemm(self, config: PersistentGemmConfig):
+        return compile_persistent_gemm(config)
+
+    def descriptor_key(self, plan: "Plan", pointers: tuple) -> tuple:
+        """What the descriptors of an input set depend on: the device, the kernel config, the
+        sizes and the pointers they address."""
+        config = plan.backend_plan.config
+        slots = (PTR_A, PTR_B, PTR_SFA, PTR_SFB) if config is None else (PTR_A, PTR_B, PTR_C, PTR_SFA, PTR_SFB)
+        return (str(plan.device), config, plan.problem_sizes, tuple(tuple(p[i] for i in slots) for p in pointers))
+
+    def init_descriptors(self, plan: "Plan", ptrs: torch.Tensor, *launch_args) -> torch.Tensor:
+        """A new descriptor buffer of every group of this input set, written by the config's
+        init kernel (`launch_args` follow its other arguments: the library's entries take
+        where the launch goes)."""
+        config = plan.backend_plan.config
+        with chain_calls_as(plan.backend_plan.chained):
+            if config is None:
+                init_fn, num_slots = self.compile_per_tile_init(plan.num_groups), num_tensormaps
+            else:
+                init_fn, num_slots = self.compile_persistent_init(config), PERSISTENT_NUM_TENSORMAPS
+        tensormaps = torch.empty(
+            (plan.num_groups, num_slots, bytes_per_tensormap // 8), dtype=torch.int64, device=plan.device
+        )
+        init_fn(
+            gmem_ptr(cutlass.Int64, ptrs),
+            gmem_ptr(cutlass.Int32, plan.sizes),
+            gmem_ptr(cutlass.Int64, tensormaps),
+            cutlass.Int32(plan.num_groups),
+            *launch_args,
+        )
+        return tensormaps
+
+    def write_descriptors(self, plan: "Plan", pointers: tuple, ptrs: torch.Tensor) -> torch.Tensor:
+        """TMA descriptors of every group of this input set: reused, or written now by an init
+        kernel."""
+        key = self.descriptor_key(plan, pointers)
+        tensormaps = self._descriptors.get(key)
+        if tensormaps is None:
+            tensormaps = self.init_descriptors(plan, ptrs)
+            self._descriptors.put(key, tensormaps)
+        return tensormaps
+
+    def gemm_args(self, plan: "Plan", tensormaps: torch.Tensor, ptrs: torch.Tensor, *launch_args):
+        """(compiled GEMM, its arguments) for this input set: its descriptors and pointer
+        table, then `launch_args` (as init_descriptors)."""
+        config = plan.backend_plan.config
+        with chain_calls_as(plan.backend_plan.chained):
+            gemm = self.compile_persistent_gemm(config) if config is not None else self.compile_per_tile_gemm(
+                plan.num_groups)
+        if config is not None:
+            return gemm, (
+                gmem_ptr(cutlass.Int32, plan.tiles),
+                gmem_ptr(cutlass.Int64, tensormaps),
+                cutlass.Int32(plan.num_groups),
+                cutlass.Int32(plan.num_tiles),
+                cutlass.Int32(plan.backend_plan.num_clusters),
+                *launch_args,
+            )
+        return gemm, (
+            gmem_ptr(cutlass.Int64, ptrs),
+            gmem_ptr(cutlass.Int32, plan.sizes),
+            gmem_ptr(cutlass.Int32, plan.tiles),
+            gmem_ptr(cutlass.Int64, tensormaps),
+            cutlass.Int32(plan.num_tiles),
+            cutlass.Int32(plan.num_groups),
+            *launch_args,
+        )
+
+    def launcher(self, plan: "Plan", binding: "Binding") -> Callable[[], None]:
+        """The prepared launch of a bound input set (make_launcher: its arguments converted once)."""
+        compiled, args = self.gemm_args(plan, binding.bound, binding.ptrs)
+        return make_launcher(compiled, *args)
+
+
+# =============================================================================
+# nvfp4_group_gemm/core/runtime.py
+# The leaderboard file's runtime: plans, bindings, ``custom_kernel``.
+#
+# Input sets (bindings) by data pointers, plans by (device, sizes, backend); the hit path is
+# one prepared launch. Also ``reset_runtime``, ``warmup``, and the dropping of a demoted
+# kernel's plans (registered in ``DEMOTION_LISTENERS``).
+# =============================================================================
+# =============================================================================
+# The runtime: plans, bindings, custom_kernel
+# =============================================================================
+# Input sets (bindings) by data pointers, plans by (device, sizes, backend): 32 plans and 1 GiB
+# at most; a binding holds its pointer table and descriptors, and an evicted plan's bindings go
+# with it.
+_BINDINGS = RuntimeCache(max_entries=64)
+_PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
+_BACKEND_BY_DEVICE: dict = {}
+
+
+def select_backend(device_index: int) -> Sm100Backend:
+    """The sm_100 backend of GPU `device_index` (made once); on any other GPU a RuntimeError
+    that names the entry to use there."""
+    backend = _BACKEND_BY_DEVICE.get(device_index)
+    if backend is None:
+        major, minor = torch.cuda.get_device_capability(device_index)
+        if major != 10:
+            raise RuntimeError(
+                f"GPU {device_index} ({torch.cuda.get_device_name(device_index)}) is sm_{major}{minor}; "
+                f"submission.py runs {SUPPORTED_GPUS} only: elsewhere use the library beside it, "
+                "`from nvfp4_group_gemm import custom_kernel` (examples/library_submission.py for a harness)"
+            )
+        num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+        backend = _BACKEND_BY_DEVICE[device_index] = Sm100Backend(SM100_KERNEL, num_sms)
+    return backend
+
+
+def _drop_plans(predicate) -> None:
+    """Remove the plans that `predicate` selects, and their bindings."""
+    _PLANS.drop(predicate)
+    _BINDINGS.drop(lambda binding: predicate(binding.plan))
+
+
+def _drop_plans_of(kernel_key: tuple) -> None:
+    """A demotion's part here: the plans that run the demoted kernel, and their bindings."""
+    _drop_plans(lambda plan: plan.kernel_key == kernel_key)
+
+
+DEMOTION_LISTENERS.append(_drop_plans_of)
+
+
+def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
+    """The cached plan of these sizes on `device` for `backend`, or a new one on the first
+    kernel of the backend's chain that is not demoted and compiles."""
+    key = (str(device), problem_sizes, backend.plan_key)
+    plan = _PLANS.get(key)
+    if plan is None:
+        with RUNTIME_LOCK:
+            backend.can_implement(problem_sizes)
+            chain = backend.kernel_chain(problem_sizes)
+            plan = Plan(backend, problem_sizes, device, choose_kernel(backend, chain, len(problem_sizes)), chain)
+        for evicted in _PLANS.put(key, plan):
+            _drop_plans(lambda bound_plan, evicted=evicted: bound_plan is evicted)
+    return plan
+
+
+def _new_binding(backend, problem_sizes, device, key: tuple) -> Binding:
+    """A binding on the plan of these sizes. Writing its descriptors launches the chosen
+    kernel's init kernel: a failure there that leaves the context usable demotes that kernel,
+    and the binding is made on the next link's plan."""
+    while True:
+        plan = get_plan(backend, problem_sizes, device)
+        try:
+            return Binding(plan, pointers_of_key(key, len(problem_sizes)))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            if plan.choice.host or not context_usable(plan.device):
+                raise
+            demote(backend.name, plan.choice, plan.chain, plan.num_groups,
+                   f"descriptor init failed ({one_line(error)})")
+
+
+def _bound_input_set(data, key: tuple | None) -> Binding:
+    """The validating path for an input set of input_key `key` (None: not computed, the input
+    may be malformed): checked sizes, then the cached binding of these pointers or a new one
+    on the plan of these sizes. One thread at a time (compilation and the caches)."""
+    key, problem_sizes = checked_input(data, key)
+    with RUNTIME_LOCK:
+        binding = _BINDINGS.get(key)
+        if binding is None or binding.plan.problem_sizes != problem_sizes:
+            device = data[0][0][0].device
+            try:
+                with device_context(device):
+                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key)
+            except torch.OutOfMemoryError as error:
+                raise torch.OutOfMemoryError(
+                    f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
+                    f"{list(problem_sizes)}; nothing was cached, a later call builds it again "
+                    f"({one_line(error)})"
+                ) from error
+            _BINDINGS.put(key, binding)
+    return binding
+
+
+def cached_binding(entries: collections.OrderedDict, data) -> tuple[Any, tuple | None]:
+    """The hit path's lookup: (the binding of `entries` (a RuntimeCache's) for this input set,
+    touched, or None; its input_key, or None for malformed input, which full validation then
+    names).
+
+    Hit: every pointer and the problem sizes equal those of an input set that passed
+    validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a tensor
+    replaced by one with the same address and problem size but another dtype or layout would
+    be read as the validated one. (input_key and RuntimeCache.get inlined: a Python frame
+    saved on every call.)"""
+    try:
+        key = (*map(data_address, flatten(data[0])), *map(data_address, flatten(data[2])))
+        binding = entries.get(key)
+        if binding is not None:
+            entries.move_to_end(key)
+            if tuple(data[3]) != binding.plan.problem_sizes:
+                binding = None  # same buffers, other sizes: check and bind again
+    except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
+        return None, None
+    return binding, key
+
+
+def custom_kernel(data: input_t) -> output_t:
+    """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
+    binding, key = cached_binding(_BINDINGS.entries, data)
+    first_use = binding is None
+    if first_use:
+        binding = _bound_input_set(data, key)
+    launch = binding.launch
+    if launch is None:  # a host computation (the chain's last link)
+        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
+    try:
+        launch()
+    except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
+        return _after_failed_launch(data, binding.plan, error)
+    if first_use and binding.plan.kernel_key not in SELF_CHECKED:
+        return first_use_check(data, binding.plan)
+    return list(map(_c_of_group, data[0]))
+
+
+def _after_failed_launch(data, plan: Plan, error: Exception) -> list[torch.Tensor]:
+    """A launch raised: demote its kernel and compute the call again on the next link, if
+    the context is still usable; re-raise otherwise."""
+    if not context_usable(plan.device):
+        raise error
+    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({one_line(error)})")
+    return custom_kernel(data)
+
+
+def reset_runtime() -> None:
+    """Forget every input set, plan, backend, demotion and self-check result (compiled kernels
+    stay): the process as it was before its first call, for tests and for a caller that
+    changed an environment switch."""
+    with RUNTIME_LOCK:
+        for cache in (_BINDINGS, _PLANS):
+            cache.clear()
+        _BACKEND_BY_DEVICE.clear()
+        _DEMOTED.clear()
+        SELF_CHECKED.clear()
+        _RESIDENT_CLUSTERS.clear()
+
+
+def check_family(n: int, k: int, groups: int) -> None:
+    """warmup's argument rules: TypeError or ValueError naming the field, value and rule."""
+    for field, value, valid, rule in (
+        ("groups", groups, lambda v: 1 <= v <= MAX_GROUPS, f"an int, 1 <= groups <= {MAX_GROUPS}"),
+        ("n", n, lambda v: v >= 1, "an int >= 1"),
+        ("k", k, lambda v: v >= K_TILE and v % K_TILE == 0, f"an int, a positive multiple of {K_TILE}"),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"warmup: {field} = {value!r}; rule: {rule}")
+        if not valid(value):
+            raise ValueError(f"warmup: {field} = {value!r}; rule: {rule}")
+
+
+def compile_family(backend, device: torch.device, n: int, k: int, groups: int) -> list[str]:
+    """Compile every kernel `backend`'s automatic choice can pick for `groups` groups of N = n
+    and K = k, whatever their M, on `device`; the kernels compiled (a compile failure demotes
+    the kernel, as in a call)."""
+    compiled = []
+    with RUNTIME_LOCK, device_context(device):
+        backend.prepare_device(device)
+        # what follows a first link in this family's chains (its fallbacks), for the demotion line
+        fallbacks = list(backend.kernel_chain([(128, n, k, 1)] * groups))[1:]
+        for choice in backend.family_choices(groups, n, k):
+            if choice.kernel_key(groups) in _DEMOTED:
+                continue
+            try:
+                backend.compile(choice, groups)
+            except Exception as error:  # noqa: BLE001 - as in a call: the kernel moves down its chain
+                demote(backend.name, choice, [choice, *fallbacks], groups, f"compile failed ({one_line(error)})")
+                continue
+            compiled.append(choice.describe())
+    return compiled
+
+
+def warmup(n: int, k: int, groups: int, device=None) -> list[str]:
+    """Compile every kernel the automatic choice can pick for `groups` groups of N = n and
+    K = k, whatever their M, on `device` (the current CUDA device when None), so that no later
+    call of that family compiles: a serving engine calls it once per (G, N, K) at start-up.
+    Returns the kernels compiled (a compile failure demotes the kernel, as in a call)."""
+    check_family(n, k, groups)
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return compile_family(select_backend(device.index), device, n, k, groups)

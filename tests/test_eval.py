@@ -1187,7 +1187,7 @@ def test_the_wheel_holds_the_package_and_no_top_level_module(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names if ".dist-info/" not in name}
     assert top_level == {"nvfp4_group_gemm"}, names
-    assert {"nvfp4_group_gemm/core.py", "nvfp4_group_gemm/hopper/swap_ab.py", "nvfp4_group_gemm/bundle.py"} <= set(names)
+    assert {"nvfp4_group_gemm/core/__init__.py", "nvfp4_group_gemm/core/runtime.py", "nvfp4_group_gemm/hopper/swap_ab.py", "nvfp4_group_gemm/bundle.py"} <= set(names)
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA")))
     assert b"Requires-Dist: nvidia-cutlass-dsl<4.9,>=4.3.5" in metadata, metadata[:2000]
     assert b"Provides-Extra: plot" in metadata

@@ -1,5 +1,5 @@
 """The two parts, one way apart: submission.py (the leaderboard file) is the package's core
-module bundled, byte for byte; importing it pulls in nothing of the library; the library
+(the rooms of nvfp4_group_gemm/core/) bundled; importing it pulls in nothing of the library; the library
 imports its own core (nvfp4_group_gemm.core) whatever a harness put under the name
 `submission`. Each import case in a fresh interpreter (module state is process-wide)."""
 
@@ -51,8 +51,46 @@ def test_a_stale_bundle_is_reported(tmp_path, capsys):
     stale = tmp_path / "submission.py"
     stale.write_text(bundle.bundled_text() + "# an edit by hand\n", encoding="utf-8")
     assert bundle.main(["--check", "--out", str(stale)]) == 1
-    assert "differs from nvfp4_group_gemm/core.py bundled" in capsys.readouterr().err
+    assert "differs from nvfp4_group_gemm/core/ bundled" in capsys.readouterr().err
     assert bundle.main(["--out", str(stale)]) == 0 and stale.read_text(encoding="utf-8") == bundle.bundled_text()
+
+
+def test_the_core_is_rooms_under_1500_lines_bundled_in_dependency_order():
+    """nvfp4_group_gemm/core/ is its rooms (ROOMS, the bundle's order), each under 1,500 lines,
+    each importing only rooms before it; core.X holds every room's names."""
+    import ast
+
+    from nvfp4_group_gemm import core
+
+    names = [room.__name__.rpartition(".")[2] for room in core.ROOMS]
+    assert names == bundle.rooms()
+    assert sorted(names) == sorted(p.stem for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__")
+    for index, name in enumerate(names):
+        text = (PACKAGE / "core" / f"{name}.py").read_text(encoding="utf-8")
+        assert len(text.splitlines()) <= 1500, name
+        imported = {node.module for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom) and node.level}
+        assert imported <= set(names[:index]), (name, imported - set(names[:index]))
+        room = core.ROOMS[index]
+        assert all(getattr(core, n) is v for n, v in vars(room).items() if not n.startswith("__") and n not in core.LIVE_NAMES)
+
+
+def test_setting_a_core_name_sets_it_in_every_room(monkeypatch):
+    """core.X = v reaches every room that holds X, as in the one file (tests and selfcheck.py
+    set core.SM100_CHAIN_CALLS, core.SELF_CHECK, ...); SM100_CHAIN_CALLS, rebound by
+    chain_calls_as while it runs, is read from its room."""
+    from nvfp4_group_gemm import core
+
+    monkeypatch.setattr(core, "SELF_CHECK", not core.SELF_CHECK)
+    assert core.config.SELF_CHECK is core.self_check.SELF_CHECK is core.SELF_CHECK
+    chained = core.SM100_CHAIN_CALLS
+    monkeypatch.setattr(core, "SM100_CHAIN_CALLS", not chained)
+    assert core.config.SM100_CHAIN_CALLS is core.backend.SM100_CHAIN_CALLS is (not chained)
+    assert core.chained_launch() == {"use_pdl": not chained}
+    with core.chain_calls_as(chained):
+        assert core.SM100_CHAIN_CALLS is chained and core.chained_launch() == {"use_pdl": chained}
+    assert core.SM100_CHAIN_CALLS is (not chained)
+    monkeypatch.undo()
+    assert core.SM100_CHAIN_CALLS is chained and core.backend.SM100_CHAIN_CALLS is chained
 
 
 def test_one_lock_for_every_runtime():
@@ -92,10 +130,10 @@ def test_one_place_knows_the_dsls_internals():
 
     internals = re.compile(r"generate_execution_args|_get_invoke_packed_args|capi_func|jit_module|cuda_result")
     users = sorted(path for path, text in _package_sources().items() if internals.search(text))
-    assert users == ["nvfp4_group_gemm/core.py"], users
+    assert users == ["nvfp4_group_gemm/core/launching.py"], users
     from nvfp4_group_gemm import core, launch
 
-    assert "PreparedCall.prepare" in (PACKAGE / "launch.py").read_text() and core.make_launcher.__module__ == core.__name__
+    assert "PreparedCall.prepare" in (PACKAGE / "launch.py").read_text() and core.make_launcher.__module__ == core.launching.__name__
     assert launch.make_launcher is core.make_launcher
 
 
@@ -109,8 +147,8 @@ def test_every_switch_is_read_in_one_module():
 
     readers = sorted(path for path, text in _package_sources().items()
                      if re.search(r"os\.environ|env_switch\(|getenv\(", text))
-    assert readers == ["nvfp4_group_gemm/core.py", "nvfp4_group_gemm/switches.py"], readers
-    core_text = (PACKAGE / "core.py").read_text()
+    assert readers == ["nvfp4_group_gemm/core/config.py", "nvfp4_group_gemm/switches.py"], readers
+    core_text = (PACKAGE / "core" / "config.py").read_text()
     read_by_core = sorted(set(re.findall(r'env_switch\("(NVFP4_\w+)"', core_text)))
     assert read_by_core == sorted(switches.LEADERBOARD_SWITCHES)
     assert set(switches.SWITCHES).isdisjoint(read_by_core)
@@ -154,7 +192,7 @@ def test_every_bounded_cache_is_a_runtime_cache():
     import ast
 
     for path, text in _package_sources().items():
-        assert "OrderedDict()" not in text or path == "nvfp4_group_gemm/core.py", path
+        assert "OrderedDict()" not in text or path == "nvfp4_group_gemm/core/launching.py", path
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
                 source = ast.get_source_segment(text, node) or ""
