@@ -158,10 +158,8 @@ def runtime_of(backend):
 
 
 def binding_of(runtime, data):
-    """The binding `runtime`'s custom_kernel keeps for `data` (None: none): the library's
-    runtime.binding_of; the leaderboard core keeps its bindings' cache to itself."""
-    key = runtime.input_key(data)
-    return submission._BINDINGS.get(key) if runtime is submission else runtime.binding_of(key)
+    """The binding `runtime`'s custom_kernel keeps for `data` (None: none)."""
+    return runtime.binding_of(runtime.input_key(data))
 
 
 def kernels_for(backend, sizes) -> list:

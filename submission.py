@@ -390,11 +390,12 @@ def _check_problem_size(g, problem_size):
     return (m, n, k, l)
 
 
-def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
+def validate_inputs(data, *, require_cuda: bool = True) -> tuple[tuple[int, int, int, int], ...]:
     """Check everything the kernels rely on; return the problem sizes as int 4-tuples.
 
     Raises ValueError / TypeError naming the group, the field, the value and the rule. Nothing
-    is launched and no output is written before this returns.
+    is launched and no output is written before this returns. `require_cuda` False: every
+    rule but "a CUDA device" (the library's exact decode on CPU tensors).
     """
     if not isinstance(data, (tuple, list)) or len(data) != 4:
         _fail(
@@ -468,7 +469,7 @@ def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
     device = None
     for g, tensors in enumerate(group_tensors):
         for field, tensor in tensors.items():
-            if tensor.device.type != "cuda":
+            if require_cuda and tensor.device.type != "cuda":
                 _fail(
                     g,
                     f"{field}.device",
@@ -3767,6 +3768,13 @@ def _after_failed_launch(data, plan: Plan, error: Exception) -> list[torch.Tenso
         raise error
     demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({one_line(error)})")
     return custom_kernel(data)
+
+
+def binding_of(key: tuple):
+    """The binding of the input set of input_key `key` (touched as most recently used); None
+    before its first call, or after an eviction or a demotion dropped it. For tools
+    (selfcheck): the bindings' cache stays private."""
+    return _BINDINGS.get(key)
 
 
 def reset_runtime() -> None:

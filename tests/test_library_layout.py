@@ -207,9 +207,6 @@ def test_every_bounded_cache_is_a_runtime_cache():
             assert isinstance(getattr(module, name), core.RuntimeCache), (module.__name__, name)
 
 
-# Private names a tool still reads, with why: the leaderboard core (bundled as submission.py)
-# has no public lookup of its bindings' cache
-TOOLS_PRIVATE_READS = {("selfcheck.py", "submission._BINDINGS")}
 
 
 def test_the_tools_read_the_package_through_public_names():
@@ -226,4 +223,4 @@ def test_the_tools_read_the_package_through_public_names():
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                     and not (ast.get_source_segment(text, node) or "").startswith("torch.")):
                 reads.add((path, ast.get_source_segment(text, node)))
-    assert reads == TOOLS_PRIVATE_READS
+    assert reads == set()

@@ -177,6 +177,13 @@ def _after_failed_launch(data, plan: Plan, error: Exception) -> list[torch.Tenso
     return custom_kernel(data)
 
 
+def binding_of(key: tuple):
+    """The binding of the input set of input_key `key` (touched as most recently used); None
+    before its first call, or after an eviction or a demotion dropped it. For tools
+    (selfcheck): the bindings' cache stays private."""
+    return _BINDINGS.get(key)
+
+
 def reset_runtime() -> None:
     """Forget every input set, plan, backend, demotion and self-check result (compiled kernels
     stay): the process as it was before its first call, for tests and for a caller that

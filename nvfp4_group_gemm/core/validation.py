@@ -83,11 +83,12 @@ def _check_problem_size(g, problem_size):
     return (m, n, k, l)
 
 
-def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
+def validate_inputs(data, *, require_cuda: bool = True) -> tuple[tuple[int, int, int, int], ...]:
     """Check everything the kernels rely on; return the problem sizes as int 4-tuples.
 
     Raises ValueError / TypeError naming the group, the field, the value and the rule. Nothing
-    is launched and no output is written before this returns.
+    is launched and no output is written before this returns. `require_cuda` False: every
+    rule but "a CUDA device" (the library's exact decode on CPU tensors).
     """
     if not isinstance(data, (tuple, list)) or len(data) != 4:
         _fail(
@@ -161,7 +162,7 @@ def validate_inputs(data) -> tuple[tuple[int, int, int, int], ...]:
     device = None
     for g, tensors in enumerate(group_tensors):
         for field, tensor in tensors.items():
-            if tensor.device.type != "cuda":
+            if require_cuda and tensor.device.type != "cuda":
                 _fail(
                     g,
                     f"{field}.device",
