@@ -959,7 +959,7 @@ def test_k_tail_builds_have_no_local_memory_and_the_epilogue_of_the_others(sm90_
     range, as the exact decode's rounding; tests/test_moe.py pins that rounding at fp16's
     boundary)."""
     report = sm90_builds[(target, 8)]
-    config = hopper.config_named("swap_ab_" + target.removesuffix("_k_tail").split("_", 3)[3])
+    config = hopper.moe.k_tail_config(hopper.config_named("swap_ab_" + target.removesuffix("_k_tail").split("_", 3)[3]))
     assert report.error is None and report.ptx_target == "sm_90a"
     assert report.frame_bytes == 0 and report.spill_bytes_max == 0
     assert 0 < report.registers * config.num_threads * config.ctas_per_sm <= 65536

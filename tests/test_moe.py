@@ -775,6 +775,7 @@ def test_the_config_follows_k(k):
             assert fitted.k_halves == (config.k_halves if k % config.tile_k == 0 else 1), name
             assert (fitted.tile_tokens, fitted.split_k, fitted.variable_tokens, fitted.pdl, fitted.chain_calls) == (
                 config.tile_tokens, config.split_k, config.variable_tokens, config.pdl, config.chain_calls), name
+            assert (fitted.split_k, fitted.ctas_per_sm) != (4, 4), name  # k_tail_config: 3 CTAs there
             total, split = k // fitted.tile_k, fitted.split_k
             share = total // split
             covered = []

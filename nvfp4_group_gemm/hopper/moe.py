@@ -578,7 +578,17 @@ def moe_k_config(config: SwapAbConfig, k: int) -> SwapAbConfig:
         config = dataclasses.replace(narrow[0] if narrow else config, k_halves=1, **calls)
         if k % config.k_multiple == 0:
             return config
-    return dataclasses.replace(config, k_tail=True)
+    return k_tail_config(config)
+
+
+def k_tail_config(config: SwapAbConfig) -> SwapAbConfig:
+    """`config`'s k_tail build (the main loop's k-tile count and split-K's shares at run time).
+    A build at the 64 registers that 4 CTAs of 256 threads leave (the 32-token 4-way split-K
+    one) holds 3 CTAs per SM there: its shares' arithmetic spilled 16 B under DSL 4.8.1."""
+    tail = dataclasses.replace(config, k_tail=True)
+    if config.split_k == 4 and config.ctas_per_sm == 4:
+        tail = dataclasses.replace(tail, ctas_per_sm=3)
+    return tail
 
 
 def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:
@@ -685,7 +695,7 @@ def moe_compile_targets():
         # builds of every config the choice may run (the 128-wide ones where K % 128 == 0, else
         # their 64-wide configs'), fp4 activations and W4A16, a checkpoint's epilogue
         (f"sm90_moe_{path}_{name}_k_tail", "sm_90a",
-         functools.partial(compile_fn, config=dataclasses.replace(config, k_tail=True),
+         functools.partial(compile_fn, config=k_tail_config(config),
                            epilogue=MoeEpilogue("expert", "bfloat16")))
         for path, compile_fn in (("gemm", compile_moe_gemm), ("w4a16", compile_moe_w4a16_gemm))
         for name, config in gemms.items()]
