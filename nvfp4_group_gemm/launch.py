@@ -304,6 +304,33 @@ def release_retired() -> None:
         RETIRED.clear()
 
 
+class StreamRuntime(core.Runtime):
+    """The core's runtime (core.Runtime) where launches go to callers' streams, under their
+    graph captures: what a cache evicts or drops while a capture runs is retired (`retire`), a
+    miss first lets go of what captures retired, a failed launch under a capture is the
+    caller's to see (the context cannot be synchronized then), and the first-use check (it
+    synchronizes) waits for a call outside a capture. The library's two entries (the
+    per-size-set runtime, the MoE entry) are instances of it."""
+
+    def retire(self, entries) -> None:
+        retire(entries)
+
+    def before_miss(self) -> None:
+        release_retired()
+
+    def context_usable(self, device: torch.device) -> bool:
+        return not _capturing() and core.context_usable(device)
+
+    def first_use_check(self, data, plan) -> list[torch.Tensor]:
+        if _capturing():
+            return [c for _, _, c in data[0]]
+        return core.first_use_check(data, plan)
+
+    def reset(self) -> None:
+        super().reset()
+        RETIRED.clear()
+
+
 def _check_cuda(result, what: str) -> None:
     if result != cuda.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{what} failed: {result!r}")
@@ -485,7 +512,7 @@ def table_ring(device: torch.device) -> TableRing:
 
 
 # One cuda.CUstream object per raw stream handle, so backends can compare streams by identity
-# (the 64 most recent handles; the hit path reads its dictionary directly)
+# (the 64 most recent handles)
 _STREAM_OBJECTS = core.RuntimeCache(max_entries=64)
 # torch.cuda.current_stream() builds a Stream object on every call; the raw handle of the
 # current stream is one C call (the same private accessor Triton's launcher uses).
@@ -506,7 +533,7 @@ def _current_stream_handle() -> int:
 def _stream_for_current() -> cuda.CUstream:
     """torch's current stream as a cuda.CUstream, one object per handle."""
     handle = _current_stream_handle()
-    stream = _STREAM_OBJECTS.entries.get(handle)
+    stream = _STREAM_OBJECTS.get(handle)
     if stream is None:
         stream = cuda.CUstream(handle)
         _STREAM_OBJECTS.put(handle, stream)

@@ -60,7 +60,7 @@ def test_a_failure_of_the_chaining_alone_keeps_the_kernel_unchained(sm100_runtim
     assert line.startswith("nvfp4_group_gemm: sm100 kernel persistent_t128 chained (")
     assert line.endswith("next: persistent_t128 unchained")
     assert_exact(run(data), data)
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = submission.RUNTIME.bindings.entries.values()
     assert binding.plan.choice.title() == "persistent_t128 unchained"
     assert fakes.ran == ["persistent_gemm"] * len(fakes.ran) and _chained(fakes)[-1] is False
     unchained = binding.plan.choice.kernel_key(2)
@@ -95,7 +95,7 @@ def test_compile_failure_moves_down_the_chain_for_the_process(sm100_runtime, cap
     data = official_inputs(SIZES_PERSISTENT)
     assert_exact(run(data), data)
     # decided before the tile rows were built: the per-tile kernel's rows (W = 3)
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = submission.RUNTIME.bindings.entries.values()
     assert binding.plan.choice.name == "per_tile" and binding.plan.tiles.shape[1] == 3
     assert fakes.ran == ["per_tile_gemm"]
     (line,) = stderr_lines(capsys)
@@ -333,7 +333,7 @@ def test_a_failed_descriptor_init_moves_down_the_chain(sm100_runtime, monkeypatc
     (line,) = stderr_lines(capsys)
     assert "sm100 kernel persistent_t128" in line and "descriptor init failed (RuntimeError: kernel launch failed" in line
     assert line.endswith("next: per_tile") and fakes.ran == ["per_tile_gemm"]
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = submission.RUNTIME.bindings.entries.values()
     assert binding.plan.choice.name == "per_tile"
 
 

@@ -105,13 +105,21 @@ def test_one_lock_for_every_runtime():
     assert len(locks) == 1 and isinstance(core.RUNTIME_LOCK, type(threading.RLock()))
 
 
-def test_one_reset_forgets_the_moe_entry_too(monkeypatch):
-    from nvfp4_group_gemm import moe, runtime
+def test_one_reset_forgets_every_runtime(monkeypatch):
+    """reset_runtime resets every runtime of the process (core.RUNTIMES: the leaderboard file's
+    core's, the per-size-set entry's, the MoE entry's), each through Runtime.reset."""
+    from nvfp4_group_gemm import core, moe, runtime
 
-    resets = []
-    monkeypatch.setattr(moe, "reset_moe", lambda: resets.append("moe"))
+    assert {id(r) for r in core.RUNTIMES} >= {id(core.RUNTIME), id(runtime.RUNTIME), id(moe.RUNTIME)}
+    for entry in (core.RUNTIME, runtime.RUNTIME, moe.RUNTIME):
+        entry.bindings.put("a key", "a binding")
+        entry.plans.put("a key", "a plan")
+    moe._LAYOUTS.put("a layout", "a shape")
+    runtime.RUNTIME.size_plans.put("a key", "a size plan")
     runtime.reset_runtime()
-    assert resets == ["moe"]
+    assert all(len(cache) == 0 for entry in (core.RUNTIME, runtime.RUNTIME, moe.RUNTIME)
+               for cache in (entry.bindings, entry.plans))
+    assert len(moe._LAYOUTS) == 0 and len(runtime.RUNTIME.size_plans) == 0
 
 
 PACKAGE = REPO_ROOT / "nvfp4_group_gemm"
@@ -200,11 +208,12 @@ def test_every_bounded_cache_is_a_runtime_cache():
                     path, source[:120])
     from nvfp4_group_gemm import core, launch, moe, runtime
 
-    for module, names in ((moe, ("_PLANS", "_BINDINGS", "_LAYOUTS", "_CAPABILITY")),
-                          (runtime, ("_BINDINGS", "_PLANS", "_SIZE_PLANS", "_SEEN_ONCE", "_CAPTURED")),
+    for module, names in ((moe, ("_LAYOUTS", "_CAPABILITY")),
+                          (moe.RUNTIME, ("plans", "bindings")),
+                          (runtime.RUNTIME, ("bindings", "plans", "size_plans", "seen_once", "captured")),
                           (launch, ("_STREAM_OBJECTS",))):
         for name in names:
-            assert isinstance(getattr(module, name), core.RuntimeCache), (module.__name__, name)
+            assert isinstance(getattr(module, name), core.RuntimeCache), (module, name)
 
 
 
