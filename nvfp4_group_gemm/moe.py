@@ -507,7 +507,7 @@ class MoeBinding:
     def launch(self) -> None:
         if self.sfb_plain is not None:
             self.sfb_blocked.copy_(_blocked_view(self.sfb_plain))
-        if launch._stream_capturing():
+        if launch.current_stream_capturing():
             self.plan.captured = True  # the caller's graph reads the plan's scratch at every replay
         else:
             if self.record is not None:  # bound during a caller's capture: record at its first launch outside
@@ -804,7 +804,7 @@ def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None)
     """The chain's last link, on inputs the entry validated: the exact decode as the kernels
     behave (bad offsets without a status: nothing written, nothing raised, as a kernel
     launch), refused under a caller's capture (it reads the offsets on the host)."""
-    if launch._capturing():
+    if launch.is_capturing():
         raise RuntimeError(f"moe_grouped_gemm: every MoE kernel for T = {shape.tokens}, G = {shape.groups}, "
                            f"N = {shape.n}, K = {shape.k} is demoted in this process (the lines above say why), and "
                            "its last link, the exact decode, reads the offsets on the host: it cannot run under a "
@@ -845,7 +845,7 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
         raise
     entry = where = None
     if a.is_cuda:  # CUDA is initialized: the hit path (the binding, touched: least recently used go first)
-        where = (launch._current_stream_handle(), core.current_device_index())
+        where = (launch.current_stream_handle(), core.current_device_index())
         entry = RUNTIME.bindings.get((where, key))
     if entry is None or entry is _SEEN_ONCE:
         _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where, alpha=alpha)
@@ -892,7 +892,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
     the caller read them."""
     shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha)
     device = a.device
-    stream_handle, current_device = where or (launch._current_stream_handle(), core.current_device_index())
+    stream_handle, current_device = where or (launch.current_stream_handle(), core.current_device_index())
     if device.index != current_device:
         raise ValueError(f"moe_grouped_gemm: a.device = {device}: must be torch's current CUDA device "
                          f"(cuda:{current_device}); use `with torch.cuda.device({device.index})`")
@@ -906,7 +906,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
     with _LOCK:
         # the config follows from the shape and the two switches (moe_config)
         plan_key = (device.index, stream_handle, shape, *_switches())
-        capturing = launch._capturing()
+        capturing = launch.is_capturing()
         RUNTIME.before_miss()
         plan = _plan_for(plan_key, shape, device)
         if plan is None:  # every kernel of the chain demoted
@@ -998,7 +998,7 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
     chain = [core.KernelChoice(SM100_MOE_BACKEND, "sm100_moe", shape.epilogue(), per_group_count=True),
              core.KernelChoice(SM100_MOE_BACKEND, "exact_decode", host=True)]
     with _LOCK:
-        capturing = launch._capturing()
+        capturing = launch.is_capturing()
         RUNTIME.before_miss()
         plan_key = (device.index, stream_handle, shape, "sm100")
         plan = RUNTIME.plans.get(plan_key)

@@ -22,22 +22,22 @@ import torch
 from nvfp4_group_gemm import core, switches
 
 from .launch import (
-    _CAPTURE_ARENAS,
-    _STREAM_OBJECTS,
+    CAPTURE_ARENAS,
+    STREAM_OBJECTS,
     CellArgs,
+    CudaEvent,
     GraphLaunch,
     StreamRuntime,
     TableRing,
     Written,
-    _capturing,
-    _check_cuda,
-    _CudaEvent,
-    _current_raw_stream,
-    _stream_for_current,
-    _stream_handle,
+    check_cuda,
     cuda_get_device,
+    current_raw_stream,
+    handle_of,
+    is_capturing,
     make_launcher,
     records_graph,
+    stream_for_current,
     table_ring,
     upload_int_tables,
 )
@@ -229,7 +229,7 @@ class Binding(core.Binding):
         if self.mode is LaunchMode.NOTHING:
             self.launch = no_launch
             return
-        if _capturing():
+        if is_capturing():
             self.launch = self._direct_launcher(stream)
             self.stream = None  # after the capture, the next call prepares its own launch again
             RUNTIME.retire(RUNTIME.captured.put((plan.problem_sizes, self.pointers), self))
@@ -288,16 +288,16 @@ def _ordered_on_scratch(plan: Plan, stream: cuda.CUstream, launch: Callable[[], 
     covers everything queued there, the plan's last launch included, and the new stream
     waits for it. Launches on one stream are ordered by the stream itself."""
     if plan.scratch_event is None:
-        plan.scratch_event = _CudaEvent()
+        plan.scratch_event = CudaEvent()
     event = plan.scratch_event.event
 
     def ordered():
         previous = plan.scratch_stream
         if previous is not None and previous is not stream:
             if cuda.cuEventRecord(event, previous)[0] == cuda.CUresult.CUDA_SUCCESS:
-                _check_cuda(cuda.cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
+                check_cuda(cuda.cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
             else:  # the previous stream is gone: wait for all work of the context
-                _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
+                check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
         launch()
         plan.scratch_stream = stream
 
@@ -331,7 +331,7 @@ def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Ten
         return HOST_COMPUTATIONS[binding.plan.choice.name](data, outputs)
     binding.mode = LaunchMode.DIRECT  # one launch: nothing to record
     with device_context(binding.plan.device):
-        binding.run(_stream_for_current())
+        binding.run(stream_for_current())
     return outputs
 
 
@@ -369,7 +369,7 @@ class LibraryRuntime(StreamRuntime):
             outputs = _first_call(data, key, problem_sizes)
             if outputs is not None:
                 return outputs
-        if _capturing():
+        if is_capturing():
             raise RuntimeError(
                 "custom_kernel: this input set (these sizes and tensors) has not run outside a CUDA "
                 "graph capture yet; call custom_kernel once eagerly with the same tensors before "
@@ -503,7 +503,7 @@ def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: i
     where the head's kilobytes went through a copy engine, and no copy at that second call
     (EXPERIMENTS E74). Under a capture, all of them to the capture's arena, in one copy."""
     if captured:
-        staged = _CAPTURE_ARENAS[device.index]
+        staged = CAPTURE_ARENAS[device.index]
         offset = staged.take(size_plan.table_bytes)
         if offset is None:
             return None
@@ -562,8 +562,8 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
     input set that ran once eagerly (its tables then go to the capture's arena)."""
     device = data[0][0][0].device
     seen_key = (key, problem_sizes)
-    capturing = _capturing()
-    if capturing and (seen_key not in RUNTIME.seen_once or device.index not in _CAPTURE_ARENAS):
+    capturing = is_capturing()
+    if capturing and (seen_key not in RUNTIME.seen_once or device.index not in CAPTURE_ARENAS):
         return None
     with RUNTIME_LOCK, device_context(device):
         backend = select_backend(device.index)
@@ -574,9 +574,9 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
             return None
         if not capturing and seen_key in RUNTIME.seen_once:
             return None  # its second call: bind it (the hit path from now on)
-        stream = _stream_for_current()
+        stream = stream_for_current()
         try:
-            launched = _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, capturing)
+            launched = _launch_first_call(size_plan, key, stream, handle_of(stream), device, capturing)
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(
                 f"custom_kernel: out of GPU memory for the activation scratch of a first call of sizes "
@@ -605,12 +605,12 @@ def custom_kernel(data: input_t) -> output_t:
         binding = RUNTIME.bound_input_set(data, key)
         if type(binding) is list:  # a first call, launched without a binding
             return binding
-    if _current_raw_stream is not None:
-        stream = _STREAM_OBJECTS.get(_current_raw_stream(cuda_get_device()))
+    if current_raw_stream is not None:
+        stream = STREAM_OBJECTS.get(current_raw_stream(cuda_get_device()))
         if stream is None:
-            stream = _stream_for_current()
+            stream = stream_for_current()
     else:
-        stream = _stream_for_current()
+        stream = stream_for_current()
     if stream is not binding.stream:
         with RUNTIME_LOCK:
             binding.prepare_launch(stream)
@@ -646,7 +646,7 @@ def binding_of(key: tuple) -> Binding | None:
 def current_stream() -> cuda.CUstream:
     """torch's current stream as the cuda.CUstream a launch takes (Binding.run), one object
     per handle, made once: what custom_kernel looks up at every call."""
-    return _stream_for_current()
+    return stream_for_current()
 
 
 def forget_size_plans() -> None:
@@ -661,8 +661,8 @@ def launch_first_call(size_plan: SizePlan, key: tuple, device: torch.device) -> 
     binding), for `size_plan` (get_size_plan of its sizes), on torch's current stream, outside
     a capture: its tables written to staging memory, copied, and the kernels launched. A tool's
     timing of that phase; the launch's scratch is kept until the stream has used it."""
-    stream = _stream_for_current()
-    _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, False)
+    stream = stream_for_current()
+    _launch_first_call(size_plan, key, stream, handle_of(stream), device, False)
 SUPPORTED_GPUS = "NVIDIA B200/GB200 (sm_100, compute capability 10.x) and H100/H200 (sm_90, 9.0)"
 
 

@@ -23,9 +23,9 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     recorded, waits = [], []
     monkeypatch.setattr(runtime, "GraphLaunch", lambda *a, **k: recorded.append(a))
     monkeypatch.setattr(launch.Written, "order_before", lambda self, stream: waits.append(stream))
-    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "is_capturing", lambda: True)
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "capture-stream")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "capture-stream")
     for c in (c for _, _, c in data[0]):
         c.zero_()
     # a full _CAPTURED: the capture's binding evicts an older entry (a binding and its graph),
@@ -38,7 +38,7 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
 
     monkeypatch.setattr(runtime.RUNTIME, "captured", submission.RuntimeCache(max_entries=1))
     monkeypatch.setattr(launch, "RETIRED", [])
-    monkeypatch.setattr(launch, "_capturing", lambda: True)  # launch.retire asks it (both entries retire there)
+    monkeypatch.setattr(launch, "is_capturing", lambda: True)  # launch.retire asks it (both entries retire there)
     evicted = EvictedBinding()
     evicted_alive = weakref.ref(evicted)
     runtime.RUNTIME.captured.put("older capture", evicted)
@@ -57,8 +57,8 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     runtime.RUNTIME.bindings.clear()
     assert len(runtime.RUNTIME.captured) == 1
     # the next call outside a capture lets the evicted entry go
-    monkeypatch.setattr(runtime, "_capturing", lambda: False)
-    monkeypatch.setattr(launch, "_capturing", lambda: False)
+    monkeypatch.setattr(runtime, "is_capturing", lambda: False)
+    monkeypatch.setattr(launch, "is_capturing", lambda: False)
     runtime.RUNTIME.bound_input_set(data, None)
     gc.collect()
     assert evicted_alive() is None and launch.RETIRED == []
@@ -68,7 +68,7 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
 
 def test_a_new_input_set_under_capture_is_one_clear_error(sm100_runtime, monkeypatch):
     _fakes, run = sm100_runtime
-    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "is_capturing", lambda: True)
     data = official_inputs(SIZES)
     with pytest.raises(RuntimeError, match="call custom_kernel once eagerly with the same tensors before capturing"):
         run(data)

@@ -239,7 +239,7 @@ def test_a_library_launch_on_another_stream_waits_for_the_writing(monkeypatch):
     waits = []
     monkeypatch.setattr(launch.cuda, "cuStreamWaitEvent",
                         lambda stream, event, flags: waits.append((stream, event)) or (0,))
-    monkeypatch.setattr(launch, "_check_cuda", lambda result, what: None)
+    monkeypatch.setattr(launch, "check_cuda", lambda result, what: None)
     monkeypatch.setattr(runtime, "make_launcher", lambda fn, *args: lambda: fn(*args))
     written = launch.Written(torch.zeros(1), torch.device("cpu"))
     assert written.event is None

@@ -296,9 +296,9 @@ def test_under_capture_an_input_set_seen_once_uses_the_arena(direct_runtime, mon
     backend, run, _ = direct_runtime
     data = make_inputs(SIZES)
     run(data)  # eagerly, once: a first call
-    arena = launch._CAPTURE_ARENAS[None]
+    arena = launch.CAPTURE_ARENAS[None]
     assert arena.offset == 0
-    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "is_capturing", lambda: True)
     for _, _, c in data[0]:
         c.zero_()
     run(data)
@@ -316,8 +316,8 @@ def test_a_full_arena_refuses_under_capture(direct_runtime, monkeypatch):
     backend, run, _ = direct_runtime
     data = make_inputs(SIZES)
     run(data)
-    launch._CAPTURE_ARENAS[None].offset = launch.CaptureArena.BYTES  # full
-    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    launch.CAPTURE_ARENAS[None].offset = launch.CaptureArena.BYTES  # full
+    monkeypatch.setattr(runtime, "is_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="has not run outside a CUDA graph capture"):
         run(data)
     assert len(backend.first_calls) == 1

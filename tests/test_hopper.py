@@ -850,7 +850,7 @@ def test_stream_k_state_relaunches_exactly(case):
     for _ in range(3):
         for _, _, c in data[0]:
             c.fill_(float("nan"))
-        state.run(launch._stream_for_current())
+        state.run(launch.stream_for_current())
         torch.cuda.synchronize()
         out = [c.clone() for _, _, c in data[0]]
         ok, message = match_outputs(expected, out)

@@ -187,7 +187,7 @@ def test_one_graph_policy(monkeypatch):
     from nvfp4_group_gemm import launch, switches
 
     for capturing, graphs, allowed in [(c, g, a) for c in (False, True) for g in (False, True) for a in (False, True)]:
-        monkeypatch.setattr(launch, "_capturing", lambda capturing=capturing: capturing)
+        monkeypatch.setattr(launch, "is_capturing", lambda capturing=capturing: capturing)
         monkeypatch.setattr(switches, "CURRENT", dataclasses.replace(switches.CURRENT, graph_launch=graphs))
         assert launch.records_graph(allowed) == (graphs and allowed and not capturing)
     for module in ("runtime.py", "moe.py"):
@@ -211,7 +211,7 @@ def test_every_bounded_cache_is_a_runtime_cache():
     for module, names in ((moe, ("_LAYOUTS", "_CAPABILITY")),
                           (moe.RUNTIME, ("plans", "bindings")),
                           (runtime.RUNTIME, ("bindings", "plans", "size_plans", "seen_once", "captured")),
-                          (launch, ("_STREAM_OBJECTS",))):
+                          (launch, ("STREAM_OBJECTS",))):
         for name in names:
             assert isinstance(getattr(module, name), core.RuntimeCache), (module, name)
 

@@ -349,7 +349,7 @@ def test_bindings_dropped_inside_a_capture_are_kept_to_the_next_call_outside_one
     monkeypatch.setattr(moe.RUNTIME, "bindings", core.RuntimeCache(max_entries=moe.MAX_BINDINGS))
     monkeypatch.setattr(launch, "RETIRED", [])
     for capturing in (True, False):
-        monkeypatch.setattr(launch, "_capturing", lambda capturing=capturing: capturing)
+        monkeypatch.setattr(launch, "is_capturing", lambda capturing=capturing: capturing)
         moe.RUNTIME.plans.clear()
         moe.RUNTIME.bindings.clear()
         plans = [types.SimpleNamespace(captured=index == 0, nbytes=0) for index in range(moe.MAX_PLANS + 1)]
@@ -478,7 +478,7 @@ def test_the_hit_path_keeps_bindings_least_recently_used_first(monkeypatch):
 
     inputs = cpu_inputs()
     names = ("a", "sfa", "b", "sfb", "offsets", "c")
-    monkeypatch.setattr(launch, "_current_stream_handle", lambda: 0)
+    monkeypatch.setattr(launch, "current_stream_handle", lambda: 0)
     monkeypatch.setattr(core, "current_device_index", lambda: 0)
     monkeypatch.setattr(moe.RUNTIME, "bindings", core.RuntimeCache(max_entries=2))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))  # CPU tensors stand in for CUDA ones
@@ -505,7 +505,7 @@ def test_the_exact_link_writes_valid_calls_and_flags_bad_offsets(monkeypatch):
     inputs["c"].fill_(float("nan"))
     moe._exact_call(*(inputs[n] for n in names), status, shape)
     assert int(status) == 1 and torch.isnan(inputs["c"]).all()
-    monkeypatch.setattr(launch, "_capturing", lambda: True)
+    monkeypatch.setattr(launch, "is_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot run under a CUDA graph capture"):
         moe._exact_call(*(inputs[n] for n in names), status, shape)
 

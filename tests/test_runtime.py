@@ -439,7 +439,7 @@ def sm100_backend_on_cpu(request, monkeypatch):
     monkeypatch.setattr(sm100, "compile_persistent_init", lambda config: fake_init)
     monkeypatch.setattr(sm100, "compile_persistent_gemm", lambda config: fake_gemm)
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "stream")
     monkeypatch.setattr(runtime, "make_launcher", lambda fn, *args: lambda: fn(*args))
     return sm100.Sm100StreamBackend(request.param), init_calls, gemm_calls
 
@@ -492,7 +492,7 @@ def test_persistent_launch_arguments(monkeypatch):
     monkeypatch.setattr(sm100, "compile_persistent_init", lambda config: lambda *a: None)
     monkeypatch.setattr(sm100, "compile_persistent_gemm", lambda config: ("gemm", config))
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "stream")
     sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
     for num_sms, clusters in ((148, 4), (4, 2)):
         backend = sm100.Sm100StreamBackend("persistent", num_sms=num_sms)
@@ -525,7 +525,7 @@ def test_stream_change_prepares_the_launch_again(recording_runtime, monkeypatch)
     data = make_inputs([(40, 384, 512, 1)])
     runtime.custom_kernel(data)
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream-1")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "stream-1")
     runtime.custom_kernel(data)
     runtime.custom_kernel(data)
     assert backend.args == ["stream-0", "stream-1"]
@@ -666,6 +666,6 @@ def test_the_library_sm100_init_waits_for_tables_written_on_another_stream(sm100
     plan.tables.stream, plan.tables.event = "stream-P", type("Event", (), {"event": "event-P"})()
     monkeypatch.setattr(launch.cuda, "cuStreamWaitEvent",
                         lambda stream, event, flags: waits.append((stream, event)) or (0,))
-    monkeypatch.setattr(launch, "_check_cuda", lambda result, what: None)
+    monkeypatch.setattr(launch, "check_cuda", lambda result, what: None)
     runtime.Binding(plan, _pointers(2, 1 << 40))
     assert init_calls == [2] and waits == [("stream", "event-P")]
