@@ -1397,7 +1397,7 @@ def _make_mma_and_atoms():
     }
 
 
-def _tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
+def tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
     """[G, num_slots, 16] int64: the 128-byte TMA descriptors of every group."""
     return cute.make_tensor(
         ptr_of_tensormaps,
@@ -1405,7 +1405,7 @@ def _tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
     )
 
 
-def _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups):
+def tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups):
     tensor_of_ptrs = cute.make_tensor(
         ptr_of_ptrs, cute.make_layout((num_groups, NUM_PTR_COLS), stride=(NUM_PTR_COLS, 1))
     )
@@ -1419,7 +1419,7 @@ def per_tile_init_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_group
     """The per-tile kernel's descriptor init, traced inside a @cute.jit entry: (the kernel to
     launch, its launch geometry). The entry below launches it as the harness calls; the
     library's entries reuse it and add where the launch goes."""
-    tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
+    tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
     tensormaps = cute.make_tensor(
         ptr_of_tensormaps,
         cute.make_layout((num_groups, num_tensormaps, 16), stride=(num_tensormaps * 16, 16, 1)),
@@ -1449,7 +1449,7 @@ def init_tensormaps_jit(
 def per_tile_gemm_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tiles, ptr_of_tensormaps, num_tiles, num_groups):
     """The per-tile GEMM, traced inside a @cute.jit entry: (the kernel to launch, its launch
     geometry), as per_tile_init_launch."""
-    tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
+    tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
     tensormaps = cute.make_tensor(
         ptr_of_tensormaps,
         cute.make_layout((num_groups, num_tensormaps, 16), stride=(num_tensormaps * 16, 16, 1)),
@@ -1785,8 +1785,8 @@ class PersistentGemmSm100:
         entry: (the kernel to launch, its launch geometry)."""
         self._setup_attributes()
         atoms, _ = self._make_atoms()
-        tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
-        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+        tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
+        tensormaps = tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
         kernel = self.init_tensormaps_kernel(*atoms, tensor_of_ptrs, tensor_of_problem_sizes, tensormaps)
         return kernel, {"grid": (1, 1, num_groups), "block": [32, 1, 1], "cluster": (1, 1, 1), **chained_launch()}
 
@@ -1894,7 +1894,7 @@ class PersistentGemmSm100:
         tensor_of_tiles = cute.make_tensor(
             ptr_of_tiles, cute.make_layout((num_tiles, PERSISTENT_TILE_ROW), stride=(PERSISTENT_TILE_ROW, 1))
         )
-        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+        tensormaps = tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
 
         @cute.struct
         class SharedStorage:
@@ -2473,7 +2473,7 @@ def persistent_stage_bytes(tokens_per_tile: int) -> int:
 # The fallback chain: its links and the process's demotions.
 #
 # ``KernelChoice`` (one link: a named kernel config), ``KernelChain`` (links made on first
-# access), the demotion state shared by every runtime of the process (``_DEMOTED``,
+# access), the demotion state shared by every runtime of the process (``DEMOTED``,
 # ``SELF_CHECKED``, ``DEMOTION_LISTENERS``), the one lock (``RUNTIME_LOCK`` lives in config),
 # ``choose_kernel`` and ``demote``.
 # =============================================================================
@@ -2534,11 +2534,11 @@ class KernelChain(collections.abc.Sequence):
         return link
 
 
-_c_of_group = operator.itemgetter(2)
+c_of_group = operator.itemgetter(2)
 
 # kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle. Shared
 # by every runtime in the process (the library's too): a kernel found wrong is wrong for all.
-_DEMOTED: dict[tuple, str] = {}
+DEMOTED: dict[tuple, str] = {}
 SELF_CHECKED: set[tuple] = set()
 # What a demotion calls: each runtime registers the dropping of its plans that run the demoted
 # kernel (each called with the demoted kernel_key): this file's runtime first, at its import,
@@ -2553,17 +2553,17 @@ def report(line: str) -> None:
 
 def is_demoted(kernel_key: tuple) -> bool:
     """Whether a compiled kernel (KernelChoice.kernel_key) was demoted in this process."""
-    return kernel_key in _DEMOTED
+    return kernel_key in DEMOTED
 
 
 def demotions() -> dict[tuple, str]:
     """Every demotion of this process: kernel key -> why (a copy)."""
-    return dict(_DEMOTED)
+    return dict(DEMOTED)
 
 
 def _next_usable(chain, num_groups: int, after: KernelChoice) -> str:
     later = list(chain)
-    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
+    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in DEMOTED]
     return names[0] if names else "nothing (the next call raises)"
 
 
@@ -2573,7 +2573,7 @@ def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why:
     say so in one line."""
     key = choice.kernel_key(num_groups)
     with RUNTIME_LOCK:
-        _DEMOTED[key] = why
+        DEMOTED[key] = why
         for listener in DEMOTION_LISTENERS:
             listener(key)
     report(f"{backend_name} kernel {choice.describe()}, G = {num_groups}: {why}; "
@@ -2584,7 +2584,7 @@ def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
     """The first link of `chain` that is not demoted and compiles; a compile failure
     demotes its link."""
     for choice in chain:
-        if choice.kernel_key(num_groups) in _DEMOTED:
+        if choice.kernel_key(num_groups) in DEMOTED:
             continue
         try:
             backend.compile(choice, num_groups)
@@ -2593,7 +2593,7 @@ def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
             continue
         return choice
     raise RuntimeError(f"no kernel of the {backend.name} chain {[c.name for c in chain]} is left: "
-                       + "; ".join(f"{c.name}: {_DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
+                       + "; ".join(f"{c.name}: {DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
 
 
 def one_line(error: BaseException) -> str:
@@ -3191,7 +3191,7 @@ def first_use_check(data, plan) -> list[torch.Tensor]:
     kernel and returns the oracle's result. The kernel counts as checked once its oracle ran.
     A fault that poisoned the context (an illegal address in the kernel first surfaces at the
     oracle's first CUDA call) raises naming the kernel. Skipped with NVFP4_SELF_CHECK=0."""
-    outputs = list(map(_c_of_group, data[0]))
+    outputs = list(map(c_of_group, data[0]))
     oracle = plan.backend.oracle
     if not SELF_CHECK or plan.choice.host:
         return outputs
@@ -3219,7 +3219,7 @@ def first_use_check(data, plan) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- host computations
-def blocked_scales(reordered: torch.Tensor) -> torch.Tensor:
+def flat_blocked_scales(reordered: torch.Tensor) -> torch.Tensor:
     """The flat cuBLAS blocked scale buffer behind an official reordered scale tensor (a
     (l, rest, rest_k, 32, 4, 4) contiguous tensor seen through a permute): a view."""
     return reordered.permute(5, 2, 4, 0, 1, 3).reshape(-1)
@@ -3246,7 +3246,7 @@ def scaled_mm_group_gemm(data, outputs: list[torch.Tensor]) -> list[torch.Tensor
             # the blocked layout covers N rounded up to 128), their columns sliced off
             b_rows = torch.cat([b_rows, b_rows.new_zeros(16 - n % 16, b_rows.shape[1])])
         out[:, :, 0] = torch._scaled_mm(
-            a[:, :, 0], b_rows.transpose(0, 1), blocked_scales(sfa), blocked_scales(sfb),
+            a[:, :, 0], b_rows.transpose(0, 1), flat_blocked_scales(sfa), flat_blocked_scales(sfb),
             bias=None, out_dtype=torch.float16,
         )[:, :n]
     return outputs
@@ -3460,17 +3460,17 @@ def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None
     if device.type != "cuda":
         return None
     key = (device.index, cluster_size)
-    if key not in _RESIDENT_CLUSTERS:
+    if key not in RESIDENT_CLUSTERS:
         try:
-            _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
+            RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
         except Exception as error:  # noqa: BLE001 - a failed query must not fail the call
             report(f"the resident {cluster_size}-CTA cluster query failed ({one_line(error)}); "
                    "the persistent kernel runs one cluster per two SMs")
-            _RESIDENT_CLUSTERS[key] = None
-    return _RESIDENT_CLUSTERS[key]
+            RESIDENT_CLUSTERS[key] = None
+    return RESIDENT_CLUSTERS[key]
 
 
-_RESIDENT_CLUSTERS: dict = {}
+RESIDENT_CLUSTERS: dict = {}
 
 
 class Sm100Backend:
@@ -3861,7 +3861,7 @@ def custom_kernel(data: input_t) -> output_t:
         binding = RUNTIME.bound_input_set(data, key)
     launch = binding.launch
     if launch is None:  # a host computation (the chain's last link)
-        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
+        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(c_of_group, data[0])))
     try:
         launch()
     except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
@@ -3869,7 +3869,7 @@ def custom_kernel(data: input_t) -> output_t:
         return custom_kernel(data)
     if first_use and binding.plan.kernel_key not in SELF_CHECKED:
         return first_use_check(data, binding.plan)
-    return list(map(_c_of_group, data[0]))
+    return list(map(c_of_group, data[0]))
 
 
 def binding_of(key: tuple):
@@ -3887,9 +3887,9 @@ def reset_runtime() -> None:
         for runtime in RUNTIMES:
             runtime.reset()
         _BACKEND_BY_DEVICE.clear()
-        _DEMOTED.clear()
+        DEMOTED.clear()
         SELF_CHECKED.clear()
-        _RESIDENT_CLUSTERS.clear()
+        RESIDENT_CLUSTERS.clear()
 
 
 def check_family(n: int, k: int, groups: int) -> None:
@@ -3915,7 +3915,7 @@ def compile_family(backend, device: torch.device, n: int, k: int, groups: int) -
         # what follows a first link in this family's chains (its fallbacks), for the demotion line
         fallbacks = list(backend.kernel_chain([(128, n, k, 1)] * groups))[1:]
         for choice in backend.family_choices(groups, n, k):
-            if choice.kernel_key(groups) in _DEMOTED:
+            if choice.kernel_key(groups) in DEMOTED:
                 continue
             try:
                 backend.compile(choice, groups)

@@ -594,7 +594,7 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
         else:
             # its second call binds on this table where there is one (LibraryRuntime.make_binding)
             RUNTIME.seen_once.put(seen_key, True if table is None else table)
-    return list(map(_c_of_group, data[0]))
+    return list(map(c_of_group, data[0]))
 
 
 def custom_kernel(data: input_t) -> output_t:
@@ -616,7 +616,7 @@ def custom_kernel(data: input_t) -> output_t:
             binding.prepare_launch(stream)
     launch = binding.launch
     if launch is None:  # a host computation (the chain's last link)
-        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
+        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(c_of_group, data[0])))
     try:
         launch()
     except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
@@ -624,11 +624,11 @@ def custom_kernel(data: input_t) -> output_t:
         return custom_kernel(data)
     if first_use and binding.plan.kernel_key not in SELF_CHECKED:
         return RUNTIME.first_use_check(data, binding.plan)
-    return list(map(_c_of_group, data[0]))
+    return list(map(c_of_group, data[0]))
 
 
 
-_c_of_group = operator.itemgetter(2)
+c_of_group = operator.itemgetter(2)
 no_launch = core.no_launch
 
 

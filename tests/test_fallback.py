@@ -83,7 +83,7 @@ def test_no_fault_runs_the_first_link_and_checks_it_once(sm100_runtime, capsys):
     fakes, run = sm100_runtime
     data = official_inputs(SIZES_PERSISTENT)
     assert_exact(run(data), data)
-    assert fakes.ran == ["persistent_gemm"] and submission._DEMOTED == {}
+    assert fakes.ran == ["persistent_gemm"] and submission.DEMOTED == {}
     key = submission.SM100_CHOICES["persistent_t128"].kernel_key(2)
     assert key in submission.SELF_CHECKED
     assert stderr_lines(capsys) == []
@@ -145,7 +145,7 @@ def test_launch_failure_that_poisoned_the_context_is_raised(sm100_runtime, monke
     data = official_inputs(SIZES_PERSISTENT)
     with pytest.raises(RuntimeError, match="CUresult 1"):
         run(data)
-    assert submission._DEMOTED == {} and stderr_lines(capsys) == []
+    assert submission.DEMOTED == {} and stderr_lines(capsys) == []
 
 
 def test_self_check_demotes_a_wrong_kernel_and_returns_the_oracles_result(sm100_runtime, capsys):
@@ -187,7 +187,7 @@ def test_self_check_off(sm100_runtime, monkeypatch):
     data = official_inputs(SIZES_PERSISTENT)
     out = run(data)
     assert out[0][1, 2, 0] != expected(data)[0][1, 2, 0]
-    assert submission._DEMOTED == {}
+    assert submission.DEMOTED == {}
 
 
 def test_env_switch_is_strict(monkeypatch):
@@ -202,7 +202,7 @@ def test_env_switch_is_strict(monkeypatch):
 def test_host_scale_views_are_the_blocked_and_plain_scales():
     data = official_inputs(((200, 136, 512, 1),))
     (sfa, sfb), (sfa_r, sfb_r) = data[1][0], data[2][0]
-    blocked = submission.blocked_scales(sfa_r).view(torch.uint8)
+    blocked = submission.flat_blocked_scales(sfa_r).view(torch.uint8)
     want = reference.to_blocked(sfa[:, :, 0]).view(torch.uint8)
     # the rows past M pad the last 128-row block: random there, zero in to_blocked
     real = reference.to_blocked(torch.ones(sfa.shape[:2], dtype=torch.uint8)) != 0
@@ -307,7 +307,7 @@ def test_cluster_count_is_bounded_by_the_resident_clusters(monkeypatch):
             return 3
 
     monkeypatch.setattr(submission.utils, "HardwareInfo", FakeHardwareInfo)
-    monkeypatch.setattr(submission, "_RESIDENT_CLUSTERS", {})
+    monkeypatch.setattr(submission, "RESIDENT_CLUSTERS", {})
     assert submission.resident_clusters(torch.device("cpu")) is None
     assert submission.resident_clusters(torch.device("cuda", 1)) == 3
     assert submission.resident_clusters(torch.device("cuda", 1)) == 3 and queried == [1]  # asked once
@@ -361,7 +361,7 @@ def test_an_oracle_that_cannot_run_skips_the_check_in_one_line(sm100_runtime, mo
     (line,) = stderr_lines(capsys)
     assert "sm100 kernel persistent_t128" in line
     assert "self-check skipped, its oracle exact_decode failed (RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED)" in line
-    assert submission._DEMOTED == {} and submission.SELF_CHECKED == set()
+    assert submission.DEMOTED == {} and submission.SELF_CHECKED == set()
     # not checked: the next new input set tries the oracle again (and says so again)
     run(official_inputs(((64, 256, 256, 1), (8, 256, 256, 1)), seed=3))
     (line,) = stderr_lines(capsys)

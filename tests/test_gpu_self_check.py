@@ -69,7 +69,7 @@ def test_no_false_demotion_on_general_scales(link, monkeypatch, capsys):
         outputs = runtime.custom_kernel(data)
         torch.cuda.synchronize()
         kernels.add(runtime.RUNTIME.bindings.get(runtime.input_key(data)).plan.choice.describe())
-        assert submission._DEMOTED == {}, (index, data[3], capsys.readouterr().err)
+        assert submission.DEMOTED == {}, (index, data[3], capsys.readouterr().err)
         counts = exact_mismatches(data, outputs)
         assert sum(c[0] for c in counts) == 0, (index, data[3], counts)
         bounded += sum(bound is not None for bound in submission.accumulation_bounds(data, 1))

@@ -7,12 +7,12 @@ prepared launch. Also ``reset_runtime`` (every runtime of the process) and ``war
 
 import torch
 
-from .backend import _RESIDENT_CLUSTERS, Sm100Backend
+from .backend import RESIDENT_CLUSTERS, Sm100Backend
 from .chain import (
-    _DEMOTED,
+    DEMOTED,
     DEMOTION_LISTENERS,
     SELF_CHECKED,
-    _c_of_group,
+    c_of_group,
     choose_kernel,
     context_usable,
     demote,
@@ -224,7 +224,7 @@ def custom_kernel(data: input_t) -> output_t:
         binding = RUNTIME.bound_input_set(data, key)
     launch = binding.launch
     if launch is None:  # a host computation (the chain's last link)
-        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
+        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(c_of_group, data[0])))
     try:
         launch()
     except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
@@ -232,7 +232,7 @@ def custom_kernel(data: input_t) -> output_t:
         return custom_kernel(data)
     if first_use and binding.plan.kernel_key not in SELF_CHECKED:
         return first_use_check(data, binding.plan)
-    return list(map(_c_of_group, data[0]))
+    return list(map(c_of_group, data[0]))
 
 
 def binding_of(key: tuple):
@@ -250,9 +250,9 @@ def reset_runtime() -> None:
         for runtime in RUNTIMES:
             runtime.reset()
         _BACKEND_BY_DEVICE.clear()
-        _DEMOTED.clear()
+        DEMOTED.clear()
         SELF_CHECKED.clear()
-        _RESIDENT_CLUSTERS.clear()
+        RESIDENT_CLUSTERS.clear()
 
 
 def check_family(n: int, k: int, groups: int) -> None:
@@ -278,7 +278,7 @@ def compile_family(backend, device: torch.device, n: int, k: int, groups: int) -
         # what follows a first link in this family's chains (its fallbacks), for the demotion line
         fallbacks = list(backend.kernel_chain([(128, n, k, 1)] * groups))[1:]
         for choice in backend.family_choices(groups, n, k):
-            if choice.kernel_key(groups) in _DEMOTED:
+            if choice.kernel_key(groups) in DEMOTED:
                 continue
             try:
                 backend.compile(choice, groups)
