@@ -329,7 +329,8 @@ def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Ten
     outputs = [c for _, _, c in data[0]]
     if binding.plan.choice.host:
         return HOST_COMPUTATIONS[binding.plan.choice.name](data, outputs)
-    binding.mode = LaunchMode.DIRECT  # one launch: nothing to record
+    if binding.mode is LaunchMode.FIRST_DIRECT:
+        binding.mode = LaunchMode.DIRECT  # one launch: nothing to record (NOTHING stays: no tiles, no launch)
     with device_context(binding.plan.device):
         binding.run(stream_for_current())
     return outputs
@@ -359,10 +360,14 @@ class LibraryRuntime(StreamRuntime):
         self.seen_once = RuntimeCache(max_entries=1024)
         self.captured = RuntimeCache(max_entries=256)
         self.plan_caches.append(self.size_plans)
-        self.caches += [self.seen_once, self.captured, _BACKEND_BY_DEVICE]
+        self.caches += [self.seen_once, self.captured]
 
     def select_backend(self, device_index: int):
         return select_backend(device_index)
+
+    def reset(self) -> None:
+        super().reset()
+        _BACKEND_BY_DEVICE.clear()
 
     def unbound_call(self, data, key: tuple, problem_sizes):
         if switches.CURRENT.first_call_unbound:

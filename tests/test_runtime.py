@@ -669,3 +669,22 @@ def test_the_library_sm100_init_waits_for_tables_written_on_another_stream(sm100
     monkeypatch.setattr(launch, "check_cuda", lambda result, what: None)
     runtime.Binding(plan, _pointers(2, 1 << 40))
     assert init_calls == [2] and waits == [("stream", "event-P")]
+
+
+def test_run_with_backend_launches_nothing_when_every_group_is_empty(monkeypatch):
+    """Every M = 0: no tile, so nothing to launch (a grid of 0 CTAs is an invalid launch,
+    CUresult 9 on an H100); run_with_backend leaves the binding's NOTHING mode alone."""
+    runtime_on_cpu(monkeypatch, None)
+
+    class NeverLaunches(TableBackend):
+        def can_implement(self, problem_sizes):
+            pass
+
+        def launch_args(self, plan, binding, stream):
+            raise AssertionError("launched a grid of 0 CTAs")
+
+    data = make_inputs([(0, 128, 256, 1), (0, 256, 512, 1)])
+    before = [c.clone() for _, _, c in data[0]]
+    outputs = runtime.run_with_backend(data, NeverLaunches())
+    assert [c.shape for c in outputs] == [(0, 128, 1), (0, 256, 1)]
+    assert all(torch.equal(c, old) for c, old in zip(outputs, before))
