@@ -114,6 +114,8 @@ class MoeFfn:
         self.all_local = first_local == 0 and self.experts == router_weight.shape[0]
         # 0 .. E, where sort_by_expert looks up each expert's first pair
         self.expert_bounds = torch.arange(self.experts + 1, device=router_weight.device)
+        if activations == "nvfp4":  # the quantizer's constants on the device, before any capture
+            checkpoint.midpoint_tensors(router_weight.device)
         # one activation scale per projection (the experts' largest), alpha recomputed with it
         self.scale13, self.alpha13 = self._scale_and_alpha(self.w13)
         self.scale2, self.alpha2 = self._scale_and_alpha(self.w2)

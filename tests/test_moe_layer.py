@@ -253,3 +253,17 @@ def test_the_w4a16_experts_output_is_two_gemms_and_twelve_small_ops():
     assert len(gemms) == 2 and len(ops) - len(gemms) == 12, ops
     before = _kernel_ops(lambda: _experts_output_step_by_step(layer, x, topk_ids, topk_weights))
     assert len(before) - 2 == 28, before
+
+
+def test_the_w4a4_experts_output_quantizes_in_25_ops_a_gemm():
+    """W4A4: each GEMM's activations quantized in 25 ops (bf16 rows' cast, block amax and scale,
+    the e2m1 codes by two searches, the packing; 24 for fp32 rows), 60 small ops around the two
+    GEMMs in all."""
+    _, layer, _ = make_layer(activations="nvfp4")
+    x = torch.randn(1, HIDDEN).to(torch.bfloat16)
+    topk_ids, topk_weights = layer.route(x)
+    ops = _kernel_ops(lambda: layer.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32))
+    gemms = [op for op in ops if op.startswith("nvfp4_group_gemm.")]
+    assert len(gemms) == 2 and len(ops) - len(gemms) == 60, ops
+    quantize = _kernel_ops(lambda: moe_layer.quantize_activations(x, layer.scale13))
+    assert len(quantize) == 25 and sum("bucketize" in op for op in quantize) == 2, quantize
