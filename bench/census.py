@@ -27,6 +27,11 @@ PROJECT_MODULES = ("nvfp4_group_gemm", "core", "runtime", "moe", "launch", "sm10
                    "kernel", "swap_ab", "schedules", "config", "ptx", "bundle", "selfcheck")
 
 
+# The types a runtime's plan and binding caches hold (the rest are backends' parts of a plan, or
+# a size plan)
+RUNTIME_TYPES = ("Plan", "Binding", "MoePlan", "MoeBinding", "Sm100MoePlan", "Sm100MoeBinding")
+
+
 def package_files(root: pathlib.Path) -> list[pathlib.Path]:
     return sorted((root / "nvfp4_group_gemm").rglob("*.py"))
 
@@ -58,7 +63,9 @@ def census(root: pathlib.Path) -> dict:
                 defined[node.name].add(module)
                 if isinstance(node, ast.ClassDef) and node.name.endswith(("Plan", "Binding")) and not node.name.startswith(
                         ("Backend", "_")):
-                    plan_types.append(f"{module}:{node.name}")
+                    bases = [ast.unparse(base) for base in node.bases]
+                    extends = [base for base in bases if base.endswith(("Plan", "Binding"))]
+                    plan_types.append(f"{module}:{node.name}" + (f" (extends {', '.join(extends)})" if extends else ""))
             if isinstance(node, ast.FunctionDef) and node.name.lstrip("_").startswith("reset"):
                 resets.append(f"{module}:{node.name}")
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
@@ -82,7 +89,11 @@ def census(root: pathlib.Path) -> dict:
                     if alias.name.startswith("_") and not alias.name.startswith("__"):
                         private_reads.append(f"{module}: from {'.' * node.level}{node.module or ''} import {alias.name}")
     multiply_defined = {name: sorted(modules) for name, modules in defined.items() if len(modules) > 1}
-    return {"plan and binding types": sorted(plan_types), "module-level RuntimeCaches": sorted(caches),
+    runtime_types = [t for t in plan_types if t.split(":")[1].split(" ")[0] in RUNTIME_TYPES]
+    return {"plan and binding types": sorted(plan_types),
+            "  of them what a runtime caches, not extending another": sorted(
+                t for t in runtime_types if "extends" not in t),
+            "module-level RuntimeCaches": sorted(caches),
             "runtimes": sorted(runtimes), "resets": sorted(resets), "names defined in more than one module":
             multiply_defined, "private names read across modules": sorted(set(private_reads)),
             "longest module": f"{longest[1]} ({longest[0]} lines)"}

@@ -366,8 +366,11 @@ class LibraryRuntime(StreamRuntime):
         return select_backend(device_index)
 
     def reset(self) -> None:
+        """Its caches and backends, then the library's switches read again (a bad value raises
+        once everything is reset: core.reset_runtime)."""
         super().reset()
         _BACKEND_BY_DEVICE.clear()
+        switches.reload()
 
     def unbound_call(self, data, key: tuple, problem_sizes):
         if switches.CURRENT.first_call_unbound:
@@ -671,16 +674,12 @@ def launch_first_call(size_plan: SizePlan, key: tuple, device: torch.device) -> 
 SUPPORTED_GPUS = "NVIDIA B200/GB200 (sm_100, compute capability 10.x) and H100/H200 (sm_90, 9.0)"
 
 
-def reset_runtime() -> None:
-    """Forget every input set (bound or run once), plan, size plan, backend, demotion and
-    self-check result of every runtime of the process (this one's, the MoE entry's, the
-    leaderboard file's core's: core.reset_runtime; compiled kernels stay), then read the
-    library's environment switches again (nvfp4_group_gemm.switches): the process as it was
-    before its first call, for tests and for a caller that changed a switch. Replay no graph
-    captured before."""
-    with RUNTIME_LOCK:
-        core.reset_runtime()
-        switches.reload()  # last: a bad value raises with everything else already reset
+# The one reset: every runtime of the process (this one's, the MoE entry's, the leaderboard file's
+# core's), each input set, plan, size plan, backend, demotion and self-check result (compiled
+# kernels stay), and the library's switches read again (LibraryRuntime.reset): the process as
+# before its first call, for tests and for a caller that changed a switch. Replay no graph
+# captured before.
+reset_runtime = core.reset_runtime
 
 
 def warmup(n: int, k: int, groups: int, device=None) -> list[str]:

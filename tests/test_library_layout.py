@@ -171,8 +171,12 @@ def test_the_switches_are_read_again_by_reset_runtime(monkeypatch):
     runtime.reset_runtime()
     assert not switches.CURRENT.graph_launch and switches.CURRENT.moe_config == "swap_ab_t64"
     monkeypatch.setenv("NVFP4_GRAPH_LAUNCH", "maybe")
+    from nvfp4_group_gemm import moe
+
+    moe.RUNTIME.plans.put("a key", "a plan")  # a runtime after the one whose reset raises
     with pytest.raises(ValueError, match=r"NVFP4_GRAPH_LAUNCH='maybe': must be one of 0, 1"):
         runtime.reset_runtime()
+    assert len(moe.RUNTIME.plans) == 0  # every runtime reset all the same, the error raised after
     monkeypatch.delenv("NVFP4_GRAPH_LAUNCH")
     monkeypatch.delenv("NVFP4_MOE_CONFIG")
     runtime.reset_runtime()

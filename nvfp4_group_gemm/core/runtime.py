@@ -245,14 +245,21 @@ def binding_of(key: tuple):
 def reset_runtime() -> None:
     """Forget every input set, plan, backend, demotion and self-check result of every runtime
     of the process (compiled kernels stay): the process as it was before its first call, for
-    tests. The library's reset_runtime also reads its environment switches again."""
+    tests and for a caller that changed a switch (the library's runtime reads its switches again
+    in its reset). Every runtime is reset; the first error one raised is raised after."""
     with RUNTIME_LOCK:
-        for runtime in RUNTIMES:
-            runtime.reset()
         _BACKEND_BY_DEVICE.clear()
         DEMOTED.clear()
         SELF_CHECKED.clear()
         RESIDENT_CLUSTERS.clear()
+        first_error = None
+        for runtime in RUNTIMES:
+            try:
+                runtime.reset()
+            except Exception as error:  # noqa: BLE001 - the others are reset all the same
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
 
 def check_family(n: int, k: int, groups: int) -> None:
