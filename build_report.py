@@ -40,7 +40,10 @@ How it builds: ``build_all`` runs the builds in a child Python process. There th
 compiles without loading the module onto a GPU (no GPU or libcuda needed) and returns the
 compiled function; the file cache is off so each build writes its cubin and PTX. A target
 that fails (an exception, no cubin, or the process dying) becomes a failed row with its
-reason; the other targets still build, and the exit code is 1. While they run, ``main`` prints
+reason; the other targets still build, and the exit code is 1. The options name one folder
+per target, the same for every G, so a target whose build takes no G (one compiled function
+serves every G: the compile cache returns it) compiles once; its rows for the other group
+counts repeat that build's figures (``=G1`` in the time column). While they run, ``main`` prints
 one line per finished build on stderr (``build 3 of 16: sm100_gemm G=2 (sm_100a): 4.21 s``);
 the table (stdout) fits in 120 columns: a row of figures per kernel, then its MMA
 instructions and its kernel symbol on lines of their own.
@@ -573,6 +576,9 @@ class KernelReport:
     grid_dependency: dict | None = None  # grid_dependency of its PTX entry (chained calls)
     dynamic_smem_source: str | None = None  # where dynamic_smem_bytes comes from, or why not
     error: str | None = None  # set on a failed build: why; every figure is None then
+    # set on a target whose build takes no G: the group count it was built for, this row that
+    # build's figures again (the compile returned the same compiled function)
+    same_build_as_groups: int | None = None
 
     @property
     def failed(self) -> bool:
@@ -597,17 +603,27 @@ def _exception_text(exc: BaseException) -> str:
     return text
 
 
-def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_dir: Path) -> list[KernelReport]:
+def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_dir: Path, *,
+                 compile_dir: Path | None = None, built: dict | None = None) -> list[KernelReport]:
     """Compile one target for `arch`, keep its cubin/PTX in dump_dir, return one KernelReport
     per kernel in its cubin, or one failed KernelReport saying why it did not build.
+
+    `compile_dir` (default dump_dir): the folder the DSL's options name, where the artifacts
+    are written before they move to dump_dir; one per target, so that the options, and with
+    them the compile key, are the same for every G. `built` (the caller's, kept across calls):
+    the reports of every compiled function so far, by id. A compile that returns one of them
+    is that build again (the compile cache of a target whose build takes no G): its reports
+    for this G, marked same_build_as_groups, their artifacts where that build left them.
 
     Runs in this process: dynamic shared memory is known when the compile returns the
     compiled function (``build_all`` arranges that on every machine; here, DSL 4.3.5 on a
     machine without a GPU raises at the load for a target of the architecture it assumes)."""
-    dump_dir.mkdir(parents=True, exist_ok=True)
-    for stale in list(dump_dir.glob("*.cubin")) + list(dump_dir.glob("*.ptx")):
-        stale.unlink()
-    options = f"--keep-cubin --keep-ptx --dump-dir {dump_dir} --gpu-arch {arch}"
+    compile_dir = dump_dir if compile_dir is None else compile_dir
+    for folder in {dump_dir, compile_dir}:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in list(folder.glob("*.cubin")) + list(folder.glob("*.ptx")):
+            stale.unlink()
+    options = f"--keep-cubin --keep-ptx --dump-dir {compile_dir} --gpu-arch {arch}"
     compiled, error = None, None
     start = time.perf_counter()
     with captured_native_stderr() as native_stderr:
@@ -618,6 +634,13 @@ def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_
     compile_s = time.perf_counter() - start
     stderr_text = native_stderr[0].strip() if native_stderr else ""
 
+    earlier = built.get(id(compiled)) if built is not None and compiled is not None else None
+    if earlier is not None and earlier[0] is compiled and error is None:
+        return [dataclasses.replace(report, num_groups=num_groups, compile_s=compile_s,
+                                    same_build_as_groups=report.num_groups) for report in earlier[1]]
+    if compile_dir != dump_dir:
+        for artifact in list(compile_dir.glob("*.cubin")) + list(compile_dir.glob("*.ptx")):
+            artifact.rename(dump_dir / artifact.name)
     cubins = sorted(dump_dir.glob("*.cubin"))
     if not cubins:
         reason = "no cubin was produced"
@@ -683,6 +706,8 @@ def build_kernel(kernel_name: str, arch: str, compile_fn, num_groups: int, dump_
                 dynamic_smem_source=row_source,
             )
         )
+    if built is not None and compiled is not None and error is None:
+        built[id(compiled)] = (compiled, reports)
     return reports
 
 
@@ -737,12 +762,14 @@ def _run_builds(spec: dict) -> None:
                 for num_groups in spec["groups"]:
                     builds.append((module_name, kernel_name, arch, compile_fn, num_groups))
         emit({"plan": [[m, k, a, g] for m, k, a, _fn, g in builds]})
+        built: dict = {}  # build_kernel's: every compiled function of this process, by id
         for index, (module_name, kernel_name, arch, compile_fn, num_groups) in enumerate(builds):
             if index < skip:
                 continue
             dump_dir = dump_root / f"{module_name}.{kernel_name}.G{num_groups}"
             try:
-                reports = build_kernel(kernel_name, arch, compile_fn, num_groups, dump_dir)
+                reports = build_kernel(kernel_name, arch, compile_fn, num_groups, dump_dir,
+                                       compile_dir=dump_root / f"{module_name}.{kernel_name}", built=built)
             except Exception as exc:  # noqa: BLE001 - reading the artifacts failed: a failed row
                 reports = [failed_report(kernel_name, arch, num_groups, _exception_text(exc))]
             emit({"index": index, "reports": [dataclasses.asdict(r) for r in reports]})
@@ -775,6 +802,9 @@ def progress_line(position: int, total: int, reports: list[KernelReport]) -> str
     if failed:
         return head + "FAILED: " + _first_line(failed[0].error, max(20, TABLE_WIDTH - len(head) - 8))
     kernels = f", {len(reports)} kernels" if len(reports) > 1 else ""
+    if first.same_build_as_groups is not None:
+        return _cut_at_word(f"{head}the G={first.same_build_as_groups} build (its build takes no G){kernels}",
+                            TABLE_WIDTH)
     return _cut_at_word(f"{head}{first.compile_s:.2f} s{kernels}", TABLE_WIDTH)
 
 
@@ -968,9 +998,11 @@ def format_table(reports: list[KernelReport]) -> str:
         dynamic = "?" if r.dynamic_smem_bytes is None else str(r.dynamic_smem_bytes)
         split = f"({r.static_smem_bytes}+{dynamic})"
         threads = "?" if r.threads is None else str(r.threads)
+        # a target whose build takes no G: its one build's row again, `=G1` in place of a time
+        seconds = f"{r.compile_s:.2f}" if r.same_build_as_groups is None else f"=G{r.same_build_as_groups}"
         lines.append(
             f"{target:<{width}} {r.num_groups:>2} {r.arch:<8} {r.registers!s:>4} {spill:>6} "
-            f"{r.stack_bytes!s:>5} {smem:>7} {split:>14} {threads:>4} {r.compile_s:>9.2f}"
+            f"{r.stack_bytes!s:>5} {smem:>7} {split:>14} {threads:>4} {seconds:>9}"
         )
         mma = ", ".join(r.mma) if r.mma else "none"
         lines += textwrap.wrap(mma, TABLE_WIDTH, initial_indent=f"{indent}mma: ",
@@ -1034,11 +1066,14 @@ def main(argv: list[str] | None = None) -> int:
         if sources:
             print("dynamic shared memory: " + "; ".join(sources))
         built = len(reports) - len(failed)
+        repeated = len({(r.target, r.num_groups) for r in reports if r.same_build_as_groups is not None})
         arches_by_limit: dict[int, list[str]] = {}
         for arch, limit in MAX_SMEM_PER_BLOCK_OPTIN.items():
             arches_by_limit.setdefault(limit, []).append(arch)
         print(
-            f"{built} kernel builds, {len(failed)} failed; limits: <= {MAX_REGISTERS_PER_THREAD} "
+            f"{built} kernel builds, {len(failed)} failed"
+            + (f" ({repeated} of them another G's build again: those targets' builds take no G)" if repeated else "")
+            + f"; limits: <= {MAX_REGISTERS_PER_THREAD} "
             "registers, 0 spill bytes, shared memory <= "
             + ", ".join(f"{v} B ({', '.join(a)})" for v, a in arches_by_limit.items())
             + ".\nCompiled only: nothing here was run on a GPU."

@@ -1,8 +1,9 @@
 """Shared pytest set-up: the runtime's caches reset around every test, one summary line that
 says how many tests were skipped for lack of a GPU (the CPU suite skips every test that needs
-a Hopper or Blackwell GPU, with a reason), and the run's temporary files under the repository
+a Hopper or Blackwell GPU, with a reason), the run's temporary files under the repository
 (build/pytest-tmp/run-PID, removed when the run ends) instead of the machine's shared
-/tmp/pytest-of-USER."""
+/tmp/pytest-of-USER, and the sm_90a builds of every kernel, made once for the run
+(sm90_builds)."""
 
 import os
 import re
@@ -66,6 +67,48 @@ def fresh_runtime():
     _reset_runtime()
     yield
     _reset_runtime()
+
+
+# The group counts every sm_90a kernel is built for (tests/test_hopper.py, tests/test_swap_ab.py)
+SM90_GROUP_COUNTS = (1, 2, 8)
+
+
+@pytest.fixture(scope="session")
+def sm90_builds(tmp_path_factory):
+    """Every kernel of nvfp4_group_gemm.hopper built for sm_90a at each of SM90_GROUP_COUNTS
+    (build_report's build process, cubin and PTX kept), once for the whole run: (target, G) ->
+    KernelReport. The builds are most of the suite's time; each test file that reads them
+    shares these."""
+    import build_report
+
+    dump_root = tmp_path_factory.mktemp("sm90_build")
+    reports = build_report.build_all(SM90_GROUP_COUNTS, dump_root, modules=("nvfp4_group_gemm.hopper",))
+    return {(r.target, r.num_groups): r for r in reports}
+
+
+# The test files that read sm90_builds, found by their text: the scheduler below runs in
+# pytest-xdist's controller, which collects no test
+SM90_BUILD_FILES = frozenset(path.name for path in Path(__file__).parent.glob("test_*.py")
+                             if "sm90_builds" in path.read_text())
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, where it is installed
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2 --dist loadfile`: each test file runs whole in one worker, so that its
+    module-scoped builds are made once, and the files that read sm90_builds (SM90_BUILD_FILES)
+    run in one worker too, so that those builds are made once (xdist hands out the largest group
+    first: that one). Other --dist modes are xdist's own. (xdist's loadgroup, the same with
+    marks, no longer groups under pytest 9.2: its nodeid suffix is ignored.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByFile(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "sm90_builds" if Path(path).name in SM90_BUILD_FILES else path
+
+    return ByFile(config, log)
 
 
 def skip_reason(report) -> str:

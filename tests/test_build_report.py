@@ -379,6 +379,46 @@ def test_build_all_reports_each_build_as_it_finishes(fake_backends, tmp_path_fac
     assert heard[1][0] < finished - 1.0  # the first build's line came while the slow one ran
 
 
+SHARED_BACKEND = """
+from report_fake_backend import _good
+
+_COMPILED = {}
+
+
+def _takes_no_g(num_groups, options):  # as core.compile_once's cache: one build per key, G not in it
+    if options not in _COMPILED:
+        _COMPILED[options] = _good(num_groups, options)
+    return _COMPILED[options]
+
+
+def compile_targets():
+    return [("no_g", "sm_100a", _takes_no_g), ("per_g", "sm_100a", _good)]
+"""
+
+
+def test_a_build_that_takes_no_g_is_built_once_and_reported_per_g(fake_backends, tmp_path_factory):
+    (fake_backends / "report_shared_backend.py").write_text(SHARED_BACKEND)
+    heard = []
+    reports = build_report.build_all((1, 2, 8), tmp_path_factory.mktemp("dump"), modules=("report_shared_backend",),
+                                     paths=(fake_backends,), progress=heard.append)
+    rows = {(r.target, r.num_groups): r for r in reports}
+    assert len(reports) == 6 and not any(r.failed for r in reports)
+    # the same options for every G of a target: the compile cache answers G = 2 and 8
+    assert [rows[("no_g", g)].same_build_as_groups for g in (1, 2, 8)] == [None, 1, 1]
+    assert [rows[("per_g", g)].same_build_as_groups for g in (1, 2, 8)] == [None, None, None]
+    assert rows[("no_g", 8)].cubin_path == rows[("no_g", 1)].cubin_path
+    assert Path(rows[("per_g", 8)].cubin_path).parent.name == "report_shared_backend.per_g.G8"
+    assert len({rows[("per_g", g)].cubin_path for g in (1, 2, 8)}) == 3
+    for g in (1, 2, 8):  # each row its own build's artifacts, still there
+        assert Path(rows[("per_g", g)].cubin_path).is_file() and Path(rows[("per_g", g)].ptx_path).is_file()
+    assert (rows[("no_g", 2)].registers, rows[("no_g", 2)].smem_bytes) == (rows[("no_g", 1)].registers,
+                                                                            rows[("no_g", 1)].smem_bytes)
+    assert heard[2] == "build 2 of 6: no_g G=2 (sm_100a): the G=1 build (its build takes no G)"
+    # the table: the build's time on its row, `=G1` on the rows that repeat it
+    times = [line.split()[-1] for line in build_report.format_table(reports).splitlines() if line.startswith("no_g ")]
+    assert re.fullmatch(r"\d+\.\d\d", times[0]) and times[1:] == ["=G1", "=G1"], times
+
+
 def test_the_table_fits_in_120_columns():
     good = build_report.KernelReport(
         target="sm90_swap_ab_gemm_one_round_k128_with_a_much_longer_name_than_any", arch="sm_90a",

@@ -1366,8 +1366,10 @@ def test_compile_failure_reasons_are_never_cut_mid_word():
 
 def test_pytest_keeps_its_temporary_files_in_the_repository(tmp_path):
     """tmp_path lives in build/pytest-tmp/run-PID (not the machine's shared /tmp), and a run
-    removes its folder when it ends."""
-    assert tmp_path.is_relative_to(REPO_ROOT / "build" / "pytest-tmp" / f"run-{os.getpid()}")
+    removes its folder when it ends. PID: the run's process (under pytest-xdist, the
+    controller that started this worker)."""
+    run = os.getppid() if "PYTEST_XDIST_WORKER" in os.environ else os.getpid()
+    assert tmp_path.is_relative_to(REPO_ROOT / "build" / "pytest-tmp" / f"run-{run}")
     sample = tmp_path / "sample"
     sample.mkdir()
     (sample / "conftest.py").write_text((REPO_ROOT / "tests" / "conftest.py").read_text())

@@ -211,11 +211,34 @@ def test_ci_checks_both_runners_dsl_releases():
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert "RUNNER_DSL=4.5.2" in ci and "NEWEST_DSL=4.8.1" in ci
     assert 'compile_report "$RUNNER_VENV" "$RUNNER_DSL"' in ci and 'compile_report "$NEWEST_VENV" "$NEWEST_DSL"' in ci
-    assert '"$1/bin/python" eval.py compile > "$report"' in ci  # compile_report: the table to a file
+    # compile_report: the table to a file; every kernel at G = 1 and 8 there (the tests build G = 2 too)
+    assert '"$1/bin/python" eval.py compile --groups "$COMPILE_GROUPS" > "$report"' in ci
+    assert "\nCOMPILE_GROUPS=1,8\n" in ci
     # every pip call goes through `quiet` (pip's notes on absent local index folders dropped)
     pip_lines = [line for line in ci.splitlines() if "pip " in line and "install" in line
                  or "pip index" in line]
     assert pip_lines and all("quiet " in line for line in pip_lines), pip_lines
+
+
+def test_ci_runs_the_other_releases_beside_the_tests_and_fails_on_either():
+    """.ci/run: the other releases' stream (both compile checks, their flow tests, the wheel's
+    smoke test) starts before the tests, in a process group of its own that the script's exit
+    ends; its output follows the tests'; the exit status fails when either failed."""
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    body = ci[ci.index("other_releases() {"):ci.index("\n}\n", ci.index("other_releases() {"))]
+    for step in ('compile_report "$RUNNER_VENV" "$RUNNER_DSL"', 'compile_report "$NEWEST_VENV" "$NEWEST_DSL"',
+                 'flow_tests "$RUNNER_VENV"', 'flow_tests "$NEWEST_VENV"', ".ci/wheel_smoke.py"):
+        assert step in body, step
+    order = [ci.index(text) for text in (
+        "python -m pip wheel -q --no-deps -w build/wheel .",  # built before the stream starts
+        "set -m\n( other_releases ) > \"$others_log\" 2>&1 < /dev/null &\nothers=$!\nset +m\n",
+        "trap 'kill -- -\"$others\" 2>/dev/null || true' EXIT",
+        "python -m pytest -q tests || tests_status=$?",
+        'wait "$others" || others_status=$?',
+        'cat "$others_log"',
+    )]
+    assert order == sorted(order), order
+    assert ci.rstrip().endswith('[ "$tests_status" -eq 0 ] && [ "$others_status" -eq 0 ]')
 
 
 def test_ci_deprecation_hook_records_the_projects_warnings_only(tmp_path):

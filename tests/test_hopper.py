@@ -332,11 +332,19 @@ def test_compile_targets_list_what_the_backend_runs():
 SM90_SMEM_LIMIT = 232_448  # 227 KB opt-in per block, compute capability 9.0
 
 
-@pytest.fixture(scope="module")
-def sm90_builds(tmp_path_factory):
-    dump_root = tmp_path_factory.mktemp("sm90_build")
-    reports = build_report.build_all((1, 2, 8), dump_root, modules=("nvfp4_group_gemm.hopper",))
-    return {(r.target, r.num_groups): r for r in reports}
+# sm90_builds (tests/conftest.py): every kernel of the package built for sm_90a at G = 1, 2, 8,
+# once for the run
+
+
+def test_every_sm90_kernel_builds_within_limits_at_every_group_count(sm90_builds):
+    """Every target of hopper.compile_targets() built for sm_90a at every group count: no failed
+    build, an sm_90 cubin, and no problem (registers, local memory, shared memory)."""
+    names = [name for name, _arch, _compile in hopper.compile_targets()]
+    assert set(sm90_builds) == {(name, g) for name in names for g in (1, 2, 8)}
+    for (target, num_groups), report in sm90_builds.items():
+        assert not report.failed, f"{target} G={num_groups}: {report.error}"
+        assert report.arch == "sm_90a" and report.sm_version == 90 and report.ptx_target == "sm_90a"
+        assert build_report.problems(report) == [], (target, num_groups, build_report.problems(report))
 
 
 @pytest.mark.parametrize("num_groups", [1, 2, 8])
@@ -489,8 +497,9 @@ def test_tile_shape_is_the_shape_of_the_config_prepare_picks(sm90_backend_on_cpu
     picked = set()
     for sizes in size_sets:
         sizes = tuple(sizes)
+        data = _cpu_input_set(sizes)
         for backend in backends:
-            state = _bind(_cpu_input_set(sizes), sizes, backend)
+            state = _bind(data, sizes, backend)
             config = state.plan.backend_plan.config
             assert backend.tile_shape(sizes) == (config.tile_m, config.tile_n)
             assert state.plan.num_tiles == len(hopper.tile_k_tiles(sizes, config.tile_n))
@@ -508,16 +517,17 @@ def _bind(data, sizes, backend):
 
 
 def _cpu_input_set(sizes):
-    """Tensors with the official shapes on the CPU (a binding reads only pointers)."""
+    """Tensors with the official shapes on the CPU, their values never written (a binding reads
+    only pointers)."""
     abc, sfs_reordered = [], []
     for m, n, k, _l in sizes:
         abc.append((
-            torch.zeros((m, k // 2, 1), dtype=torch.uint8),
-            torch.zeros((n, k // 2, 1), dtype=torch.uint8),
-            torch.zeros((m, n, 1), dtype=torch.float16),
+            torch.empty((m, k // 2, 1), dtype=torch.uint8),
+            torch.empty((n, k // 2, 1), dtype=torch.uint8),
+            torch.empty((m, n, 1), dtype=torch.float16),
         ))
-        sfs_reordered.append((torch.zeros(512 * max(1, -(-m // 128)) * k // 64, dtype=torch.uint8),
-                              torch.zeros(512 * (n // 128) * k // 64, dtype=torch.uint8)))
+        sfs_reordered.append((torch.empty(512 * max(1, -(-m // 128)) * k // 64, dtype=torch.uint8),
+                              torch.empty(512 * (n // 128) * k // 64, dtype=torch.uint8)))
     return abc, None, sfs_reordered, sizes
 
 

@@ -360,11 +360,10 @@ def test_kernel_selection_by_environment(monkeypatch):
         switches.reload()
 
 
-@pytest.fixture(scope="module")
-def swap_ab_builds(tmp_path_factory):
-    dump_root = tmp_path_factory.mktemp("swap_ab_build")
-    reports = build_report.build_all((1, 8), dump_root, modules=("nvfp4_group_gemm.hopper",))
-    return {(r.target, r.num_groups): r for r in reports if "swap_ab" in r.target or "decode_act" in r.target}
+@pytest.fixture
+def swap_ab_builds(sm90_builds):
+    """The swap-AB GEMMs and their pre-pass among the run's sm_90a builds (tests/conftest.py)."""
+    return {key: r for key, r in sm90_builds.items() if "swap_ab" in r.target or "decode_act" in r.target}
 
 
 @pytest.mark.parametrize("num_groups", [1, 8])

@@ -6,5 +6,8 @@ from pathlib import Path
 
 
 def custom_kernel(data):
-    Path(os.environ["EVAL_TEST_READY"]).write_text(str(os.getpid()))
+    ready = Path(os.environ["EVAL_TEST_READY"])
+    partial = ready.with_name(ready.name + ".partial")
+    partial.write_text(str(os.getpid()))
+    partial.replace(ready)  # the file appears whole: the test reads it as soon as it exists
     time.sleep(600)
