@@ -398,21 +398,6 @@ def compile_moe_kernels(shape: MoeShape, config) -> tuple:
     return decode, hopper_moe.compile_moe_gemm(shape.groups, config=config, epilogue=shape.epilogue())
 
 
-class MoeKernels:
-    """The MoE chain's links as core.choose_kernel compiles them (a compile failure demotes
-    its link): the sm_90 kernels of a link's config for one shape; the exact decode compiles
-    nothing."""
-
-    name = None  # MOE_BACKEND, set below
-
-    def __init__(self, shape: MoeShape):
-        self.shape = shape
-
-    def compile(self, choice, num_groups: int) -> None:
-        if not choice.host:
-            compile_moe_kernels(self.shape, choice.config[0])
-
-
 # CellLauncher kinds and pointer dtypes of the two kernels' arguments (hopper/moe.py's __call__s)
 DECODE_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "stream"),
                (cutlass.Uint8, cutlass.Uint8, cutlass.Int32, cutlass.Uint8, cutlass.Int32, None, None, None, None,
@@ -645,7 +630,6 @@ def _switches() -> tuple:
 # The fallback chain and its first-use self-check, as every entry has
 # =============================================================================
 MOE_BACKEND = "moe_sm90"
-MoeKernels.name = MOE_BACKEND
 
 
 def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | None) -> list:
@@ -669,6 +653,21 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
                                per_group_count=True, label=f"{shape.activations()}, {shape.epilogue()}")
              for config in configs]
     return [*links, core.KernelChoice(MOE_BACKEND, "exact_decode", host=True)]
+
+
+class MoeKernels:
+    """The MoE chain's links as core.choose_kernel compiles them (a compile failure demotes
+    its link): the sm_90 kernels of a link's config for one shape; the exact decode compiles
+    nothing."""
+
+    name = MOE_BACKEND
+
+    def __init__(self, shape: MoeShape):
+        self.shape = shape
+
+    def compile(self, choice, num_groups: int) -> None:
+        if not choice.host:
+            compile_moe_kernels(self.shape, choice.config[0])
 
 
 def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan | None:

@@ -349,9 +349,6 @@ class LibraryRuntime(StreamRuntime):
     `captured`: bindings whose launch a caller's CUDA graph captured, kept beyond the
     bindings' bound since the graph reads their tables (and descriptors) at every replay."""
 
-    plan_type = Plan
-    binding_type = Binding
-
     def __init__(self):
         # A plan holds device memory (the stream-K workspace: 23 MB for benchmark shape 0): 32
         # plans and 1 GiB at most; a binding holds its pointer table

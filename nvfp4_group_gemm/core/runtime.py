@@ -54,9 +54,6 @@ class Runtime:
     `context_usable`, `first_use_check`, `select_backend`): where launches go (the callers'
     queues) and graph captures, which this file must not have."""
 
-    plan_type = Plan
-    binding_type = Binding
-
     def __init__(self, name: str, *, max_bindings: int = 64, max_plans: int = 32,
                  max_plan_bytes: int | None = 1 << 30, pinned=None):
         self.name = name
@@ -120,10 +117,10 @@ class Runtime:
         compiles (under the lock)."""
         backend.can_implement(problem_sizes)
         chain = backend.kernel_chain(problem_sizes)
-        return self.plan_type(backend, problem_sizes, device, choose_kernel(backend, chain, len(problem_sizes)), chain)
+        return Plan(backend, problem_sizes, device, choose_kernel(backend, chain, len(problem_sizes)), chain)
 
     def make_binding(self, plan: Plan, key: tuple, problem_sizes) -> Binding:
-        return self.binding_type(plan, pointers_of_key(key, len(problem_sizes)))
+        return Binding(plan, pointers_of_key(key, len(problem_sizes)))
 
     def context_usable(self, device: torch.device) -> bool:
         return context_usable(device)
