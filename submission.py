@@ -1397,7 +1397,7 @@ def _make_mma_and_atoms():
     }
 
 
-def _tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
+def tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
     """[G, num_slots, 16] int64: the 128-byte TMA descriptors of every group."""
     return cute.make_tensor(
         ptr_of_tensormaps,
@@ -1405,7 +1405,7 @@ def _tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
     )
 
 
-def _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups):
+def tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups):
     tensor_of_ptrs = cute.make_tensor(
         ptr_of_ptrs, cute.make_layout((num_groups, NUM_PTR_COLS), stride=(NUM_PTR_COLS, 1))
     )
@@ -1419,7 +1419,7 @@ def per_tile_init_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_group
     """The per-tile kernel's descriptor init, traced inside a @cute.jit entry: (the kernel to
     launch, its launch geometry). The entry below launches it as the harness calls; the
     library's entries reuse it and add where the launch goes."""
-    tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
+    tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
     tensormaps = cute.make_tensor(
         ptr_of_tensormaps,
         cute.make_layout((num_groups, num_tensormaps, 16), stride=(num_tensormaps * 16, 16, 1)),
@@ -1449,7 +1449,7 @@ def init_tensormaps_jit(
 def per_tile_gemm_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tiles, ptr_of_tensormaps, num_tiles, num_groups):
     """The per-tile GEMM, traced inside a @cute.jit entry: (the kernel to launch, its launch
     geometry), as per_tile_init_launch."""
-    tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
+    tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
     tensormaps = cute.make_tensor(
         ptr_of_tensormaps,
         cute.make_layout((num_groups, num_tensormaps, 16), stride=(num_tensormaps * 16, 16, 1)),
@@ -1785,8 +1785,8 @@ class PersistentGemmSm100:
         entry: (the kernel to launch, its launch geometry)."""
         self._setup_attributes()
         atoms, _ = self._make_atoms()
-        tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
-        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+        tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
+        tensormaps = tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
         kernel = self.init_tensormaps_kernel(*atoms, tensor_of_ptrs, tensor_of_problem_sizes, tensormaps)
         return kernel, {"grid": (1, 1, num_groups), "block": [32, 1, 1], "cluster": (1, 1, 1), **chained_launch()}
 
@@ -1894,7 +1894,7 @@ class PersistentGemmSm100:
         tensor_of_tiles = cute.make_tensor(
             ptr_of_tiles, cute.make_layout((num_tiles, PERSISTENT_TILE_ROW), stride=(PERSISTENT_TILE_ROW, 1))
         )
-        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+        tensormaps = tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
 
         @cute.struct
         class SharedStorage:
@@ -2473,7 +2473,7 @@ def persistent_stage_bytes(tokens_per_tile: int) -> int:
 # The fallback chain: its links and the process's demotions.
 #
 # ``KernelChoice`` (one link: a named kernel config), ``KernelChain`` (links made on first
-# access), the demotion state shared by every runtime of the process (``_DEMOTED``,
+# access), the demotion state shared by every runtime of the process (``DEMOTED``,
 # ``SELF_CHECKED``, ``DEMOTION_LISTENERS``), the one lock (``RUNTIME_LOCK`` lives in config),
 # ``choose_kernel`` and ``demote``.
 # =============================================================================
@@ -2534,11 +2534,11 @@ class KernelChain(collections.abc.Sequence):
         return link
 
 
-_c_of_group = operator.itemgetter(2)
+c_of_group = operator.itemgetter(2)
 
 # kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle. Shared
 # by every runtime in the process (the library's too): a kernel found wrong is wrong for all.
-_DEMOTED: dict[tuple, str] = {}
+DEMOTED: dict[tuple, str] = {}
 SELF_CHECKED: set[tuple] = set()
 # What a demotion calls: each runtime registers the dropping of its plans that run the demoted
 # kernel (each called with the demoted kernel_key): this file's runtime first, at its import,
@@ -2553,17 +2553,17 @@ def report(line: str) -> None:
 
 def is_demoted(kernel_key: tuple) -> bool:
     """Whether a compiled kernel (KernelChoice.kernel_key) was demoted in this process."""
-    return kernel_key in _DEMOTED
+    return kernel_key in DEMOTED
 
 
 def demotions() -> dict[tuple, str]:
     """Every demotion of this process: kernel key -> why (a copy)."""
-    return dict(_DEMOTED)
+    return dict(DEMOTED)
 
 
 def _next_usable(chain, num_groups: int, after: KernelChoice) -> str:
     later = list(chain)
-    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
+    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in DEMOTED]
     return names[0] if names else "nothing (the next call raises)"
 
 
@@ -2573,7 +2573,7 @@ def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why:
     say so in one line."""
     key = choice.kernel_key(num_groups)
     with RUNTIME_LOCK:
-        _DEMOTED[key] = why
+        DEMOTED[key] = why
         for listener in DEMOTION_LISTENERS:
             listener(key)
     report(f"{backend_name} kernel {choice.describe()}, G = {num_groups}: {why}; "
@@ -2584,7 +2584,7 @@ def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
     """The first link of `chain` that is not demoted and compiles; a compile failure
     demotes its link."""
     for choice in chain:
-        if choice.kernel_key(num_groups) in _DEMOTED:
+        if choice.kernel_key(num_groups) in DEMOTED:
             continue
         try:
             backend.compile(choice, num_groups)
@@ -2593,7 +2593,7 @@ def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
             continue
         return choice
     raise RuntimeError(f"no kernel of the {backend.name} chain {[c.name for c in chain]} is left: "
-                       + "; ".join(f"{c.name}: {_DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
+                       + "; ".join(f"{c.name}: {DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
 
 
 def one_line(error: BaseException) -> str:
@@ -2810,10 +2810,8 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, list[torch.Tensor]]
     return buffer, views
 
 class RuntimeCache:
-    """Bounded LRU (count, and bytes where entries have `nbytes`).
-
-    ``entries`` (least recently used first) is public so that custom_kernel's hit path can
-    look up and touch an entry with two C calls, without a Python frame for get()."""
+    """Bounded LRU (count, and bytes where entries have `nbytes`); its entries are read and
+    written by its methods only (``entries``: least recently used first)."""
 
     def __init__(self, max_entries: int = 64, max_bytes: int | None = None, pinned: Callable | None = None):
         """`pinned(entry)` True: the entry is never evicted (a plan a caller's CUDA graph reads),
@@ -2829,6 +2827,28 @@ class RuntimeCache:
         if state is not None:
             self.entries.move_to_end(key)
         return state
+
+    def get_input_set(self, data) -> tuple[Any, tuple | None]:
+        """The hit path's lookup in a cache of input sets (by input_key): (the entry of this
+        input set, touched, or None; its input_key, or None for malformed input, which full
+        validation then names). The entry's `plan.problem_sizes` must equal the input set's:
+        same buffers with other sizes are a miss.
+
+        Hit: every pointer and the problem sizes equal those of an input set that passed
+        validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a
+        tensor replaced by one with the same address and problem size but another dtype or
+        layout would be read as the validated one. (input_key and get inlined: every Python
+        frame saved is CPU time of every call.)"""
+        try:
+            key = (*map(data_address, flatten(data[0])), *map(data_address, flatten(data[2])))
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.entries.move_to_end(key)
+                if tuple(data[3]) != entry.plan.problem_sizes:
+                    entry = None  # same buffers, other sizes: check and bind again
+        except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
+            return None, None
+        return entry, key
 
     def put(self, key, state) -> list:
         """Insert `state`; return the entries evicted to stay within the bounds."""
@@ -2937,16 +2957,18 @@ class Plan:
     choice: the kernel of the backend's chain that runs these sizes (chosen, and compiled,
     before anything else is built: the tile rows are that kernel's); chain: the whole chain,
     for a demotion to name the next link. sizes int32 [G, 4]: (M, N, K, L) per group; tiles
-    int32 [T, W]: the kernel's tile rows (none for a host computation). backend_plan: what
-    the backend's prepare(spec) made of them; None for a host computation. nbytes: device
-    bytes held."""
+    int32 [T, W]: the kernel's tile rows (none for a host computation; `tile_rows` given: a
+    size plan's). backend_plan: what the backend's prepare(spec) made of them; None for a host
+    computation. nbytes: device bytes held. The library's plan (nvfp4_group_gemm.runtime)
+    extends this one at one seam, `upload`: where its tables are written."""
 
     __slots__ = (
         "backend", "backend_plan", "chain", "choice", "device", "kernel_key", "nbytes", "num_groups", "num_tiles",
         "problem_sizes", "sizes", "spec", "tables", "tile_rows", "tiles",
     )
 
-    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None):
+    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None,
+                 tile_rows: tuple | None = None):
         self.backend = backend
         self.device = torch.device(device)
         self.problem_sizes = tuple(tuple(int(v) for v in p) for p in problem_sizes)
@@ -2957,33 +2979,51 @@ class Plan:
         self.choice = choice
         self.chain = chain if chain is not None else (choice,)
         self.kernel_key = choice.kernel_key(self.num_groups)
-        self.tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
+        if tile_rows is None:
+            tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
+        self.tile_rows = tile_rows
         self.num_tiles = len(self.tile_rows)
         self.spec = PlanSpec(choice, self.problem_sizes, self.device, self.tile_rows)
-        self.tables, (self.sizes, self.tiles) = upload_int_tables(
-            self.device, [("i", self.problem_sizes), ("i", self.tile_rows)]
-        )
+        self.tables, (self.sizes, self.tiles), table_bytes = self.upload(
+            [("i", self.problem_sizes), ("i", self.tile_rows)])
         self.backend_plan = None if choice.host else backend.prepare(self.spec)
-        self.nbytes = self.tables.numel() + (0 if self.backend_plan is None else self.backend_plan.nbytes)
+        self.nbytes = table_bytes + (0 if self.backend_plan is None else self.backend_plan.nbytes)
+
+    def upload(self, tables) -> tuple[Any, list[torch.Tensor], int]:
+        """(what holds `tables` on the plan's device, a view of each, its bytes): one buffer,
+        copied in the order of the launches."""
+        buffer, views = upload_int_tables(self.device, tables)
+        return buffer, views, buffer.numel()
 
 
 class Binding:
     """One input set (its data pointers) bound to its plan: the pointer table the kernel
     reads (ptrs int64 [G, 5]: a, b, c, sfa_reordered, sfb_reordered), the backend's
     per-pointer state (`bound`: the sm_100 TMA descriptors) and the prepared launch (None: a
-    host computation, which custom_kernel runs on the input set itself)."""
+    host computation, which custom_kernel runs on the input set itself). The library's binding
+    extends this one at two seams: `upload` (a pointer table its first call wrote) and
+    `prepare` (where and how its launches go)."""
 
     __slots__ = ("bound", "launch", "plan", "pointers", "ptrs", "table")
 
-    def __init__(self, plan: Plan, pointers):
+    def __init__(self, plan: Plan, pointers, table=None):
         self.plan = plan
         self.pointers = tuple(tuple(int(v) for v in p) for p in pointers)
-        self.table, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
-        self.bound = self.launch = None
-        if not plan.choice.host:
-            self.bound = plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
-            # every group with M = 0: nothing to launch (a 0-CTA grid is invalid)
-            self.launch = plan.backend.launcher(plan, self) if plan.num_tiles else no_launch
+        self.table, self.ptrs = self.upload(table)
+        self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
+        self.launch = self.prepare()
+
+    def upload(self, table) -> tuple[Any, torch.Tensor]:
+        """(what holds the pointer table on the device, its int64 [G, 5] view)."""
+        buffer, (ptrs,) = upload_int_tables(self.plan.device, [("q", self.pointers)])
+        return buffer, ptrs
+
+    def prepare(self) -> Callable[[], None] | None:
+        """The prepared launch; None for a host computation; no_launch where every group has
+        M = 0 (a 0-CTA grid is invalid)."""
+        if self.plan.choice.host:
+            return None
+        return self.plan.backend.launcher(self.plan, self) if self.plan.num_tiles else no_launch
 
 
 def no_launch() -> None:
@@ -3151,7 +3191,7 @@ def first_use_check(data, plan) -> list[torch.Tensor]:
     kernel and returns the oracle's result. The kernel counts as checked once its oracle ran.
     A fault that poisoned the context (an illegal address in the kernel first surfaces at the
     oracle's first CUDA call) raises naming the kernel. Skipped with NVFP4_SELF_CHECK=0."""
-    outputs = list(map(_c_of_group, data[0]))
+    outputs = list(map(c_of_group, data[0]))
     oracle = plan.backend.oracle
     if not SELF_CHECK or plan.choice.host:
         return outputs
@@ -3179,7 +3219,7 @@ def first_use_check(data, plan) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- host computations
-def blocked_scales(reordered: torch.Tensor) -> torch.Tensor:
+def flat_blocked_scales(reordered: torch.Tensor) -> torch.Tensor:
     """The flat cuBLAS blocked scale buffer behind an official reordered scale tensor (a
     (l, rest, rest_k, 32, 4, 4) contiguous tensor seen through a permute): a view."""
     return reordered.permute(5, 2, 4, 0, 1, 3).reshape(-1)
@@ -3206,7 +3246,7 @@ def scaled_mm_group_gemm(data, outputs: list[torch.Tensor]) -> list[torch.Tensor
             # the blocked layout covers N rounded up to 128), their columns sliced off
             b_rows = torch.cat([b_rows, b_rows.new_zeros(16 - n % 16, b_rows.shape[1])])
         out[:, :, 0] = torch._scaled_mm(
-            a[:, :, 0], b_rows.transpose(0, 1), blocked_scales(sfa), blocked_scales(sfb),
+            a[:, :, 0], b_rows.transpose(0, 1), flat_blocked_scales(sfa), flat_blocked_scales(sfb),
             bias=None, out_dtype=torch.float16,
         )[:, :n]
     return outputs
@@ -3420,17 +3460,17 @@ def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None
     if device.type != "cuda":
         return None
     key = (device.index, cluster_size)
-    if key not in _RESIDENT_CLUSTERS:
+    if key not in RESIDENT_CLUSTERS:
         try:
-            _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
+            RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
         except Exception as error:  # noqa: BLE001 - a failed query must not fail the call
             report(f"the resident {cluster_size}-CTA cluster query failed ({one_line(error)}); "
                    "the persistent kernel runs one cluster per two SMs")
-            _RESIDENT_CLUSTERS[key] = None
-    return _RESIDENT_CLUSTERS[key]
+            RESIDENT_CLUSTERS[key] = None
+    return RESIDENT_CLUSTERS[key]
 
 
-_RESIDENT_CLUSTERS: dict = {}
+RESIDENT_CLUSTERS: dict = {}
 
 
 class Sm100Backend:
@@ -3621,18 +3661,178 @@ class Sm100Backend:
 # nvfp4_group_gemm/core/runtime.py
 # The leaderboard file's runtime: plans, bindings, ``custom_kernel``.
 #
-# Input sets (bindings) by data pointers, plans by (device, sizes, backend); the hit path is
-# one prepared launch. Also ``reset_runtime``, ``warmup``, and the dropping of a demoted
-# kernel's plans (registered in ``DEMOTION_LISTENERS``).
+# ``Runtime``: the one plan-and-binding machine (caches, eviction, drop on demotion, reset, the
+# miss path), which the library's entries extend; this file's instance of it, ``RUNTIME``: input
+# sets (bindings) by data pointers, plans by (device, sizes, backend); the hit path is one
+# prepared launch. Also ``reset_runtime`` (every runtime of the process) and ``warmup``.
 # =============================================================================
 # =============================================================================
 # The runtime: plans, bindings, custom_kernel
 # =============================================================================
-# Input sets (bindings) by data pointers, plans by (device, sizes, backend): 32 plans and 1 GiB
-# at most; a binding holds its pointer table and descriptors, and an evicted plan's bindings go
-# with it.
-_BINDINGS = RuntimeCache(max_entries=64)
-_PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
+# Every runtime of the process (this file's; the library adds its per-size-set and MoE
+# entries'): a demotion drops the plans of each, reset_runtime resets each
+RUNTIMES: list = []
+
+
+class Runtime:
+    """The one plan-and-binding machine every entry runs on.
+
+    `plans`: by the entry's plan key, bounded by count and bytes (`pinned` plans are never
+    evicted); `bindings`: by the entry's binding key, each with its `.plan` (None: a marker,
+    such as an input set seen once); an evicted or dropped plan's bindings go with it.
+    `plan_caches`: the entry's other caches whose values are dropped with the plans a predicate
+    selects (size plans); `caches`: the rest, cleared by a reset. What the caches evict or drop
+    is handed to `retire`.
+
+    The per-size-set entry's miss path is here (`bound_input_set`: validate, plan on the
+    first kernel of the chain that is not demoted and compiles, bind, demote and fall back);
+    the entry's own hit path and first-use check around it. The library's runtimes extend it at
+    its seams (`retire`, `before_miss`, `unbound_call`, `make_plan`, `make_binding`,
+    `context_usable`, `first_use_check`, `select_backend`): where launches go (the callers'
+    queues) and graph captures, which this file must not have."""
+
+    plan_type = Plan
+    binding_type = Binding
+
+    def __init__(self, name: str, *, max_bindings: int = 64, max_plans: int = 32,
+                 max_plan_bytes: int | None = 1 << 30, pinned=None):
+        self.name = name
+        self.bindings = RuntimeCache(max_entries=max_bindings)
+        self.plans = RuntimeCache(max_entries=max_plans, max_bytes=max_plan_bytes, pinned=pinned)
+        self.plan_caches: list[RuntimeCache] = []
+        self.caches: list = []
+        DEMOTION_LISTENERS.append(self.forget_kernel)
+        RUNTIMES.append(self)
+
+    # --- the caches: one eviction cascade, one drop, one reset --------------------------------
+    def retire(self, entries) -> None:
+        """What the caches evicted or dropped (here let go at once: launches on the one queue
+        are ordered before any reuse of their memory)."""
+
+    def put_plan(self, key, plan) -> None:
+        """Cache `plan`; the plans evicted to stay within the bounds go with their bindings."""
+        evicted = self.plans.put(key, plan)
+        if evicted:
+            self.retire(evicted)
+            self.drop_bindings(lambda bound_plan: any(bound_plan is gone for gone in evicted))
+
+    def put_binding(self, key, binding) -> None:
+        self.retire(self.bindings.put(key, binding))
+
+    def drop_bindings(self, predicate) -> None:
+        """Remove the bindings whose plan `predicate` selects (markers without one stay)."""
+        self.retire(self.bindings.drop(lambda binding: binding.plan is not None and predicate(binding.plan)))
+
+    def drop_plans(self, predicate) -> None:
+        """Remove the plans (and plan-like entries of `plan_caches`) that `predicate` selects,
+        and their bindings; the byte counts follow (RuntimeCache.drop)."""
+        self.retire(self.plans.drop(predicate))
+        for cache in self.plan_caches:
+            self.retire(cache.drop(predicate))
+        self.drop_bindings(predicate)
+
+    def forget_kernel(self, kernel_key: tuple) -> None:
+        """A demotion (by any runtime of the process): drop the plans that run the kernel and
+        their bindings (their sizes plan again on their next call, on the next link)."""
+        self.drop_plans(lambda plan: plan.kernel_key == kernel_key)
+
+    def reset(self) -> None:
+        """Forget every plan and binding (compiled kernels stay)."""
+        for cache in (self.bindings, self.plans, *self.plan_caches, *self.caches):
+            cache.clear()
+
+    # --- the seams ------------------------------------------------------------------------------
+    def select_backend(self, device_index: int):
+        return select_backend(device_index)
+
+    def before_miss(self) -> None:
+        """Under the lock, before a miss looks at the caches."""
+
+    def unbound_call(self, data, key: tuple, problem_sizes):
+        """A call of an input set without a binding: its outputs, or None (bind it)."""
+        return
+
+    def make_plan(self, backend, problem_sizes, device: torch.device) -> Plan:
+        """A plan of these sizes on the first kernel of the chain that is not demoted and
+        compiles (under the lock)."""
+        backend.can_implement(problem_sizes)
+        chain = backend.kernel_chain(problem_sizes)
+        return self.plan_type(backend, problem_sizes, device, choose_kernel(backend, chain, len(problem_sizes)), chain)
+
+    def make_binding(self, plan: Plan, key: tuple, problem_sizes) -> Binding:
+        return self.binding_type(plan, pointers_of_key(key, len(problem_sizes)))
+
+    def context_usable(self, device: torch.device) -> bool:
+        return context_usable(device)
+
+    def first_use_check(self, data, plan: Plan) -> list[torch.Tensor]:
+        return first_use_check(data, plan)
+
+    # --- the miss path --------------------------------------------------------------------------
+    def plan(self, backend, problem_sizes, device: torch.device) -> Plan:
+        """The cached plan of these sizes on `device` for `backend`, or a new one (make_plan)."""
+        key = (str(device), problem_sizes, backend.plan_key)
+        plan = self.plans.get(key)
+        if plan is None:
+            with RUNTIME_LOCK:
+                plan = self.make_plan(backend, problem_sizes, device)
+            self.put_plan(key, plan)
+        return plan
+
+    def new_binding(self, backend, problem_sizes, device, key: tuple) -> Binding:
+        """A binding on the plan of these sizes. Writing its descriptors launches the chosen
+        kernel's init kernel: a failure there that leaves the context usable demotes that
+        kernel, and the binding is made on the next link's plan."""
+        while True:
+            plan = self.plan(backend, problem_sizes, device)
+            try:
+                return self.make_binding(plan, key, problem_sizes)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:
+                if plan.choice.host or not self.context_usable(plan.device):
+                    raise
+                demote(backend.name, plan.choice, plan.chain, plan.num_groups,
+                       f"descriptor init failed ({one_line(error)})")
+
+    def bound_input_set(self, data, key: tuple | None):
+        """The validating path for an input set of input_key `key` (None: not computed, the
+        input may be malformed): checked sizes, then the cached binding of these pointers,
+        the outputs of a call without a binding (unbound_call), or a new binding on the plan of
+        these sizes. One thread at a time (compilation and the caches)."""
+        key, problem_sizes = checked_input(data, key)
+        with RUNTIME_LOCK:
+            self.before_miss()
+            binding = self.bindings.get(key)
+            if binding is None or binding.plan.problem_sizes != problem_sizes:
+                outputs = self.unbound_call(data, key, problem_sizes)
+                if outputs is not None:
+                    return outputs
+                device = data[0][0][0].device
+                try:
+                    with device_context(device):
+                        binding = self.new_binding(self.select_backend(device.index), problem_sizes, device, key)
+                except torch.OutOfMemoryError as error:
+                    raise torch.OutOfMemoryError(
+                        f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
+                        f"{list(problem_sizes)}; nothing was cached, a later call builds it again "
+                        f"({one_line(error)})"
+                    ) from error
+                self.put_binding(key, binding)
+        return binding
+
+    def after_failed_launch(self, plan: Plan, error: Exception) -> None:
+        """A launch raised: demote its kernel (the caller computes the call again, on the next
+        link) if the context is still usable; re-raise otherwise."""
+        if not self.context_usable(plan.device):
+            raise error
+        demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({one_line(error)})")
+
+
+# This file's runtime: input sets (bindings) by data pointers, plans by (device, sizes,
+# backend): 32 plans and 1 GiB at most; a binding holds its pointer table and descriptors, and
+# an evicted plan's bindings go with it.
+RUNTIME = Runtime("submission")
 _BACKEND_BY_DEVICE: dict = {}
 
 
@@ -3653,141 +3853,50 @@ def select_backend(device_index: int) -> Sm100Backend:
     return backend
 
 
-def _drop_plans(predicate) -> None:
-    """Remove the plans that `predicate` selects, and their bindings."""
-    _PLANS.drop(predicate)
-    _BINDINGS.drop(lambda binding: predicate(binding.plan))
-
-
-def _drop_plans_of(kernel_key: tuple) -> None:
-    """A demotion's part here: the plans that run the demoted kernel, and their bindings."""
-    _drop_plans(lambda plan: plan.kernel_key == kernel_key)
-
-
-DEMOTION_LISTENERS.append(_drop_plans_of)
-
-
-def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
-    """The cached plan of these sizes on `device` for `backend`, or a new one on the first
-    kernel of the backend's chain that is not demoted and compiles."""
-    key = (str(device), problem_sizes, backend.plan_key)
-    plan = _PLANS.get(key)
-    if plan is None:
-        with RUNTIME_LOCK:
-            backend.can_implement(problem_sizes)
-            chain = backend.kernel_chain(problem_sizes)
-            plan = Plan(backend, problem_sizes, device, choose_kernel(backend, chain, len(problem_sizes)), chain)
-        for evicted in _PLANS.put(key, plan):
-            _drop_plans(lambda bound_plan, evicted=evicted: bound_plan is evicted)
-    return plan
-
-
-def _new_binding(backend, problem_sizes, device, key: tuple) -> Binding:
-    """A binding on the plan of these sizes. Writing its descriptors launches the chosen
-    kernel's init kernel: a failure there that leaves the context usable demotes that kernel,
-    and the binding is made on the next link's plan."""
-    while True:
-        plan = get_plan(backend, problem_sizes, device)
-        try:
-            return Binding(plan, pointers_of_key(key, len(problem_sizes)))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:
-            if plan.choice.host or not context_usable(plan.device):
-                raise
-            demote(backend.name, plan.choice, plan.chain, plan.num_groups,
-                   f"descriptor init failed ({one_line(error)})")
-
-
-def _bound_input_set(data, key: tuple | None) -> Binding:
-    """The validating path for an input set of input_key `key` (None: not computed, the input
-    may be malformed): checked sizes, then the cached binding of these pointers or a new one
-    on the plan of these sizes. One thread at a time (compilation and the caches)."""
-    key, problem_sizes = checked_input(data, key)
-    with RUNTIME_LOCK:
-        binding = _BINDINGS.get(key)
-        if binding is None or binding.plan.problem_sizes != problem_sizes:
-            device = data[0][0][0].device
-            try:
-                with device_context(device):
-                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key)
-            except torch.OutOfMemoryError as error:
-                raise torch.OutOfMemoryError(
-                    f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
-                    f"{list(problem_sizes)}; nothing was cached, a later call builds it again "
-                    f"({one_line(error)})"
-                ) from error
-            _BINDINGS.put(key, binding)
-    return binding
-
-
-def cached_binding(entries: collections.OrderedDict, data) -> tuple[Any, tuple | None]:
-    """The hit path's lookup: (the binding of `entries` (a RuntimeCache's) for this input set,
-    touched, or None; its input_key, or None for malformed input, which full validation then
-    names).
-
-    Hit: every pointer and the problem sizes equal those of an input set that passed
-    validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a tensor
-    replaced by one with the same address and problem size but another dtype or layout would
-    be read as the validated one. (input_key and RuntimeCache.get inlined: a Python frame
-    saved on every call.)"""
-    try:
-        key = (*map(data_address, flatten(data[0])), *map(data_address, flatten(data[2])))
-        binding = entries.get(key)
-        if binding is not None:
-            entries.move_to_end(key)
-            if tuple(data[3]) != binding.plan.problem_sizes:
-                binding = None  # same buffers, other sizes: check and bind again
-    except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
-        return None, None
-    return binding, key
-
-
 def custom_kernel(data: input_t) -> output_t:
     """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
-    binding, key = cached_binding(_BINDINGS.entries, data)
+    binding, key = RUNTIME.bindings.get_input_set(data)
     first_use = binding is None
     if first_use:
-        binding = _bound_input_set(data, key)
+        binding = RUNTIME.bound_input_set(data, key)
     launch = binding.launch
     if launch is None:  # a host computation (the chain's last link)
-        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
+        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(c_of_group, data[0])))
     try:
         launch()
     except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
-        return _after_failed_launch(data, binding.plan, error)
+        RUNTIME.after_failed_launch(binding.plan, error)
+        return custom_kernel(data)
     if first_use and binding.plan.kernel_key not in SELF_CHECKED:
         return first_use_check(data, binding.plan)
-    return list(map(_c_of_group, data[0]))
-
-
-def _after_failed_launch(data, plan: Plan, error: Exception) -> list[torch.Tensor]:
-    """A launch raised: demote its kernel and compute the call again on the next link, if
-    the context is still usable; re-raise otherwise."""
-    if not context_usable(plan.device):
-        raise error
-    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({one_line(error)})")
-    return custom_kernel(data)
+    return list(map(c_of_group, data[0]))
 
 
 def binding_of(key: tuple):
     """The binding of the input set of input_key `key` (touched as most recently used); None
     before its first call, or after an eviction or a demotion dropped it. For tools
-    (selfcheck): the bindings' cache stays private."""
-    return _BINDINGS.get(key)
+    (selfcheck): the bindings' cache stays the runtime's."""
+    return RUNTIME.bindings.get(key)
 
 
 def reset_runtime() -> None:
-    """Forget every input set, plan, backend, demotion and self-check result (compiled kernels
-    stay): the process as it was before its first call, for tests and for a caller that
-    changed an environment switch."""
+    """Forget every input set, plan, backend, demotion and self-check result of every runtime
+    of the process (compiled kernels stay): the process as it was before its first call, for
+    tests and for a caller that changed a switch (the library's runtime reads its switches again
+    in its reset). Every runtime is reset; the first error one raised is raised after."""
     with RUNTIME_LOCK:
-        for cache in (_BINDINGS, _PLANS):
-            cache.clear()
         _BACKEND_BY_DEVICE.clear()
-        _DEMOTED.clear()
+        DEMOTED.clear()
         SELF_CHECKED.clear()
-        _RESIDENT_CLUSTERS.clear()
+        RESIDENT_CLUSTERS.clear()
+        first_error = None
+        for runtime in RUNTIMES:
+            try:
+                runtime.reset()
+            except Exception as error:  # noqa: BLE001 - the others are reset all the same
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
 
 def check_family(n: int, k: int, groups: int) -> None:
@@ -3813,7 +3922,7 @@ def compile_family(backend, device: torch.device, n: int, k: int, groups: int) -
         # what follows a first link in this family's chains (its fallbacks), for the demotion line
         fallbacks = list(backend.kernel_chain([(128, n, k, 1)] * groups))[1:]
         for choice in backend.family_choices(groups, n, k):
-            if choice.kernel_key(groups) in _DEMOTED:
+            if choice.kernel_key(groups) in DEMOTED:
                 continue
             try:
                 backend.compile(choice, groups)

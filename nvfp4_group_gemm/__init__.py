@@ -28,7 +28,6 @@ from .moe import (
     moe_grouped_gemm,
     moe_reference,
     prepare_weight_scales,
-    reset_moe,
 )
 from .op import grouped_gemm, grouped_gemm_op, moe_grouped_gemm_op
 from .runtime import (
@@ -53,7 +52,6 @@ __all__ = [
     "moe_grouped_gemm_op",
     "moe_reference",
     "prepare_weight_scales",
-    "reset_moe",
     "reset_runtime",
     "run_with_backend",
     "select_backend",

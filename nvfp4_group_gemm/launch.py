@@ -144,7 +144,7 @@ class PinnedHostBuffer:
         if device.type == "cuda":
             with device_context(device):
                 result, base = cuda.cuMemHostAlloc(size, cuda.CU_MEMHOSTALLOC_PORTABLE)
-                _check_cuda(result, "cuMemHostAlloc")
+                check_cuda(result, "cuMemHostAlloc")
                 self.base, self.pinned = int(base), True
             self.host = memoryview((ctypes.c_char * size).from_address(self.base)).cast("B")
         else:
@@ -181,14 +181,14 @@ class StagedTables:
     def upload(self, offset: int, nbytes: int, stream) -> None:
         """Copy bytes offset .. offset + nbytes to the mirror on `stream` (a cuda.CUstream)."""
         if self.mirror is not None:
-            _check_cuda(cuda.cuMemcpyHtoDAsync(self.device_base + offset, self.buffer.base + offset, nbytes,
+            check_cuda(cuda.cuMemcpyHtoDAsync(self.device_base + offset, self.buffer.base + offset, nbytes,
                                                stream)[0], "cuMemcpyHtoDAsync")
 
     def copy_to(self, offset: int, nbytes: int, destination: torch.Tensor, stream) -> None:
         """Copy bytes offset .. offset + nbytes to the start of `destination` (a tensor of at
         least nbytes on the staging's device) on `stream`; on a CPU device, at once."""
         if self.mirror is not None:
-            _check_cuda(cuda.cuMemcpyHtoDAsync(destination.data_ptr(), self.buffer.base + offset, nbytes,
+            check_cuda(cuda.cuMemcpyHtoDAsync(destination.data_ptr(), self.buffer.base + offset, nbytes,
                                                stream)[0], "cuMemcpyHtoDAsync")
         else:
             ctypes.memmove(destination.data_ptr(), self.buffer.base + offset, nbytes)
@@ -232,16 +232,16 @@ class TableRing(StagedTables):
         left = self.events[self.segment]
         for stream in self.streams:
             if isinstance(stream, cuda.CUstream):
-                event = _CudaEvent()
+                event = CudaEvent()
                 if cuda.cuEventRecord(event.event, stream)[0] == cuda.CUresult.CUDA_SUCCESS:
                     left.append(event)
                 else:  # the stream is gone (a caller's external stream): wait for all work
-                    _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
+                    check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
         self.streams = []
         self.segment = (self.segment + 1) % self.SEGMENTS
         self.offset = 0
         for event in self.events[self.segment]:
-            _check_cuda(cuda.cuEventSynchronize(event.event)[0], "cuEventSynchronize")
+            check_cuda(cuda.cuEventSynchronize(event.event)[0], "cuEventSynchronize")
         self.events[self.segment] = []
 
 
@@ -282,7 +282,7 @@ def records_graph(allowed: bool = True) -> bool:
     caller's capture (inside one, its launches go straight into the caller's graph), where
     graphs are on (switches.CURRENT.graph_launch) and its plan allows (`allowed`: not the sm_90
     calls chained by programmatic dependent launch, which launch directly). True: record now."""
-    return allowed and switches.CURRENT.graph_launch and not _capturing()
+    return allowed and switches.CURRENT.graph_launch and not is_capturing()
 
 
 # What a cache evicts while a caller's graph capture runs (bindings, plans, with the CUDA graphs
@@ -294,17 +294,44 @@ RETIRED: list = []
 
 def retire(evicted) -> None:
     """Keep `evicted` (what a cache evicted) alive while a capture runs."""
-    if evicted and _capturing():
+    if evicted and is_capturing():
         RETIRED.extend(evicted)
 
 
 def release_retired() -> None:
     """Outside a capture: let go of what captures retired."""
-    if RETIRED and not _capturing():
+    if RETIRED and not is_capturing():
         RETIRED.clear()
 
 
-def _check_cuda(result, what: str) -> None:
+class StreamRuntime(core.Runtime):
+    """The core's runtime (core.Runtime) where launches go to callers' streams, under their
+    graph captures: what a cache evicts or drops while a capture runs is retired (`retire`), a
+    miss first lets go of what captures retired, a failed launch under a capture is the
+    caller's to see (the context cannot be synchronized then), and the first-use check (it
+    synchronizes) waits for a call outside a capture. The library's two entries (the
+    per-size-set runtime, the MoE entry) are instances of it."""
+
+    def retire(self, entries) -> None:
+        retire(entries)
+
+    def before_miss(self) -> None:
+        release_retired()
+
+    def context_usable(self, device: torch.device) -> bool:
+        return not is_capturing() and core.context_usable(device)
+
+    def first_use_check(self, data, plan) -> list[torch.Tensor]:
+        if is_capturing():
+            return [c for _, _, c in data[0]]
+        return core.first_use_check(data, plan)
+
+    def reset(self) -> None:
+        super().reset()
+        RETIRED.clear()
+
+
+def check_cuda(result, what: str) -> None:
     if result != cuda.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{what} failed: {result!r}")
 
@@ -334,16 +361,16 @@ class GraphLaunch:
             launch = record(stream)
             # Thread-local: CUDA calls of other threads are not captured and not disturbed
             mode = cuda.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-            _check_cuda(cuda.cuStreamBeginCapture(stream, mode)[0], "cuStreamBeginCapture")
+            check_cuda(cuda.cuStreamBeginCapture(stream, mode)[0], "cuStreamBeginCapture")
             try:
                 launch()
             finally:
                 # Always leave capture mode, also when the launch raised
                 result, graph = cuda.cuStreamEndCapture(stream)
-            _check_cuda(result, "cuStreamEndCapture")
+            check_cuda(result, "cuStreamEndCapture")
             try:
                 result, graph_exec = cuda.cuGraphInstantiate(graph, 0)
-                _check_cuda(result, "cuGraphInstantiate")
+                check_cuda(result, "cuGraphInstantiate")
             finally:
                 cuda.cuGraphDestroy(graph)  # the executable graph does not need it
         self.graph_exec = graph_exec
@@ -388,7 +415,7 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
     # the ring is shared (bind_input_set runs outside custom_kernel's lock)
     with RUNTIME_LOCK if through_ring else contextlib.nullcontext():
         if through_ring:
-            stream = _stream_for_current()
+            stream = stream_for_current()
             ring = table_ring(device)
             base = ring.take(offset, stream)
             staging = ring.buffer.host
@@ -397,7 +424,7 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, torch.Tensor | None
         for (start, code, count, width, _), (_, rows) in zip(layout, tables):
             struct.pack_into(f"<{count * width}{code}", staging, base + start, *flatten(rows))
         if through_ring:
-            _check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + base, offset, stream)[0],
+            check_cuda(cuda.cuMemcpyHtoDAsync(buffer.data_ptr(), ring.buffer.base + base, offset, stream)[0],
                         "cuMemcpyHtoDAsync")
             host = None
         else:  # the CPU tests, or tables over a ring segment: a pinned staging block of their own
@@ -424,9 +451,9 @@ class Written:
         self.value = value
         self.event = self.stream = None
         if device.type == "cuda":
-            self.stream = _stream_for_current()
-            self.event = _CudaEvent()
-            _check_cuda(cuda.cuEventRecord(self.event.event, self.stream)[0], "cuEventRecord")
+            self.stream = stream_for_current()
+            self.event = CudaEvent()
+            check_cuda(cuda.cuEventRecord(self.event.event, self.stream)[0], "cuEventRecord")
 
     @classmethod
     def on_stream(cls, value, stream) -> "Written":
@@ -444,24 +471,24 @@ class Written:
         if self.stream is None or stream is self.stream:
             return
         if self.event is None:  # on_stream: recorded now, after the writing
-            event = _CudaEvent()
+            event = CudaEvent()
             if cuda.cuEventRecord(event.event, self.stream)[0] != cuda.CUresult.CUDA_SUCCESS:
                 # the writing stream is gone (a caller's external stream): wait for all work
-                _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
+                check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
                 self.stream = None
                 return
             self.event = event
-        _check_cuda(cuda.cuStreamWaitEvent(stream, self.event.event, 0)[0], "cuStreamWaitEvent")
+        check_cuda(cuda.cuStreamWaitEvent(stream, self.event.event, 0)[0], "cuStreamWaitEvent")
 
 
-class _CudaEvent:
+class CudaEvent:
     """A timing-free CUDA event, destroyed with its owner."""
 
     __slots__ = ("event",)
 
     def __init__(self):
         result, self.event = cuda.cuEventCreate(cuda.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        _check_cuda(result, "cuEventCreate")
+        check_cuda(result, "cuEventCreate")
 
     def __del__(self):
         try:
@@ -472,7 +499,7 @@ class _CudaEvent:
 
 # Per device: the tables of first calls (TableRing) and of captured first calls (CaptureArena)
 _TABLE_RINGS: dict = {}
-_CAPTURE_ARENAS: dict = {}
+CAPTURE_ARENAS: dict = {}
 
 
 def table_ring(device: torch.device) -> TableRing:
@@ -480,47 +507,47 @@ def table_ring(device: torch.device) -> TableRing:
     ring = _TABLE_RINGS.get(device.index)
     if ring is None:
         ring = _TABLE_RINGS[device.index] = TableRing(device)
-        _CAPTURE_ARENAS[device.index] = CaptureArena(device)
+        CAPTURE_ARENAS[device.index] = CaptureArena(device)
     return ring
 
 
 # One cuda.CUstream object per raw stream handle, so backends can compare streams by identity
-# (the 64 most recent handles; the hit path reads its dictionary directly)
-_STREAM_OBJECTS = core.RuntimeCache(max_entries=64)
+# (the 64 most recent handles)
+STREAM_OBJECTS = core.RuntimeCache(max_entries=64)
 # torch.cuda.current_stream() builds a Stream object on every call; the raw handle of the
 # current stream is one C call (the same private accessor Triton's launcher uses).
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 cuda_get_device = core.cuda_get_device
 if cuda_get_device is None:
-    _current_raw_stream = None  # both or neither: the public path otherwise
+    current_raw_stream = None  # both or neither: the public path otherwise
 
 
-def _current_stream_handle() -> int:
-    if _current_raw_stream is not None:
+def current_stream_handle() -> int:
+    if current_raw_stream is not None:
         # torch.cuda.current_device() without its lazy-init check (CUDA is initialized
         # before any stream is asked for: validation reads the device first)
-        return _current_raw_stream(cuda_get_device())
+        return current_raw_stream(cuda_get_device())
     return torch.cuda.current_stream().cuda_stream
 
 
-def _stream_for_current() -> cuda.CUstream:
+def stream_for_current() -> cuda.CUstream:
     """torch's current stream as a cuda.CUstream, one object per handle."""
-    handle = _current_stream_handle()
-    stream = _STREAM_OBJECTS.entries.get(handle)
+    handle = current_stream_handle()
+    stream = STREAM_OBJECTS.get(handle)
     if stream is None:
         stream = cuda.CUstream(handle)
-        _STREAM_OBJECTS.put(handle, stream)
+        STREAM_OBJECTS.put(handle, stream)
     return stream
 
 
-def _stream_handle(stream) -> int:
+def handle_of(stream) -> int:
     """The raw handle of a cuda.CUstream (0 for the CPU tests' stand-in streams)."""
     return int(stream) if isinstance(stream, cuda.CUstream) else 0
 
 
-def _capturing() -> bool:
+def is_capturing() -> bool:
     """Whether torch's current stream is capturing (never before CUDA is initialized)."""
-    return torch.cuda.is_initialized() and _stream_capturing()
+    return torch.cuda.is_initialized() and current_stream_capturing()
 
 
-_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+current_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)

@@ -66,9 +66,8 @@ MAX_GROUPS = 512
 # Plans (compiled launches and scratch) kept, and the scratch bytes they may hold together
 MAX_PLANS = 16
 MAX_PLAN_BYTES = 4 << 30
-# Bindings (launch arguments of one set of tensor addresses) kept per stream, and the streams
-MAX_BINDINGS = 64
-MAX_STREAMS = 16
+# Bindings (launch arguments of one set of tensor addresses on one stream) kept, over all streams
+MAX_BINDINGS = 256
 
 _FP4_DTYPES = tuple(d for d in (getattr(torch, "float4_e2m1fn_x2", None), torch.uint8) if d is not None)
 _SCALE_DTYPES = tuple(d for d in (torch.float8_e4m3fn, torch.uint8) if d is not None)
@@ -335,7 +334,7 @@ def check_status(status: torch.Tensor) -> None:
 class MoePlan:
     """What one (device, stream, MoeShape, config) needs beyond the tensors: the config, the
     compiled launchers, the decoded-activation scratch and the status word of calls given none
-    (captured: a CUDA graph was captured with it, so it is never evicted: _PLANS pins it)."""
+    (captured: a CUDA graph was captured with it, so it is never evicted: RUNTIME pins it)."""
 
     __slots__ = (
         "blocks_x",
@@ -378,15 +377,40 @@ class MoePlan:
         self.fill_ctas = num_sms  # one round of one CTA per SM (variable tiles' cap, moe_token_cap)
         self.max_tiles = hopper_moe.max_moe_tiles(shape.tokens, shape.groups, shape.n, config, self.fill_ctas)
         self.blocks_x = -(-(shape.tokens * (shape.k // SF_VEC_SIZE)) // hopper_moe.DECODE_THREADS)
+        decode, gemm = compile_moe_kernels(shape, config)
         if shape.w4a16:
             self.decode = None
-            gemm = hopper_moe.compile_moe_w4a16_gemm(shape.groups, config=config, epilogue=shape.epilogue())
             self.gemm = launch.cell_launcher(gemm, *W4A16_GEMM_ARGS)
             return
-        decode = hopper_moe.compile_moe_decode(shape.groups, scale_layout=shape.sfa_layout, chained=config.chain_calls)
-        gemm = hopper_moe.compile_moe_gemm(shape.groups, config=config, epilogue=shape.epilogue())
         self.decode = launch.cell_launcher(decode, *DECODE_ARGS)
         self.gemm = launch.cell_launcher(gemm, *(GEMM_ARGS if shape.alpha is None else SCALED_GEMM_ARGS))
+
+
+def compile_moe_kernels(shape: MoeShape, config) -> tuple:
+    """(the pre-pass, the GEMM) of `config` for this shape, compiled (cached: core.compile_key);
+    no pre-pass in W4A16 (w4a16_config applied)."""
+    from .hopper import moe as hopper_moe
+
+    if shape.w4a16:
+        config = hopper_moe.w4a16_config(config)
+        return None, hopper_moe.compile_moe_w4a16_gemm(shape.groups, config=config, epilogue=shape.epilogue())
+    decode = hopper_moe.compile_moe_decode(shape.groups, scale_layout=shape.sfa_layout, chained=config.chain_calls)
+    return decode, hopper_moe.compile_moe_gemm(shape.groups, config=config, epilogue=shape.epilogue())
+
+
+class MoeKernels:
+    """The MoE chain's links as core.choose_kernel compiles them (a compile failure demotes
+    its link): the sm_90 kernels of a link's config for one shape; the exact decode compiles
+    nothing."""
+
+    name = None  # MOE_BACKEND, set below
+
+    def __init__(self, shape: MoeShape):
+        self.shape = shape
+
+    def compile(self, choice, num_groups: int) -> None:
+        if not choice.host:
+            compile_moe_kernels(self.shape, choice.config[0])
 
 
 # CellLauncher kinds and pointer dtypes of the two kernels' arguments (hopper/moe.py's __call__s)
@@ -483,7 +507,7 @@ class MoeBinding:
     def launch(self) -> None:
         if self.sfb_plain is not None:
             self.sfb_blocked.copy_(_blocked_view(self.sfb_plain))
-        if launch._stream_capturing():
+        if launch.current_stream_capturing():
             self.plan.captured = True  # the caller's graph reads the plan's scratch at every replay
         else:
             if self.record is not None:  # bound during a caller's capture: record at its first launch outside
@@ -498,15 +522,26 @@ class MoeBinding:
 _stream_query = launch.cuda.cuStreamQuery
 
 
-# A key's first call launches through the plan's shared argument cells and leaves this in the
-# stream's table; its second call builds the binding (fresh tensors every call bind nothing)
-_SEEN_ONCE = object()
+class _SeenOnce:
+    """A key's first call launches through the plan's shared argument cells and leaves this
+    marker among the bindings (no plan of its own); its second call builds the binding (fresh
+    tensors every call bind nothing)."""
+
+    __slots__ = ()
+    plan = None
 
 
-# Plans by (device, stream, MoeShape, the switches its config follows): the oldest go first past
+_SEEN_ONCE = _SeenOnce()
+
+
+# The entry's runtime (the core's, on callers' streams: launch.StreamRuntime). Plans by (device,
+# stream, MoeShape, the switches its config follows): the least recently used go first past
 # MAX_PLANS or MAX_PLAN_BYTES, never one a CUDA graph was captured with (its replays use the
-# plan's scratch: those stay until reset_runtime). The bindings of an evicted plan go with it.
-_PLANS = core.RuntimeCache(max_entries=MAX_PLANS, max_bytes=MAX_PLAN_BYTES, pinned=lambda plan: plan.captured)
+# plan's scratch: those stay until reset_runtime). Bindings by ((stream, device), binding key),
+# MAX_BINDINGS over all streams; the bindings of an evicted plan go with it. Its other caches,
+# _CAPABILITY and _LAYOUTS, are cleared with it.
+RUNTIME = launch.StreamRuntime("moe", max_bindings=MAX_BINDINGS, max_plans=MAX_PLANS, max_plan_bytes=MAX_PLAN_BYTES,
+                               pinned=lambda plan: plan.captured)
 # The one lock of every runtime of the package: compiles and shared state, so that a MoE
 # compile and a per-size-set compile on two threads never run at once (concurrent first
 # compiles crash inside the DSL)
@@ -610,6 +645,7 @@ def _switches() -> tuple:
 # The fallback chain and its first-use self-check, as every entry has
 # =============================================================================
 MOE_BACKEND = "moe_sm90"
+MoeKernels.name = MOE_BACKEND
 
 
 def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | None) -> list:
@@ -635,18 +671,11 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
     return [*links, core.KernelChoice(MOE_BACKEND, "exact_decode", host=True)]
 
 
-def _chosen_link(chain: list, groups: int):
-    """The first link of `chain` not demoted (core's record); the exact decode is never demoted."""
-    for choice in chain:
-        if choice.host or not core.is_demoted(choice.kernel_key(groups)):
-            return choice
-    return chain[-1]
-
-
 def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan | None:
-    """The plan of `key` (made on a miss, its config the chain's first usable link); None: every
-    kernel of the chain is demoted, the exact decode computes the call."""
-    plan = _PLANS.get(key)
+    """The plan of `key` (made on a miss, its config the chain's first link that is not demoted
+    and compiles: core.choose_kernel); None: every kernel of the chain is demoted, the exact
+    decode computes the call."""
+    plan = RUNTIME.plans.get(key)
     if plan is not None:
         return plan
     from .hopper.backend import current_num_sms
@@ -655,42 +684,17 @@ def _plan_for(key, shape: MoeShape, device: torch.device) -> MoePlan | None:
         num_sms = current_num_sms()
         forced, chain_calls = key[-2:]
         chain = moe_chain(shape, num_sms, chain_calls, forced)
-        choice = _chosen_link(chain, shape.groups)
+        choice = core.choose_kernel(MoeKernels(shape), chain, shape.groups)
         if choice.host:
             return None
-        try:
-            plan = MoePlan(shape, device, choice.config[0], num_sms, choice, chain)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:  # noqa: BLE001 - a compile failure moves down the chain
-            core.demote(MOE_BACKEND, choice, chain, shape.groups, f"compile failed ({core.one_line(error)})")
-            return _plan_for(key, shape, device)
-    _evict_bindings_of(_PLANS.put(key, plan))
+        plan = MoePlan(shape, device, choice.config[0], num_sms, choice, chain)
+    RUNTIME.put_plan(key, plan)
     return plan
-
-
-def _evict_bindings_of(evicted_plans) -> None:
-    """The bindings of evicted plans go with them (retired while a capture runs)."""
-    if not evicted_plans:
-        return
-    launch.retire(evicted_plans)
-    gone = {id(plan) for plan in evicted_plans}
-    for per_stream in _BINDINGS.entries.values():
-        launch.retire(per_stream.drop(lambda binding: binding is not _SEEN_ONCE and id(binding.plan) in gone))
-
-
-def _forget_plans_of(kernel_key: tuple) -> None:
-    """A demotion of a MoE kernel (sm_90 or sm_100): drop the plans that run it and their
-    bindings (their shapes plan again on the next call, on the next link)."""
-    if kernel_key[0] in (MOE_BACKEND, SM100_MOE_BACKEND):
-        _evict_bindings_of(_PLANS.drop(lambda plan: plan.kernel_key == kernel_key))
-
-
-core.DEMOTION_LISTENERS.append(_forget_plans_of)
 
 
 # Compute capabilities by device index, asked once per device
 _CAPABILITY = core.RuntimeCache(max_entries=64)
+RUNTIME.caches.append(_CAPABILITY)
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -800,7 +804,7 @@ def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None)
     """The chain's last link, on inputs the entry validated: the exact decode as the kernels
     behave (bad offsets without a status: nothing written, nothing raised, as a kernel
     launch), refused under a caller's capture (it reads the offsets on the host)."""
-    if launch._capturing():
+    if launch.is_capturing():
         raise RuntimeError(f"moe_grouped_gemm: every MoE kernel for T = {shape.tokens}, G = {shape.groups}, "
                            f"N = {shape.n}, K = {shape.k} is demoted in this process (the lines above say why), and "
                            "its last link, the exact decode, reads the offsets on the host: it cannot run under a "
@@ -825,10 +829,6 @@ def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None):
             None if status is None else data_address(status), None if alpha is None else data_address(alpha), layout)
 
 
-# (stream handle, current device) -> {binding key: binding}: the hit path's two lookups (each a
-# RuntimeCache's dictionary, read directly), MAX_STREAMS streams of MAX_BINDINGS bindings
-_BINDINGS = core.RuntimeCache(max_entries=MAX_STREAMS)
-
 
 def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
                      c: torch.Tensor | None = None, *, status: torch.Tensor | None = None,
@@ -844,14 +844,12 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
         check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha)
         raise
     entry = where = None
-    if _BINDINGS.entries:  # a key seen before, so CUDA is initialized: the hit path
-        where = (launch._current_stream_handle(), core.current_device_index())
-        per_stream = _BINDINGS.entries.get(where)
-        entry = None if per_stream is None else per_stream.entries.get(key)
+    if a.is_cuda:  # CUDA is initialized: the hit path (the binding, touched: least recently used go first)
+        where = (launch.current_stream_handle(), core.current_device_index())
+        entry = RUNTIME.bindings.get((where, key))
     if entry is None or entry is _SEEN_ONCE:
         _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where, alpha=alpha)
     else:
-        per_stream.entries.move_to_end(key)  # least recently used bindings go first
         entry.launch()
     return c
 
@@ -861,6 +859,7 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
 # addresses' alignment and its tensors' devices.
 MAX_LAYOUTS = 64
 _LAYOUTS = core.RuntimeCache(max_entries=MAX_LAYOUTS)
+RUNTIME.caches.append(_LAYOUTS)
 
 
 def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None) -> MoeShape:
@@ -893,7 +892,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
     the caller read them."""
     shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha)
     device = a.device
-    stream_handle, current_device = where or (launch._current_stream_handle(), core.current_device_index())
+    stream_handle, current_device = where or (launch.current_stream_handle(), core.current_device_index())
     if device.index != current_device:
         raise ValueError(f"moe_grouped_gemm: a.device = {device}: must be torch's current CUDA device "
                          f"(cuda:{current_device}); use `with torch.cuda.device({device.index})`")
@@ -907,8 +906,8 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
     with _LOCK:
         # the config follows from the shape and the two switches (moe_config)
         plan_key = (device.index, stream_handle, shape, *_switches())
-        capturing = launch._capturing()
-        launch.release_retired()
+        capturing = launch.is_capturing()
+        RUNTIME.before_miss()
         plan = _plan_for(plan_key, shape, device)
         if plan is None:  # every kernel of the chain demoted
             _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha)
@@ -918,16 +917,12 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         check = not (capturing or plan.checked or not core.SELF_CHECK)
         if check and plan.kernel_key in core.SELF_CHECKED:
             plan.checked, check = True, False
-        per_stream = _BINDINGS.get((stream_handle, device.index))
-        if per_stream is None:
-            per_stream = core.RuntimeCache(max_entries=MAX_BINDINGS)
-            for evicted in _BINDINGS.put((stream_handle, device.index), per_stream):
-                launch.retire(list(evicted.entries.values()))
+        binding_key = ((stream_handle, device.index), key)
         try:
             if bind and not check:
                 binding = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status, alpha),
                                      stream_handle)
-                launch.retire(per_stream.put(key, binding))
+                RUNTIME.put_binding(binding_key, binding)
                 binding.launch()
                 return
             sfb_address = None
@@ -941,14 +936,14 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # a failed launch: the next link, where the context can still run work
-            if capturing or not core.context_usable(device):
+            if not RUNTIME.context_usable(device):
                 raise
             core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups, f"launch failed ({core.one_line(error)})")
             _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=False, where=where, alpha=alpha)
             return
         if check:
             _self_check(plan, a, sfa, b, sfb, offsets, c, status, alpha)
-        launch.retire(per_stream.put(key, _SEEN_ONCE))
+        RUNTIME.put_binding(binding_key, _SEEN_ONCE)
 
 
 class Sm100MoeBinding:
@@ -1003,10 +998,10 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
     chain = [core.KernelChoice(SM100_MOE_BACKEND, "sm100_moe", shape.epilogue(), per_group_count=True),
              core.KernelChoice(SM100_MOE_BACKEND, "exact_decode", host=True)]
     with _LOCK:
-        capturing = launch._capturing()
-        launch.release_retired()
+        capturing = launch.is_capturing()
+        RUNTIME.before_miss()
         plan_key = (device.index, stream_handle, shape, "sm100")
-        plan = _PLANS.get(plan_key)
+        plan = RUNTIME.plans.get(plan_key)
         if plan is None and not core.is_demoted(chain[0].kernel_key(shape.groups)):
             try:
                 launches = sm100_moe.sm100_moe_launches(
@@ -1020,7 +1015,7 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
             except Exception as error:  # noqa: BLE001 - a compile failure moves down the chain
                 core.demote(SM100_MOE_BACKEND, chain[0], chain, shape.groups, f"compile failed ({core.one_line(error)})")
             else:
-                _evict_bindings_of(_PLANS.put(plan_key, plan))
+                RUNTIME.put_plan(plan_key, plan)
         if plan is None:
             _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha)
             return
@@ -1036,18 +1031,13 @@ def _launch_sm100(shape: MoeShape, a, sfa, b, sfb, offsets, c, status, key, stre
                                   stream_handle)
         check = not capturing and core.SELF_CHECK and plan.kernel_key not in core.SELF_CHECKED
         if not check:
-            per_stream = _BINDINGS.get((stream_handle, device.index))
-            if per_stream is None:
-                per_stream = core.RuntimeCache(max_entries=MAX_BINDINGS)
-                for evicted in _BINDINGS.put((stream_handle, device.index), per_stream):
-                    launch.retire(list(evicted.entries.values()))
-            launch.retire(per_stream.put(key, binding))
+            RUNTIME.put_binding(((stream_handle, device.index), key), binding)
         try:
             binding.launch()
         except torch.OutOfMemoryError:
             raise
         except Exception as error:  # a failed launch: the exact decode, where the context can still run work
-            if capturing or not core.context_usable(device):
+            if not RUNTIME.context_usable(device):
                 raise
             core.demote(SM100_MOE_BACKEND, chain[0], chain, shape.groups, f"launch failed ({core.one_line(error)})")
             _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha)
@@ -1073,15 +1063,6 @@ class Sm100MoePlan:
         self.kernel_key, self.checked = chain[0].kernel_key(groups), False
         self.status = buffers.get("status")
         self.nbytes = sum(t.numel() * t.element_size() for t in buffers.values())
-
-
-def reset_moe() -> None:
-    """Drop every plan and binding of this entry (their scratch is freed once no launch holds
-    it), those of captured graphs too: replay no graph captured with this entry afterwards.
-    reset_runtime() runs it, with everything else (switches read again, demotions forgotten)."""
-    with _LOCK:
-        for cache in (_CAPABILITY, _LAYOUTS, _BINDINGS, _PLANS):
-            cache.clear()
 
 
 # =============================================================================

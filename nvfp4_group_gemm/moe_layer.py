@@ -110,6 +110,12 @@ class MoeFfn:
         if not 0 <= first_local <= router_weight.shape[0] - self.experts:
             raise ValueError(f"MoeFfn: first_local = {first_local}: the {self.experts} local experts must lie within "
                              f"the router's {router_weight.shape[0]}")
+        # every expert local (no expert parallelism): the ids need no mapping and no pair is masked
+        self.all_local = first_local == 0 and self.experts == router_weight.shape[0]
+        # 0 .. E, where sort_by_expert looks up each expert's first pair
+        self.expert_bounds = torch.arange(self.experts + 1, device=router_weight.device)
+        if activations == "nvfp4":  # the quantizer's constants on the device, before any capture
+            checkpoint.midpoint_tensors(router_weight.device)
         # one activation scale per projection (the experts' largest), alpha recomputed with it
         self.scale13, self.alpha13 = self._scale_and_alpha(self.w13)
         self.scale2, self.alpha2 = self._scale_and_alpha(self.w2)
@@ -134,19 +140,20 @@ class MoeFfn:
         return route(x.float() @ self.router_weight.T, self.routing, self.e_score_correction_bias)
 
     def local_experts(self, experts: torch.Tensor) -> torch.Tensor:
-        """Each pair's local expert, E (one past the last) for a pair routed to another GPU's."""
+        """Each pair's local expert, E (one past the last) for a pair routed to another GPU's
+        (the ids as they are where every expert is local: no kernel)."""
+        if self.all_local:
+            return experts
         local = experts - self.first_local
         return torch.where((local >= 0) & (local < self.experts), local, self.experts)
 
     def sort_by_expert(self, experts: torch.Tensor):
         """(the pairs in expert order: their index into the T k pairs, the int32 offsets [E + 1])
         on the pairs' device, with no host read; `experts` local (local_experts: E, another GPU's,
-        sorts last, past offsets[E])."""
-        order = torch.argsort(experts, stable=True)
-        counts = torch.zeros(self.experts + 1, dtype=torch.int64, device=experts.device)
-        counts.scatter_add_(0, experts, torch.ones_like(experts))
-        offsets = torch.zeros(self.experts + 1, dtype=torch.int32, device=experts.device)
-        offsets[1:] = torch.cumsum(counts[:self.experts], 0)
+        sorts last, past offsets[E]). Two kernels: a stable sort, then each expert's first pair
+        in the sorted ids (offsets[e] = the pairs of experts below e)."""
+        sorted_experts, order = torch.sort(experts, stable=True)
+        offsets = torch.searchsorted(sorted_experts, self.expert_bounds, out_int32=True)
         return order, offsets
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,13 +183,13 @@ class MoeFfn:
         experts = self.local_experts(topk_ids.reshape(-1).long())
         order, offsets = self.sort_by_expert(experts)
         rows = hidden_states[order // top_k]  # the sorted pairs' tokens, [T k, H]
-        status = torch.zeros(1, dtype=torch.int32, device=hidden_states.device)
-        down = self.ffn(rows, self.w13, self.w2, (self.scale13, self.alpha13), (self.scale2, self.alpha2), offsets,
-                        status)
+        down = self.ffn(rows, self.w13, self.w2, (self.scale13, self.alpha13), (self.scale2, self.alpha2), offsets)
         unsorted = torch.empty_like(down)
         unsorted[order] = down  # row p: pair p = (token p // k, its (p % k)-th expert)
-        # the rows of pairs on other GPUs' experts were not written: they add nothing here
-        unsorted = torch.where((experts < self.experts)[:, None], unsorted.float(), 0.0)
+        if self.all_local:
+            unsorted = unsorted.float()
+        else:  # the rows of pairs on other GPUs' experts were not written: they add nothing here
+            unsorted = torch.where((experts < self.experts)[:, None], unsorted.float(), 0.0)
         weighted = unsorted.view(tokens, top_k, self.hidden) * topk_weights.float()[..., None]
         return weighted.sum(dim=1).to(out_dtype)
 
@@ -190,23 +197,22 @@ class MoeFfn:
         """The shared expert of every token, bf16 [T, H] (one group: offsets [0, T] made on
         the device)."""
         offsets = torch.arange(2, dtype=torch.int32, device=x.device) * x.shape[0]
-        status = torch.zeros(1, dtype=torch.int32, device=x.device)
         return self.ffn(x, self.shared["w13"], self.shared["w2"], (self.shared_scale13, self.shared_alpha13),
-                        (self.shared_scale2, self.shared_alpha2), offsets, status)
+                        (self.shared_scale2, self.shared_alpha2), offsets)
 
-    def ffn(self, rows, w13, w2, scale_alpha13, scale_alpha2, offsets, status) -> torch.Tensor:
+    def ffn(self, rows, w13, w2, scale_alpha13, scale_alpha2, offsets) -> torch.Tensor:
         """Gate-and-up GEMM, SwiGLU (fp32), down GEMM over rows grouped by `offsets`, bf16."""
-        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets, status)
+        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets)
         intermediate = w13.b.shape[1] // 2
-        gate, up = gate_up[:, :intermediate].float(), gate_up[:, intermediate:].float()
-        hidden = torch.nn.functional.silu(gate) * up
+        # up promoted to fp32 inside the product (exact, as .float() is): one kernel fewer
+        hidden = torch.nn.functional.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:]
         if scale_alpha2[0] is None:  # W4A16: the down GEMM reads bf16 rows
             hidden = hidden.to(torch.bfloat16)
-        return self.gemm(hidden, w2, *scale_alpha2, offsets, status)
+        return self.gemm(hidden, w2, *scale_alpha2, offsets)
 
     @staticmethod
     def gemm(rows: torch.Tensor, projection: checkpoint.MoeProjection, scale: torch.Tensor | None,
-             alpha: torch.Tensor, offsets: torch.Tensor, status: torch.Tensor) -> torch.Tensor:
+             alpha: torch.Tensor, offsets: torch.Tensor, status: torch.Tensor | None = None) -> torch.Tensor:
         """One grouped GEMM of the layer, bf16 output: `rows` as they are (bf16, W4A16: scale
         None), or quantized with `scale`."""
         if scale is None:

@@ -22,24 +22,22 @@ import torch
 from nvfp4_group_gemm import core, switches
 
 from .launch import (
-    _CAPTURE_ARENAS,
-    _STREAM_OBJECTS,
-    RETIRED,
+    CAPTURE_ARENAS,
+    STREAM_OBJECTS,
     CellArgs,
+    CudaEvent,
     GraphLaunch,
+    StreamRuntime,
     TableRing,
     Written,
-    _capturing,
-    _check_cuda,
-    _CudaEvent,
-    _current_raw_stream,
-    _stream_for_current,
-    _stream_handle,
+    check_cuda,
     cuda_get_device,
+    current_raw_stream,
+    handle_of,
+    is_capturing,
     make_launcher,
     records_graph,
-    release_retired,
-    retire,
+    stream_for_current,
     table_ring,
     upload_int_tables,
 )
@@ -51,18 +49,13 @@ RuntimeCache = core.RuntimeCache
 NUM_PTR_COLS = core.NUM_PTR_COLS
 HOST_COMPUTATIONS = core.HOST_COMPUTATIONS
 input_key = core.input_key
-cached_binding = core.cached_binding
 in_order = core.in_order
 pointers_of = core.pointers_of
 pointers_of_key = core.pointers_of_key
-checked_problem_sizes = core.checked_problem_sizes
-checked_input = core.checked_input
 choose_kernel = core.choose_kernel
-demote = core.demote
 one_line = core.one_line
 align_up = core.align_up
 flatten = core.flatten
-data_address = core.data_address
 device_context = core.device_context
 RUNTIME_LOCK = core.RUNTIME_LOCK
 SELF_CHECKED = core.SELF_CHECKED
@@ -135,48 +128,24 @@ class Backend(core.Backend, typing.Protocol):
         """(compiled, its arguments), or a list of them launched in order, for `stream`."""
 
 
-class Plan:
-    """What every input set of one size set shares on one device and backend.
+class Plan(core.Plan):
+    """The core's plan (core.Plan: the chosen kernel, its chain, the sizes and tile tables,
+    the backend's part), its tables written on the caller's stream (a Written: ordered before
+    a launch on another stream), with the order of its launches on the scratch it shares
+    (`scratch_event`, `scratch_stream`: _ordered_on_scratch)."""
 
-    choice: the kernel of the backend's chain that runs these sizes (decided, and compiled,
-    before anything else is built: the tile rows are that kernel's); chain: the whole chain,
-    for a demotion to name the next link. sizes int32 [G, 4]: (M, N, K, L) per group; tiles
-    int32 [T, W]: the kernel's tile rows (none for a host computation). backend_plan: what
-    the backend's prepare(spec) made of them (the kernel config, a schedule and its scratch);
-    None for a host computation. nbytes: device bytes held."""
-
-    __slots__ = (
-        "_host_staging", "backend", "backend_plan", "chain", "choice", "device", "kernel_key", "nbytes",
-        "num_groups", "num_tiles", "problem_sizes", "scratch_event", "scratch_stream", "sizes", "spec", "tables",
-        "tile_rows", "tiles",
-    )
+    __slots__ = ("_host_staging", "scratch_event", "scratch_stream")
 
     def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None,
                  tile_rows: tuple | None = None):
-        self.backend = backend
-        self.device = torch.device(device)
-        self.problem_sizes = tuple(tuple(int(v) for v in p) for p in problem_sizes)
-        self.num_groups = len(self.problem_sizes)
-        if choice is None:  # a backend of one's choosing (bind_input_set): its first kernel
-            chain = backend.kernel_chain(self.problem_sizes)
-            choice = chain[0]
-        self.choice = choice
-        self.chain = chain if chain is not None else (choice,)
-        self.kernel_key = choice.kernel_key(self.num_groups)
-        if tile_rows is None:
-            tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
-        self.tile_rows = tile_rows
-        self.num_tiles = len(self.tile_rows)
-        self.spec = PlanSpec(choice, self.problem_sizes, self.device, self.tile_rows)
-        device_buf, self._host_staging, (self.sizes, self.tiles) = upload_int_tables(
-            self.device, [("i", self.problem_sizes), ("i", self.tile_rows)]
-        )
-        self.tables = Written(device_buf, self.device)
         # Launches of this plan on different streams are ordered when they share scratch
         self.scratch_event = None
         self.scratch_stream = None
-        self.backend_plan = None if choice.host else backend.prepare(self.spec)
-        self.nbytes = device_buf.numel() + (0 if self.backend_plan is None else self.backend_plan.nbytes)
+        super().__init__(backend, problem_sizes, device, choice, chain, tile_rows)
+
+    def upload(self, tables):
+        device_buf, self._host_staging, views = upload_int_tables(self.device, tables)
+        return Written(device_buf, self.device), views, device_buf.numel()
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:
         """Tell torch's allocator the plan's buffers are read on `stream` (memory freed on
@@ -196,34 +165,29 @@ class LaunchMode(enum.Enum):
     DIRECT = "direct"  # every call: graphs off, a plan that does not allow them, or a failed record
 
 
-class Binding:
-    """One input set (its data pointers) bound to its plan: the pointer table the kernel
-    reads (ptrs int64 [G, 5]: a, b, c, sfa_reordered, sfb_reordered), the backend's
-    per-pointer state (`bound`: the sm_100 TMA descriptors, a Written, or None), its launch
-    mode, and the launch prepared for the stream it last ran on (None: a host computation,
-    which custom_kernel runs on the input set itself)."""
+class Binding(core.Binding):
+    """The core's binding (core.Binding: the pointer table, the backend's per-pointer state),
+    with its launch mode and the launch prepared for the stream it last ran on (None: a host
+    computation, which custom_kernel runs on the input set itself). `table`: a Written, its
+    own or the one its first call wrote (_launch_first_call)."""
 
-    __slots__ = (
-        "_host_staging", "bound", "graph", "launch", "launched", "mode", "plan", "pointers", "ptrs", "stream",
-        "table",
-    )
+    __slots__ = ("_host_staging", "graph", "launched", "mode", "stream")
 
-    def __init__(self, plan: Plan, pointers, table: Written | None = None):
-        self.plan = plan
-        self.pointers = tuple(tuple(int(v) for v in p) for p in pointers)
+    def upload(self, table: Written | None):
         if table is None:
-            device_buf, self._host_staging, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
-            self.table = Written(device_buf, plan.device)
-        else:
-            # the pointer table its first call copied to the device (_launch_first_call): these
-            # pointers, int64 [G, 5] from its start; no copy on this call's stream
-            self._host_staging, self.table = None, table
-            num_groups = len(self.pointers)
-            self.ptrs = table.value[: 8 * NUM_PTR_COLS * num_groups].view(torch.int64).view(num_groups, NUM_PTR_COLS)
-        self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
+            device_buf, self._host_staging, (ptrs,) = upload_int_tables(self.plan.device, [("q", self.pointers)])
+            return Written(device_buf, self.plan.device), ptrs
+        # the pointer table its first call copied to the device (_launch_first_call): these
+        # pointers, int64 [G, 5] from its start; no copy on this call's stream
+        self._host_staging = None
+        num_groups = len(self.pointers)
+        return table, table.value[: 8 * NUM_PTR_COLS * num_groups].view(torch.int64).view(num_groups, NUM_PTR_COLS)
+
+    def prepare(self) -> None:
+        """Its launch mode; the launch itself is prepared per stream (prepare_launch)."""
+        plan = self.plan
         self.stream = None
-        self.launch = None
-        self.graph: GraphLaunch | None = None
+        self.graph = None  # a GraphLaunch once recorded
         self.launched = False  # a direct launch has run (FIRST_DIRECT records at the next call)
         if plan.choice.host:
             self.mode = LaunchMode.HOST
@@ -256,7 +220,7 @@ class Binding:
         no graph of our own, no waits on events recorded outside the capture (the writing
         happened in an eager call before it, and torch.cuda.graph synchronizes first), no
         scratch ordering across streams; the binding is kept alive beyond the LRU bound
-        (_CAPTURED) since the caller's graph reads its tables at every replay."""
+        (LibraryRuntime.captured) since the caller's graph reads its tables at every replay."""
         plan = self.plan
         self.stream = stream
         if self.mode is LaunchMode.HOST:
@@ -265,10 +229,10 @@ class Binding:
         if self.mode is LaunchMode.NOTHING:
             self.launch = no_launch
             return
-        if _capturing():
+        if is_capturing():
             self.launch = self._direct_launcher(stream)
             self.stream = None  # after the capture, the next call prepares its own launch again
-            _retire(_CAPTURED.put((plan.problem_sizes, self.pointers), self))
+            RUNTIME.retire(RUNTIME.captured.put((plan.problem_sizes, self.pointers), self))
             return
         for written in (plan.tables, self.table, self.bound):
             if isinstance(written, Written):
@@ -324,16 +288,16 @@ def _ordered_on_scratch(plan: Plan, stream: cuda.CUstream, launch: Callable[[], 
     covers everything queued there, the plan's last launch included, and the new stream
     waits for it. Launches on one stream are ordered by the stream itself."""
     if plan.scratch_event is None:
-        plan.scratch_event = _CudaEvent()
+        plan.scratch_event = CudaEvent()
     event = plan.scratch_event.event
 
     def ordered():
         previous = plan.scratch_stream
         if previous is not None and previous is not stream:
             if cuda.cuEventRecord(event, previous)[0] == cuda.CUresult.CUDA_SUCCESS:
-                _check_cuda(cuda.cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
+                check_cuda(cuda.cuStreamWaitEvent(stream, event, 0)[0], "cuStreamWaitEvent")
             else:  # the previous stream is gone: wait for all work of the context
-                _check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
+                check_cuda(cuda.cuCtxSynchronize()[0], "cuCtxSynchronize")
         launch()
         plan.scratch_stream = stream
 
@@ -365,27 +329,73 @@ def run_with_backend(data, backend, kernel: str | None = None) -> list[torch.Ten
     outputs = [c for _, _, c in data[0]]
     if binding.plan.choice.host:
         return HOST_COMPUTATIONS[binding.plan.choice.name](data, outputs)
-    binding.mode = LaunchMode.DIRECT  # one launch: nothing to record
+    if binding.mode is LaunchMode.FIRST_DIRECT:
+        binding.mode = LaunchMode.DIRECT  # one launch: nothing to record (NOTHING stays: no tiles, no launch)
     with device_context(binding.plan.device):
-        binding.run(_stream_for_current())
+        binding.run(stream_for_current())
     return outputs
 
 
-# Input sets (bindings) by data pointers, plans by (device, sizes, backend). A plan holds device
-# memory (the stream-K workspace: 23 MB for benchmark shape 0): 32 plans and 1 GiB at most; a binding holds its pointer table, so an evicted plan's bindings
-# go with it.
-_BINDINGS = RuntimeCache(max_entries=64)
-# Bindings whose launch a caller's CUDA graph captured: kept beyond _BINDINGS' bound, since the
-# graph reads their tables (and descriptors) at every replay
-_CAPTURED = RuntimeCache(max_entries=256)
-# What the caches evict during a caller's capture: launch.retire (one place for both entries)
-_retire = retire
-_PLANS = RuntimeCache(max_entries=32, max_bytes=1 << 30)
-# Size plans by (device, sizes, backend): what an input set's first call needs, no device memory
-_SIZE_PLANS = RuntimeCache(max_entries=256, max_bytes=16 << 20)
-# Input sets (pointers and sizes) that ran once without a binding: their next call binds them
-_SEEN_ONCE = RuntimeCache(max_entries=1024)
+class LibraryRuntime(StreamRuntime):
+    """The per-size-set entry's runtime: the core's (one miss path, one eviction cascade, one
+    drop, one reset) on callers' streams (launch.StreamRuntime), plus an input set's first call
+    launched without a binding (`unbound_call`: size plans, staged tables), whose pointer table
+    its binding then reads (`make_binding`), and plans made on their size plan's kernel
+    (`make_plan`).
+
+    Its caches beyond the core's: `size_plans` by (device, sizes, backend), what a first call
+    needs, no device memory (dropped with the plans of a demoted kernel); `seen_once`: input
+    sets (pointers and sizes) that ran once without a binding, their next call binds them;
+    `captured`: bindings whose launch a caller's CUDA graph captured, kept beyond the
+    bindings' bound since the graph reads their tables (and descriptors) at every replay."""
+
+    plan_type = Plan
+    binding_type = Binding
+
+    def __init__(self):
+        # A plan holds device memory (the stream-K workspace: 23 MB for benchmark shape 0): 32
+        # plans and 1 GiB at most; a binding holds its pointer table
+        super().__init__("library", max_bindings=64, max_plans=32, max_plan_bytes=1 << 30)
+        self.size_plans = RuntimeCache(max_entries=256, max_bytes=16 << 20)
+        self.seen_once = RuntimeCache(max_entries=1024)
+        self.captured = RuntimeCache(max_entries=256)
+        self.plan_caches.append(self.size_plans)
+        self.caches += [self.seen_once, self.captured]
+
+    def select_backend(self, device_index: int):
+        return select_backend(device_index)
+
+    def reset(self) -> None:
+        """Its caches and backends, then the library's switches read again (a bad value raises
+        once everything is reset: core.reset_runtime)."""
+        super().reset()
+        _BACKEND_BY_DEVICE.clear()
+        switches.reload()
+
+    def unbound_call(self, data, key: tuple, problem_sizes):
+        if switches.CURRENT.first_call_unbound:
+            outputs = _first_call(data, key, problem_sizes)
+            if outputs is not None:
+                return outputs
+        if is_capturing():
+            raise RuntimeError(
+                "custom_kernel: this input set (these sizes and tensors) has not run outside a CUDA "
+                "graph capture yet; call custom_kernel once eagerly with the same tensors before "
+                "capturing (a first call plans, may compile, and writes tables, which a capture cannot)"
+            )
+        return None
+
+    def make_plan(self, backend, problem_sizes, device: torch.device) -> Plan:
+        size_plan = get_size_plan(backend, problem_sizes, device)
+        return Plan(backend, problem_sizes, device, size_plan.choice, size_plan.chain, size_plan.tile_rows)
+
+    def make_binding(self, plan: Plan, key: tuple, problem_sizes) -> Binding:
+        table = self.seen_once.get((key, problem_sizes))
+        return Binding(plan, pointers_of_key(key, len(problem_sizes)), table if isinstance(table, Written) else None)
+
+
 _BACKEND_BY_DEVICE: dict = {}
+RUNTIME = LibraryRuntime()
 
 
 def cuda_query(entry: str, query, *args):
@@ -425,38 +435,9 @@ def select_backend(device_index: int):
     return backend
 
 
-def _drop_bindings(predicate) -> None:
-    """Remove the bindings whose plan `predicate` selects (they would keep its memory alive;
-    retired instead while a capture runs)."""
-    _retire(_BINDINGS.drop(lambda binding: predicate(binding.plan)))
-
-
-def _drop_plans(predicate) -> None:
-    """Remove the plans that `predicate` selects, and their bindings."""
-    _PLANS.drop(predicate)
-    _SIZE_PLANS.drop(predicate)
-    _drop_bindings(predicate)
-
-
-def get_plan(backend, problem_sizes, device: torch.device) -> Plan:
-    """The cached plan of these sizes on `device` for `backend`, or a new one on their size
-    plan's kernel (the first of the backend's chain that is not demoted and compiles)."""
-    key = (str(device), problem_sizes, backend.plan_key)
-    plan = _PLANS.get(key)
-    if plan is None:
-        with RUNTIME_LOCK:
-            size_plan = get_size_plan(backend, problem_sizes, device)
-            plan = Plan(backend, problem_sizes, device, size_plan.choice, size_plan.chain, size_plan.tile_rows)
-        evicted = _PLANS.put(key, plan)
-        if evicted:
-            _retire(evicted)
-            _drop_bindings(lambda bound_plan: any(bound_plan is gone for gone in evicted))
-    return plan
-
-
 class SizePlan:
     """What an input set's first call of one size set needs, without device memory: the
-    kernel chosen (and compiled) as get_plan chooses it, its tile rows (`tile_rows`, the
+    kernel chosen (and compiled) as a plan's, its tile rows (`tile_rows`, the
     backend's PackedTiles) packed after the sizes as the kernels read them (`head`: sizes
     int32 [G, 4] then tiles int32 [T, W], each on 16 bytes), where the pointer table (int64
     [G, 5]) and the backend's own table follow, and the backend's DirectLaunch (None: the
@@ -499,10 +480,10 @@ class SizePlan:
 def get_size_plan(backend, problem_sizes, device: torch.device) -> SizePlan:
     """The cached SizePlan of these sizes on `device` for `backend` (made under the lock)."""
     key = (str(device), problem_sizes, backend.plan_key)
-    size_plan = _SIZE_PLANS.get(key)
+    size_plan = RUNTIME.size_plans.get(key)
     if size_plan is None:
         size_plan = SizePlan(backend, problem_sizes, device)
-        _retire(_SIZE_PLANS.put(key, size_plan))
+        RUNTIME.retire(RUNTIME.size_plans.put(key, size_plan))
     return size_plan
 
 
@@ -530,7 +511,7 @@ def _launch_first_call(size_plan: SizePlan, key: tuple, stream, stream_handle: i
     where the head's kilobytes went through a copy engine, and no copy at that second call
     (EXPERIMENTS E74). Under a capture, all of them to the capture's arena, in one copy."""
     if captured:
-        staged = _CAPTURE_ARENAS[device.index]
+        staged = CAPTURE_ARENAS[device.index]
         offset = staged.take(size_plan.table_bytes)
         if offset is None:
             return None
@@ -589,8 +570,8 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
     input set that ran once eagerly (its tables then go to the capture's arena)."""
     device = data[0][0][0].device
     seen_key = (key, problem_sizes)
-    capturing = _capturing()
-    if capturing and (seen_key not in _SEEN_ONCE or device.index not in _CAPTURE_ARENAS):
+    capturing = is_capturing()
+    if capturing and (seen_key not in RUNTIME.seen_once or device.index not in CAPTURE_ARENAS):
         return None
     with RUNTIME_LOCK, device_context(device):
         backend = select_backend(device.index)
@@ -599,11 +580,11 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
         if (direct is None or (core.SELF_CHECK and size_plan.kernel_key not in SELF_CHECKED)
                 or size_plan.table_bytes > TableRing.SEGMENT_BYTES):
             return None
-        if not capturing and seen_key in _SEEN_ONCE:
+        if not capturing and seen_key in RUNTIME.seen_once:
             return None  # its second call: bind it (the hit path from now on)
-        stream = _stream_for_current()
+        stream = stream_for_current()
         try:
-            launched = _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, capturing)
+            launched = _launch_first_call(size_plan, key, stream, handle_of(stream), device, capturing)
         except torch.OutOfMemoryError as error:
             raise torch.OutOfMemoryError(
                 f"custom_kernel: out of GPU memory for the activation scratch of a first call of sizes "
@@ -617,98 +598,45 @@ def _first_call(data, key: tuple, problem_sizes) -> list[torch.Tensor] | None:
             return None
         keepalive, table = launched
         if capturing:
-            _retire(_CAPTURED.put(("first call", seen_key), (size_plan, keepalive)))
+            RUNTIME.retire(RUNTIME.captured.put(("first call", seen_key), (size_plan, keepalive)))
         else:
-            # its second call binds on this table where there is one (_bound_input_set)
-            _SEEN_ONCE.put(seen_key, True if table is None else table)
-    return list(map(_c_of_group, data[0]))
-
-
-def _new_binding(backend, problem_sizes, device, key: tuple, table: Written | None = None) -> Binding:
-    """A binding on the plan of these sizes (on `table`, its first call's pointer table, where
-    given). Writing its descriptors launches the chosen kernel's init kernel: a failure there
-    that leaves the context usable demotes that kernel, and the binding is made on the next
-    link's plan."""
-    while True:
-        plan = get_plan(backend, problem_sizes, device)
-        try:
-            return Binding(plan, pointers_of_key(key, len(problem_sizes)), table)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as error:
-            if plan.choice.host or not context_usable(plan.device):
-                raise
-            demote(backend.name, plan.choice, plan.chain, plan.num_groups,
-                   f"descriptor init failed ({one_line(error)})")
-
-
-def _bound_input_set(data, key: tuple | None) -> "Binding | list[torch.Tensor]":
-    """The validating path for an input set of input_key `key` (None: not computed, the input
-    may be malformed): checked sizes, then the cached binding of these pointers, the outputs
-    of a first call launched without a binding (_first_call), or a new binding on the plan of
-    these sizes. One thread at a time (compilation and the caches)."""
-    key, problem_sizes = checked_input(data, key)
-    with RUNTIME_LOCK:
-        release_retired()
-        binding = _BINDINGS.get(key)
-        if binding is None or binding.plan.problem_sizes != problem_sizes:
-            if switches.CURRENT.first_call_unbound:
-                outputs = _first_call(data, key, problem_sizes)
-                if outputs is not None:
-                    return outputs
-            if _capturing():
-                raise RuntimeError(
-                    "custom_kernel: this input set (these sizes and tensors) has not run outside a CUDA "
-                    "graph capture yet; call custom_kernel once eagerly with the same tensors before "
-                    "capturing (a first call plans, may compile, and writes tables, which a capture cannot)"
-                )
-            device = data[0][0][0].device
-            table = _SEEN_ONCE.entries.get((key, problem_sizes))
-            try:
-                with device_context(device):
-                    binding = _new_binding(select_backend(device.index), problem_sizes, device, key,
-                                           table if isinstance(table, Written) else None)
-            except torch.OutOfMemoryError as error:
-                raise torch.OutOfMemoryError(
-                    f"custom_kernel: out of GPU memory while building the plan or binding of sizes "
-                    f"{list(problem_sizes)}; nothing was cached, a later call builds it again "
-                    f"({one_line(error)})"
-                ) from error
-            _BINDINGS.put(key, binding)
-    return binding
+            # its second call binds on this table where there is one (LibraryRuntime.make_binding)
+            RUNTIME.seen_once.put(seen_key, True if table is None else table)
+    return list(map(c_of_group, data[0]))
 
 
 def custom_kernel(data: input_t) -> output_t:
     """Compute every group's C into its `c` tensor and return [c_0, ..., c_{G-1}]."""
-    binding, key = cached_binding(_BINDINGS.entries, data)
+    binding, key = RUNTIME.bindings.get_input_set(data)
     first_use = binding is None
     if first_use:
-        binding = _bound_input_set(data, key)
+        binding = RUNTIME.bound_input_set(data, key)
         if type(binding) is list:  # a first call, launched without a binding
             return binding
-    if _current_raw_stream is not None:
-        stream = _STREAM_OBJECTS.entries.get(_current_raw_stream(cuda_get_device()))
+    if current_raw_stream is not None:
+        stream = STREAM_OBJECTS.get(current_raw_stream(cuda_get_device()))
+        if stream is None:
+            stream = stream_for_current()
     else:
-        stream = None
-    if stream is None:
-        stream = _stream_for_current()
+        stream = stream_for_current()
     if stream is not binding.stream:
         with RUNTIME_LOCK:
             binding.prepare_launch(stream)
     launch = binding.launch
     if launch is None:  # a host computation (the chain's last link)
-        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(_c_of_group, data[0])))
+        return HOST_COMPUTATIONS[binding.plan.choice.name](data, list(map(c_of_group, data[0])))
     try:
         launch()
     except Exception as error:  # noqa: BLE001 - a failed launch moves its kernel down the chain
-        return _after_failed_launch(data, binding, error)
+        RUNTIME.after_failed_launch(binding.plan, error)
+        return custom_kernel(data)
     if first_use and binding.plan.kernel_key not in SELF_CHECKED:
-        return first_use_check(data, binding)
-    return list(map(_c_of_group, data[0]))
+        return RUNTIME.first_use_check(data, binding.plan)
+    return list(map(c_of_group, data[0]))
 
 
 
-_c_of_group = operator.itemgetter(2)
+c_of_group = operator.itemgetter(2)
 no_launch = core.no_launch
 
 
@@ -720,20 +648,20 @@ def binding_of(key: tuple) -> Binding | None:
     """The binding of the input set of input_key `key` (its plan's choice: the kernel its
     calls run), touched as most recently used; None before its second call (a first call
     binds nothing), or after an eviction or a demotion dropped it."""
-    return _BINDINGS.get(key)
+    return RUNTIME.bindings.get(key)
 
 
 def current_stream() -> cuda.CUstream:
     """torch's current stream as the cuda.CUstream a launch takes (Binding.run), one object
     per handle, made once: what custom_kernel looks up at every call."""
-    return _stream_for_current()
+    return stream_for_current()
 
 
 def forget_size_plans() -> None:
     """Forget every size plan, so that the next call of each size set chooses its kernel and
     packs its tables again (a benchmark timing new-size calls); compiled kernels stay."""
     with RUNTIME_LOCK:
-        _SIZE_PLANS.clear()
+        RUNTIME.size_plans.clear()
 
 
 def launch_first_call(size_plan: SizePlan, key: tuple, device: torch.device) -> None:
@@ -741,60 +669,17 @@ def launch_first_call(size_plan: SizePlan, key: tuple, device: torch.device) -> 
     binding), for `size_plan` (get_size_plan of its sizes), on torch's current stream, outside
     a capture: its tables written to staging memory, copied, and the kernels launched. A tool's
     timing of that phase; the launch's scratch is kept until the stream has used it."""
-    stream = _stream_for_current()
-    _launch_first_call(size_plan, key, stream, _stream_handle(stream), device, False)
+    stream = stream_for_current()
+    _launch_first_call(size_plan, key, stream, handle_of(stream), device, False)
 SUPPORTED_GPUS = "NVIDIA B200/GB200 (sm_100, compute capability 10.x) and H100/H200 (sm_90, 9.0)"
 
 
-def context_usable(device: torch.device) -> bool:
-    """After a failed launch: can the context still run work? Never under a capture (it
-    cannot synchronize; the caller sees the error)."""
-    return not _capturing() and core.context_usable(device)
-
-
-def _after_failed_launch(data, binding: Binding, error: Exception) -> list[torch.Tensor]:
-    """A launch raised: demote its kernel and compute the call again on the next link, if
-    the context is still usable; re-raise otherwise."""
-    plan = binding.plan
-    if not context_usable(plan.device):
-        raise error
-    demote(plan.backend.name, plan.choice, plan.chain, plan.num_groups, f"launch failed ({one_line(error)})")
-    return custom_kernel(data)
-
-
-def first_use_check(data, binding: Binding) -> list[torch.Tensor]:
-    """The leaderboard file's first-use check of the binding's kernel; skipped under a
-    caller's graph capture (it synchronizes)."""
-    if _capturing():
-        return list(map(_c_of_group, data[0]))
-    return core.first_use_check(data, binding.plan)
-
-
-def _forget_plans_of(kernel_key: tuple) -> None:
-    """A demotion (of this runtime or the leaderboard file's): drop the plans that run the
-    kernel and their bindings (their size sets plan again on their next call)."""
-    _drop_plans(lambda plan: plan.kernel_key == kernel_key)
-
-
-core.DEMOTION_LISTENERS.append(_forget_plans_of)
-
-
-def reset_runtime() -> None:
-    """Forget every input set (bound or run once), plan, size plan, backend, demotion and
-    self-check result of every runtime, the MoE entry's plans and bindings included
-    (moe.reset_moe; compiled kernels stay): the process as it was before its first call, for
-    tests and for a caller that changed an environment switch (the library's switches are read
-    again: nvfp4_group_gemm.switches). Replay no graph captured before."""
-    from . import moe  # imported here: the MoE entry imports nothing of this module
-
-    with RUNTIME_LOCK:
-        for cache in (_BINDINGS, _PLANS, _SIZE_PLANS, _SEEN_ONCE, _CAPTURED):
-            cache.clear()
-        RETIRED.clear()
-        _BACKEND_BY_DEVICE.clear()
-        core.reset_runtime()
-        moe.reset_moe()
-        switches.reload()  # last: a bad value raises with everything else already reset
+# The one reset: every runtime of the process (this one's, the MoE entry's, the leaderboard file's
+# core's), each input set, plan, size plan, backend, demotion and self-check result (compiled
+# kernels stay), and the library's switches read again (LibraryRuntime.reset): the process as
+# before its first call, for tests and for a caller that changed a switch. Replay no graph
+# captured before.
+reset_runtime = core.reset_runtime
 
 
 def warmup(n: int, k: int, groups: int, device=None) -> list[str]:

@@ -14,7 +14,7 @@ from cutlass import cute
 
 from nvfp4_group_gemm import core
 
-from .launch import Written, _stream_for_current
+from .launch import Written, stream_for_current
 
 
 @cute.jit
@@ -173,7 +173,7 @@ class Sm100StreamBackend(core.Sm100Backend):
         key = self.descriptor_key(plan, pointers)
         written = self._descriptors.get(key)
         if written is None:
-            stream = _stream_for_current()
+            stream = stream_for_current()
             # the init kernel reads the plan's sizes, which another stream may have written (a
             # plan made there): it waits for that writing, as the GEMM's launch does
             plan.tables.order_before(stream)

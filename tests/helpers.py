@@ -152,15 +152,15 @@ def leaderboard_on_cpu(monkeypatch, backend, validations: list | None = None) ->
 
 def runtime_on_cpu(monkeypatch, backend, validations: list | None = None) -> None:
     """The library's custom_kernel (nvfp4_group_gemm.runtime) on CPU tensors with `backend`:
-    validation's CUDA-device rule the only one waived, the stream from _stream_for_current
+    validation's CUDA-device rule the only one waived, the stream from stream_for_current
     ("stream-0")."""
     from nvfp4_group_gemm import launch, runtime, sm100
 
     _validation_on_cpu(monkeypatch, validations)
     monkeypatch.setattr(runtime, "_BACKEND_BY_DEVICE", {None: backend})
-    monkeypatch.setattr(runtime, "_current_raw_stream", None)
+    monkeypatch.setattr(runtime, "current_raw_stream", None)
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream-0")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "stream-0")
 
 
 # ----------------------------------------------------------------------------- sm_100 stand-ins

@@ -19,13 +19,13 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     fakes, run = sm100_runtime
     data = official_inputs(SIZES)
     assert_exact(run(data), data)  # the eager call first: plans, compiles, writes the tables
-    (binding,) = runtime._BINDINGS.entries.values()
+    (binding,) = runtime.RUNTIME.bindings.entries.values()
     recorded, waits = [], []
     monkeypatch.setattr(runtime, "GraphLaunch", lambda *a, **k: recorded.append(a))
     monkeypatch.setattr(launch.Written, "order_before", lambda self, stream: waits.append(stream))
-    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "is_capturing", lambda: True)
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "capture-stream")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "capture-stream")
     for c in (c for _, _, c in data[0]):
         c.zero_()
     # a full _CAPTURED: the capture's binding evicts an older entry (a binding and its graph),
@@ -36,12 +36,12 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     class EvictedBinding:
         pass
 
-    monkeypatch.setattr(runtime, "_CAPTURED", submission.RuntimeCache(max_entries=1))
+    monkeypatch.setattr(runtime.RUNTIME, "captured", submission.RuntimeCache(max_entries=1))
     monkeypatch.setattr(launch, "RETIRED", [])
-    monkeypatch.setattr(launch, "_capturing", lambda: True)  # launch.retire asks it (both entries retire there)
+    monkeypatch.setattr(launch, "is_capturing", lambda: True)  # launch.retire asks it (both entries retire there)
     evicted = EvictedBinding()
     evicted_alive = weakref.ref(evicted)
-    runtime._CAPTURED.put("older capture", evicted)
+    runtime.RUNTIME.captured.put("older capture", evicted)
     del evicted
     out = run(data)
     gc.collect()
@@ -52,14 +52,14 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
     assert recorded == [] and waits == []
     assert_exact(out, data)
     assert binding.stream is None  # after the capture, the next call prepares again
-    assert runtime._CAPTURED.get((binding.plan.problem_sizes, binding.pointers)) is binding
+    assert runtime.RUNTIME.captured.get((binding.plan.problem_sizes, binding.pointers)) is binding
     # The caller's graph keeps the binding's tables alive beyond the LRU bound
-    runtime._BINDINGS.clear()
-    assert len(runtime._CAPTURED) == 1
+    runtime.RUNTIME.bindings.clear()
+    assert len(runtime.RUNTIME.captured) == 1
     # the next call outside a capture lets the evicted entry go
-    monkeypatch.setattr(runtime, "_capturing", lambda: False)
-    monkeypatch.setattr(launch, "_capturing", lambda: False)
-    runtime._bound_input_set(data, None)
+    monkeypatch.setattr(runtime, "is_capturing", lambda: False)
+    monkeypatch.setattr(launch, "is_capturing", lambda: False)
+    runtime.RUNTIME.bound_input_set(data, None)
     gc.collect()
     assert evicted_alive() is None and launch.RETIRED == []
     launch.retire([EvictedBinding()])  # outside a capture nothing is retired
@@ -68,11 +68,11 @@ def test_a_call_under_capture_records_into_the_callers_graph(sm100_runtime, monk
 
 def test_a_new_input_set_under_capture_is_one_clear_error(sm100_runtime, monkeypatch):
     _fakes, run = sm100_runtime
-    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "is_capturing", lambda: True)
     data = official_inputs(SIZES)
     with pytest.raises(RuntimeError, match="call custom_kernel once eagerly with the same tensors before capturing"):
         run(data)
-    assert len(runtime._BINDINGS) == 0 and len(runtime._PLANS) == 0
+    assert len(runtime.RUNTIME.bindings) == 0 and len(runtime.RUNTIME.plans) == 0
 
 
 # ----------------------------------------------------------------------------- faults
@@ -96,10 +96,10 @@ def test_an_allocation_failure_caches_nothing_half_built(sm100_runtime, monkeypa
                                                      r"or binding of sizes \[\(128, 256, 512, 1\), \(40, 256, 256, 1\)\]"):
         run(data)
     assert all(torch.equal(c, b) for (_, _, c), b in zip(data[0], before)), "outputs untouched"
-    assert len(runtime._BINDINGS) == 0
+    assert len(runtime.RUNTIME.bindings) == 0
     # a plan is cached only whole: with its tables when the binding's failed, not at all otherwise
-    assert len(runtime._PLANS) == failing_table
-    assert all(plan.backend_plan is not None for plan in runtime._PLANS.entries.values())
+    assert len(runtime.RUNTIME.plans) == failing_table
+    assert all(plan.backend_plan is not None for plan in runtime.RUNTIME.plans.entries.values())
     # memory back: the next call works
     monkeypatch.setattr(runtime, "upload_int_tables", real)
     assert_exact(run(data), data)
@@ -121,7 +121,7 @@ def test_warmup_compiles_every_kernel_of_the_family_so_no_call_compiles(sm100_ru
     for seed, ms in enumerate([(128, 40), (300, 8), (4, 1000), (256, 256), (1, 1)]):
         data = official_inputs(((ms[0], 256, 512, 1), (ms[1], 256, 512, 1)), seed=seed)
         assert_exact(run(data), data)
-        ran |= {plan.kernel_key for plan in runtime._PLANS.entries.values()}
+        ran |= {plan.kernel_key for plan in runtime.RUNTIME.plans.entries.values()}
     assert ran and ran <= warmed
 
 

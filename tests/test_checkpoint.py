@@ -104,3 +104,24 @@ def test_a_missing_or_malformed_tensor_is_named():
     tensors["layer.w13_weight_scale"] = tensors["layer.w13_weight_scale"][:, :, :8]
     with pytest.raises(ValueError, match=r"w13_weight_scale: dtype torch.float8_e4m3fn, shape \(4, 256, 8\)"):
         checkpoint.load_moe_layer(tensors, prefix="layer.")
+
+
+def test_e2m1_codes_count_the_midpoints_below_each_value():
+    """e2m1_codes (two searches) gives every code the per-midpoint comparisons give: over a
+    strided sweep of all float32 bit patterns (subnormals, infinities, NaNs of both signs), the
+    midpoints and their float neighbours, both signs."""
+    def compared_one_by_one(x):
+        magnitude = x.abs().float()
+        code = torch.zeros_like(magnitude, dtype=torch.uint8)
+        for midpoint, tie_up in checkpoint._MIDPOINTS:
+            code += (magnitude >= midpoint if tie_up else magnitude > midpoint).to(torch.uint8)
+        return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+    sweep = (torch.arange(0, 2**32, 4099, dtype=torch.int64) - 2**31).to(torch.int32).view(torch.float32)
+    points = torch.tensor([m for m, _ in checkpoint._MIDPOINTS] + [0.0, 0.5, 6.0, 7.0, float("inf")])
+    near = torch.cat([points, torch.nextafter(points, torch.full_like(points, float("inf"))),
+                      torch.nextafter(points, torch.zeros_like(points))])
+    x = torch.cat([sweep, near, -near])
+    assert torch.equal(checkpoint.e2m1_codes(x), compared_one_by_one(x))
+    assert checkpoint.e2m1_codes(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0])).tolist() == [
+        0, 2, 2, 4, 4, 6, 6, 14]  # ties to the even code

@@ -825,11 +825,17 @@ def test_ctrl_c_prints_one_line_exits_130_and_ends_the_submissions_process(tmp_p
     ready = tmp_path / "ready"
     env = {key: value for key, value in os.environ.items() if key != "POPCORN_FD"}
     env["EVAL_TEST_READY"] = str(ready)
-    # A session of its own: SIGINT goes to the whole group, as Ctrl-C in a terminal does.
-    process = subprocess.Popen(
-        [sys.executable, "eval.py", "test", str(cases), "--submission",
-         str(SUBMISSIONS / "sleeps.py")], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # A session of its own: SIGINT goes to the whole group, as Ctrl-C in a terminal does. SIGINT
+    # handled here while it starts, so that it is not ignored there: a shell's background job (a
+    # CI script started with `&`) starts with SIGINT ignored, and a child inherits that.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "eval.py", "test", str(cases), "--submission",
+             str(SUBMISSIONS / "sleeps.py")], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         deadline = time.monotonic() + 60
         while not ready.exists() and time.monotonic() < deadline and process.poll() is None:

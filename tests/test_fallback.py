@@ -60,7 +60,7 @@ def test_a_failure_of_the_chaining_alone_keeps_the_kernel_unchained(sm100_runtim
     assert line.startswith("nvfp4_group_gemm: sm100 kernel persistent_t128 chained (")
     assert line.endswith("next: persistent_t128 unchained")
     assert_exact(run(data), data)
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = submission.RUNTIME.bindings.entries.values()
     assert binding.plan.choice.title() == "persistent_t128 unchained"
     assert fakes.ran == ["persistent_gemm"] * len(fakes.ran) and _chained(fakes)[-1] is False
     unchained = binding.plan.choice.kernel_key(2)
@@ -83,7 +83,7 @@ def test_no_fault_runs_the_first_link_and_checks_it_once(sm100_runtime, capsys):
     fakes, run = sm100_runtime
     data = official_inputs(SIZES_PERSISTENT)
     assert_exact(run(data), data)
-    assert fakes.ran == ["persistent_gemm"] and submission._DEMOTED == {}
+    assert fakes.ran == ["persistent_gemm"] and submission.DEMOTED == {}
     key = submission.SM100_CHOICES["persistent_t128"].kernel_key(2)
     assert key in submission.SELF_CHECKED
     assert stderr_lines(capsys) == []
@@ -95,7 +95,7 @@ def test_compile_failure_moves_down_the_chain_for_the_process(sm100_runtime, cap
     data = official_inputs(SIZES_PERSISTENT)
     assert_exact(run(data), data)
     # decided before the tile rows were built: the per-tile kernel's rows (W = 3)
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = submission.RUNTIME.bindings.entries.values()
     assert binding.plan.choice.name == "per_tile" and binding.plan.tiles.shape[1] == 3
     assert fakes.ran == ["per_tile_gemm"]
     (line,) = stderr_lines(capsys)
@@ -145,7 +145,7 @@ def test_launch_failure_that_poisoned_the_context_is_raised(sm100_runtime, monke
     data = official_inputs(SIZES_PERSISTENT)
     with pytest.raises(RuntimeError, match="CUresult 1"):
         run(data)
-    assert submission._DEMOTED == {} and stderr_lines(capsys) == []
+    assert submission.DEMOTED == {} and stderr_lines(capsys) == []
 
 
 def test_self_check_demotes_a_wrong_kernel_and_returns_the_oracles_result(sm100_runtime, capsys):
@@ -187,7 +187,7 @@ def test_self_check_off(sm100_runtime, monkeypatch):
     data = official_inputs(SIZES_PERSISTENT)
     out = run(data)
     assert out[0][1, 2, 0] != expected(data)[0][1, 2, 0]
-    assert submission._DEMOTED == {}
+    assert submission.DEMOTED == {}
 
 
 def test_env_switch_is_strict(monkeypatch):
@@ -202,7 +202,7 @@ def test_env_switch_is_strict(monkeypatch):
 def test_host_scale_views_are_the_blocked_and_plain_scales():
     data = official_inputs(((200, 136, 512, 1),))
     (sfa, sfb), (sfa_r, sfb_r) = data[1][0], data[2][0]
-    blocked = submission.blocked_scales(sfa_r).view(torch.uint8)
+    blocked = submission.flat_blocked_scales(sfa_r).view(torch.uint8)
     want = reference.to_blocked(sfa[:, :, 0]).view(torch.uint8)
     # the rows past M pad the last 128-row block: random there, zero in to_blocked
     real = reference.to_blocked(torch.ones(sfa.shape[:2], dtype=torch.uint8)) != 0
@@ -239,7 +239,7 @@ def test_a_library_launch_on_another_stream_waits_for_the_writing(monkeypatch):
     waits = []
     monkeypatch.setattr(launch.cuda, "cuStreamWaitEvent",
                         lambda stream, event, flags: waits.append((stream, event)) or (0,))
-    monkeypatch.setattr(launch, "_check_cuda", lambda result, what: None)
+    monkeypatch.setattr(launch, "check_cuda", lambda result, what: None)
     monkeypatch.setattr(runtime, "make_launcher", lambda fn, *args: lambda: fn(*args))
     written = launch.Written(torch.zeros(1), torch.device("cpu"))
     assert written.event is None
@@ -307,7 +307,7 @@ def test_cluster_count_is_bounded_by_the_resident_clusters(monkeypatch):
             return 3
 
     monkeypatch.setattr(submission.utils, "HardwareInfo", FakeHardwareInfo)
-    monkeypatch.setattr(submission, "_RESIDENT_CLUSTERS", {})
+    monkeypatch.setattr(submission, "RESIDENT_CLUSTERS", {})
     assert submission.resident_clusters(torch.device("cpu")) is None
     assert submission.resident_clusters(torch.device("cuda", 1)) == 3
     assert submission.resident_clusters(torch.device("cuda", 1)) == 3 and queried == [1]  # asked once
@@ -333,7 +333,7 @@ def test_a_failed_descriptor_init_moves_down_the_chain(sm100_runtime, monkeypatc
     (line,) = stderr_lines(capsys)
     assert "sm100 kernel persistent_t128" in line and "descriptor init failed (RuntimeError: kernel launch failed" in line
     assert line.endswith("next: per_tile") and fakes.ran == ["per_tile_gemm"]
-    (binding,) = submission._BINDINGS.entries.values()
+    (binding,) = submission.RUNTIME.bindings.entries.values()
     assert binding.plan.choice.name == "per_tile"
 
 
@@ -361,7 +361,7 @@ def test_an_oracle_that_cannot_run_skips_the_check_in_one_line(sm100_runtime, mo
     (line,) = stderr_lines(capsys)
     assert "sm100 kernel persistent_t128" in line
     assert "self-check skipped, its oracle exact_decode failed (RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED)" in line
-    assert submission._DEMOTED == {} and submission.SELF_CHECKED == set()
+    assert submission.DEMOTED == {} and submission.SELF_CHECKED == set()
     # not checked: the next new input set tries the oracle again (and says so again)
     run(official_inputs(((64, 256, 256, 1), (8, 256, 256, 1)), seed=3))
     (line,) = stderr_lines(capsys)

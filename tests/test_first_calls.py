@@ -149,7 +149,7 @@ def test_a_first_call_reads_its_sizes_tiles_and_pointers_from_the_ring(direct_ru
     assert sizes == SIZES and rows == submission.plan_tiles(SIZES, TILE, TILE)
     # nothing bound, no plan with device tables, no full rules
     assert backend.bound_launches == [] and backend.prepared == [] and validations == []
-    assert submission.input_key(data) not in runtime._BINDINGS
+    assert submission.input_key(data) not in runtime.RUNTIME.bindings
 
 
 def test_the_second_call_binds_and_later_calls_hit(direct_runtime):
@@ -175,7 +175,7 @@ def test_new_sizes_every_call_never_bind(direct_runtime):
         run(data)
         _assert_exact(data)
     assert len(backend.first_calls) == 6 and backend.bound_launches == [] and backend.prepared == []
-    assert len(runtime._BINDINGS) == 0
+    assert len(runtime.RUNTIME.bindings) == 0
 
 
 def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them(direct_runtime, monkeypatch):
@@ -195,11 +195,11 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
     first, second, third = make_inputs(SIZES), make_inputs(SIZES), make_inputs(SIZES)
     run(first)  # a new size set: every table in the ring, no device head
     _assert_exact(first)
-    size_plan, = runtime._SIZE_PLANS.entries.values()
+    size_plan, = runtime.RUNTIME.size_plans.entries.values()
     ring = launch._TABLE_RINGS[None]
     assert size_plan.device_head is None and size_plan.launched
     assert backend.last_tables.sizes == ring.device_base + ring.offset - submission.align_up(size_plan.table_bytes, 128)
-    assert runtime._SEEN_ONCE.get((submission.input_key(first), tuple(SIZES))) is True
+    assert runtime.RUNTIME.seen_once.get((submission.input_key(first), tuple(SIZES))) is True
 
     run(second)  # a known size set: the head to the device, the pointers to a table of their own
     _assert_exact(second)
@@ -207,7 +207,7 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
     assert head is not None and bytes(head.value.numpy()) == size_plan.head
     assert backend.last_tables.sizes == head.value.data_ptr()
     assert backend.last_tables.tiles == head.value.data_ptr() + size_plan.tiles_offset
-    table = runtime._SEEN_ONCE.get((submission.input_key(second), tuple(SIZES)))
+    table = runtime.RUNTIME.seen_once.get((submission.input_key(second), tuple(SIZES)))
     assert isinstance(table, launch.Written) and backend.last_tables.ptrs == table.value.data_ptr()
     assert list(_read(table.value.data_ptr(), f"<{5 * len(SIZES)}q")) == [
         p for group in submission.pointers_of(second) for p in group]
@@ -223,7 +223,7 @@ def test_a_known_size_sets_first_calls_copy_only_their_pointers_and_bind_on_them
         c.zero_()
     run(second)  # its second call binds, on its first call's table
     _assert_exact(second)
-    binding = runtime._BINDINGS.get(submission.input_key(second))
+    binding = runtime.RUNTIME.bindings.get(submission.input_key(second))
     assert binding.table is table and binding.ptrs.data_ptr() == table.value.data_ptr()
     assert binding.ptrs.tolist() == [list(group) for group in submission.pointers_of(second)]
     assert uploads == [["i", "i"]]  # the plan's sizes and tile rows; no pointer table
@@ -296,15 +296,15 @@ def test_under_capture_an_input_set_seen_once_uses_the_arena(direct_runtime, mon
     backend, run, _ = direct_runtime
     data = make_inputs(SIZES)
     run(data)  # eagerly, once: a first call
-    arena = launch._CAPTURE_ARENAS[None]
+    arena = launch.CAPTURE_ARENAS[None]
     assert arena.offset == 0
-    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    monkeypatch.setattr(runtime, "is_capturing", lambda: True)
     for _, _, c in data[0]:
         c.zero_()
     run(data)
     _assert_exact(data)
     assert len(backend.first_calls) == 2 and arena.offset > 0
-    assert any(key[0] == "first call" for key in runtime._CAPTURED.entries)
+    assert any(key[0] == "first call" for key in runtime.RUNTIME.captured.entries)
     # never seen eagerly: the clear error, nothing launched
     fresh = make_inputs(SIZES)
     with pytest.raises(RuntimeError, match="call custom_kernel once eagerly"):
@@ -316,8 +316,8 @@ def test_a_full_arena_refuses_under_capture(direct_runtime, monkeypatch):
     backend, run, _ = direct_runtime
     data = make_inputs(SIZES)
     run(data)
-    launch._CAPTURE_ARENAS[None].offset = launch.CaptureArena.BYTES  # full
-    monkeypatch.setattr(runtime, "_capturing", lambda: True)
+    launch.CAPTURE_ARENAS[None].offset = launch.CaptureArena.BYTES  # full
+    monkeypatch.setattr(runtime, "is_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="has not run outside a CUDA graph capture"):
         run(data)
     assert len(backend.first_calls) == 1
@@ -327,10 +327,10 @@ def test_a_demoted_kernel_leaves_the_size_plans(direct_runtime):
     backend, run, _ = direct_runtime
     data = make_inputs(SIZES)
     run(data)
-    assert len(runtime._SIZE_PLANS) == 1
+    assert len(runtime.RUNTIME.size_plans) == 1
     choice = submission.KernelChoice("direct", "direct", per_group_count=True)
     submission.demote("direct", choice, [choice, backend.oracle], len(SIZES), "test")
-    assert len(runtime._SIZE_PLANS) == 0
+    assert len(runtime.RUNTIME.size_plans) == 0
     other = make_inputs(SIZES)
     run(other)  # the oracle now: a host computation
     _assert_exact(other)
@@ -408,8 +408,8 @@ def test_out_of_memory_in_a_first_call_is_clear_and_caches_nothing(direct_runtim
     data = make_inputs(SIZES)
     with pytest.raises(torch.OutOfMemoryError, match="activation scratch of a first call of sizes"):
         run(data)
-    assert len(runtime._SEEN_ONCE) == 0 and len(runtime._BINDINGS) == 0
+    assert len(runtime.RUNTIME.seen_once) == 0 and len(runtime.RUNTIME.bindings) == 0
     monkeypatch.setattr(TableReadingLaunch, "launch", real_launch)
     run(data)  # memory back: a first call as if none had failed
     _assert_exact(data)
-    assert len(backend.first_calls) == 1 and len(runtime._BINDINGS) == 0
+    assert len(backend.first_calls) == 1 and len(runtime.RUNTIME.bindings) == 0

@@ -100,12 +100,12 @@ def test_a_first_call_captured_reads_its_tables_from_the_arena():
     data = generate_input(**SIZES, seed=51)
     runtime.custom_kernel(data)
     torch.cuda.synchronize()
-    assert (submission.input_key(data) not in runtime._BINDINGS) == _unbound_first_calls()
+    assert (submission.input_key(data) not in runtime.RUNTIME.bindings) == _unbound_first_calls()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         runtime.custom_kernel(data)
     if _unbound_first_calls():
-        assert any(key[0] == "first call" for key in runtime._CAPTURED.entries)
+        assert any(key[0] == "first call" for key in runtime.RUNTIME.captured.entries)
     _replays_are_exact(graph, data, (52, 53))
 
 
@@ -131,7 +131,7 @@ def test_moe_steps_with_new_sizes_every_call_are_exact():
         if step and _unbound_first_calls():
             # the first step's kernel was self-checked through a binding; later sizes may pick
             # a kernel not checked yet (bound once), never more than one binding per kernel
-            assert len(runtime._BINDINGS) <= len(submission.SELF_CHECKED)
+            assert len(runtime.RUNTIME.bindings) <= len(submission.SELF_CHECKED)
 
 
 def test_two_threads_each_on_its_own_stream_compiling_at_once():

@@ -76,7 +76,7 @@ def test_self_check_demotes_a_wrong_kernel_on_the_gpu(self_check_on, monkeypatch
     out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(out, want))
-    (binding,) = runtime._BINDINGS.entries.values()
+    (binding,) = runtime.RUNTIME.bindings.entries.values()
     assert binding.plan.choice.name == "swap_ab" and binding.plan.kernel_key in submission.SELF_CHECKED
     assert [line for line in capfd.readouterr().err.splitlines() if line.startswith("nvfp4_group_gemm:")] == []
     # Later calls: the kept kernel, exact, no oracle run
@@ -106,7 +106,7 @@ def test_a_launch_error_falls_back_on_the_gpu(self_check_on, monkeypatch, capfd)
     assert all(torch.equal(o, w) for o, w in zip(out, want))
     (line,) = [line for line in capfd.readouterr().err.splitlines() if line.startswith("nvfp4_group_gemm:")]
     assert "sm90 kernel swap_ab" in line and "launch failed" in line and line.endswith("next: in_gemm_decode")
-    (binding,) = runtime._BINDINGS.entries.values()
+    (binding,) = runtime.RUNTIME.bindings.entries.values()
     assert binding.plan.choice.name == "in_gemm_decode"
 
 
@@ -117,5 +117,5 @@ def test_the_default_chain_passes_its_self_check(self_check_on, monkeypatch, cap
     out = runtime.custom_kernel(data)
     torch.cuda.synchronize()
     assert all(torch.equal(o, w) for o, w in zip(out, want))
-    assert submission._DEMOTED == {} and len(submission.SELF_CHECKED) == 1
+    assert submission.DEMOTED == {} and len(submission.SELF_CHECKED) == 1
     assert [line for line in capfd.readouterr().err.splitlines() if line.startswith("nvfp4_group_gemm:")] == []

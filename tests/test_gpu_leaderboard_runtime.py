@@ -61,7 +61,7 @@ def test_the_official_cases_are_exact_through_the_leaderboard_runtime(hopper_in_
             assert ok, (case, message)
             assert all(torch.equal(got, want) for got, want in zip(outputs, expected)), case
     assert capsys.readouterr().err == ""  # no demotion, no skipped check
-    assert submission.SELF_CHECKED and not submission._DEMOTED
+    assert submission.SELF_CHECKED and not submission.DEMOTED
 
 
 def test_a_wrong_first_link_is_demoted_by_the_leaderboard_self_check(hopper_in_the_leaderboard_runtime, monkeypatch,
@@ -91,4 +91,4 @@ def test_a_wrong_first_link_is_demoted_by_the_leaderboard_self_check(hopper_in_t
     assert all(torch.equal(got, want) for got, want in zip(result, _expected(data)))
     line = capsys.readouterr().err.strip()
     assert "self-check:" in line and "demoted for this process" in line and "\n" not in line
-    assert len(submission._DEMOTED) == 1
+    assert len(submission.DEMOTED) == 1

@@ -169,7 +169,7 @@ def test_a_binding_replays_its_graph_when_idle_and_launches_directly_otherwise()
         for _ in range(2):  # a first call, then the binding's
             gemm.moe_grouped_gemm(**inputs)
         key = moe._binding_key(*(inputs[name] for name in ("a", "sfa", "b", "sfb", "offsets", "c")), None)
-        binding = moe._BINDINGS.get((stream.cuda_stream, torch.cuda.current_device())).get(key)
+        binding = moe.RUNTIME.bindings.get(((stream.cuda_stream, torch.cuda.current_device()), key))
         assert (binding.replay is not None) == switches.CURRENT.graph_launch
         replays = []
         if binding.replay is not None:
@@ -350,7 +350,7 @@ def test_a_wrong_or_failing_kernel_moves_down_the_chain(monkeypatch, capfd, fail
         torch.cuda.synchronize()
         check_call(inputs, offsets, (failure, trial))
     assert core.is_demoted(chain[0].kernel_key(groups)) and not core.is_demoted(chain[1].kernel_key(groups))
-    (plan,) = moe._PLANS.entries.values()
+    (plan,) = moe.RUNTIME.plans.entries.values()
     assert plan.choice == chain[1]
     why = "self-check" if failure == "wrong output" else "launch failed"
     assert f"{chain[0].name}" in capfd.readouterr().err and why in core.demotions()[chain[0].kernel_key(groups)]
@@ -611,7 +611,7 @@ def test_k_any_multiple_of_64_matches_the_exact_decode_and_replays(label, family
             outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
             outside[offsets[0]:offsets[-1]] = False
             assert torch.isnan(inputs["c"][outside]).all()
-        plans = list(moe._PLANS.entries.values())
+        plans = list(moe.RUNTIME.plans.entries.values())
         assert plans and all(plan.config.k_tail == (k % hopper_k_multiple(plan.config) != 0) for plan in plans)
         assert all(not core.is_demoted(plan.kernel_key) for plan in plans)
         graph = torch.cuda.CUDAGraph()
@@ -670,7 +670,7 @@ def test_fp16_boundary_bit_for_bit_as_the_exact_decode(label, path, k, monkeypat
             differ = (c.view(torch.int16) != expected.view(torch.int16)).nonzero()
             assert differ.numel() == 0, (label, path, k, alpha_mode, dtype, differ[:4].tolist())
             # not the self-check's exact result in place of a demoted kernel's
-            assert not any(core.is_demoted(plan.kernel_key) for plan in moe._PLANS.entries.values()), core.demotions()
+            assert not any(core.is_demoted(plan.kernel_key) for plan in moe.RUNTIME.plans.entries.values()), core.demotions()
     finally:
         monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
         gemm.reset_runtime()

@@ -125,7 +125,7 @@ def test_steady_state_is_one_launch_without_copies():
 
 
 def _state_of(data):
-    return runtime._BINDINGS.get(submission.input_key(data))
+    return runtime.RUNTIME.bindings.get(submission.input_key(data))
 
 
 def _zero_outputs(data):
@@ -218,7 +218,7 @@ def test_first_launch_of_a_fresh_process_is_recorded():
         "out = runtime.custom_kernel(data)\n"
         "torch.cuda.synchronize()\n"
         "assert match_outputs(expected, first)[0]\n"
-        "state = runtime._BINDINGS.get(submission.input_key(data))\n"
+        "state = runtime.RUNTIME.bindings.get(submission.input_key(data))\n"
         "print(type(state.graph).__name__, match_outputs(expected, out)[0])\n"
     )
     root = Path(__file__).resolve().parents[1]

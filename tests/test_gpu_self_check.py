@@ -68,8 +68,8 @@ def test_no_false_demotion_on_general_scales(link, monkeypatch, capsys):
         submission.SELF_CHECKED.clear()  # every set's first call is checked
         outputs = runtime.custom_kernel(data)
         torch.cuda.synchronize()
-        kernels.add(runtime._BINDINGS.get(runtime.input_key(data)).plan.choice.describe())
-        assert submission._DEMOTED == {}, (index, data[3], capsys.readouterr().err)
+        kernels.add(runtime.RUNTIME.bindings.get(runtime.input_key(data)).plan.choice.describe())
+        assert submission.DEMOTED == {}, (index, data[3], capsys.readouterr().err)
         counts = exact_mismatches(data, outputs)
         assert sum(c[0] for c in counts) == 0, (index, data[3], counts)
         bounded += sum(bound is not None for bound in submission.accumulation_bounds(data, 1))

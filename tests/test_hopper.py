@@ -860,7 +860,7 @@ def test_stream_k_state_relaunches_exactly(case):
     for _ in range(3):
         for _, _, c in data[0]:
             c.fill_(float("nan"))
-        state.run(launch._stream_for_current())
+        state.run(launch.stream_for_current())
         torch.cuda.synchronize()
         out = [c.clone() for _, _, c in data[0]]
         ok, message = match_outputs(expected, out)
@@ -890,7 +890,7 @@ def test_chained_calls_back_to_back_exactly(case):
         for data in sets:
             runtime.custom_kernel(data)
     torch.cuda.synchronize()
-    plans = {runtime._BINDINGS.get(submission.input_key(data)).plan for data in sets}
+    plans = {runtime.RUNTIME.bindings.get(submission.input_key(data)).plan for data in sets}
     (plan,) = plans
     assert plan.backend_plan.config.chain_calls and not plan.backend_plan.graph_launch
     for index, (data, want) in enumerate(zip(sets, expected)):
@@ -921,7 +921,7 @@ def test_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch, kernel):
         for data, want in zip(sets, expected):
             ok, message = match_outputs(want, [c for _, _, c in data[0]])
             assert ok, f"round {round_}: {message}"
-    bindings = [runtime._BINDINGS.get(submission.input_key(data)) for data in sets]
+    bindings = [runtime.RUNTIME.bindings.get(submission.input_key(data)) for data in sets]
     backend_plan = bindings[0].plan.backend_plan
     assert bindings[0].plan is bindings[1].plan and backend_plan.shared_scratch
     assert (backend_plan.stream_k is not None) == (kernel == "in_gemm_decode")

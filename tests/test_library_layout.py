@@ -105,13 +105,21 @@ def test_one_lock_for_every_runtime():
     assert len(locks) == 1 and isinstance(core.RUNTIME_LOCK, type(threading.RLock()))
 
 
-def test_one_reset_forgets_the_moe_entry_too(monkeypatch):
-    from nvfp4_group_gemm import moe, runtime
+def test_one_reset_forgets_every_runtime(monkeypatch):
+    """reset_runtime resets every runtime of the process (core.RUNTIMES: the leaderboard file's
+    core's, the per-size-set entry's, the MoE entry's), each through Runtime.reset."""
+    from nvfp4_group_gemm import core, moe, runtime
 
-    resets = []
-    monkeypatch.setattr(moe, "reset_moe", lambda: resets.append("moe"))
+    assert {id(r) for r in core.RUNTIMES} >= {id(core.RUNTIME), id(runtime.RUNTIME), id(moe.RUNTIME)}
+    for entry in (core.RUNTIME, runtime.RUNTIME, moe.RUNTIME):
+        entry.bindings.put("a key", "a binding")
+        entry.plans.put("a key", "a plan")
+    moe._LAYOUTS.put("a layout", "a shape")
+    runtime.RUNTIME.size_plans.put("a key", "a size plan")
     runtime.reset_runtime()
-    assert resets == ["moe"]
+    assert all(len(cache) == 0 for entry in (core.RUNTIME, runtime.RUNTIME, moe.RUNTIME)
+               for cache in (entry.bindings, entry.plans))
+    assert len(moe._LAYOUTS) == 0 and len(runtime.RUNTIME.size_plans) == 0
 
 
 PACKAGE = REPO_ROOT / "nvfp4_group_gemm"
@@ -163,8 +171,12 @@ def test_the_switches_are_read_again_by_reset_runtime(monkeypatch):
     runtime.reset_runtime()
     assert not switches.CURRENT.graph_launch and switches.CURRENT.moe_config == "swap_ab_t64"
     monkeypatch.setenv("NVFP4_GRAPH_LAUNCH", "maybe")
+    from nvfp4_group_gemm import moe
+
+    moe.RUNTIME.plans.put("a key", "a plan")  # a runtime after the one whose reset raises
     with pytest.raises(ValueError, match=r"NVFP4_GRAPH_LAUNCH='maybe': must be one of 0, 1"):
         runtime.reset_runtime()
+    assert len(moe.RUNTIME.plans) == 0  # every runtime reset all the same, the error raised after
     monkeypatch.delenv("NVFP4_GRAPH_LAUNCH")
     monkeypatch.delenv("NVFP4_MOE_CONFIG")
     runtime.reset_runtime()
@@ -179,7 +191,7 @@ def test_one_graph_policy(monkeypatch):
     from nvfp4_group_gemm import launch, switches
 
     for capturing, graphs, allowed in [(c, g, a) for c in (False, True) for g in (False, True) for a in (False, True)]:
-        monkeypatch.setattr(launch, "_capturing", lambda capturing=capturing: capturing)
+        monkeypatch.setattr(launch, "is_capturing", lambda capturing=capturing: capturing)
         monkeypatch.setattr(switches, "CURRENT", dataclasses.replace(switches.CURRENT, graph_launch=graphs))
         assert launch.records_graph(allowed) == (graphs and allowed and not capturing)
     for module in ("runtime.py", "moe.py"):
@@ -200,11 +212,12 @@ def test_every_bounded_cache_is_a_runtime_cache():
                     path, source[:120])
     from nvfp4_group_gemm import core, launch, moe, runtime
 
-    for module, names in ((moe, ("_PLANS", "_BINDINGS", "_LAYOUTS", "_CAPABILITY")),
-                          (runtime, ("_BINDINGS", "_PLANS", "_SIZE_PLANS", "_SEEN_ONCE", "_CAPTURED")),
-                          (launch, ("_STREAM_OBJECTS",))):
+    for module, names in ((moe, ("_LAYOUTS", "_CAPABILITY")),
+                          (moe.RUNTIME, ("plans", "bindings")),
+                          (runtime.RUNTIME, ("bindings", "plans", "size_plans", "seen_once", "captured")),
+                          (launch, ("STREAM_OBJECTS",))):
         for name in names:
-            assert isinstance(getattr(module, name), core.RuntimeCache), (module.__name__, name)
+            assert isinstance(getattr(module, name), core.RuntimeCache), (module, name)
 
 
 

@@ -321,7 +321,7 @@ def test_new_tensors_of_a_validated_layout_are_checked_for_what_differs(monkeypa
     """The miss path's short check (a layout validated before): the addresses' alignment and
     the devices; a misaligned address falls back to the full check and its message."""
     monkeypatch.setattr(moe, "_check_device", lambda *args: None)  # CPU tensors stand in for CUDA ones
-    monkeypatch.setattr(moe, "_LAYOUTS", core.RuntimeCache(max_entries=moe.MAX_LAYOUTS))
+    monkeypatch.setattr(moe, "_LAYOUTS", core.RuntimeCache(max_entries=moe.MAX_LAYOUTS))  # read by name at each call
     inputs = cpu_inputs()
     names = ("a", "sfa", "b", "sfb", "offsets", "c")
 
@@ -345,23 +345,22 @@ def test_bindings_dropped_inside_a_capture_are_kept_to_the_next_call_outside_one
     capture used is pinned: never evicted."""
     import types
 
-    monkeypatch.setattr(moe, "_PLANS", core.RuntimeCache(max_entries=moe.MAX_PLANS, pinned=lambda p: p.captured))
-    monkeypatch.setattr(moe, "_BINDINGS", core.RuntimeCache(max_entries=moe.MAX_STREAMS))
+    monkeypatch.setattr(moe.RUNTIME, "plans", core.RuntimeCache(max_entries=moe.MAX_PLANS, pinned=lambda p: p.captured))
+    monkeypatch.setattr(moe.RUNTIME, "bindings", core.RuntimeCache(max_entries=moe.MAX_BINDINGS))
     monkeypatch.setattr(launch, "RETIRED", [])
     for capturing in (True, False):
-        monkeypatch.setattr(launch, "_capturing", lambda capturing=capturing: capturing)
-        moe._PLANS.clear()
+        monkeypatch.setattr(launch, "is_capturing", lambda capturing=capturing: capturing)
+        moe.RUNTIME.plans.clear()
+        moe.RUNTIME.bindings.clear()
         plans = [types.SimpleNamespace(captured=index == 0, nbytes=0) for index in range(moe.MAX_PLANS + 1)]
         for index, plan in enumerate(plans[:-1]):
-            moe._PLANS.put(index, plan)
-        per_stream = core.RuntimeCache(max_entries=moe.MAX_BINDINGS)
+            moe.RUNTIME.plans.put(index, plan)
         oldest, kept = types.SimpleNamespace(plan=plans[1]), types.SimpleNamespace(plan=plans[2])
         for key, binding in (("oldest", oldest), ("kept", kept), ("seen", moe._SEEN_ONCE)):
-            per_stream.put(key, binding)
-        moe._BINDINGS.put((0, 0), per_stream)
-        moe._evict_bindings_of(moe._PLANS.put(moe.MAX_PLANS, plans[-1]))
-        assert 0 in moe._PLANS and 1 not in moe._PLANS and len(moe._PLANS) == moe.MAX_PLANS  # 0 pinned
-        assert dict(per_stream.entries) == {"kept": kept, "seen": moe._SEEN_ONCE}
+            moe.RUNTIME.bindings.put(((0, 0), key), binding)
+        moe.RUNTIME.put_plan(moe.MAX_PLANS, plans[-1])
+        assert 0 in moe.RUNTIME.plans and 1 not in moe.RUNTIME.plans and len(moe.RUNTIME.plans) == moe.MAX_PLANS  # 0 pinned
+        assert dict(moe.RUNTIME.bindings.entries) == {((0, 0), "kept"): kept, ((0, 0), "seen"): moe._SEEN_ONCE}
         assert launch.RETIRED == ([plans[1], oldest] if capturing else [])
         launch.RETIRED.clear()
 
@@ -418,7 +417,11 @@ def test_a_self_check_that_disagrees_demotes_the_kernel_and_returns_the_exact_re
     assert torch.equal(inputs["c"][:300].nan_to_num(9), expected[:300].nan_to_num(9))
     line = capsys.readouterr().err
     assert "1 of" in line and "expert 2 row 150 column 7" in line and f"next: {chain[1].name}" in line
-    assert moe._chosen_link(chain, 4) is chain[1]
+    import types
+
+    compiled = []  # the next call: the first link of the chain not demoted, compiled
+    backend = types.SimpleNamespace(name=moe.MOE_BACKEND, compile=lambda choice, groups: compiled.append(choice))
+    assert core.choose_kernel(backend, chain, 4) is chain[1] and compiled == [chain[1]]
 
 
 def test_bad_offsets_are_not_self_checked():
@@ -438,14 +441,13 @@ def test_a_demotion_drops_the_plans_of_that_kernel_and_their_bindings():
     doomed, other = FakePlan(chain, 4), FakePlan(chain[1:], 4)
     for plan in (doomed, other):
         plan.captured, plan.nbytes = False, 100
-        moe._PLANS.put(("key", plan.choice.name), plan)
-    per_stream = core.RuntimeCache(max_entries=moe.MAX_BINDINGS)
-    per_stream.put("doomed", types.SimpleNamespace(plan=doomed))
-    per_stream.put("other", types.SimpleNamespace(plan=other))
-    moe._BINDINGS.put((0, 0), per_stream)
+        moe.RUNTIME.plans.put(("key", plan.choice.name), plan)
+    moe.RUNTIME.bindings.put(((0, 0), "doomed"), types.SimpleNamespace(plan=doomed))
+    moe.RUNTIME.bindings.put(((0, 0), "other"), types.SimpleNamespace(plan=other))
     core.demote(moe.MOE_BACKEND, chain[0], chain, 4, "a test")
-    assert list(moe._PLANS.entries) == [("key", chain[1].name)] and list(per_stream.entries) == ["other"]
-    assert moe._PLANS.nbytes == 100  # the byte count follows the dropped plan
+    assert list(moe.RUNTIME.plans.entries) == [("key", chain[1].name)]
+    assert list(moe.RUNTIME.bindings.entries) == [((0, 0), "other")]
+    assert moe.RUNTIME.plans.nbytes == 100  # the byte count follows the dropped plan
 
 
 def test_a_demotion_of_the_sm100_kernel_drops_its_plans_bindings_and_their_bytes():
@@ -459,16 +461,14 @@ def test_a_demotion_of_the_sm100_kernel_drops_its_plans_bindings_and_their_bytes
     doomed = moe.Sm100MoePlan(types.SimpleNamespace(), {"scratch": torch.zeros(256, dtype=torch.uint8)}, chain, 4)
     other = FakePlan(moe.moe_chain(shape, 132, True, None), 4)
     other.captured, other.nbytes = False, 1000
-    moe._PLANS.put("doomed", doomed)
-    moe._PLANS.put("other", other)
-    assert moe._PLANS.nbytes == 1256
-    per_stream = core.RuntimeCache(max_entries=moe.MAX_BINDINGS)
-    per_stream.put("doomed", types.SimpleNamespace(plan=doomed))
-    per_stream.put("other", types.SimpleNamespace(plan=other))
-    moe._BINDINGS.put((0, 0), per_stream)
+    moe.RUNTIME.plans.put("doomed", doomed)
+    moe.RUNTIME.plans.put("other", other)
+    assert moe.RUNTIME.plans.nbytes == 1256
+    moe.RUNTIME.bindings.put(((0, 0), "doomed"), types.SimpleNamespace(plan=doomed))
+    moe.RUNTIME.bindings.put(((0, 0), "other"), types.SimpleNamespace(plan=other))
     core.demote(moe.SM100_MOE_BACKEND, chain[0], chain, 4, "a test")
-    assert list(moe._PLANS.entries) == ["other"] and list(per_stream.entries) == ["other"]
-    assert moe._PLANS.nbytes == 1000
+    assert list(moe.RUNTIME.plans.entries) == ["other"] and list(moe.RUNTIME.bindings.entries) == [((0, 0), "other")]
+    assert moe.RUNTIME.plans.nbytes == 1000
 
 
 def test_the_hit_path_keeps_bindings_least_recently_used_first(monkeypatch):
@@ -478,18 +478,19 @@ def test_the_hit_path_keeps_bindings_least_recently_used_first(monkeypatch):
 
     inputs = cpu_inputs()
     names = ("a", "sfa", "b", "sfb", "offsets", "c")
-    monkeypatch.setattr(launch, "_current_stream_handle", lambda: 0)
+    monkeypatch.setattr(launch, "current_stream_handle", lambda: 0)
     monkeypatch.setattr(core, "current_device_index", lambda: 0)
+    monkeypatch.setattr(moe.RUNTIME, "bindings", core.RuntimeCache(max_entries=2))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))  # CPU tensors stand in for CUDA ones
     launches = []
     first = types.SimpleNamespace(launch=lambda: launches.append("first"))
-    per_stream = core.RuntimeCache(max_entries=2)
-    key = moe._binding_key(*(inputs[n] for n in names), None)
-    per_stream.put(key, first)
-    per_stream.put("second", types.SimpleNamespace(launch=None))
-    moe._BINDINGS.put((0, 0), per_stream)
+    key = ((0, 0), moe._binding_key(*(inputs[n] for n in names), None))
+    moe.RUNTIME.bindings.put(key, first)
+    moe.RUNTIME.bindings.put("second", types.SimpleNamespace(launch=None))
     moe.moe_grouped_gemm(*(inputs[n] for n in names))  # a hit on the first binding made
     assert launches == ["first"]
-    assert per_stream.put("third", types.SimpleNamespace()) and list(per_stream.entries) == [key, "third"]
+    assert moe.RUNTIME.bindings.put("third", types.SimpleNamespace()) and list(moe.RUNTIME.bindings.entries) == [
+        key, "third"]
 
 
 def test_the_exact_link_writes_valid_calls_and_flags_bad_offsets(monkeypatch):
@@ -504,7 +505,7 @@ def test_the_exact_link_writes_valid_calls_and_flags_bad_offsets(monkeypatch):
     inputs["c"].fill_(float("nan"))
     moe._exact_call(*(inputs[n] for n in names), status, shape)
     assert int(status) == 1 and torch.isnan(inputs["c"]).all()
-    monkeypatch.setattr(launch, "_capturing", lambda: True)
+    monkeypatch.setattr(launch, "is_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot run under a CUDA graph capture"):
         moe._exact_call(*(inputs[n] for n in names), status, shape)
 

@@ -162,3 +162,108 @@ def test_a_checkpoint_without_input_scales_runs_w4a16_only():
     assert torch.isfinite(layer(x).float()).all()
     with pytest.raises(ValueError, match=r"needs each projection's <p>_input_scale .* use activations = 'bf16'"):
         moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, "nvfp4")
+
+
+def _experts_output_step_by_step(layer, x, topk_ids, topk_weights):
+    """experts_output as the layer computed it before its kernels were counted: every id mapped
+    and masked, counts scattered and summed, gate and up cast to fp32 apart, a zero status."""
+    tokens, top_k = topk_ids.shape
+    local = topk_ids.reshape(-1).long() - layer.first_local
+    experts = torch.where((local >= 0) & (local < layer.experts), local, layer.experts)
+    order = torch.argsort(experts, stable=True)
+    counts = torch.zeros(layer.experts + 1, dtype=torch.int64).scatter_add_(0, experts, torch.ones_like(experts))
+    offsets = torch.zeros(layer.experts + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(counts[:layer.experts], 0)
+    status = torch.zeros(1, dtype=torch.int32)
+    rows = x[order // top_k]
+    gate_up = layer.gemm(rows, layer.w13, layer.scale13, layer.alpha13, offsets, status)
+    gate, up = gate_up[:, :layer.intermediate].float(), gate_up[:, layer.intermediate:].float()
+    hidden = torch.nn.functional.silu(gate) * up
+    if layer.scale2 is None:
+        hidden = hidden.to(torch.bfloat16)
+    down = layer.gemm(hidden, layer.w2, layer.scale2, layer.alpha2, offsets, status)
+    unsorted = torch.empty_like(down)
+    unsorted[order] = down
+    unsorted = torch.where((experts < layer.experts)[:, None], unsorted.float(), 0.0)
+    return (unsorted.view(tokens, top_k, layer.hidden) * topk_weights.float()[..., None]).sum(dim=1)
+
+
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"], ids=["w4a16", "w4a4"])
+@pytest.mark.parametrize("first_local", [None, 0, 2], ids=["all_local", "shard0", "shard1"])
+def test_fewer_kernels_compute_the_same_bits(activations, first_local):
+    """experts_output with its kernels cut (no id mapping or masking where every expert is local,
+    a sort and one search for the offsets, up promoted inside SwiGLU's product, the entry's own
+    status word) gives the same bits as the step-by-step form, on random routings, whole and
+    sharded (expert parallelism: pairs of the other shard's experts)."""
+    tensors, layer, router = make_layer(activations=activations)
+    if first_local is not None:
+        shard = {name: value[first_local:first_local + 2] if value.dim() and value.shape[0] == EXPERTS else value
+                 for name, value in tensors.items()}
+        layer = moe_layer.MoeFfn(shard, "layer.", router, TOP_K, activations, first_local=first_local)
+    assert layer.all_local == (first_local is None)
+    generator = torch.Generator().manual_seed(11)
+    for tokens in (1, 5, 24):
+        x = torch.randn(tokens, HIDDEN, generator=generator).to(torch.bfloat16)
+        topk_ids, topk_weights = layer.route(x)
+        got = layer.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32)
+        expected = _experts_output_step_by_step(layer, x, topk_ids, topk_weights)
+        assert torch.equal(got, expected), (tokens, (got - expected).abs().max())
+
+
+def test_offsets_leave_other_gpus_pairs_past_the_last_expert():
+    """Pairs routed to another GPU's experts (local id E) sort last: offsets[E] counts the local
+    pairs only."""
+    _, layer, _ = make_layer()
+    order, offsets = layer.sort_by_expert(torch.tensor([4, 1, 4, 0, 3]))
+    assert offsets.tolist() == [0, 1, 2, 2, 3] and order.tolist() == [3, 1, 4, 0, 2]
+
+
+def _kernel_ops(fn) -> list[str]:
+    """The aten ops `fn` dispatches that compute (each a kernel on a GPU): views, empties and
+    aliases left out."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    no_kernel = ("view", "slice", "select", "unsqueeze", "squeeze", "expand", "permute", "aten.t.", "transpose",
+                 "alias", "empty", "detach", "as_strided", "lift_fresh")
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not any(part in str(func) for part in no_kernel):
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        fn()
+    return ops.ops
+
+
+def test_the_w4a16_experts_output_is_two_gemms_and_twelve_small_ops():
+    """Where every expert is local, the W4A16 routed experts are the two GEMMs and 12 small ops
+    (the step-by-step form: 28): sort, search, token index, gather, SwiGLU's cast, silu and
+    product, its bf16 rounding, the un-permute, the fp32 cast, the weights' product, the sum."""
+    _, layer, _ = make_layer(activations="bf16")
+    x = torch.randn(1, HIDDEN).to(torch.bfloat16)
+    topk_ids, topk_weights = layer.route(x)
+    ops = _kernel_ops(lambda: layer.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32))
+    gemms = [op for op in ops if op.startswith("nvfp4_group_gemm.")]
+    assert len(gemms) == 2 and len(ops) - len(gemms) == 12, ops
+    before = _kernel_ops(lambda: _experts_output_step_by_step(layer, x, topk_ids, topk_weights))
+    assert len(before) - 2 == 28, before
+
+
+def test_the_w4a4_experts_output_quantizes_in_25_ops_a_gemm():
+    """W4A4: each GEMM's activations quantized in 25 ops (bf16 rows' cast, block amax and scale,
+    the e2m1 codes by two searches, the packing; 24 for fp32 rows), 60 small ops around the two
+    GEMMs in all."""
+    _, layer, _ = make_layer(activations="nvfp4")
+    x = torch.randn(1, HIDDEN).to(torch.bfloat16)
+    topk_ids, topk_weights = layer.route(x)
+    ops = _kernel_ops(lambda: layer.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32))
+    gemms = [op for op in ops if op.startswith("nvfp4_group_gemm.")]
+    assert len(gemms) == 2 and len(ops) - len(gemms) == 60, ops
+    quantize = _kernel_ops(lambda: moe_layer.quantize_activations(x, layer.scale13))
+    assert len(quantize) == 25 and sum("bucketize" in op for op in quantize) == 2, quantize

@@ -53,7 +53,6 @@ CASES = {
     "prepare_weight_scales": (lambda: gemm.prepare_weight_scales(torch.ones(4, 256, 16).to(torch.float8_e4m3fn)),
                               "works"),
     "check_status": (lambda: gemm.check_status(torch.zeros(1, dtype=torch.int32)), "works"),
-    "reset_moe": (gemm.reset_moe, "works"),
     "reset_runtime": (gemm.reset_runtime, "works"),
 }
 

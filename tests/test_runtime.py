@@ -146,8 +146,8 @@ def test_lru_bounds_and_order():
     for i in range(5, 20):
         cache.put(("k", i), i)
     assert len(cache) == 4 and ("k", 19) in cache and ("k", 15) not in cache
-    assert runtime._BINDINGS.max_entries == 64
-    assert runtime._PLANS.max_entries == 32 and runtime._PLANS.max_bytes == 1 << 30
+    assert runtime.RUNTIME.bindings.max_entries == 64
+    assert runtime.RUNTIME.plans.max_entries == 32 and runtime.RUNTIME.plans.max_bytes == 1 << 30
 
 
 def test_lru_bounded_in_bytes():
@@ -277,9 +277,9 @@ def test_the_tools_read_bindings_streams_and_size_plans_through_functions(record
     binding = runtime.binding_of(key)
     assert binding is not None and binding.plan.problem_sizes == ((40, 384, 512, 1),)
     assert runtime.current_stream() == "stream-0"  # runtime_on_cpu's stand-in for torch's current stream
-    assert len(runtime._SIZE_PLANS) == 1
+    assert len(runtime.RUNTIME.size_plans) == 1
     runtime.forget_size_plans()
-    assert len(runtime._SIZE_PLANS) == 0 and runtime.binding_of(key) is binding  # size plans alone
+    assert len(runtime.RUNTIME.size_plans) == 0 and runtime.binding_of(key) is binding  # size plans alone
 
 
 def test_hit_is_one_launch_and_no_validation(recording_runtime):
@@ -308,7 +308,7 @@ def test_new_pointers_of_known_sizes_share_the_plan_and_skip_the_full_rules(reco
     # Known sizes: no full rules (the fast acceptor), no second plan, a second binding
     assert validations == [] and len(backend.prepared) == 1 and len(backend.checked) == 1
     assert len(backend.bound) == 2
-    first, second = runtime._BINDINGS.entries.values()  # least recently used first
+    first, second = runtime.RUNTIME.bindings.entries.values()  # least recently used first
     assert first.plan is second.plan
     assert first.ptrs[1, submission.PTR_C].item() == data[0][1][2].data_ptr()
     assert second.ptrs[1, submission.PTR_C].item() == new_c.data_ptr()
@@ -365,7 +365,7 @@ def test_binding_records_its_graph_on_the_second_call(recording_runtime, monkeyp
     monkeypatch.setattr(runtime, "_can_record", lambda plan: True)  # CPU tensors here
     data = make_inputs([(40, 384, 512, 1)])
     runtime.custom_kernel(data)
-    binding = runtime._BINDINGS.get(submission.input_key(data))
+    binding = runtime.RUNTIME.bindings.get(submission.input_key(data))
     assert captured == [] and binding.mode is runtime.LaunchMode.FIRST_DIRECT and binding.launched
     for _ in range(3):
         runtime.custom_kernel(data)
@@ -375,24 +375,24 @@ def test_binding_records_its_graph_on_the_second_call(recording_runtime, monkeyp
 
 def test_plan_eviction_drops_its_bindings(recording_runtime, monkeypatch):
     backend, _ = recording_runtime
-    monkeypatch.setattr(runtime, "_PLANS", submission.RuntimeCache(max_entries=2))
+    monkeypatch.setattr(runtime.RUNTIME, "plans", submission.RuntimeCache(max_entries=2))
     sets = [make_inputs([(40 + 8 * i, 128, 256, 1)]) for i in range(3)]
     for data in sets:
         runtime.custom_kernel(data)
     # The first size set's plan went, and the binding that held it with it
-    assert len(runtime._PLANS) == 2 and len(runtime._BINDINGS) == 2
-    assert submission.input_key(sets[0]) not in runtime._BINDINGS
+    assert len(runtime.RUNTIME.plans) == 2 and len(runtime.RUNTIME.bindings) == 2
+    assert submission.input_key(sets[0]) not in runtime.RUNTIME.bindings
     runtime.custom_kernel(sets[0])  # planned and bound again
     assert len(backend.prepared) == 4
 
 
 def test_lru_evicts_the_oldest_input_set(recording_runtime, monkeypatch):
     backend, validations = recording_runtime
-    monkeypatch.setattr(runtime, "_BINDINGS", submission.RuntimeCache(max_entries=3))
+    monkeypatch.setattr(runtime.RUNTIME, "bindings", submission.RuntimeCache(max_entries=3))
     sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
     for data in sets:
         runtime.custom_kernel(data)
-    assert len(runtime._BINDINGS) == 3 and validations == [] and len(backend.prepared) == 1
+    assert len(runtime.RUNTIME.bindings) == 3 and validations == [] and len(backend.prepared) == 1
     runtime.custom_kernel(sets[3])  # still cached
     assert len(backend.bound) == 4
     runtime.custom_kernel(sets[0])  # evicted: bound again on the same plan
@@ -439,7 +439,7 @@ def sm100_backend_on_cpu(request, monkeypatch):
     monkeypatch.setattr(sm100, "compile_persistent_init", lambda config: fake_init)
     monkeypatch.setattr(sm100, "compile_persistent_gemm", lambda config: fake_gemm)
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "stream")
     monkeypatch.setattr(runtime, "make_launcher", lambda fn, *args: lambda: fn(*args))
     return sm100.Sm100StreamBackend(request.param), init_calls, gemm_calls
 
@@ -492,7 +492,7 @@ def test_persistent_launch_arguments(monkeypatch):
     monkeypatch.setattr(sm100, "compile_persistent_init", lambda config: lambda *a: None)
     monkeypatch.setattr(sm100, "compile_persistent_gemm", lambda config: ("gemm", config))
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "stream")
     sizes = [(40, 384, 512, 1), (129, 128, 768, 1)]
     for num_sms, clusters in ((148, 4), (4, 2)):
         backend = sm100.Sm100StreamBackend("persistent", num_sms=num_sms)
@@ -525,7 +525,7 @@ def test_stream_change_prepares_the_launch_again(recording_runtime, monkeypatch)
     data = make_inputs([(40, 384, 512, 1)])
     runtime.custom_kernel(data)
     for module in (runtime, launch, sm100):
-        monkeypatch.setattr(module, "_stream_for_current", lambda: "stream-1")
+        monkeypatch.setattr(module, "stream_for_current", lambda: "stream-1")
     runtime.custom_kernel(data)
     runtime.custom_kernel(data)
     assert backend.args == ["stream-0", "stream-1"]
@@ -554,15 +554,15 @@ def test_backend_constraint_rejects_before_any_launch(recording_runtime):
 def test_hit_path_keys_and_touches_the_lru_like_the_cache_api(recording_runtime, monkeypatch):
     """custom_kernel inlines input_key and RuntimeCache.get: same key, and a hit makes its
     entry the most recent (the next eviction takes another one)."""
-    monkeypatch.setattr(runtime, "_BINDINGS", submission.RuntimeCache(max_entries=3))
+    monkeypatch.setattr(runtime.RUNTIME, "bindings", submission.RuntimeCache(max_entries=3))
     sets = [make_inputs([(40, 128, 256, 1)]) for _ in range(4)]
     for data in sets[:3]:
         runtime.custom_kernel(data)
-    assert [submission.input_key(d) in runtime._BINDINGS for d in sets[:3]] == [True] * 3
+    assert [submission.input_key(d) in runtime.RUNTIME.bindings for d in sets[:3]] == [True] * 3
     runtime.custom_kernel(sets[0])  # hit: sets[0] becomes the most recent
     runtime.custom_kernel(sets[3])  # evicts the least recent: sets[1]
-    assert submission.input_key(sets[0]) in runtime._BINDINGS
-    assert submission.input_key(sets[1]) not in runtime._BINDINGS
+    assert submission.input_key(sets[0]) in runtime.RUNTIME.bindings
+    assert submission.input_key(sets[1]) not in runtime.RUNTIME.bindings
 
 
 BENCHMARK_SETS = [
@@ -666,6 +666,25 @@ def test_the_library_sm100_init_waits_for_tables_written_on_another_stream(sm100
     plan.tables.stream, plan.tables.event = "stream-P", type("Event", (), {"event": "event-P"})()
     monkeypatch.setattr(launch.cuda, "cuStreamWaitEvent",
                         lambda stream, event, flags: waits.append((stream, event)) or (0,))
-    monkeypatch.setattr(launch, "_check_cuda", lambda result, what: None)
+    monkeypatch.setattr(launch, "check_cuda", lambda result, what: None)
     runtime.Binding(plan, _pointers(2, 1 << 40))
     assert init_calls == [2] and waits == [("stream", "event-P")]
+
+
+def test_run_with_backend_launches_nothing_when_every_group_is_empty(monkeypatch):
+    """Every M = 0: no tile, so nothing to launch (a grid of 0 CTAs is an invalid launch,
+    CUresult 9 on an H100); run_with_backend leaves the binding's NOTHING mode alone."""
+    runtime_on_cpu(monkeypatch, None)
+
+    class NeverLaunches(TableBackend):
+        def can_implement(self, problem_sizes):
+            pass
+
+        def launch_args(self, plan, binding, stream):
+            raise AssertionError("launched a grid of 0 CTAs")
+
+    data = make_inputs([(0, 128, 256, 1), (0, 256, 512, 1)])
+    before = [c.clone() for _, _, c in data[0]]
+    outputs = runtime.run_with_backend(data, NeverLaunches())
+    assert [c.shape for c in outputs] == [(0, 128, 1), (0, 256, 1)]
+    assert all(torch.equal(c, old) for c, old in zip(outputs, before))

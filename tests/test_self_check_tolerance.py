@@ -158,7 +158,7 @@ def test_a_correct_fp32_kernel_on_general_scales_is_not_demoted(sm100_runtime, c
     data = cancelling_inputs()
     run(data)
     assert capsys.readouterr().err == ""
-    assert submission._DEMOTED == {} and len(submission.SELF_CHECKED) == 1
+    assert submission.DEMOTED == {} and len(submission.SELF_CHECKED) == 1
 
 
 @pytest.mark.parametrize("defect", [k_block_off_by_one_kernel, swapped_scales_kernel],

@@ -212,17 +212,17 @@ def resident_clusters(device: torch.device, cluster_size: int = 2) -> int | None
     if device.type != "cuda":
         return None
     key = (device.index, cluster_size)
-    if key not in _RESIDENT_CLUSTERS:
+    if key not in RESIDENT_CLUSTERS:
         try:
-            _RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
+            RESIDENT_CLUSTERS[key] = int(utils.HardwareInfo(device.index).get_max_active_clusters(cluster_size))
         except Exception as error:  # noqa: BLE001 - a failed query must not fail the call
             report(f"the resident {cluster_size}-CTA cluster query failed ({one_line(error)}); "
                    "the persistent kernel runs one cluster per two SMs")
-            _RESIDENT_CLUSTERS[key] = None
-    return _RESIDENT_CLUSTERS[key]
+            RESIDENT_CLUSTERS[key] = None
+    return RESIDENT_CLUSTERS[key]
 
 
-_RESIDENT_CLUSTERS: dict = {}
+RESIDENT_CLUSTERS: dict = {}
 
 
 class Sm100Backend:

@@ -1,7 +1,7 @@
 """The fallback chain: its links and the process's demotions.
 
 ``KernelChoice`` (one link: a named kernel config), ``KernelChain`` (links made on first
-access), the demotion state shared by every runtime of the process (``_DEMOTED``,
+access), the demotion state shared by every runtime of the process (``DEMOTED``,
 ``SELF_CHECKED``, ``DEMOTION_LISTENERS``), the one lock (``RUNTIME_LOCK`` lives in config),
 ``choose_kernel`` and ``demote``."""
 
@@ -75,11 +75,11 @@ class KernelChain(collections.abc.Sequence):
         return link
 
 
-_c_of_group = operator.itemgetter(2)
+c_of_group = operator.itemgetter(2)
 
 # kernel_key -> why it was demoted; kernel keys whose first use agreed with the oracle. Shared
 # by every runtime in the process (the library's too): a kernel found wrong is wrong for all.
-_DEMOTED: dict[tuple, str] = {}
+DEMOTED: dict[tuple, str] = {}
 SELF_CHECKED: set[tuple] = set()
 # What a demotion calls: each runtime registers the dropping of its plans that run the demoted
 # kernel (each called with the demoted kernel_key): this file's runtime first, at its import,
@@ -94,17 +94,17 @@ def report(line: str) -> None:
 
 def is_demoted(kernel_key: tuple) -> bool:
     """Whether a compiled kernel (KernelChoice.kernel_key) was demoted in this process."""
-    return kernel_key in _DEMOTED
+    return kernel_key in DEMOTED
 
 
 def demotions() -> dict[tuple, str]:
     """Every demotion of this process: kernel key -> why (a copy)."""
-    return dict(_DEMOTED)
+    return dict(DEMOTED)
 
 
 def _next_usable(chain, num_groups: int, after: KernelChoice) -> str:
     later = list(chain)
-    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in _DEMOTED]
+    names = [c.title() for c in later[later.index(after) + 1:] if c.kernel_key(num_groups) not in DEMOTED]
     return names[0] if names else "nothing (the next call raises)"
 
 
@@ -114,7 +114,7 @@ def demote(backend_name: str, choice: KernelChoice, chain, num_groups: int, why:
     say so in one line."""
     key = choice.kernel_key(num_groups)
     with RUNTIME_LOCK:
-        _DEMOTED[key] = why
+        DEMOTED[key] = why
         for listener in DEMOTION_LISTENERS:
             listener(key)
     report(f"{backend_name} kernel {choice.describe()}, G = {num_groups}: {why}; "
@@ -125,7 +125,7 @@ def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
     """The first link of `chain` that is not demoted and compiles; a compile failure
     demotes its link."""
     for choice in chain:
-        if choice.kernel_key(num_groups) in _DEMOTED:
+        if choice.kernel_key(num_groups) in DEMOTED:
             continue
         try:
             backend.compile(choice, num_groups)
@@ -134,7 +134,7 @@ def choose_kernel(backend, chain, num_groups: int) -> KernelChoice:
             continue
         return choice
     raise RuntimeError(f"no kernel of the {backend.name} chain {[c.name for c in chain]} is left: "
-                       + "; ".join(f"{c.name}: {_DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
+                       + "; ".join(f"{c.name}: {DEMOTED.get(c.kernel_key(num_groups))}" for c in chain))
 
 
 def one_line(error: BaseException) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from .chain import KernelChoice
 from .config import FORCE_PLAIN_LAUNCH, ceil_div
-from .validation import flatten
+from .validation import data_address, flatten
 
 # =============================================================================
 # Shared host runtime (both backends)
@@ -210,10 +210,8 @@ def upload_int_tables(device, tables) -> tuple[torch.Tensor, list[torch.Tensor]]
     return buffer, views
 
 class RuntimeCache:
-    """Bounded LRU (count, and bytes where entries have `nbytes`).
-
-    ``entries`` (least recently used first) is public so that custom_kernel's hit path can
-    look up and touch an entry with two C calls, without a Python frame for get()."""
+    """Bounded LRU (count, and bytes where entries have `nbytes`); its entries are read and
+    written by its methods only (``entries``: least recently used first)."""
 
     def __init__(self, max_entries: int = 64, max_bytes: int | None = None, pinned: Callable | None = None):
         """`pinned(entry)` True: the entry is never evicted (a plan a caller's CUDA graph reads),
@@ -229,6 +227,28 @@ class RuntimeCache:
         if state is not None:
             self.entries.move_to_end(key)
         return state
+
+    def get_input_set(self, data) -> tuple[Any, tuple | None]:
+        """The hit path's lookup in a cache of input sets (by input_key): (the entry of this
+        input set, touched, or None; its input_key, or None for malformed input, which full
+        validation then names). The entry's `plan.problem_sizes` must equal the input set's:
+        same buffers with other sizes are a miss.
+
+        Hit: every pointer and the problem sizes equal those of an input set that passed
+        validation. A hit does NOT re-check dtypes, strides or the plain sfa/sfb tensors: a
+        tensor replaced by one with the same address and problem size but another dtype or
+        layout would be read as the validated one. (input_key and get inlined: every Python
+        frame saved is CPU time of every call.)"""
+        try:
+            key = (*map(data_address, flatten(data[0])), *map(data_address, flatten(data[2])))
+            entry = self.entries.get(key)
+            if entry is not None:
+                self.entries.move_to_end(key)
+                if tuple(data[3]) != entry.plan.problem_sizes:
+                    entry = None  # same buffers, other sizes: check and bind again
+        except Exception:  # noqa: BLE001 - malformed input of any kind goes to full validation
+            return None, None
+        return entry, key
 
     def put(self, key, state) -> list:
         """Insert `state`; return the entries evicted to stay within the bounds."""
@@ -337,16 +357,18 @@ class Plan:
     choice: the kernel of the backend's chain that runs these sizes (chosen, and compiled,
     before anything else is built: the tile rows are that kernel's); chain: the whole chain,
     for a demotion to name the next link. sizes int32 [G, 4]: (M, N, K, L) per group; tiles
-    int32 [T, W]: the kernel's tile rows (none for a host computation). backend_plan: what
-    the backend's prepare(spec) made of them; None for a host computation. nbytes: device
-    bytes held."""
+    int32 [T, W]: the kernel's tile rows (none for a host computation; `tile_rows` given: a
+    size plan's). backend_plan: what the backend's prepare(spec) made of them; None for a host
+    computation. nbytes: device bytes held. The library's plan (nvfp4_group_gemm.runtime)
+    extends this one at one seam, `upload`: where its tables are written."""
 
     __slots__ = (
         "backend", "backend_plan", "chain", "choice", "device", "kernel_key", "nbytes", "num_groups", "num_tiles",
         "problem_sizes", "sizes", "spec", "tables", "tile_rows", "tiles",
     )
 
-    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None):
+    def __init__(self, backend, problem_sizes, device, choice: KernelChoice | None = None, chain=None,
+                 tile_rows: tuple | None = None):
         self.backend = backend
         self.device = torch.device(device)
         self.problem_sizes = tuple(tuple(int(v) for v in p) for p in problem_sizes)
@@ -357,33 +379,51 @@ class Plan:
         self.choice = choice
         self.chain = chain if chain is not None else (choice,)
         self.kernel_key = choice.kernel_key(self.num_groups)
-        self.tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
+        if tile_rows is None:
+            tile_rows = () if choice.host else tuple(backend.plan_tiles(self.problem_sizes, choice))
+        self.tile_rows = tile_rows
         self.num_tiles = len(self.tile_rows)
         self.spec = PlanSpec(choice, self.problem_sizes, self.device, self.tile_rows)
-        self.tables, (self.sizes, self.tiles) = upload_int_tables(
-            self.device, [("i", self.problem_sizes), ("i", self.tile_rows)]
-        )
+        self.tables, (self.sizes, self.tiles), table_bytes = self.upload(
+            [("i", self.problem_sizes), ("i", self.tile_rows)])
         self.backend_plan = None if choice.host else backend.prepare(self.spec)
-        self.nbytes = self.tables.numel() + (0 if self.backend_plan is None else self.backend_plan.nbytes)
+        self.nbytes = table_bytes + (0 if self.backend_plan is None else self.backend_plan.nbytes)
+
+    def upload(self, tables) -> tuple[Any, list[torch.Tensor], int]:
+        """(what holds `tables` on the plan's device, a view of each, its bytes): one buffer,
+        copied in the order of the launches."""
+        buffer, views = upload_int_tables(self.device, tables)
+        return buffer, views, buffer.numel()
 
 
 class Binding:
     """One input set (its data pointers) bound to its plan: the pointer table the kernel
     reads (ptrs int64 [G, 5]: a, b, c, sfa_reordered, sfb_reordered), the backend's
     per-pointer state (`bound`: the sm_100 TMA descriptors) and the prepared launch (None: a
-    host computation, which custom_kernel runs on the input set itself)."""
+    host computation, which custom_kernel runs on the input set itself). The library's binding
+    extends this one at two seams: `upload` (a pointer table its first call wrote) and
+    `prepare` (where and how its launches go)."""
 
     __slots__ = ("bound", "launch", "plan", "pointers", "ptrs", "table")
 
-    def __init__(self, plan: Plan, pointers):
+    def __init__(self, plan: Plan, pointers, table=None):
         self.plan = plan
         self.pointers = tuple(tuple(int(v) for v in p) for p in pointers)
-        self.table, (self.ptrs,) = upload_int_tables(plan.device, [("q", self.pointers)])
-        self.bound = self.launch = None
-        if not plan.choice.host:
-            self.bound = plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
-            # every group with M = 0: nothing to launch (a 0-CTA grid is invalid)
-            self.launch = plan.backend.launcher(plan, self) if plan.num_tiles else no_launch
+        self.table, self.ptrs = self.upload(table)
+        self.bound = None if plan.choice.host else plan.backend.write_descriptors(plan, self.pointers, self.ptrs)
+        self.launch = self.prepare()
+
+    def upload(self, table) -> tuple[Any, torch.Tensor]:
+        """(what holds the pointer table on the device, its int64 [G, 5] view)."""
+        buffer, (ptrs,) = upload_int_tables(self.plan.device, [("q", self.pointers)])
+        return buffer, ptrs
+
+    def prepare(self) -> Callable[[], None] | None:
+        """The prepared launch; None for a host computation; no_launch where every group has
+        M = 0 (a 0-CTA grid is invalid)."""
+        if self.plan.choice.host:
+            return None
+        return self.plan.backend.launcher(self.plan, self) if self.plan.num_tiles else no_launch
 
 
 def no_launch() -> None:

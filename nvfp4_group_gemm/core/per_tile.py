@@ -739,7 +739,7 @@ def _make_mma_and_atoms():
     }
 
 
-def _tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
+def tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
     """[G, num_slots, 16] int64: the 128-byte TMA descriptors of every group."""
     return cute.make_tensor(
         ptr_of_tensormaps,
@@ -747,7 +747,7 @@ def _tensormap_table(ptr_of_tensormaps, num_groups, num_slots):
     )
 
 
-def _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups):
+def tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups):
     tensor_of_ptrs = cute.make_tensor(
         ptr_of_ptrs, cute.make_layout((num_groups, NUM_PTR_COLS), stride=(NUM_PTR_COLS, 1))
     )
@@ -761,7 +761,7 @@ def per_tile_init_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tensormaps, num_group
     """The per-tile kernel's descriptor init, traced inside a @cute.jit entry: (the kernel to
     launch, its launch geometry). The entry below launches it as the harness calls; the
     library's entries reuse it and add where the launch goes."""
-    tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
+    tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
     tensormaps = cute.make_tensor(
         ptr_of_tensormaps,
         cute.make_layout((num_groups, num_tensormaps, 16), stride=(num_tensormaps * 16, 16, 1)),
@@ -791,7 +791,7 @@ def init_tensormaps_jit(
 def per_tile_gemm_launch(ptr_of_ptrs, ptr_of_sizes, ptr_of_tiles, ptr_of_tensormaps, num_tiles, num_groups):
     """The per-tile GEMM, traced inside a @cute.jit entry: (the kernel to launch, its launch
     geometry), as per_tile_init_launch."""
-    tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
+    tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
     tensormaps = cute.make_tensor(
         ptr_of_tensormaps,
         cute.make_layout((num_groups, num_tensormaps, 16), stride=(num_tensormaps * 16, 16, 1)),

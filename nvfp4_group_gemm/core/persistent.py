@@ -35,7 +35,7 @@ from .device_helpers import (
     tensormap_desc_ptr,
     wait_for_previous_grid,
 )
-from .per_tile import _group_tensors, _tensormap_table
+from .per_tile import tensormap_table, tensors_of_group
 
 
 # =============================================================================
@@ -321,8 +321,8 @@ class PersistentGemmSm100:
         entry: (the kernel to launch, its launch geometry)."""
         self._setup_attributes()
         atoms, _ = self._make_atoms()
-        tensor_of_ptrs, tensor_of_problem_sizes = _group_tensors(ptr_of_ptrs, ptr_of_sizes, num_groups)
-        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+        tensor_of_ptrs, tensor_of_problem_sizes = tensors_of_group(ptr_of_ptrs, ptr_of_sizes, num_groups)
+        tensormaps = tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
         kernel = self.init_tensormaps_kernel(*atoms, tensor_of_ptrs, tensor_of_problem_sizes, tensormaps)
         return kernel, {"grid": (1, 1, num_groups), "block": [32, 1, 1], "cluster": (1, 1, 1), **chained_launch()}
 
@@ -430,7 +430,7 @@ class PersistentGemmSm100:
         tensor_of_tiles = cute.make_tensor(
             ptr_of_tiles, cute.make_layout((num_tiles, PERSISTENT_TILE_ROW), stride=(PERSISTENT_TILE_ROW, 1))
         )
-        tensormaps = _tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
+        tensormaps = tensormap_table(ptr_of_tensormaps, num_groups, PERSISTENT_NUM_TENSORMAPS)
 
         @cute.struct
         class SharedStorage:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .chain import SELF_CHECKED, _c_of_group, context_usable, demote, one_line, report
+from .chain import SELF_CHECKED, c_of_group, context_usable, demote, one_line, report
 from .config import SELF_CHECK, sf_vec_size
 
 SELF_CHECK_RTOL = SELF_CHECK_ATOL = 1e-3  # the competition's tolerance
@@ -137,7 +137,7 @@ def first_use_check(data, plan) -> list[torch.Tensor]:
     kernel and returns the oracle's result. The kernel counts as checked once its oracle ran.
     A fault that poisoned the context (an illegal address in the kernel first surfaces at the
     oracle's first CUDA call) raises naming the kernel. Skipped with NVFP4_SELF_CHECK=0."""
-    outputs = list(map(_c_of_group, data[0]))
+    outputs = list(map(c_of_group, data[0]))
     oracle = plan.backend.oracle
     if not SELF_CHECK or plan.choice.host:
         return outputs
@@ -165,7 +165,7 @@ def first_use_check(data, plan) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- host computations
-def blocked_scales(reordered: torch.Tensor) -> torch.Tensor:
+def flat_blocked_scales(reordered: torch.Tensor) -> torch.Tensor:
     """The flat cuBLAS blocked scale buffer behind an official reordered scale tensor (a
     (l, rest, rest_k, 32, 4, 4) contiguous tensor seen through a permute): a view."""
     return reordered.permute(5, 2, 4, 0, 1, 3).reshape(-1)
@@ -192,7 +192,7 @@ def scaled_mm_group_gemm(data, outputs: list[torch.Tensor]) -> list[torch.Tensor
             # the blocked layout covers N rounded up to 128), their columns sliced off
             b_rows = torch.cat([b_rows, b_rows.new_zeros(16 - n % 16, b_rows.shape[1])])
         out[:, :, 0] = torch._scaled_mm(
-            a[:, :, 0], b_rows.transpose(0, 1), blocked_scales(sfa), blocked_scales(sfb),
+            a[:, :, 0], b_rows.transpose(0, 1), flat_blocked_scales(sfa), flat_blocked_scales(sfb),
             bias=None, out_dtype=torch.float16,
         )[:, :n]
     return outputs

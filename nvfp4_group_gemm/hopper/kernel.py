@@ -12,7 +12,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import cute, utils
-from cutlass.cute.runtime import make_ptr
 
 from nvfp4_group_gemm import core
 
@@ -630,8 +629,7 @@ class Sm90Nvfp4GroupedGemm:
 # =============================================================================
 # Compilation
 # =============================================================================
-def fake_ptr(dtype):
-    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+fake_ptr = core.fake_ptr
 
 
 # Shared memory per SM of sm_90 GPUs (228 KB), for the compile below on a machine without one

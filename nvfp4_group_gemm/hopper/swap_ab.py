@@ -34,7 +34,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import cute, utils
-from cutlass.cute.runtime import make_ptr
 
 from nvfp4_group_gemm import core
 
@@ -648,8 +647,7 @@ class Sm90SwapAbGemm:
 # =============================================================================
 # Compilation
 # =============================================================================
-def fake_ptr(dtype):
-    return make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=16)
+fake_ptr = core.fake_ptr
 
 
 def swap_ab_gemm_build(num_groups: int, config: SwapAbConfig) -> tuple:
