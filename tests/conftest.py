@@ -38,7 +38,13 @@ def pytest_configure(config):
     under the rootdir (build/ is ignored by git), one folder per run so that runs at the same
     time do not clear each other's, removed at the end of the run (with any a killed run
     left)."""
-    if config.option.basetemp is not None or hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput"):
+        # a pytest-xdist worker (-n N): one intra-op thread for torch (and the processes it
+        # starts), unless told otherwise; N workers of torch's default, a thread per core, wait
+        # spinning for each other's cores and slow its CPU computations several times
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        return
+    if config.option.basetemp is not None:
         return
     folder = Path(config.rootpath) / "build" / "pytest-tmp"
     folder.mkdir(parents=True, exist_ok=True)
