@@ -1,7 +1,7 @@
 """The MoE entry: one NVFP4 grouped GEMM over stacked tokens whose group boundaries stay on the
 GPU.
 
-    c = moe_grouped_gemm(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None)
+    c = moe_grouped_gemm(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, a_rows=None, c_rows=None)
 
 a        [T, K]    bfloat16 (W4A16: sfa None), or [T, K/2] float4_e2m1fn_x2 (or uint8, with sfa),
                    the tokens of every group stacked (T is a capacity: rows past offsets[G] are
@@ -19,6 +19,13 @@ offsets  [G + 1]  int32 on the GPU: group g is rows offsets[g] .. offsets[g + 1]
 c        [T, N]   float16 or bfloat16, written in the groups' rows only (allocated bf16 when None)
 status   [1]      int32 on the GPU, optional: 0 after a call with valid offsets, 1 otherwise
 alpha    fp32 [G] or [G, 2] on the GPU, optional: each expert's global scale (checkpoint)
+a_rows   [R]      int64 on the GPU, optional, bf16 activations only: grouped row r reads a's row
+                  a_rows[r] (a [T_a, K], any T_a: a layer's tokens, read in place for its
+                  expert-sorted pairs, no gathered copy); offsets then index the R grouped rows
+c_rows   [R]      int64 on the GPU, optional, bf16 activations only: grouped row r is written to
+                  c's row c_rows[r] (c [T_c, N], any T_c, given: the un-permute in the GEMM's
+                  stores); distinct over the groups' rows. An index outside a (c) reads zeros
+                  (writes nothing). On sm_90 the GEMM itself reads and writes through them.
 
 C[rows of g] = alpha[g] x (A[rows of g] * SFA) @ (B[g] * SFB[g])^T, exact products accumulated
 in fp32, as custom_kernel computes per group; with bf16 activations (W4A16) A's rows are the
@@ -151,14 +158,15 @@ def _check_contiguous(field: str, tensor, align: int = 16) -> None:
 
 
 class MoeShape(tuple):
-    """(tokens T, groups G, N, K, activation scale layout ("plain", "blocked"; None: bf16
-    activations, W4A16), weight scale layout, alpha mode (None, "expert": [G], "halves": [G, 2]),
-    c's dtype ("float16", "bfloat16"))."""
+    """(tokens T (the grouped rows), groups G, N, K, activation scale layout ("plain", "blocked";
+    None: bf16 activations, W4A16), weight scale layout, alpha mode (None, "expert": [G],
+    "halves": [G, 2]), c's dtype ("float16", "bfloat16"), the rows mapped (None, or (a's rows
+    where a_rows maps them, else None; c's rows where c_rows does, else None)))."""
 
     __slots__ = ()
 
-    def __new__(cls, tokens, groups, n, k, sfa_layout, sfb_layout, alpha=None, out_dtype="float16"):
-        return super().__new__(cls, (tokens, groups, n, k, sfa_layout, sfb_layout, alpha, out_dtype))
+    def __new__(cls, tokens, groups, n, k, sfa_layout, sfb_layout, alpha=None, out_dtype="float16", rows=None):
+        return super().__new__(cls, (tokens, groups, n, k, sfa_layout, sfb_layout, alpha, out_dtype, rows))
 
     tokens = property(lambda self: self[0])
     groups = property(lambda self: self[1])
@@ -168,11 +176,23 @@ class MoeShape(tuple):
     sfb_layout = property(lambda self: self[5])
     alpha = property(lambda self: self[6])
     out_dtype = property(lambda self: self[7])
+    rows = property(lambda self: self[8])
     w4a16 = property(lambda self: self[4] is None)
+
+    def kernel_rows(self):
+        """The rows the GEMM maps (hopper.moe.MoeRows)."""
+        from .hopper.moe import MoeRows
+
+        rows = self.rows or (None, None)
+        return MoeRows(gather=rows[0] is not None, scatter=rows[1] is not None)
 
     def activations(self) -> str:
         """What the activations are, in words (the chain's labels)."""
-        return "bf16 activations (W4A16)" if self.w4a16 else f"{self.sfa_layout} activation scales"
+        if not self.w4a16:
+            return f"{self.sfa_layout} activation scales"
+        rows = self.kernel_rows()
+        mapped = " and ".join(name for name, on in (("gathered", rows.gather), ("scattered", rows.scatter)) if on)
+        return "bf16 activations (W4A16)" + (f", rows {mapped}" if mapped else "")
 
     def epilogue(self):
         """The GEMM's epilogue (hopper.moe.MoeEpilogue) of this shape."""
@@ -181,7 +201,7 @@ class MoeShape(tuple):
         return MoeEpilogue(self.alpha, self.out_dtype)
 
 
-def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *,
+def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *, a_rows=None, c_rows=None,
                      require_cuda: bool = True) -> MoeShape:
     """Validate everything the host can see (types, dtypes, devices, shapes, strides,
     alignment, G, N, K), before any launch; returns the problem's MoeShape. Raises TypeError
@@ -203,17 +223,19 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *
     _check_tensor("b", b, _FP4_DTYPES)
     _check_tensor("sfb", sfb, _SCALE_DTYPES)
     _check_tensor("offsets", offsets, (torch.int32,))
+    mapped = _check_row_maps(a, a_rows, c_rows)
     if a.dim() != 2:
         _fail(ValueError, "a.shape", tuple(a.shape), f"must be [T, {'K' if w4a16 else 'K/2'}] (the stacked tokens)")
     if b.dim() != 3:
         _fail(ValueError, "b.shape", tuple(b.shape), "must be [G, N, K/2] (the experts' weights)")
-    tokens, a_columns = a.shape
+    a_tokens, a_columns = a.shape
+    tokens = a_tokens if mapped is None else mapped
     groups, n, b_half_k = b.shape
     k = a_columns if w4a16 else 2 * a_columns
     half_k = k // 2
     k_field = "K (a.shape[1])" if w4a16 else "K (2 x a.shape[1])"
-    if tokens < 1:
-        _fail(ValueError, "T (a.shape[0])", tokens, "must be >= 1")
+    if a_tokens < 1:
+        _fail(ValueError, "T (a.shape[0])", a_tokens, "must be >= 1")
     if not 1 <= groups <= MAX_GROUPS:
         _fail(ValueError, "G (b.shape[0])", groups, f"must be in 1..{MAX_GROUPS}")
     if k % K_MULTIPLE or k <= 0:
@@ -256,9 +278,17 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *
     out_dtype = "float16"
     if c is not None:
         _check_tensor("c", c, OUT_DTYPES)
-        _check_shape("c", c, (tokens, n), "fp16 or bf16 [T, N]")
+        if c_rows is None:
+            _check_shape("c", c, (tokens, n), "fp16 or bf16 [T, N]" if a_rows is None else
+                         "fp16 or bf16 [R, N] (R = a_rows.shape[0], the grouped rows)")
+        else:
+            if c.dim() != 2 or c.shape[0] < 1 or c.shape[1] != n:
+                _fail(ValueError, "c.shape", tuple(c.shape), f"must be [T_c, {n}], T_c >= 1 (fp16 or bf16 [T_c, N]: "
+                      "c_rows index its rows)")
         _check_contiguous("c", c)
         out_dtype = str(c.dtype).removeprefix("torch.")
+    elif c_rows is not None:
+        _fail(ValueError, "c", None, "must be given with c_rows (c_rows index its rows: [T_c, N])")
     alpha_mode = None
     if alpha is not None:
         _check_tensor("alpha", alpha, (torch.float32,))
@@ -279,10 +309,35 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *
             _fail(ValueError, "status.numel()", status.numel(), "must be >= 1 (int32 on the GPU)")
     # devices last: every other rule can be checked (and tested) on any device
     for field, tensor in (("a", a), ("b", b), ("sfa", sfa), ("sfb", sfb), ("offsets", offsets), ("c", c),
-                          ("status", status), ("alpha", alpha)):
+                          ("status", status), ("alpha", alpha), ("a_rows", a_rows), ("c_rows", c_rows)):
         if tensor is not None:
             _check_device(field, tensor, a.device, require_cuda)
-    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout, alpha_mode, out_dtype)
+    rows = None if mapped is None else (None if a_rows is None else a_tokens,
+                                        None if c_rows is None else c.shape[0])
+    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout, alpha_mode, out_dtype, rows)
+
+
+def _check_row_maps(a, a_rows, c_rows) -> int | None:
+    """The rules of a_rows and c_rows (int64 [R], R >= 1, the same R for both; bf16 activations
+    only); returns R, or None where neither is given."""
+    if a_rows is None and c_rows is None:
+        return None
+    if not (isinstance(a, torch.Tensor) and a.dtype == torch.bfloat16):
+        field = "a_rows" if a_rows is not None else "c_rows"
+        _fail(ValueError, field, "given", f"takes bf16 activations (W4A16; a.dtype = "
+              f"{getattr(a, 'dtype', type(a).__name__)}): the fp4 path's rows are gathered and scattered by the caller")
+    count = None
+    for field, rows in (("a_rows", a_rows), ("c_rows", c_rows)):
+        if rows is None:
+            continue
+        _check_tensor(field, rows, (torch.int64,))
+        if rows.dim() != 1 or rows.shape[0] < 1:
+            _fail(ValueError, f"{field}.shape", tuple(rows.shape), "must be [R], R >= 1 (one index per grouped row)")
+        if count is not None and rows.shape[0] != count:
+            _fail(ValueError, "c_rows.shape", tuple(rows.shape), f"must be [R] = [{count}], a_rows' length")
+        count = rows.shape[0]
+        _check_contiguous(field, rows, 8)
+    return count
 
 
 # The offsets' rule: the GPU checks it (a call with bad offsets writes nothing and sets status
@@ -380,7 +435,7 @@ class MoePlan:
         decode, gemm = compile_moe_kernels(shape, config)
         if shape.w4a16:
             self.decode = None
-            self.gemm = launch.cell_launcher(gemm, *W4A16_GEMM_ARGS)
+            self.gemm = launch.cell_launcher(gemm, *(W4A16_GEMM_ARGS if shape.rows is None else W4A16_ROWS_GEMM_ARGS))
             return
         self.decode = launch.cell_launcher(decode, *DECODE_ARGS)
         self.gemm = launch.cell_launcher(gemm, *(GEMM_ARGS if shape.alpha is None else SCALED_GEMM_ARGS))
@@ -393,7 +448,8 @@ def compile_moe_kernels(shape: MoeShape, config) -> tuple:
 
     if shape.w4a16:
         config = hopper_moe.w4a16_config(config)
-        return None, hopper_moe.compile_moe_w4a16_gemm(shape.groups, config=config, epilogue=shape.epilogue())
+        return None, hopper_moe.compile_moe_w4a16_gemm(shape.groups, config=config, epilogue=shape.epilogue(),
+                                                       rows=shape.kernel_rows())
     decode = hopper_moe.compile_moe_decode(shape.groups, scale_layout=shape.sfa_layout, chained=config.chain_calls)
     return decode, hopper_moe.compile_moe_gemm(shape.groups, config=config, epilogue=shape.epilogue())
 
@@ -416,6 +472,11 @@ SCALED_GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i3
 W4A16_GEMM_ARGS = (("ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "ptr", "i32", "i32", "i32", "i32", "i32", "stream"),
                    (cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Int32, cutlass.Float32,
                     cutlass.Int32, None, None, None, None, None, None))
+# its rows mapped (hopper.moe.Sm90MoeW4A16RowsGemm): a_rows' and c_rows' pointers after status's
+# (0 where not mapped), a's and c's row counts after the sizes
+W4A16_ROWS_GEMM_ARGS = (("ptr",) * 9 + ("i32",) * 7 + ("stream",),
+                        (cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Uint8, cutlass.Int32, cutlass.Float32,
+                         cutlass.Int32, cutlass.Int64, cutlass.Int64) + (None,) * 8)
 
 
 def _launch_values(plan: MoePlan, shape: MoeShape, key, stream_handle: int, sfb_address: int | None = None):
@@ -423,12 +484,16 @@ def _launch_values(plan: MoePlan, shape: MoeShape, key, stream_handle: int, sfb_
     W4A16_GEMM_ARGS) from the addresses of a binding key; `sfb_address`: the blocked copy of
     plain weight scales."""
     tokens, _groups, n, k = shape[:4]
-    a, sfa, b, sfb, offsets, c, status, alpha = key[:8]
+    a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows = key[:10]
     if status is None:
         status = plan.status_address
     if sfb_address is not None:
         sfb = sfb_address
     if shape.w4a16:
+        if shape.rows is not None:
+            a_count, c_count = shape.rows
+            return None, (a, b, sfb, c, offsets, alpha or 0, status, a_rows or 0, c_rows or 0, tokens, n, k,
+                          plan.max_tiles, plan.fill_ctas, a_count or 0, c_count or 0, stream_handle)
         return None, (a, b, sfb, c, offsets, alpha or 0, status, tokens, n, k, plan.max_tiles, plan.fill_ctas,
                       stream_handle)
     scratch = plan.scratch_address
@@ -465,7 +530,7 @@ class MoeBinding:
             self.sfb_plain = tensors[3]
             self.sfb_blocked = blocked_scales(self.sfb_plain)
             sfb_address = self.sfb_blocked.data_ptr()
-        self.keepalive = tensors  # (a, sfa, b, sfb, offsets, c, status, alpha): the addresses launched
+        self.keepalive = tensors  # (a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows): the addresses launched
         decode, gemm = _launch_values(plan, shape, key, stream_handle, sfb_address)
         self.direct = (plan.gemm.bound(gemm),) if decode is None else (plan.decode.bound(decode), plan.gemm.bound(gemm))
         self.graph = self.replay = self.record = None
@@ -649,7 +714,8 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
         configs.append(variable)
     if shape.w4a16:  # no pre-pass: unchained
         configs = [w4a16_config(config) for config in configs]
-    links = [core.KernelChoice(MOE_BACKEND, config_name(config), (config, shape.sfa_layout, shape.epilogue()),
+    links = [core.KernelChoice(MOE_BACKEND, config_name(config),
+                               (config, shape.sfa_layout, shape.epilogue(), shape.kernel_rows()),
                                per_group_count=True, label=f"{shape.activations()}, {shape.epilogue()}")
              for config in configs]
     return [*links, core.KernelChoice(MOE_BACKEND, "exact_decode", host=True)]
@@ -705,22 +771,32 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return capability
 
 
-def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status, alpha=None) -> None:
+def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status, alpha=None, maps=(None, None)) -> None:
     """The first call of a compiled MoE kernel (outside a capture, NVFP4_SELF_CHECK on) is also
     computed by the exact decode and compared at the competition's tolerance widened by what fp32
     accumulation may add (core.group_accumulation_bound), row group by row group. A disagreement
     demotes the kernel (the next call runs the next link) and writes the exact result into c. It
-    synchronizes once per compiled kernel and process; a call with bad offsets (status non-zero)
-    is not checked (nothing to compare)."""
+    synchronizes once per compiled kernel and process; a call with bad offsets (status non-zero),
+    or rows mapped (`maps`: a_rows, c_rows) outside a or c, is not checked (nothing to compare)."""
     written = plan.status if status is None else status
     if int(written.reshape(-1)[0].item()) != 0:
         return
-    mismatches, elements, first, outputs, references = compare_with_exact(a, sfa, b, sfb, offsets, c, alpha)
+    a_rows, c_rows = maps
+    if any(rows is not None and not bool(rows_inside(rows, count).all())
+           for rows, count in ((a_rows, a.shape[0]), (c_rows, c.shape[0]))):
+        return
+    grouped_a = a if a_rows is None else a[a_rows]
+    grouped_c = c if c_rows is None else c[c_rows]  # a copy: written back below where it differs
+    mismatches, elements, first, outputs, references = compare_with_exact(grouped_a, sfa, b, sfb, offsets, grouped_c,
+                                                                          alpha)
     core.SELF_CHECKED.add(plan.kernel_key)
     plan.checked = True
     if mismatches:
         for out, ref in zip(outputs, references):
             out.copy_(ref)
+        if c_rows is not None:
+            bounds = offsets.cpu().tolist()
+            scatter_rows(c, c_rows, grouped_c, bounds[0], bounds[-1])
         where = ", ".join(f"expert {g} row {row} column {column}" for g, row, column in first)
         core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups,
                     f"self-check: {mismatches} of {elements} outputs differ from the exact decode beyond the "
@@ -776,30 +852,32 @@ def w4a16_accumulation_bound(a, b, sfb):
     return core.FP32_ADD_ERROR * (k // 16 + 1) * abs_sum
 
 
-def exact_moe_call(a, sfa, b, sfb, offsets, c, status=None, alpha=None) -> None:
+def exact_moe_call(a, sfa, b, sfb, offsets, c, status=None, alpha=None, a_rows=None, c_rows=None) -> None:
     """The exact decode as the entry's kernels behave, on any device: the entry's rules
     (check_moe_inputs, the CUDA device excepted) before any work; then valid offsets: every
-    group's rows written (moe_reference) and status 0; bad offsets: nothing written and status
-    1, or, without a status to flag them in, check_offsets' ValueError. Reads the offsets on
-    the host: the op's CPU implementation."""
-    check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, require_cuda=False)
-    if not _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha) and status is None:
-        check_offsets(offsets, a.shape[0])  # raises, naming what breaks the rule
+    group's rows written (moe_reference; through c_rows where given) and status 0; bad offsets:
+    nothing written and status 1, or, without a status to flag them in, check_offsets'
+    ValueError. Reads the offsets on the host: the op's CPU implementation."""
+    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows,
+                             require_cuda=False)
+    if not _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, (a_rows, c_rows)) and status is None:
+        check_offsets(offsets, shape.tokens)  # raises, naming what breaks the rule
 
 
-def _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha) -> bool:
+def _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, maps=(None, None)) -> bool:
     """On validated inputs: what the kernels do (valid offsets: c's groups written, status 0;
     bad ones: nothing written, status 1); whether the offsets were valid."""
     bounds = [int(v) for v in offsets.cpu().tolist()]
-    valid = offsets_error(bounds, a.shape[0]) is None
+    grouped_rows = a.shape[0] if maps == (None, None) else next(r for r in maps if r is not None).shape[0]
+    valid = offsets_error(bounds, grouped_rows) is None
     if valid:
-        _reference_rows(a, sfa, b, sfb, bounds, c, alpha)
+        _reference_rows(a, sfa, b, sfb, bounds, c, alpha, maps)
     if status is not None:
         status.fill_(0 if valid else 1)
     return valid
 
 
-def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None) -> None:
+def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None, maps=(None, None)) -> None:
     """The chain's last link, on inputs the entry validated: the exact decode as the kernels
     behave (bad offsets without a status: nothing written, nothing raised, as a kernel
     launch), refused under a caller's capture (it reads the offsets on the host)."""
@@ -808,46 +886,55 @@ def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None)
                            f"N = {shape.n}, K = {shape.k} is demoted in this process (the lines above say why), and "
                            "its last link, the exact decode, reads the offsets on the host: it cannot run under a "
                            "CUDA graph capture")
-    _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha)
+    _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, maps)
 
 
 data_address = core.data_address
 
 
-def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None):
-    """Everything a binding's arguments and validation depend on: the eight addresses (status's
-    and alpha's None where none is given), then the layout (shapes, strides and dtypes;
-    _checked_shape's key). The device follows from the addresses: one virtual address space."""
+def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None):
+    """Everything a binding's arguments and validation depend on: the ten addresses (status's,
+    alpha's, a_rows' and c_rows' None where none is given), then the layout (shapes, strides
+    and dtypes; _checked_shape's key). The device follows from the addresses: one virtual
+    address space."""
     layout = (a.shape, a.stride(), a.dtype, None if sfa is None else (sfa.shape, sfa.stride(), sfa.dtype),
               b.shape, b.stride(), b.dtype,
               sfb.shape, sfb.stride(), sfb.dtype, offsets.shape, offsets.stride(), offsets.dtype, c.shape, c.stride(),
               c.dtype, None if status is None else (status.shape, status.dtype),
-              None if alpha is None else (alpha.shape, alpha.stride(), alpha.dtype))
+              None if alpha is None else (alpha.shape, alpha.stride(), alpha.dtype),
+              None if a_rows is None else (a_rows.shape, a_rows.stride(), a_rows.dtype),
+              None if c_rows is None else (c_rows.shape, c_rows.stride(), c_rows.dtype))
     return (data_address(a), 0 if sfa is None else data_address(sfa), data_address(b), data_address(sfb),
             data_address(offsets), data_address(c),
-            None if status is None else data_address(status), None if alpha is None else data_address(alpha), layout)
+            None if status is None else data_address(status), None if alpha is None else data_address(alpha),
+            None if a_rows is None else data_address(a_rows), None if c_rows is None else data_address(c_rows), layout)
 
 
 
 def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
                      c: torch.Tensor | None = None, *, status: torch.Tensor | None = None,
-                     alpha: torch.Tensor | None = None) -> torch.Tensor:
+                     alpha: torch.Tensor | None = None, a_rows: torch.Tensor | None = None,
+                     c_rows: torch.Tensor | None = None) -> torch.Tensor:
     """C rows of group g = alpha[g] x (A rows of g x SFA) @ (B[g] x SFB[g])^T for the groups the
-    GPU's `offsets` give, rounded to c's dtype (fp16 or bf16; a new c is bf16); returns c
-    (module docstring: layouts, alpha, validation, bad offsets)."""
-    if c is None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 3:
-        c = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
+    GPU's `offsets` give, rounded to c's dtype (fp16 or bf16; a new c is bf16), the rows read
+    through a_rows and written through c_rows where given; returns c (module docstring:
+    layouts, alpha, row maps, validation, bad offsets)."""
+    if (c is None and c_rows is None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dim() == 2 and b.dim() == 3):
+        rows = a.shape[0] if not isinstance(a_rows, torch.Tensor) else a_rows.shape[0]
+        c = torch.empty((rows, b.shape[1]), dtype=torch.bfloat16, device=a.device)
     try:
-        key = _binding_key(a, sfa, b, sfb, offsets, c, status, alpha)
+        key = _binding_key(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows)
     except AttributeError:  # not tensors: the validation names the field
-        check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha)
+        check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows)
         raise
     entry = where = None
     if a.is_cuda:  # CUDA is initialized: the hit path (the binding, touched: least recently used go first)
         where = (launch.current_stream_handle(), core.current_device_index())
         entry = RUNTIME.bindings.get((where, key))
     if entry is None or entry is _SEEN_ONCE:
-        _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where, alpha=alpha)
+        _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where, alpha=alpha,
+                     a_rows=a_rows, c_rows=c_rows)
     else:
         entry.launch()
     return c
@@ -861,7 +948,7 @@ _LAYOUTS = core.RuntimeCache(max_entries=MAX_LAYOUTS)
 RUNTIME.caches.append(_LAYOUTS)
 
 
-def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None) -> MoeShape:
+def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None) -> MoeShape:
     """check_moe_inputs, short where the layout (`key[-1]`) was validated before: then the
     addresses' alignment and the devices alone."""
     known = _LAYOUTS.get(key[-1])  # touched: a layout in use stays cached
@@ -874,9 +961,11 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None) -> MoeSh
                 and sfb.get_device() == device
                 and offsets.get_device() == device and c.get_device() == device
                 and (status is None or status.get_device() == device)
-                and (alpha is None or (alpha.get_device() == device and not key[7] & 3))):
+                and (alpha is None or (alpha.get_device() == device and not key[7] & 3))
+                and (a_rows is None or (a_rows.get_device() == device and not key[8] & 7))
+                and (c_rows is None or (c_rows.get_device() == device and not key[9] & 7))):
             return shape
-    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha)
+    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows)
     # 16-byte addresses for the TMA-read operands and c, 4 for offsets; plain scales any byte
     _LAYOUTS.put(key[-1], (shape, (15, 0 if shape.sfa_layout == "plain" else 15, 15,
                                    0 if shape.sfb_layout == "plain" else 15, 3, 15)))
@@ -884,12 +973,13 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None) -> MoeSh
 
 
 def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tuple | None = None,
-                 alpha=None) -> None:
+                 alpha=None, a_rows=None, c_rows=None) -> None:
     """A call whose key has no binding: validate, find (or make) the plan, then launch through
     the plan's shared cells (`bind` False: the key's first call) or build the key's binding and
     launch it (its second call). `where`: (torch's current stream handle, current device) where
     the caller read them."""
-    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha)
+    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows)
+    maps = (a_rows, c_rows)
     device = a.device
     stream_handle, current_device = where or (launch.current_stream_handle(), core.current_device_index())
     if device.index != current_device:
@@ -909,7 +999,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         RUNTIME.before_miss()
         plan = _plan_for(plan_key, shape, device)
         if plan is None:  # every kernel of the chain demoted
-            _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha)
+            _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha, maps)
             return
         if capturing:
             plan.captured = True
@@ -919,7 +1009,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         binding_key = ((stream_handle, device.index), key)
         try:
             if bind and not check:
-                binding = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status, alpha),
+                binding = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status, alpha, *maps),
                                      stream_handle)
                 RUNTIME.put_binding(binding_key, binding)
                 binding.launch()
@@ -938,10 +1028,11 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
             if not RUNTIME.context_usable(device):
                 raise
             core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups, f"launch failed ({core.one_line(error)})")
-            _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=False, where=where, alpha=alpha)
+            _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=False, where=where, alpha=alpha,
+                         a_rows=a_rows, c_rows=c_rows)
             return
         if check:
-            _self_check(plan, a, sfa, b, sfb, offsets, c, status, alpha)
+            _self_check(plan, a, sfa, b, sfb, offsets, c, status, alpha, maps)
         RUNTIME.put_binding(binding_key, _SEEN_ONCE)
 
 
@@ -1067,26 +1158,55 @@ class Sm100MoePlan:
 # =============================================================================
 # The exact decode: the oracle of the tests, the op's CPU implementation
 # =============================================================================
-def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None) -> torch.Tensor:
+def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None, *, a_rows=None, c_rows=None) -> torch.Tensor:
     """The exact result (float64 accumulation, times alpha[g] (or alpha[g, half of N]) where
     given, rounded to c's dtype in the epilogue's order: epilogue_rounding; fp16 when c is None)
     into c's rows of each group, on any device; reads the offsets on the host. Scales in either
     layout; K any multiple of 64. The entry's rules first (check_moe_inputs, the CUDA device
     excepted; c may also be float64, an oracle's exact values), then the offsets' (check_offsets):
-    a ValueError or TypeError before any work."""
+    a ValueError or TypeError before any work. Rows mapped (a_rows, c_rows) as the entry maps them."""
     oracle_c = c is not None and isinstance(c, torch.Tensor) and c.dtype == torch.float64
-    shape = check_moe_inputs(a, sfa, b, sfb, offsets, None if oracle_c else c, None, alpha, require_cuda=False)
-    if oracle_c:  # the entry's rules for c but its dtype
-        _check_shape("c", c, (shape.tokens, shape.n), "fp16 or bf16 [T, N]")
-        _check_device("c", c, a.device, require_cuda=False)
+    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c.half() if oracle_c else c, None, alpha, a_rows=a_rows,
+                             c_rows=c_rows, require_cuda=False)
     bounds = check_offsets(offsets, shape.tokens)
     if c is None:
         c = torch.zeros((shape.tokens, shape.n), dtype=torch.float16, device=a.device)
-    return _reference_rows(a, sfa, b, sfb, bounds, c, alpha)
+    return _reference_rows(a, sfa, b, sfb, bounds, c, alpha, (a_rows, c_rows))
 
 
-def _reference_rows(a, sfa, b, sfb, bounds: list[int], c, alpha=None) -> torch.Tensor:
-    """moe_reference's computation on validated inputs and valid host offsets `bounds`."""
+def rows_inside(rows: torch.Tensor, count: int) -> torch.Tensor:
+    """Which indices of `rows` lie in 0 .. count - 1 (a boolean tensor, no host read)."""
+    return (rows >= 0) & (rows < count)
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x's rows `rows` ([R, ...]), zeros where an index lies outside x (what the W4A16 GEMM's
+    a_rows read)."""
+    inside = rows_inside(rows, x.shape[0])
+    picked = x[torch.where(inside, rows, 0)]
+    return torch.where(inside.view(-1, *([1] * (x.dim() - 1))), picked, torch.zeros((), dtype=x.dtype,
+                                                                                    device=x.device))
+
+
+def scatter_rows(target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, lo: int, hi: int) -> None:
+    """target[rows[r]] = values[r] for r in lo .. hi - 1 whose index lies inside target (what the
+    W4A16 GEMM's c_rows write); reads the indices on the host."""
+    picked = torch.arange(lo, hi, device=rows.device)
+    picked = picked[rows_inside(rows[lo:hi], target.shape[0])]
+    target[rows[picked]] = values[picked]
+
+
+def _reference_rows(a, sfa, b, sfb, bounds: list[int], c, alpha=None, maps=(None, None)) -> torch.Tensor:
+    """moe_reference's computation on validated inputs and valid host offsets `bounds`; rows
+    mapped by `maps` (a_rows, c_rows) as the entry maps them."""
+    a_rows, c_rows = maps
+    if a_rows is not None:
+        a = gather_rows(a, a_rows)
+    if c_rows is not None:
+        target, c = c, torch.zeros((c_rows.shape[0], c.shape[1]), dtype=c.dtype, device=c.device)
+        _reference_rows(a, sfa, b, sfb, bounds, c, alpha)
+        scatter_rows(target, c_rows, c, bounds[0], bounds[-1])
+        return target
     tokens, a_columns = a.shape
     groups, n, _ = b.shape
     w4a16 = sfa is None  # bf16 activations

@@ -10,7 +10,10 @@ softmax, top-k, the weights renormalized over the k experts); the
 T x k (token, expert) pairs sorted by expert on the GPU (a stable argsort) and the group offsets
 from their counts (scatter_add, cumsum: no host read); the gate-and-up GEMM of the sorted rows
 (the entry with the checkpoint's per-expert alpha, bf16 output), SwiGLU (silu(gate) x up in
-fp32), the down GEMM, and the weighted sum of each token's k rows (in fp32, rounded to bf16). Nothing reads a value on the
+fp32), the down GEMM, and the weighted sum of each token's k rows (in fp32, rounded to bf16). In
+W4A16 the gate-and-up GEMM reads the token rows of the sorted pairs in place and the down GEMM
+writes each pair's row in pair order (the entry's a_rows and c_rows): no gathered copy, no
+separate un-permute. Nothing reads a value on the
 host, so after one eager call the whole layer can be captured once as a CUDA graph and replayed
 for any routing (the offsets, the permutation and the weights are tensors the graph recomputes).
 
@@ -182,10 +185,15 @@ class MoeFfn:
         top_k = topk_ids.shape[1]
         experts = self.local_experts(topk_ids.reshape(-1).long())
         order, offsets = self.sort_by_expert(experts)
-        rows = hidden_states[order // top_k]  # the sorted pairs' tokens, [T k, H]
-        down = self.ffn(rows, self.w13, self.w2, (self.scale13, self.alpha13), (self.scale2, self.alpha2), offsets)
-        unsorted = torch.empty_like(down)
-        unsorted[order] = down  # row p: pair p = (token p // k, its (p % k)-th expert)
+        projections = (self.w13, self.w2, (self.scale13, self.alpha13), (self.scale2, self.alpha2), offsets)
+        if self.activations == "bf16":
+            # the gate-and-up GEMM reads the sorted pairs' token rows in place (a_rows) and the
+            # down GEMM writes row p of pair p (c_rows): no gathered or permuted copy
+            unsorted = self.ffn(hidden_states, *projections, a_rows=order // top_k, c_rows=order)
+        else:  # the fp4 path quantizes the sorted pairs' token rows, [T k, H]; then the un-permute
+            down = self.ffn(hidden_states[order // top_k], *projections)
+            unsorted = torch.empty_like(down)
+            unsorted[order] = down  # row p: pair p = (token p // k, its (p % k)-th expert)
         if self.all_local:
             unsorted = unsorted.float()
         else:  # the rows of pairs on other GPUs' experts were not written: they add nothing here
@@ -200,27 +208,34 @@ class MoeFfn:
         return self.ffn(x, self.shared["w13"], self.shared["w2"], (self.shared_scale13, self.shared_alpha13),
                         (self.shared_scale2, self.shared_alpha2), offsets)
 
-    def ffn(self, rows, w13, w2, scale_alpha13, scale_alpha2, offsets) -> torch.Tensor:
-        """Gate-and-up GEMM, SwiGLU (fp32), down GEMM over rows grouped by `offsets`, bf16."""
-        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets)
+    def ffn(self, rows, w13, w2, scale_alpha13, scale_alpha2, offsets, a_rows=None, c_rows=None) -> torch.Tensor:
+        """Gate-and-up GEMM, SwiGLU (fp32), down GEMM over rows grouped by `offsets`, bf16; W4A16
+        only: the first GEMM's rows read through `a_rows`, the second's written through `c_rows`
+        (the entry's row maps)."""
+        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows)
         intermediate = w13.b.shape[1] // 2
         # up promoted to fp32 inside the product (exact, as .float() is): one kernel fewer
         hidden = torch.nn.functional.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:]
         if scale_alpha2[0] is None:  # W4A16: the down GEMM reads bf16 rows
             hidden = hidden.to(torch.bfloat16)
-        return self.gemm(hidden, w2, *scale_alpha2, offsets)
+        return self.gemm(hidden, w2, *scale_alpha2, offsets, c_rows=c_rows)
 
     @staticmethod
     def gemm(rows: torch.Tensor, projection: checkpoint.MoeProjection, scale: torch.Tensor | None,
-             alpha: torch.Tensor, offsets: torch.Tensor, status: torch.Tensor | None = None) -> torch.Tensor:
+             alpha: torch.Tensor, offsets: torch.Tensor, status: torch.Tensor | None = None, *,
+             a_rows: torch.Tensor | None = None, c_rows: torch.Tensor | None = None) -> torch.Tensor:
         """One grouped GEMM of the layer, bf16 output: `rows` as they are (bf16, W4A16: scale
-        None), or quantized with `scale`."""
+        None), or quantized with `scale`; W4A16 only: grouped row r reads rows[a_rows[r]], and
+        its output goes to row c_rows[r] (an output of c_rows' length), where given."""
         if scale is None:
             a, sfa = rows.to(torch.bfloat16).contiguous(), None
+            if a.data_ptr() % 16:  # a view into a larger batch (a rank's tokens): the entry reads aligned rows
+                a = a.clone()
         else:
             a, sfa = quantize_activations(rows, scale)
-        c = torch.empty(rows.shape[0], projection.b.shape[1], dtype=torch.bfloat16, device=rows.device)
-        moe_grouped_gemm_op(a, sfa, projection.b, projection.sfb, offsets, c, status, alpha)
+        grouped = rows.shape[0] if a_rows is None else a_rows.shape[0]
+        c = torch.empty(grouped, projection.b.shape[1], dtype=torch.bfloat16, device=rows.device)
+        moe_grouped_gemm_op(a, sfa, projection.b, projection.sfb, offsets, c, status, alpha, a_rows, c_rows)
         return c
 
 

@@ -542,6 +542,110 @@ def test_w4a16_bad_offsets_write_nothing_and_flag():
         assert torch.equal(inputs["c"], sentinel), case
 
 
+# the row maps (a_rows, c_rows) on configs of both epilogues (staged stores; split-K's per-element
+# stores) and a K that runs a k_tail build; (forced config or None for the choice, (T_a, R, G, N, K))
+ROW_MAPS = [("swap_ab_t32", (24, 64, 64, 256, 768)), ("swap_ab_t32_split_k4", (13, 40, 64, 256, 4096)),
+            ("swap_ab_variable", (700, 2000, 16, 512, 1024)), (None, (16, 128, 64, 2048, 1408)),
+            (None, (3, 24, 8, 1536, 2048))]
+
+
+def _row_maps(tokens, rows, generator):
+    """a_rows: each grouped row a random token of T_a (two of them outside a: read as zeros);
+    c_rows: a permutation of c's R + 4 rows' first R (one outside c: written nowhere)."""
+    a_rows = torch.randint(0, tokens, (rows,), generator=generator)
+    a_rows[1], a_rows[rows // 2] = -3, tokens
+    c_rows = torch.randperm(rows + 4, generator=generator)[:rows]
+    c_rows[rows - 1] = rows + 9
+    return a_rows.cuda(), c_rows.cuda()
+
+
+def _check_row_maps(x, inputs, offsets, a_rows, c_rows, alpha, c, tag):
+    """c's rows through c_rows against the exact product of a's rows through a_rows (zeros where
+    outside a) within the W4A16 bound; c's other rows (and a row whose c_rows index lies outside)
+    still NaN."""
+    rows = a_rows.shape[0]
+    bounds = offsets
+    exact = moe.moe_reference(moe.gather_rows(x, a_rows), None, inputs["b"], inputs["sfb"], inputs["offsets"],
+                              torch.zeros(rows, c.shape[1], dtype=c.dtype, device="cuda"), alpha)
+    inside = moe.rows_inside(c_rows, c.shape[0])
+    grouped = exact.clone()
+    grouped[inside] = c[c_rows[inside]]
+    grouped_rows = torch.zeros(rows, dtype=torch.bool, device="cuda")
+    grouped_rows[bounds[0]:bounds[-1]] = True
+    mismatches, _, first, _, _ = moe.compare_with_exact(moe.gather_rows(x, a_rows), None, inputs["b"], inputs["sfb"],
+                                                        inputs["offsets"], grouped, alpha)
+    assert mismatches == 0, (tag, first)
+    written = torch.zeros(c.shape[0], dtype=torch.bool, device="cuda")
+    written[c_rows[inside & grouped_rows]] = True
+    assert torch.isnan(c[~written]).all(), (tag, "rows no grouped row names were written")
+
+
+@pytest.mark.parametrize("label,family", ROW_MAPS, ids=[f"{label or 'chosen'}_R{f[1]}_K{f[4]}" for label, f in ROW_MAPS])
+def test_w4a16_row_maps_match_the_exact_decode_and_replay(label, family, monkeypatch):
+    """a_rows and c_rows (the gather in the GEMM's token loads, the un-permute in its stores):
+    random maps with indices outside a and c, random routings over the R grouped rows (rows past
+    offsets[G] neither read nor written), alpha [G, 2] then [G]: c's rows through c_rows within
+    the W4A16 bound of the exact product of a's rows through a_rows, every other row of c
+    untouched, status 0; then one CUDA graph replayed over new routings and new maps."""
+    if SM100:
+        pytest.skip("W4A16 runs on sm_90 only")
+    _forced(monkeypatch, label)
+    try:
+        tokens, rows, groups, n, k = family
+        rng, generator = random.Random(31), torch.Generator().manual_seed(17)
+        inputs = moe.random_moe_inputs(rows, groups, n, k, sfa_layout=None, generator=generator)
+        x = (torch.randn(tokens, k, generator=generator) * 4).bfloat16().cuda()
+        c = torch.full((rows + 4, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+        a_rows, c_rows = _row_maps(tokens, rows, generator)
+        call = dict(b=inputs["b"], sfb=inputs["sfb"], offsets=inputs["offsets"], c=c, status=status,
+                    a_rows=a_rows, c_rows=c_rows)
+        for trial, alpha_shape in enumerate(("halves", "expert")):
+            alpha = (torch.rand((groups, 2) if alpha_shape == "halves" else (groups,),
+                                generator=torch.Generator().manual_seed(trial)) * 4 + 2.0**-6).cuda()
+            offsets = moe.random_routing(rows, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            c.fill_(float("nan"))
+            gemm.moe_grouped_gemm(x, None, **call, alpha=alpha)
+            torch.cuda.synchronize()
+            assert int(status.item()) == 0
+            _check_row_maps(x, inputs, offsets, a_rows, c_rows, alpha, c, (label, trial))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemm.moe_grouped_gemm(x, None, **call, alpha=alpha)
+        for trial in range(3):
+            offsets = moe.random_routing(rows, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            new_a, new_c = _row_maps(tokens, rows, generator)
+            a_rows.copy_(new_a)
+            c_rows.copy_(new_c)
+            c.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            _check_row_maps(x, inputs, offsets, a_rows, c_rows, alpha, c, (label, "replay", trial))
+    finally:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
+        gemm.reset_runtime()
+
+
+def test_w4a16_row_maps_with_bad_offsets_write_nothing_and_flag():
+    tokens, rows, groups, n, k = 50, 300, 4, 256, 512
+    inputs = moe.random_moe_inputs(rows, groups, n, k, sfa_layout=None)
+    x = torch.randn(tokens, k, device="cuda").bfloat16()
+    a_rows = torch.randint(0, tokens, (rows,), device="cuda")
+    c_rows = torch.randperm(rows, device="cuda")
+    status = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for case in sorted(BAD_OFFSETS):
+        inputs["offsets"].copy_(torch.tensor(BAD_OFFSETS[case](rows, groups), dtype=torch.int32))
+        sentinel = torch.randn(rows, n, device="cuda").bfloat16()
+        c = sentinel.clone()
+        gemm.moe_grouped_gemm(x, None, inputs["b"], inputs["sfb"], inputs["offsets"], c, status=status,
+                              a_rows=a_rows, c_rows=c_rows)
+        torch.cuda.synchronize()
+        assert int(status.item()) == 1, case
+        assert torch.equal(c, sentinel), case
+
+
 # -----------------------------------------------------------------------------
 # K any multiple of 64 (k_tail builds: hopper.moe.moe_k_config) and fp16's overflow boundary
 # -----------------------------------------------------------------------------

@@ -46,6 +46,11 @@ def cpu_inputs(tokens=300, groups=4, n=256, k=512, **layouts):
 # -----------------------------------------------------------------------------
 # Validation
 # -----------------------------------------------------------------------------
+def _bf16(inputs):
+    """W4A16's a (bf16 [T, K]) and sfa (None) for inputs of cpu_inputs."""
+    return {"a": torch.zeros(inputs["a"].shape[0], 2 * inputs["a"].shape[1], dtype=torch.bfloat16), "sfa": None}
+
+
 def _replaced(inputs, **changes):
     out = dict(inputs)
     out.update(changes)
@@ -96,6 +101,23 @@ BAD_INPUTS = {
     "c_shape": (lambda i: _replaced(i, c=i["c"][:, :128]), ValueError, r"c\.shape = \(300, 128\): must be \(300, 256\)"),
     "c_transposed": (lambda i: _replaced(i, c=i["c"].t().contiguous().t()), ValueError, r"c\.stride\(\)"),
     "device": (lambda i: i, ValueError, r"a\.device = cpu: must be a CUDA device"),
+    # the row maps (a_rows, c_rows): int64 [R], bf16 activations only, c [R, N] or, with c_rows, [T_c, N] given
+    "rows_fp4": (lambda i: _replaced(i, a_rows=torch.arange(300)), ValueError,
+                 r"a_rows = given: takes bf16 activations \(W4A16; a\.dtype = torch\.float4_e2m1fn_x2\)"),
+    "a_rows_dtype": (lambda i: _replaced(i, **_bf16(i), a_rows=torch.arange(300, dtype=torch.int32)), TypeError,
+                     r"a_rows\.dtype = torch\.int32: must be one of torch\.int64"),
+    "a_rows_shape": (lambda i: _replaced(i, **_bf16(i), a_rows=torch.arange(300).view(3, 100)), ValueError,
+                     r"a_rows\.shape = \(3, 100\): must be \[R\], R >= 1"),
+    "a_rows_strided": (lambda i: _replaced(i, **_bf16(i), a_rows=torch.arange(600)[::2]), ValueError,
+                       r"a_rows\.stride\(\)"),
+    "c_rows_length": (lambda i: _replaced(i, **_bf16(i), a_rows=torch.arange(300), c_rows=torch.arange(299)),
+                      ValueError, r"c_rows\.shape = \(299,\): must be \[R\] = \[300\], a_rows' length"),
+    "c_rows_without_c": (lambda i: _replaced(i, **_bf16(i), c=None, c_rows=torch.arange(300)), ValueError,
+                         r"c = None: must be given with c_rows"),
+    "c_rows_c_n": (lambda i: _replaced(i, **_bf16(i), c=i["c"][:, :128].contiguous(), c_rows=torch.arange(300)),
+                   ValueError, r"c\.shape = \(300, 128\): must be \[T_c, 256\]"),
+    "a_rows_c_rows": (lambda i: _replaced(i, **_bf16(i), a_rows=torch.arange(100)), ValueError,
+                      r"c\.shape = \(300, 256\): must be \(100, 256\) \(fp16 or bf16 \[R, N\]"),
 }
 
 
@@ -813,3 +835,116 @@ def test_the_exact_decode_rounds_at_fp16s_boundary_as_the_kernels_epilogue(w4a16
     assert (out[below & (magnitude.float() < 65520)].abs() == FP16_MAX).all()
     assert torch.isinf(out[below & (magnitude.float() == 65520)]).all() and (below & (magnitude.float() == 65520)).any()
     assert torch.isinf(out[magnitude >= 65520]).all() and not torch.isinf(out[magnitude.float() < 65520]).any()
+
+
+# -----------------------------------------------------------------------------
+# Row maps (a_rows, c_rows): the W4A16 GEMM reads and writes the rows they name
+# -----------------------------------------------------------------------------
+def _row_map_case(seed, tokens=7, top_k=3, groups=4, n=256, k=512):
+    """A layer's routing of `tokens` tokens to `top_k` of `groups` experts: x [T, K] bf16, the
+    pairs' expert-sorted order, offsets, a_rows = order // k (the pairs' tokens), c_rows = order."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = w4a16_inputs(tokens * top_k, groups, n, k)
+    x = (torch.randn(tokens, k, generator=generator) * 4).bfloat16()
+    experts = torch.randint(0, groups, (tokens * top_k,), generator=generator)
+    _, order = torch.sort(experts, stable=True)
+    offsets = torch.zeros(groups + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.bincount(experts, minlength=groups), 0)
+    return x, inputs["b"], inputs["sfb"], offsets, order // top_k, order
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_maps_read_and_write_the_rows_they_name(seed):
+    """The exact decode with a_rows and c_rows (the op's CPU implementation, and what the GPU
+    kernel is checked against) is the gathered rows' product un-permuted: row r of the groups
+    read from a[a_rows[r]] and written to c[c_rows[r]]; an index outside a reads zeros, one
+    outside c writes nothing, and c's other rows are untouched."""
+    x, b, sfb, offsets, a_rows, c_rows = _row_map_case(seed)
+    rows = a_rows.shape[0]
+    alpha = torch.rand(4, generator=torch.Generator().manual_seed(seed)) + 0.5
+    grouped = moe.moe_reference(x[a_rows], None, b, sfb, offsets, torch.zeros(rows, 256, dtype=torch.bfloat16),
+                                alpha)
+    c = torch.full((rows + 2, 256), float("nan"), dtype=torch.bfloat16)
+    status = torch.full((1,), 7, dtype=torch.int32)
+    gemm.moe_grouped_gemm_op(x, None, b, sfb, offsets, c, status, alpha, a_rows, c_rows)
+    assert int(status) == 0
+    assert torch.equal(c[c_rows], grouped) and torch.isnan(c[rows:]).all()
+    # the gather alone: c in group order
+    gathered = torch.full((rows, 256), float("nan"), dtype=torch.bfloat16)
+    gemm.moe_grouped_gemm_op(x, None, b, sfb, offsets, gathered, status, alpha, a_rows, None)
+    assert torch.equal(gathered, grouped)
+    # indices outside: row 0 reads zeros (a_rows -1), row 1 is written nowhere (c_rows past c)
+    a_outside, c_outside = a_rows.clone(), c_rows.clone()
+    a_outside[0], c_outside[1] = -1, rows + 2
+    zeroed = x[a_rows].clone()
+    zeroed[0] = 0
+    expected = moe.moe_reference(zeroed, None, b, sfb, offsets, torch.zeros(rows, 256, dtype=torch.bfloat16), alpha)
+    c.fill_(float("nan"))
+    gemm.moe_grouped_gemm_op(x, None, b, sfb, offsets, c, status, alpha, a_outside, c_outside)
+    written = torch.ones(rows, dtype=torch.bool)
+    written[1] = False
+    assert torch.equal(c[c_rows[written]], expected[written]) and int(expected[0].abs().sum()) == 0
+    assert torch.isnan(c[c_rows[1]]).all() and torch.isnan(c[rows:]).all()
+    # bad offsets (past the R grouped rows): nothing written, status 1
+    c.fill_(float("nan"))
+    bad = offsets.clone()
+    bad[-1] = rows + 1
+    gemm.moe_grouped_gemm_op(x, None, b, sfb, bad, c, status, alpha, a_rows, c_rows)
+    assert int(status) == 1 and torch.isnan(c).all()
+
+
+def test_row_maps_make_their_own_kernel_and_label(monkeypatch):
+    """a_rows and c_rows are part of the shape (the rows of a and c they index), so of the plan
+    and the kernel: a mapped call's link is another kernel than the unmapped one (demoted and
+    self-checked on its own), built as Sm90MoeW4A16RowsGemm with the maps it has."""
+    monkeypatch.setattr(moe, "_check_device", lambda *args: None)
+    x, b, sfb, offsets, a_rows, c_rows = _row_map_case(0)
+    rows = a_rows.shape[0]
+    c = torch.empty(rows + 2, 256, dtype=torch.bfloat16)
+    both = moe.check_moe_inputs(x, None, b, sfb, offsets, c, a_rows=a_rows, c_rows=c_rows)
+    assert both == moe.MoeShape(rows, 4, 256, 512, None, "blocked", None, "bfloat16", (7, rows + 2))
+    gather = moe.check_moe_inputs(x, None, b, sfb, offsets, c[:rows], a_rows=a_rows)
+    assert gather.rows == (7, None) and gather.kernel_rows() == hopper_moe.MoeRows(gather=True)
+    plain = moe.check_moe_inputs(x[a_rows], None, b, sfb, offsets, c[:rows])
+    assert plain.rows is None and not plain.kernel_rows().any
+    links = [moe.moe_chain(shape, 132, False, None)[0] for shape in (both, gather, plain)]
+    assert len({link.kernel_key(4) for link in links}) == 3
+    assert links[0].label.startswith("bf16 activations (W4A16), rows gathered and scattered")
+    unchained = hopper_moe.w4a16_config(SWAP_AB_T32_CONFIG)
+    built = [hopper_moe.moe_w4a16_build(4, unchained, rows=shape.kernel_rows())[0] for shape in (both, plain)]
+    assert type(built[0]) is hopper_moe.Sm90MoeW4A16RowsGemm and built[0].rows == both.kernel_rows()
+    assert type(built[1]) is hopper_moe.Sm90MoeW4A16Gemm and not built[1].rows.any
+    with pytest.raises(ValueError, match="maps no rows"):
+        hopper_moe.Sm90MoeW4A16RowsGemm(unchained, 4, rows=hopper_moe.MoeRows())
+    # the launch arguments: the index arrays' addresses after status's, the row counts after the sizes
+    plan = type("Plan", (), {"status_address": 99, "max_tiles": 5, "fill_ctas": 132})()
+    key = moe._binding_key(x, None, b, sfb, offsets, c, None, None, a_rows, c_rows)
+    _, values = moe._launch_values(plan, both, key, 0)
+    assert len(values) == len(moe.W4A16_ROWS_GEMM_ARGS[0])
+    assert values[6:9] == (99, a_rows.data_ptr(), c_rows.data_ptr()) and values[-3:] == (7, rows + 2, 0)
+
+
+def test_the_self_check_compares_through_the_row_maps(capsys):
+    """The first-use check of a mapped kernel compares c's rows through c_rows with the exact
+    decode of a's rows through a_rows; a wrong row demotes it and the exact rows are written
+    where c_rows put them. A call with an index outside a or c is not checked."""
+    x, b, sfb, offsets, a_rows, c_rows = _row_map_case(1)
+    rows = a_rows.shape[0]
+    c = torch.full((rows, 256), float("nan"), dtype=torch.bfloat16)
+    moe.exact_moe_call(x, None, b, sfb, offsets, c, None, None, a_rows, c_rows)
+    shape = moe.check_moe_inputs(x, None, b, sfb, offsets, c, a_rows=a_rows, c_rows=c_rows, require_cuda=False)
+    plan = FakePlan(moe.moe_chain(shape, 132, False, None), 4)
+    moe._self_check(plan, x, None, b, sfb, offsets, c.clone(), None, None, (a_rows, c_rows))
+    assert plan.checked and not core.is_demoted(plan.kernel_key)
+    core.reset_runtime()
+    outside = c_rows.clone()
+    outside[0] = -1
+    plan = FakePlan(moe.moe_chain(shape, 132, False, None), 4)
+    moe._self_check(plan, x, None, b, sfb, offsets, c.clone(), None, None, (a_rows, outside))
+    assert not plan.checked
+    wrong = c.clone()
+    target = int(c_rows[5])
+    wrong[target, 3] = wrong[target, 3] * 2 + 1
+    moe._self_check(plan, x, None, b, sfb, offsets, wrong, None, None, (a_rows, c_rows))
+    assert core.is_demoted(plan.kernel_key) and torch.equal(wrong, c)
+    assert "column 3" in capsys.readouterr().err

@@ -241,16 +241,18 @@ def _kernel_ops(fn) -> list[str]:
     return ops.ops
 
 
-def test_the_w4a16_experts_output_is_two_gemms_and_twelve_small_ops():
-    """Where every expert is local, the W4A16 routed experts are the two GEMMs and 12 small ops
-    (the step-by-step form: 28): sort, search, token index, gather, SwiGLU's cast, silu and
-    product, its bf16 rounding, the un-permute, the fp32 cast, the weights' product, the sum."""
+def test_the_w4a16_experts_output_is_two_gemms_and_ten_small_ops():
+    """Where every expert is local, the W4A16 routed experts are the two GEMMs and 10 small ops
+    (the step-by-step form: 28): sort, search, token index, SwiGLU's cast, silu and product, its
+    bf16 rounding, the fp32 cast, the weights' product, the sum; the gather and the un-permute
+    are the GEMMs' (a_rows, c_rows), and the rows they name are the pairs' (order // k, order)."""
     _, layer, _ = make_layer(activations="bf16")
     x = torch.randn(1, HIDDEN).to(torch.bfloat16)
     topk_ids, topk_weights = layer.route(x)
     ops = _kernel_ops(lambda: layer.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32))
     gemms = [op for op in ops if op.startswith("nvfp4_group_gemm.")]
-    assert len(gemms) == 2 and len(ops) - len(gemms) == 12, ops
+    assert len(gemms) == 2 and len(ops) - len(gemms) == 10, ops
+    assert not any("index" in op for op in ops), ops  # no gather, no index_put
     before = _kernel_ops(lambda: _experts_output_step_by_step(layer, x, topk_ids, topk_weights))
     assert len(before) - 2 == 28, before
 

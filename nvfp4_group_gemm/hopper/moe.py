@@ -51,6 +51,7 @@ from .ptx import (
     decode_scale_blocks_global,
     fence_proxy_async_shared_cta,
     load_f32_global,
+    load_i64_global,
 )
 from .schedules import TOKEN_CLASS_STEP
 from .swap_ab import (
@@ -192,16 +193,37 @@ class MoeEpilogue:
                              f"out_dtype one of {OUT_DTYPES}")
 
 
+@dataclasses.dataclass(frozen=True)
+class MoeRows:
+    """Where the MoE GEMM's grouped rows come from and go to (int64 indices on the GPU, one per
+    grouped row r): `gather`, row r reads a's row a_rows[r] (the token rows of sorted pairs, no
+    gathered copy); `scatter`, its output goes to c's row c_rows[r] (the un-permute). An index
+    outside a's (c's) rows reads zeros (writes nothing). Neither (the default): row r of a and c,
+    the kernels of before. W4A16 GEMMs only (Sm90MoeW4A16RowsGemm)."""
+
+    gather: bool = False
+    scatter: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.gather or self.scatter
+
+
 class StackedOperands:
     """A MoE tile's group operands for Sm90SwapAbGemm.run_tile (swap_ab.TableOperands' interface):
     values derived on the GPU from the offsets, the same whatever the group argument; `alpha_addr`
-    the address of the group's epilogue scales (None: none)."""
+    the address of the group's epilogue scales (None: none); `gather` and `scatter` the group's
+    row indices where the GEMM has them (MoeRows)."""
 
-    def __init__(self, m, n, k, b_addr, sfb_addr, c_addr, x_addr, slab_bytes, alpha_addr=None):
+    def __init__(self, m, n, k, b_addr, sfb_addr, c_addr, x_addr, slab_bytes, alpha_addr=None, gather=None,
+                 scatter=None):
         self.sizes = (m, n, k)
         self.addresses = {1: b_addr, 2: c_addr, 4: sfb_addr}  # swap_ab's _PTR_B, _PTR_C, _PTR_SFB
         self.acts = (x_addr, slab_bytes)
         self.alpha_addr = alpha_addr
+        # MoeRows: (the group's first a_rows address, a's row count) / (its first c_rows
+        # address, c's base address, c's row count), or None: rows of a and c in group order
+        self.gather, self.scatter = gather, scatter
 
     def size(self, group, field):
         return self.sizes[field]
@@ -294,6 +316,7 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         super().__init__(config, num_groups)
         self.epilogue = epilogue
         self.out_dtype = epilogue.out_dtype
+        self.rows = MoeRows()  # a's and c's rows in group order (Sm90MoeW4A16RowsGemm maps them)
 
     @cute.jit
     def __call__(
@@ -364,10 +387,11 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
     @cute.jit
     def moe_tile(self, acts: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer,
                  mOffsets: cute.Tensor, tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32,
-                 slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32, alpha, mStatus=None):
+                 slab_bytes: cutlass.Int32, fill_ctas: cutlass.Int32, alpha, mStatus=None, row_maps=None):
         """A CTA's tile, whatever the kernel's arguments: `alpha` None, or the epilogue scales'
         pointer (Sm90MoeScaledGemm); `mStatus` None, or the status word CTA 0 writes from the
-        offsets' check (the W4A16 GEMM, which has no pre-pass to write it)."""
+        offsets' check (the W4A16 GEMM, which has no pre-pass to write it); `row_maps` None, or
+        (a_rows, c_rows, a's rows, c's rows) of a GEMM with MoeRows (Sm90MoeW4A16RowsGemm)."""
         if cutlass.const_expr(self.config.chain_calls):
             cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
@@ -402,6 +426,12 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                 None if cutlass.const_expr(alpha is None) else alpha.toint() + cutlass.Int64(group) * (
                     4 * (2 if cutlass.const_expr(self.epilogue.alpha == "halves") else 1)),
             )
+            if cutlass.const_expr(row_maps is not None):
+                a_rows, c_rows, a_row_count, c_row_count = row_maps
+                if cutlass.const_expr(self.rows.gather):
+                    operands.gather = (a_rows.toint() + cutlass.Int64(row0) * 8, a_row_count)
+                if cutlass.const_expr(self.rows.scatter):
+                    operands.scatter = (c_rows.toint() + cutlass.Int64(row0) * 8, c.toint(), c_row_count)
             if cutlass.const_expr(variable):
                 # the tile's tokens: tile_size, or what is left of the group's rows for its
                 # last tile, rounded up to 64; one main loop per count
@@ -507,13 +537,21 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
                       None if cutlass.const_expr(self.epilogue.alpha is None) else alpha, mStatus)
 
     def group_tokens_address(self, acts, row0, pad0, slab_bytes):
-        """The group's first row of a: row offsets[g] (slab_bytes: a's row pitch)."""
+        """The group's first row of a: row offsets[g] (slab_bytes: a's row pitch); a's first
+        where the rows are gathered (MoeRows.gather: every row through a_rows)."""
+        if cutlass.const_expr(self.rows.gather):
+            return acts.toint()
         return acts.toint() + cutlass.Int64(row0) * slab_bytes
 
     def token_source(self, operands, group, half_begin, token0, m, slab_bytes):
         """(the tile's first row of a at the rank's first half, (a's row pitch, the group's rows
-        from token0 on))."""
+        from token0 on)); gathered (MoeRows.gather): (a's first row at that half, (the pitch, the
+        rows, the tile's first a_rows address, a's row count))."""
         row_bytes = slab_bytes
+        if cutlass.const_expr(operands.gather is not None):
+            a_rows_addr, a_row_count = operands.gather
+            x_addr = operands.activations(group, 0) + half_begin * self.x_row_bytes
+            return x_addr, (row_bytes, m - token0, a_rows_addr + cutlass.Int64(token0) * 8, a_row_count)
         x_addr = operands.activations(group, 0) + cutlass.Int64(token0) * row_bytes + half_begin * self.x_row_bytes
         return x_addr, (row_bytes, m - token0)
 
@@ -521,8 +559,10 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
     def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes):
         """The tile's bf16 token rows of k-tile k_tile from a (x_addr, slab_bytes = (row pitch,
         rows left): token_source), 16 bytes per cp.async, consecutive threads along a row; rows
-        past the group's zero-filled; then this thread's arrival on the stage's mbarrier."""
-        row_bytes, rows_left = slab_bytes
+        past the group's zero-filled; then this thread's arrival on the stage's mbarrier.
+        Gathered (token_source's four values): row r is a's row a_rows[token0 + r], zero-filled
+        where that index is outside 0 .. a's rows - 1."""
+        row_bytes, rows_left = slab_bytes[0], slab_bytes[1]
         half_bytes = tile_t * self.x_row_bytes
         stage_base = x_base + stage * (half_bytes * self.k_halves)
         chunks_per_half = tile_t * (self.x_row_bytes // 16)
@@ -535,6 +575,13 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
                 part = chunk % 8
                 valid = row < rows_left
                 src_row = row if valid else 0
+                if cutlass.const_expr(len(slab_bytes) == 4):
+                    a_rows_addr, a_row_count = slab_bytes[2], slab_bytes[3]
+                    index = load_i64_global(a_rows_addr + cutlass.Int64(src_row) * 8)
+                    # one unsigned compare: a negative index is outside too
+                    inside = cutlass.Uint64(index) < cutlass.Uint64(a_row_count)
+                    valid = inside if valid else valid
+                    src_row = index if valid else cutlass.Int64(0)
                 src = (x_addr + cutlass.Int64(src_row) * row_bytes
                        + (k_tile * self.k_halves + h) * self.x_row_bytes + part * 16)
                 cp_async_16B(stage_base + h * half_bytes + token_stage_chunk_offset(row, part), src, 16 if valid else 0)
@@ -557,6 +604,46 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
         decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, SWAP_AB_HALF_K,
                                 self.k_halves, self.config.weight_half_bytes, cutlass.BFloat16)
 
+
+
+class Sm90MoeW4A16RowsGemm(Sm90MoeW4A16Gemm):
+    """The W4A16 MoE GEMM with its rows mapped (MoeRows): grouped row r reads a's row a_rows[r]
+    (`rows.gather`: the token rows of expert-sorted pairs read in place, no gathered copy) and
+    writes c's row c_rows[r] (`rows.scatter`: the un-permute in the epilogue's stores); four more
+    arguments, the two int64 index arrays (an unused one any address) and a's and c's row
+    counts. Every other step is Sm90MoeW4A16Gemm's."""
+
+    def __init__(self, config: SwapAbConfig, num_groups: int, epilogue: MoeEpilogue = MoeEpilogue(),
+                 rows: MoeRows = MoeRows(gather=True)):
+        if not rows.any:
+            raise ValueError(f"{rows}: maps no rows (Sm90MoeW4A16Gemm is that GEMM)")
+        super().__init__(config, num_groups, epilogue)
+        self.rows = rows
+
+    @cute.jit
+    def __call__(
+        self, a: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer, offsets: cute.Pointer,
+        alpha: cute.Pointer, status: cute.Pointer, a_rows: cute.Pointer, c_rows: cute.Pointer,
+        tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, max_tiles: cutlass.Int32,
+        fill_ctas: cutlass.Int32, a_row_count: cutlass.Int32, c_row_count: cutlass.Int32, stream: cuda.CUstream,
+    ):
+        """tokens: the grouped rows (a_rows' and c_rows' length); a_row_count, c_row_count: a's and
+        c's rows."""
+        self.define_shared_storage()
+        mOffsets = cute.make_tensor(offsets, cute.make_layout(self.num_groups + 1))
+        mStatus = cute.make_tensor(status, cute.make_layout(1))
+        self.kernel(a, b, sfb, c, mOffsets, alpha, mStatus, a_rows, c_rows, tokens, n, k, fill_ctas, a_row_count,
+                    c_row_count).launch(grid=(max_tiles * self.config.split_k, 1, 1), stream=stream,
+                                        **self.launch_attributes())
+
+    @cute.kernel
+    def kernel(self, a: cute.Pointer, b: cute.Pointer, sfb: cute.Pointer, c: cute.Pointer, mOffsets: cute.Tensor,
+               alpha: cute.Pointer, mStatus: cute.Tensor, a_rows: cute.Pointer, c_rows: cute.Pointer,
+               tokens: cutlass.Int32, n: cutlass.Int32, k: cutlass.Int32, fill_ctas: cutlass.Int32,
+               a_row_count: cutlass.Int32, c_row_count: cutlass.Int32):
+        self.moe_tile(a, b, sfb, c, mOffsets, tokens, n, k, k * 2, fill_ctas,
+                      None if cutlass.const_expr(self.epilogue.alpha is None) else alpha, mStatus,
+                      (a_rows, c_rows, cutlass.Int64(a_row_count), cutlass.Int64(c_row_count)))
 
 # What the MoE entry's K must be a multiple of on sm_90: one 64-wide k-tile half (4 scale blocks,
 # one 512-byte scale atom of the blocked layouts along K)
@@ -598,21 +685,27 @@ def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:
     return config
 
 
-def moe_w4a16_build(num_groups: int, config: SwapAbConfig, epilogue: MoeEpilogue = MoeEpilogue()) -> tuple:
-    return Sm90MoeW4A16Gemm(config, num_groups, epilogue), (
-        fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8),
-        fake_ptr(cutlass.Int32), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32), cutlass.Int32(1),
-        cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(132), cuda.CUstream(0))
+def moe_w4a16_build(num_groups: int, config: SwapAbConfig, epilogue: MoeEpilogue = MoeEpilogue(),
+                    rows: MoeRows = MoeRows()) -> tuple:
+    operands = (fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8),
+                fake_ptr(cutlass.Int32), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32))
+    sizes = (cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(132))
+    if not rows.any:
+        return Sm90MoeW4A16Gemm(config, num_groups, epilogue), (*operands, *sizes, cuda.CUstream(0))
+    return Sm90MoeW4A16RowsGemm(config, num_groups, epilogue, rows), (
+        *operands, fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int64), *sizes, cutlass.Int32(1), cutlass.Int32(1),
+        cuda.CUstream(0))
 
 
 def compile_moe_w4a16_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None,
-                           epilogue: MoeEpilogue = MoeEpilogue()):
-    """Compile (cached: core.compile_key) the W4A16 MoE GEMM of `config` (w4a16_config applied)
-    and `epilogue` for num_groups groups."""
+                           epilogue: MoeEpilogue = MoeEpilogue(), rows: MoeRows = MoeRows()):
+    """Compile (cached: core.compile_key) the W4A16 MoE GEMM of `config` (w4a16_config applied),
+    `epilogue` and `rows` (MoeRows: none mapped, the default, or Sm90MoeW4A16RowsGemm's) for
+    num_groups groups."""
     from .config import SWAP_AB_CONFIG
 
     config = w4a16_config(SWAP_AB_CONFIG if config is None else config)
-    return core.compile_once(moe_w4a16_build, num_groups, config, epilogue, options=options,
+    return core.compile_once(moe_w4a16_build, num_groups, config, epilogue, rows, options=options,
                              context=smem_per_sm_known_without_gpu)
 
 
@@ -698,4 +791,12 @@ def moe_compile_targets():
          functools.partial(compile_fn, config=k_tail_config(config),
                            epilogue=MoeEpilogue("expert", "bfloat16")))
         for path, compile_fn in (("gemm", compile_moe_gemm), ("w4a16", compile_moe_w4a16_gemm))
-        for name, config in gemms.items()]
+        for name, config in gemms.items()] + [
+        # rows mapped (MoeFfn's W4A16 layer): the gate-and-up GEMM gathers token rows, the down
+        # GEMM scatters to pair order; on the decode (split-K: store_tile's scatter) and the
+        # variable configs
+        (f"sm90_moe_w4a16_{name}_{label}", "sm_90a",
+         functools.partial(compile_moe_w4a16_gemm, config=gemms[name], epilogue=epilogue, rows=rows))
+        for name in ("t32_split_k4", "variable")
+        for label, epilogue, rows in (("gather_halves", MoeEpilogue("halves", "bfloat16"), MoeRows(gather=True)),
+                                      ("scatter", MoeEpilogue("expert", "bfloat16"), MoeRows(scatter=True)))]

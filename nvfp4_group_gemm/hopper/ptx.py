@@ -498,6 +498,20 @@ def load_f32_global(address: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Flo
 
 
 @dsl_user_op
+def load_i64_global(address: cutlass.Int64, *, loc=None, ip=None) -> cutlass.Int64:
+    """One int64 from global `address` (a row index of the MoE entry's a_rows / c_rows)."""
+    result = _inline_asm(
+        cutlass.Int64.mlir_type,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
+        "ld.global.s64 $0, [$1];",
+        "=l,l",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int64(result)
+
+
+@dsl_user_op
 def stmatrix_x4_trans(smem: cutlass.Int32, registers, *, loc=None, ip=None):
     """stmatrix .x4 .trans (warp-wide): register i of every lane holds its two fp16 of 8x8
     matrix i as an mma fragment (lane l: row l / 4, columns 2 (l % 4) and + 1); lane 8 i + r

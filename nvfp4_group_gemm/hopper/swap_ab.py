@@ -59,6 +59,7 @@ from .ptx import (
     cp_async_16B,
     decode_scale_blocks_global,
     fence_mbarrier_init,
+    load_i64_global,
     mbarrier_init_shared,
     mbarrier_wait_parity,
     pack_16x2,
@@ -562,9 +563,11 @@ class Sm90SwapAbGemm:
             # the summing rank of this warpgroup's rows holds their sums
             reduce_split_k_partials(tidx, warp_group_idx, x_base, accumulators, split)
             if cute.arch.block_idx_in_cluster() == warp_group_idx % split:
-                self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0, acc_scale)
+                self.store_tile(tile_t, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0, acc_scale,
+                                getattr(operands, "scatter", None))
         else:
-            self.store_tile_staged(tile_t, tidx, accumulators, x_base, c_addr, m, n, token0, n0, acc_scale)
+            self.store_tile_staged(tile_t, tidx, accumulators, x_base, c_addr, m, n, token0, n0, acc_scale,
+                                   getattr(operands, "scatter", None))
 
     def epilogue_scale(self, operands, group, n0, n):
         """What the fp32 sums are multiplied by before rounding: decode_rescale, the exact
@@ -589,7 +592,7 @@ class Sm90SwapAbGemm:
 
     @cute.jit
     def store_tile_staged(self, tile_t: cutlass.Constexpr, tidx, accumulators, stage_base, c_addr, m, n, token0, n0,
-                          acc_scale):
+                          acc_scale, scatter=None):
         """Epilogue through shared memory: the fp32 sums, times `acc_scale` (epilogue_scale) and
         rounded to the output's dtype (out_dtype: fp16 or bf16), stored
         transposed into the token stages (free once every warpgroup's last wgmma retired) as
@@ -600,7 +603,11 @@ class Sm90SwapAbGemm:
         Accumulator i of lane (g, t) of warp w is C^T[16 w + g + 8 r][8 j + 2 t + c] with
         i = 4 j + 2 r + c (wgmma's fragment): the pair c = 0, 1 of (j, r) is one stmatrix
         register of 8x8 matrix (j, r), whose column (token 8 j + col) .trans stores as 8
-        weight rows."""
+        weight rows.
+
+        `scatter` None: token row r of the tile goes to c_addr's row token0 + r. Else (the MoE
+        entry's c_rows: its group's first index, c's base address, c's row count): to c's row
+        c_rows[token0 + r], none where that index is outside 0 .. rows - 1."""
         pitch = self.tile_w * 2 + 16
         lane = tidx % 32
         warp = tidx // 32
@@ -622,14 +629,21 @@ class Sm90SwapAbGemm:
             token = chunk // chunks_per_token
             part = chunk % chunks_per_token
             if token0 + token < m:
-                copy_16B_shared_to_global(
-                    stage_base + token * pitch + part * 16,
-                    c_addr + (cutlass.Int64(token0 + token) * n + n0 + part * 8) * 2,
-                )
+                if cutlass.const_expr(scatter is None):
+                    copy_16B_shared_to_global(
+                        stage_base + token * pitch + part * 16,
+                        c_addr + (cutlass.Int64(token0 + token) * n + n0 + part * 8) * 2,
+                    )
+                else:
+                    c_rows_addr, c_base, c_row_count = scatter
+                    row = load_i64_global(c_rows_addr + cutlass.Int64(token0 + token) * 8)
+                    if cutlass.Uint64(row) < cutlass.Uint64(c_row_count):  # unsigned: a negative row is outside
+                        copy_16B_shared_to_global(stage_base + token * pitch + part * 16,
+                                                  c_base + (row * n + n0 + part * 8) * 2)
 
     @cute.jit
     def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0,
-                   acc_scale):
+                   acc_scale, scatter=None):
         """Split-K's epilogue (its summing rank's token stages hold the partial sums): the fp32
         sums of (weight row, token) times `acc_scale` -> C[token, weight row] (out_dtype), one
         2-byte store each, predicated on M (N is a multiple of the weight tile). Without
@@ -640,8 +654,14 @@ class Sm90SwapAbGemm:
             coord = tCcC[i]
             token = token0 + coord[1]
             if token < m:
-                store_16(c_addr + (cutlass.Int64(token) * n + n0 + coord[0]) * 2, accumulators[i] * acc_scale,
-                         self.out_dtype)
+                if cutlass.const_expr(scatter is None):
+                    store_16(c_addr + (cutlass.Int64(token) * n + n0 + coord[0]) * 2, accumulators[i] * acc_scale,
+                             self.out_dtype)
+                else:  # store_tile_staged's scatter
+                    c_rows_addr, c_base, c_row_count = scatter
+                    row = load_i64_global(c_rows_addr + cutlass.Int64(token) * 8)
+                    if cutlass.Uint64(row) < cutlass.Uint64(c_row_count):
+                        store_16(c_base + (row * n + n0 + coord[0]) * 2, accumulators[i] * acc_scale, self.out_dtype)
 
 
 # =============================================================================
