@@ -598,8 +598,8 @@ def test_w4a16_row_maps_match_the_exact_decode_and_replay(label, family, monkeyp
         c = torch.full((rows + 4, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
         a_rows, c_rows = _row_maps(tokens, rows, generator)
-        call = dict(b=inputs["b"], sfb=inputs["sfb"], offsets=inputs["offsets"], c=c, status=status,
-                    a_rows=a_rows, c_rows=c_rows)
+        call = {"b": inputs["b"], "sfb": inputs["sfb"], "offsets": inputs["offsets"], "c": c, "status": status,
+                "a_rows": a_rows, "c_rows": c_rows}
         for trial, alpha_shape in enumerate(("halves", "expert")):
             alpha = (torch.rand((groups, 2) if alpha_shape == "halves" else (groups,),
                                 generator=torch.Generator().manual_seed(trial)) * 4 + 2.0**-6).cuda()
