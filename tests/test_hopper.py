@@ -981,3 +981,34 @@ def test_k_tail_builds_have_no_local_memory_and_the_epilogue_of_the_others(sm90_
     assert loads and all(re.search(rf"mul\.f32\s+%f\d+, {register}, {rescale};", ptx) for register in loads)
     assert "cvt.rn.bf16x2.f32" in ptx or "cvt.rn.bf16.f32" in ptx
     assert "satfinite" not in ptx and ".sat." not in ptx.replace("cvt.rni.sat", "")
+
+
+ROW_MAP_TARGETS = [name for name in W4A16_TARGETS if name.endswith(("_gather_halves", "_scatter"))]
+
+
+@pytest.mark.parametrize("target", ROW_MAP_TARGETS)
+def test_row_map_builds_read_their_indices_where_they_map_rows(sm90_builds, target):
+    """The W4A16 GEMM with row maps (hopper.moe.Sm90MoeW4A16RowsGemm): the gather build loads an
+    int64 index before the token rows' cp.async and none in its stores, the scatter build the
+    other way round, and the unmapped build of the same config none at all (its PTX is the
+    kernel of before: bench/ptx_diff.py); the same stores and token copies as that build."""
+    assert len(ROW_MAP_TARGETS) == 4
+    report = sm90_builds[(target, 8)]
+    assert report.error is None and report.frame_bytes == 0 and report.spill_bytes_max == 0
+    config = target.removeprefix("sm90_moe_w4a16_").removesuffix("_gather_halves").removesuffix("_scatter")
+    plain = sm90_builds[(f"sm90_moe_w4a16_{config}" + ("_halves" if config == "variable" and "gather" in target
+                                                        else ""), 8)]
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    plain_ptx = Path(plain.ptx_path).read_text(errors="replace")
+    assert "ld.global.s64" not in plain_ptx
+    assert ptx.count("cp.async.cg") == plain_ptx.count("cp.async.cg")
+    assert ptx.count("st.global") == plain_ptx.count("st.global")
+    lines = ptx.splitlines()
+    index_loads = [i for i, line in enumerate(lines) if "ld.global.s64" in line]
+    assert index_loads
+    # what each index load feeds: the next global access after it (a token copy or a c store)
+    fed = set()
+    for i in index_loads:
+        following = next(line for line in lines[i + 1:] if "cp.async.cg" in line or "st.global" in line)
+        fed.add("copy" if "cp.async.cg" in following else "store")
+    assert fed == ({"copy"} if "gather" in target else {"store"}), (target, fed)
