@@ -124,6 +124,36 @@ def prepare_weight_scales(sfb_plain: torch.Tensor) -> torch.Tensor:
     return blocked_scales(sfb_plain)
 
 
+def swiglu_weights(b: torch.Tensor, sfb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused gate-and-up weight (b [G, N = 2 I, K/2], gate rows then up rows; sfb blocked or
+    plain) with its rows in the SwiGLU epilogue's order (hopper.moe.swiglu_row_order: 8 gate
+    rows, then their 8 up rows): what activation="swiglu" takes. Returns (b, sfb), sfb in its
+    layout; a copy (the weights change rarely: a server converts them once)."""
+    from .hopper.moe import swiglu_row_order
+
+    n = b.shape[1]
+    order = torch.tensor(swiglu_row_order(n), device=b.device)
+    fp4 = b.dtype
+    reordered = b.view(torch.uint8)[:, order].contiguous().view(fp4)
+    if sfb.dim() == 3:
+        return reordered, sfb[:, order].contiguous()
+    k = b.shape[2] * 2
+    plain = torch.stack([plain_scales_of_blocked(sfb[g], n, k) for g in range(sfb.shape[0])])
+    return reordered, blocked_scales(plain[:, order].contiguous())
+
+
+def swiglu_columns(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) columns [rows, N / 2] of outputs [rows, N] of a SwiGLU weight (swiglu_weights'
+    row order), each in intermediate order."""
+    from .hopper.moe import swiglu_row_order
+
+    n = values.shape[1]
+    order = torch.tensor(swiglu_row_order(n), device=values.device)
+    gate_positions = torch.nonzero(order < n // 2).flatten()
+    up_positions = torch.nonzero(order >= n // 2).flatten()
+    return values[:, gate_positions], values[:, up_positions]
+
+
 # =============================================================================
 # Validation (host-visible fields only)
 # =============================================================================
@@ -161,12 +191,15 @@ class MoeShape(tuple):
     """(tokens T (the grouped rows), groups G, N, K, activation scale layout ("plain", "blocked";
     None: bf16 activations, W4A16), weight scale layout, alpha mode (None, "expert": [G],
     "halves": [G, 2]), c's dtype ("float16", "bfloat16"), the rows mapped (None, or (a's rows
-    where a_rows maps them, else None; c's rows where c_rows does, else None)))."""
+    where a_rows maps them, else None; c's rows where c_rows does, else None)), the epilogue's
+    activation (None, "swiglu"))."""
 
     __slots__ = ()
 
-    def __new__(cls, tokens, groups, n, k, sfa_layout, sfb_layout, alpha=None, out_dtype="float16", rows=None):
-        return super().__new__(cls, (tokens, groups, n, k, sfa_layout, sfb_layout, alpha, out_dtype, rows))
+    def __new__(cls, tokens, groups, n, k, sfa_layout, sfb_layout, alpha=None, out_dtype="float16", rows=None,
+                activation=None):
+        return super().__new__(cls, (tokens, groups, n, k, sfa_layout, sfb_layout, alpha, out_dtype, rows,
+                                     activation))
 
     tokens = property(lambda self: self[0])
     groups = property(lambda self: self[1])
@@ -177,6 +210,7 @@ class MoeShape(tuple):
     alpha = property(lambda self: self[6])
     out_dtype = property(lambda self: self[7])
     rows = property(lambda self: self[8])
+    activation = property(lambda self: self[9])
     w4a16 = property(lambda self: self[4] is None)
 
     def kernel_rows(self):
@@ -188,21 +222,22 @@ class MoeShape(tuple):
 
     def activations(self) -> str:
         """What the activations are, in words (the chain's labels)."""
+        swiglu = ", SwiGLU" if self.activation == "swiglu" else ""
         if not self.w4a16:
-            return f"{self.sfa_layout} activation scales"
+            return f"{self.sfa_layout} activation scales{swiglu}"
         rows = self.kernel_rows()
         mapped = " and ".join(name for name, on in (("gathered", rows.gather), ("scattered", rows.scatter)) if on)
-        return "bf16 activations (W4A16)" + (f", rows {mapped}" if mapped else "")
+        return "bf16 activations (W4A16)" + (f", rows {mapped}" if mapped else "") + swiglu
 
     def epilogue(self):
         """The GEMM's epilogue (hopper.moe.MoeEpilogue) of this shape."""
         from .hopper.moe import MoeEpilogue
 
-        return MoeEpilogue(self.alpha, self.out_dtype)
+        return MoeEpilogue(self.alpha, self.out_dtype, self.activation)
 
 
 def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *, a_rows=None, c_rows=None,
-                     require_cuda: bool = True) -> MoeShape:
+                     activation=None, require_cuda: bool = True) -> MoeShape:
     """Validate everything the host can see (types, dtypes, devices, shapes, strides,
     alignment, G, N, K), before any launch; returns the problem's MoeShape. Raises TypeError
     or ValueError naming the field, its value and the rule. `require_cuda` False: the CPU
@@ -246,6 +281,12 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *
         _fail(ValueError, "b.shape[2]", b_half_k, f"must be K/2 = {half_k}, K from a.shape[1]")
     if n % 128 or n == 0:
         _fail(ValueError, "N (b.shape[1])", n, "must be a positive multiple of 128 (the weight tile)")
+    from .hopper.moe import ACTIVATIONS
+
+    if activation not in ACTIVATIONS:
+        _fail(ValueError, "activation", repr(activation), f"must be one of {ACTIVATIONS} (\"swiglu\": b's rows in "
+              "swiglu_weights' order, c [rows, N / 2])")
+    c_columns = n // 2 if activation == "swiglu" else n
     _check_contiguous("a", a)
     _check_contiguous("b", b)
     blocks = k // SF_VEC_SIZE
@@ -278,13 +319,14 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *
     out_dtype = "float16"
     if c is not None:
         _check_tensor("c", c, OUT_DTYPES)
+        columns = "N / 2 (SwiGLU)" if activation == "swiglu" else "N"
         if c_rows is None:
-            _check_shape("c", c, (tokens, n), "fp16 or bf16 [T, N]" if a_rows is None else
-                         "fp16 or bf16 [R, N] (R = a_rows.shape[0], the grouped rows)")
+            _check_shape("c", c, (tokens, c_columns), f"fp16 or bf16 [T, {columns}]" if a_rows is None else
+                         f"fp16 or bf16 [R, {columns}] (R = a_rows.shape[0], the grouped rows)")
         else:
-            if c.dim() != 2 or c.shape[0] < 1 or c.shape[1] != n:
-                _fail(ValueError, "c.shape", tuple(c.shape), f"must be [T_c, {n}], T_c >= 1 (fp16 or bf16 [T_c, N]: "
-                      "c_rows index its rows)")
+            if c.dim() != 2 or c.shape[0] < 1 or c.shape[1] != c_columns:
+                _fail(ValueError, "c.shape", tuple(c.shape), f"must be [T_c, {c_columns}], T_c >= 1 (fp16 or bf16 "
+                      f"[T_c, {columns}]: c_rows index its rows)")
         _check_contiguous("c", c)
         out_dtype = str(c.dtype).removeprefix("torch.")
     elif c_rows is not None:
@@ -296,7 +338,7 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *
             alpha_mode = "expert"
         elif tuple(alpha.shape) == (groups, 2):
             alpha_mode = "halves"
-            if n % (2 * 128):
+            if n % (2 * 128) and activation is None:
                 _fail(ValueError, "N (b.shape[1])", n, "must be a multiple of 256 with alpha [G, 2] (each half of N, "
                       "the gate and the up rows of a fused weight, a multiple of the 128-row weight tile)")
         else:
@@ -314,7 +356,7 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *
             _check_device(field, tensor, a.device, require_cuda)
     rows = None if mapped is None else (None if a_rows is None else a_tokens,
                                         None if c_rows is None else c.shape[0])
-    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout, alpha_mode, out_dtype, rows)
+    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout, alpha_mode, out_dtype, rows, activation)
 
 
 def _check_row_maps(a, a_rows, c_rows) -> int | None:
@@ -771,24 +813,25 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return capability
 
 
-def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status, alpha=None, maps=(None, None)) -> None:
+def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status, alpha=None, maps=(None, None, None)) -> None:
     """The first call of a compiled MoE kernel (outside a capture, NVFP4_SELF_CHECK on) is also
     computed by the exact decode and compared at the competition's tolerance widened by what fp32
     accumulation may add (core.group_accumulation_bound), row group by row group. A disagreement
     demotes the kernel (the next call runs the next link) and writes the exact result into c. It
     synchronizes once per compiled kernel and process; a call with bad offsets (status non-zero),
-    or rows mapped (`maps`: a_rows, c_rows) outside a or c, is not checked (nothing to compare)."""
+    or rows mapped (`maps`: a_rows, c_rows, then the activation) outside a or c, is not
+    checked (nothing to compare)."""
     written = plan.status if status is None else status
     if int(written.reshape(-1)[0].item()) != 0:
         return
-    a_rows, c_rows = maps
+    a_rows, c_rows, activation = maps
     if any(rows is not None and not bool(rows_inside(rows, count).all())
            for rows, count in ((a_rows, a.shape[0]), (c_rows, c.shape[0]))):
         return
     grouped_a = a if a_rows is None else a[a_rows]
     grouped_c = c if c_rows is None else c[c_rows]  # a copy: written back below where it differs
     mismatches, elements, first, outputs, references = compare_with_exact(grouped_a, sfa, b, sfb, offsets, grouped_c,
-                                                                          alpha)
+                                                                          alpha, activation)
     core.SELF_CHECKED.add(plan.kernel_key)
     plan.checked = True
     if mismatches:
@@ -803,11 +846,13 @@ def _self_check(plan: MoePlan, a, sfa, b, sfb, offsets, c, status, alpha=None, m
                     f"tolerance and fp32 accumulation (first: {where}); this call returns the exact result")
 
 
-def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None):
+def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None, activation=None):
     """c's rows of every group against the exact decode (times alpha), at the competition's
     tolerance widened by what fp32 accumulation may add (core.group_accumulation_bound, scaled
     by alpha) and, for bf16 output, by one bf16 unit in the last place (the kernel rounds the
     fp32 product, the reference the exact one; fp16's unit is within the tolerance). Returns
+    SwiGLU (activation="swiglu"): the bound of silu(gate) x up where gate and up may differ by
+    their own bound plus one unit of c's dtype (swiglu_bound). Returns
     (mismatches, elements, the first as (expert, row, column), the groups' rows of c, the
     same rows of the exact result). Reads the offsets on the host."""
     w4a16 = sfa is None
@@ -816,8 +861,12 @@ def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None):
     sfa_plain = None if w4a16 else sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, a.shape[0], k)
     sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], b.shape[1], k)
                                                          for g in range(b.shape[0])])
-    expected = moe_reference(a, sfa, b, sfb, offsets, torch.empty_like(c), alpha)
-    scales = None if alpha is None else alpha_columns(alpha, b.shape[1]).float().abs()
+    expected = moe_reference(a, sfa, b, sfb, offsets, torch.empty_like(c), alpha, activation=activation)
+    scales = None if alpha is None else alpha_columns(alpha, b.shape[1], activation).float().abs()
+    if activation == "swiglu":  # the sums before SwiGLU, exact (float64), times alpha
+        sums = group_products(a, sfa, b, sfb, bounds_list, torch.zeros(c.shape[0], b.shape[1], dtype=torch.float64,
+                                                                        device=c.device),
+                              None if alpha is None else alpha_columns(alpha, b.shape[1], activation).double())
     outputs, references, bounds, rows = [], [], [], []
     for g in range(b.shape[0]):
         lo, hi = bounds_list[g], bounds_list[g + 1]
@@ -831,6 +880,10 @@ def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None):
             bound = core.group_accumulation_bound(a[lo:hi], b[g], sfa_plain[lo:hi], sfb_plain[g], 1)
         if bound is not None and scales is not None:
             bound = bound * scales[g]  # the sum's error, scaled as the sum (alpha's own rounding: the tolerance)
+        if activation == "swiglu":
+            bounds.append(swiglu_bound(sums[lo:hi], bound, expected[lo:hi], c.dtype))
+            rows.append((g, lo))
+            continue
         if c.dtype == torch.bfloat16:
             ulp = expected[lo:hi].float().abs() * BF16_RELATIVE_ULP
             bound = ulp if bound is None else bound + ulp
@@ -839,6 +892,24 @@ def compare_with_exact(a, sfa, b, sfb, offsets, c, alpha=None):
     mismatches, elements, first = core.count_mismatches(outputs, references, bounds=bounds)
     first = [(rows[i][0], rows[i][1] + r, j) for i, r, j in first]
     return mismatches, elements, first, outputs, references
+
+
+def swiglu_bound(sums: torch.Tensor, sum_bound: torch.Tensor | None, expected: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """How far a kernel's silu(gate) x up may lie from the exact one (expected) when its gate
+    and up (sums [rows, N], exact, in the SwiGLU order) may each differ by their accumulation
+    bound (sum_bound, or none) plus one unit of c's dtype (the two roundings on either side of
+    a boundary): |silu'| <= 1.1 times gate's difference times |up|, plus |silu(gate)| times
+    up's, their product, and one unit of the result (its own rounding); [rows, N / 2]."""
+    unit = BF16_RELATIVE_ULP if dtype == torch.bfloat16 else 2.0**-10
+    gate, up = swiglu_columns(sums)
+    gate_bound, up_bound = (torch.zeros_like(gate), torch.zeros_like(up)) if sum_bound is None else swiglu_columns(
+        sum_bound.double())
+    gate_bound = gate_bound + gate.abs() * unit
+    up_bound = up_bound + up.abs() * unit
+    silu = torch.nn.functional.silu(gate)
+    return (1.1 * gate_bound * up.abs() + silu.abs() * up_bound + gate_bound * up_bound
+            + expected.double().abs() * unit).float()
 
 
 def w4a16_accumulation_bound(a, b, sfb):
@@ -852,23 +923,24 @@ def w4a16_accumulation_bound(a, b, sfb):
     return core.FP32_ADD_ERROR * (k // 16 + 1) * abs_sum
 
 
-def exact_moe_call(a, sfa, b, sfb, offsets, c, status=None, alpha=None, a_rows=None, c_rows=None) -> None:
+def exact_moe_call(a, sfa, b, sfb, offsets, c, status=None, alpha=None, a_rows=None, c_rows=None,
+                   activation=None) -> None:
     """The exact decode as the entry's kernels behave, on any device: the entry's rules
     (check_moe_inputs, the CUDA device excepted) before any work; then valid offsets: every
     group's rows written (moe_reference; through c_rows where given) and status 0; bad offsets:
     nothing written and status 1, or, without a status to flag them in, check_offsets'
     ValueError. Reads the offsets on the host: the op's CPU implementation."""
     shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows,
-                             require_cuda=False)
-    if not _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, (a_rows, c_rows)) and status is None:
+                             activation=activation, require_cuda=False)
+    if not _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, (a_rows, c_rows, activation)) and status is None:
         check_offsets(offsets, shape.tokens)  # raises, naming what breaks the rule
 
 
-def _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, maps=(None, None)) -> bool:
+def _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, maps=(None, None, None)) -> bool:
     """On validated inputs: what the kernels do (valid offsets: c's groups written, status 0;
     bad ones: nothing written, status 1); whether the offsets were valid."""
     bounds = [int(v) for v in offsets.cpu().tolist()]
-    grouped_rows = a.shape[0] if maps == (None, None) else next(r for r in maps if r is not None).shape[0]
+    grouped_rows = next((r.shape[0] for r in maps[:2] if r is not None), a.shape[0])
     valid = offsets_error(bounds, grouped_rows) is None
     if valid:
         _reference_rows(a, sfa, b, sfb, bounds, c, alpha, maps)
@@ -877,7 +949,7 @@ def _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, maps=(None, None)) 
     return valid
 
 
-def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None, maps=(None, None)) -> None:
+def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None, maps=(None, None, None)) -> None:
     """The chain's last link, on inputs the entry validated: the exact decode as the kernels
     behave (bad offsets without a status: nothing written, nothing raised, as a kernel
     launch), refused under a caller's capture (it reads the offsets on the host)."""
@@ -892,18 +964,18 @@ def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None,
 data_address = core.data_address
 
 
-def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None):
+def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None, activation=None):
     """Everything a binding's arguments and validation depend on: the ten addresses (status's,
     alpha's, a_rows' and c_rows' None where none is given), then the layout (shapes, strides
-    and dtypes; _checked_shape's key). The device follows from the addresses: one virtual
-    address space."""
+    and dtypes, the epilogue's activation; _checked_shape's key). The device follows from the
+    addresses: one virtual address space."""
     layout = (a.shape, a.stride(), a.dtype, None if sfa is None else (sfa.shape, sfa.stride(), sfa.dtype),
               b.shape, b.stride(), b.dtype,
               sfb.shape, sfb.stride(), sfb.dtype, offsets.shape, offsets.stride(), offsets.dtype, c.shape, c.stride(),
               c.dtype, None if status is None else (status.shape, status.dtype),
               None if alpha is None else (alpha.shape, alpha.stride(), alpha.dtype),
               None if a_rows is None else (a_rows.shape, a_rows.stride(), a_rows.dtype),
-              None if c_rows is None else (c_rows.shape, c_rows.stride(), c_rows.dtype))
+              None if c_rows is None else (c_rows.shape, c_rows.stride(), c_rows.dtype), activation)
     return (data_address(a), 0 if sfa is None else data_address(sfa), data_address(b), data_address(sfb),
             data_address(offsets), data_address(c),
             None if status is None else data_address(status), None if alpha is None else data_address(alpha),
@@ -914,19 +986,22 @@ def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_
 def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
                      c: torch.Tensor | None = None, *, status: torch.Tensor | None = None,
                      alpha: torch.Tensor | None = None, a_rows: torch.Tensor | None = None,
-                     c_rows: torch.Tensor | None = None) -> torch.Tensor:
+                     c_rows: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
     """C rows of group g = alpha[g] x (A rows of g x SFA) @ (B[g] x SFB[g])^T for the groups the
     GPU's `offsets` give, rounded to c's dtype (fp16 or bf16; a new c is bf16), the rows read
-    through a_rows and written through c_rows where given; returns c (module docstring:
-    layouts, alpha, row maps, validation, bad offsets)."""
+    through a_rows and written through c_rows where given, silu(gate) x up of a SwiGLU weight's
+    outputs with activation="swiglu" (c [rows, N / 2]); returns c (module docstring: layouts,
+    alpha, row maps, SwiGLU, validation, bad offsets)."""
     if (c is None and c_rows is None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.dim() == 2 and b.dim() == 3):
         rows = a.shape[0] if not isinstance(a_rows, torch.Tensor) else a_rows.shape[0]
-        c = torch.empty((rows, b.shape[1]), dtype=torch.bfloat16, device=a.device)
+        columns = b.shape[1] // 2 if activation == "swiglu" else b.shape[1]
+        c = torch.empty((rows, columns), dtype=torch.bfloat16, device=a.device)
     try:
-        key = _binding_key(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows)
+        key = _binding_key(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows, activation)
     except AttributeError:  # not tensors: the validation names the field
-        check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows)
+        check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows,
+                         activation=activation)
         raise
     entry = where = None
     if a.is_cuda:  # CUDA is initialized: the hit path (the binding, touched: least recently used go first)
@@ -934,7 +1009,7 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
         entry = RUNTIME.bindings.get((where, key))
     if entry is None or entry is _SEEN_ONCE:
         _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where, alpha=alpha,
-                     a_rows=a_rows, c_rows=c_rows)
+                     a_rows=a_rows, c_rows=c_rows, activation=activation)
     else:
         entry.launch()
     return c
@@ -948,7 +1023,8 @@ _LAYOUTS = core.RuntimeCache(max_entries=MAX_LAYOUTS)
 RUNTIME.caches.append(_LAYOUTS)
 
 
-def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None) -> MoeShape:
+def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None,
+                   activation=None) -> MoeShape:
     """check_moe_inputs, short where the layout (`key[-1]`) was validated before: then the
     addresses' alignment and the devices alone."""
     known = _LAYOUTS.get(key[-1])  # touched: a layout in use stays cached
@@ -965,7 +1041,8 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=N
                 and (a_rows is None or (a_rows.get_device() == device and not key[8] & 7))
                 and (c_rows is None or (c_rows.get_device() == device and not key[9] & 7))):
             return shape
-    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows)
+    shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows,
+                             activation=activation)
     # 16-byte addresses for the TMA-read operands and c, 4 for offsets; plain scales any byte
     _LAYOUTS.put(key[-1], (shape, (15, 0 if shape.sfa_layout == "plain" else 15, 15,
                                    0 if shape.sfb_layout == "plain" else 15, 3, 15)))
@@ -973,13 +1050,13 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=N
 
 
 def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tuple | None = None,
-                 alpha=None, a_rows=None, c_rows=None) -> None:
+                 alpha=None, a_rows=None, c_rows=None, activation=None) -> None:
     """A call whose key has no binding: validate, find (or make) the plan, then launch through
     the plan's shared cells (`bind` False: the key's first call) or build the key's binding and
     launch it (its second call). `where`: (torch's current stream handle, current device) where
     the caller read them."""
-    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows)
-    maps = (a_rows, c_rows)
+    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows, activation)
+    maps = (a_rows, c_rows, activation)  # what the exact decode and the self-check apply beyond the tensors
     device = a.device
     stream_handle, current_device = where or (launch.current_stream_handle(), core.current_device_index())
     if device.index != current_device:
@@ -1009,8 +1086,8 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         binding_key = ((stream_handle, device.index), key)
         try:
             if bind and not check:
-                binding = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status, alpha, *maps),
-                                     stream_handle)
+                binding = MoeBinding(plan_key, plan, shape, key, (a, sfa, b, sfb, offsets, c, status, alpha, a_rows,
+                                                                  c_rows), stream_handle)
                 RUNTIME.put_binding(binding_key, binding)
                 binding.launch()
                 return
@@ -1029,7 +1106,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
                 raise
             core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups, f"launch failed ({core.one_line(error)})")
             _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=False, where=where, alpha=alpha,
-                         a_rows=a_rows, c_rows=c_rows)
+                         a_rows=a_rows, c_rows=c_rows, activation=activation)
             return
         if check:
             _self_check(plan, a, sfa, b, sfb, offsets, c, status, alpha, maps)
@@ -1158,20 +1235,23 @@ class Sm100MoePlan:
 # =============================================================================
 # The exact decode: the oracle of the tests, the op's CPU implementation
 # =============================================================================
-def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None, *, a_rows=None, c_rows=None) -> torch.Tensor:
+def moe_reference(a, sfa, b, sfb, offsets, c=None, alpha=None, *, a_rows=None, c_rows=None,
+                  activation=None) -> torch.Tensor:
     """The exact result (float64 accumulation, times alpha[g] (or alpha[g, half of N]) where
     given, rounded to c's dtype in the epilogue's order: epilogue_rounding; fp16 when c is None)
     into c's rows of each group, on any device; reads the offsets on the host. Scales in either
     layout; K any multiple of 64. The entry's rules first (check_moe_inputs, the CUDA device
     excepted; c may also be float64, an oracle's exact values), then the offsets' (check_offsets):
-    a ValueError or TypeError before any work. Rows mapped (a_rows, c_rows) as the entry maps them."""
+    a ValueError or TypeError before any work. Rows mapped (a_rows, c_rows) and SwiGLU
+    (activation) as the entry applies them."""
     oracle_c = c is not None and isinstance(c, torch.Tensor) and c.dtype == torch.float64
     shape = check_moe_inputs(a, sfa, b, sfb, offsets, c.half() if oracle_c else c, None, alpha, a_rows=a_rows,
-                             c_rows=c_rows, require_cuda=False)
+                             c_rows=c_rows, activation=activation, require_cuda=False)
     bounds = check_offsets(offsets, shape.tokens)
     if c is None:
-        c = torch.zeros((shape.tokens, shape.n), dtype=torch.float16, device=a.device)
-    return _reference_rows(a, sfa, b, sfb, bounds, c, alpha, (a_rows, c_rows))
+        columns = shape.n // 2 if activation == "swiglu" else shape.n
+        c = torch.zeros((shape.tokens, columns), dtype=torch.float16, device=a.device)
+    return _reference_rows(a, sfa, b, sfb, bounds, c, alpha, (a_rows, c_rows, activation))
 
 
 def rows_inside(rows: torch.Tensor, count: int) -> torch.Tensor:
@@ -1196,24 +1276,39 @@ def scatter_rows(target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
     target[rows[picked]] = values[picked]
 
 
-def _reference_rows(a, sfa, b, sfb, bounds: list[int], c, alpha=None, maps=(None, None)) -> torch.Tensor:
+def _reference_rows(a, sfa, b, sfb, bounds: list[int], c, alpha=None, maps=(None, None, None)) -> torch.Tensor:
     """moe_reference's computation on validated inputs and valid host offsets `bounds`; rows
-    mapped by `maps` (a_rows, c_rows) as the entry maps them."""
-    a_rows, c_rows = maps
+    mapped by `maps` (a_rows, c_rows) and its activation (maps[2]) as the entry applies them."""
+    a_rows, c_rows, activation = maps
     if a_rows is not None:
         a = gather_rows(a, a_rows)
     if c_rows is not None:
         target, c = c, torch.zeros((c_rows.shape[0], c.shape[1]), dtype=c.dtype, device=c.device)
-        _reference_rows(a, sfa, b, sfb, bounds, c, alpha)
+        _reference_rows(a, sfa, b, sfb, bounds, c, alpha, (None, None, activation))
         scatter_rows(target, c_rows, c, bounds[0], bounds[-1])
         return target
+    scales = None if alpha is None else alpha_columns(alpha, b.shape[1], activation).double()
+    if activation == "swiglu":  # the gate-and-up outputs as c's dtype holds them, then SwiGLU in fp32
+        outputs = torch.zeros((c.shape[0], b.shape[1]), dtype=c.dtype, device=c.device)
+        group_products(a, sfa, b, sfb, bounds, outputs, scales)
+        gate, up = swiglu_columns(outputs[bounds[0]:bounds[-1]])
+        if c.dtype == torch.float64:  # an oracle's exact values
+            c[bounds[0]:bounds[-1]] = torch.nn.functional.silu(gate) * up
+        else:
+            c[bounds[0]:bounds[-1]] = (torch.nn.functional.silu(gate.float()) * up.float()).to(c.dtype)
+        return c
+    return group_products(a, sfa, b, sfb, bounds, c, scales)
+
+
+def group_products(a, sfa, b, sfb, bounds: list[int], c, scales: torch.Tensor | None) -> torch.Tensor:
+    """Each group's exact products times its column scales ([G, N] float64, or None), rounded as
+    the epilogue rounds (epilogue_rounding) into c's rows of the group; returns c."""
     tokens, a_columns = a.shape
     groups, n, _ = b.shape
     w4a16 = sfa is None  # bf16 activations
     k = a_columns if w4a16 else 2 * a_columns
     sfa_plain = None if w4a16 else sfa if sfa.dim() == 2 else plain_scales_of_blocked(sfa, tokens, k)
     sfb_plain = sfb if sfb.dim() == 3 else torch.stack([plain_scales_of_blocked(sfb[g], n, k) for g in range(groups)])
-    scales = None if alpha is None else alpha_columns(alpha, n).double()
     for g in range(groups):
         lo, hi = bounds[g], bounds[g + 1]
         if hi <= lo:
@@ -1242,11 +1337,17 @@ def epilogue_rounding(sums: torch.Tensor, scales: torch.Tensor | None, dtype: to
     return values.to(dtype)
 
 
-def alpha_columns(alpha: torch.Tensor, n: int) -> torch.Tensor:
+def alpha_columns(alpha: torch.Tensor, n: int, activation: str | None = None) -> torch.Tensor:
     """alpha [G] or [G, 2] as the scale of each output column, [G, N] (a [G, 2] alpha: its first
-    value on the first half of N, its second on the second)."""
+    value on the first half of N, its second on the second; with SwiGLU's interleaved rows, on
+    the gate rows and on the up rows)."""
     if alpha.dim() == 1:
         return alpha[:, None].expand(alpha.shape[0], n)
+    if activation == "swiglu":
+        from .hopper.moe import swiglu_row_order
+
+        up = torch.tensor(swiglu_row_order(n), device=alpha.device) >= n // 2
+        return torch.where(up, alpha[:, 1:2], alpha[:, 0:1])
     return alpha.repeat_interleave(n // 2, dim=1)
 
 

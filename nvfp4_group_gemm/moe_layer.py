@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import checkpoint
+from .moe import swiglu_weights
 from .op import moe_grouped_gemm_op
 from .routing import Routing, route
 
@@ -123,6 +124,7 @@ class MoeFfn:
         self.scale13, self.alpha13 = self._scale_and_alpha(self.w13)
         self.scale2, self.alpha2 = self._scale_and_alpha(self.w2)
         self.shared = shared
+        self.swiglu_w13 = None  # fuse_swiglu's interleaved copy of w13's b and sfb
         if shared is not None:
             self.shared_scale13, self.shared_alpha13 = self._scale_and_alpha(shared["w13"])
             self.shared_scale2, self.shared_alpha2 = self._scale_and_alpha(shared["w2"])
@@ -136,6 +138,18 @@ class MoeFfn:
                              "has none: use activations = 'bf16', W4A16)")
         scale = projection.input_scale.max()
         return scale, (scale * projection.weight_scale_2).float().contiguous()
+
+    def fuse_swiglu(self) -> MoeFfn:
+        """W4A16: SwiGLU in the gate-and-up GEMM's epilogue (the entry's activation="swiglu": its
+        output I wide, bf16, no [T k, 2 I] round trip and none of SwiGLU's four small ops). It keeps
+        a copy of w13's weights in the epilogue's row order (moe.swiglu_weights: w13's bytes once
+        more; w13 stays as loaded for everything else). The values are the unfused layer's up to
+        silu's fp32 exponential. Returns the layer."""
+        if self.activations != "bf16":
+            raise ValueError("MoeFfn.fuse_swiglu: activations = 'nvfp4' quantizes SwiGLU's fp32 output for the down "
+                             "GEMM; the fused epilogue rounds it to bf16 first: W4A16 only")
+        self.swiglu_w13 = swiglu_weights(self.w13.b, self.w13.sfb)
+        return self
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids int64 [T, k], topk_weights fp32 [T, k]) of x [T, H]: the router's fp32
@@ -212,8 +226,11 @@ class MoeFfn:
         """Gate-and-up GEMM, SwiGLU (fp32), down GEMM over rows grouped by `offsets`, bf16; W4A16
         only: the first GEMM's rows read through `a_rows`, the second's written through `c_rows`
         (the entry's row maps)."""
-        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows)
         intermediate = w13.b.shape[1] // 2
+        if self.swiglu_w13 is not None and w13 is self.w13:  # fuse_swiglu: SwiGLU in the GEMM's epilogue
+            hidden = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows, swiglu=self.swiglu_w13)
+            return self.gemm(hidden, w2, *scale_alpha2, offsets, c_rows=c_rows)
+        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows)
         # up promoted to fp32 inside the product (exact, as .float() is): one kernel fewer
         hidden = torch.nn.functional.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:]
         if scale_alpha2[0] is None:  # W4A16: the down GEMM reads bf16 rows
@@ -223,10 +240,12 @@ class MoeFfn:
     @staticmethod
     def gemm(rows: torch.Tensor, projection: checkpoint.MoeProjection, scale: torch.Tensor | None,
              alpha: torch.Tensor, offsets: torch.Tensor, status: torch.Tensor | None = None, *,
-             a_rows: torch.Tensor | None = None, c_rows: torch.Tensor | None = None) -> torch.Tensor:
+             a_rows: torch.Tensor | None = None, c_rows: torch.Tensor | None = None,
+             swiglu: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One grouped GEMM of the layer, bf16 output: `rows` as they are (bf16, W4A16: scale
         None), or quantized with `scale`; W4A16 only: grouped row r reads rows[a_rows[r]], and
-        its output goes to row c_rows[r] (an output of c_rows' length), where given."""
+        its output goes to row c_rows[r] (an output of c_rows' length), where given; `swiglu`:
+        the projection's (b, sfb) in the SwiGLU epilogue's order (fuse_swiglu), output N / 2 wide."""
         if scale is None:
             a, sfa = rows.to(torch.bfloat16).contiguous(), None
             if a.data_ptr() % 16:  # a view into a larger batch (a rank's tokens): the entry reads aligned rows
@@ -234,8 +253,11 @@ class MoeFfn:
         else:
             a, sfa = quantize_activations(rows, scale)
         grouped = rows.shape[0] if a_rows is None else a_rows.shape[0]
-        c = torch.empty(grouped, projection.b.shape[1], dtype=torch.bfloat16, device=rows.device)
-        moe_grouped_gemm_op(a, sfa, projection.b, projection.sfb, offsets, c, status, alpha, a_rows, c_rows)
+        b, sfb = (projection.b, projection.sfb) if swiglu is None else swiglu
+        columns = b.shape[1] if swiglu is None else b.shape[1] // 2
+        c = torch.empty(grouped, columns, dtype=torch.bfloat16, device=rows.device)
+        moe_grouped_gemm_op(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows,
+                            None if swiglu is None else "swiglu")
         return c
 
 

@@ -646,6 +646,73 @@ def test_w4a16_row_maps_with_bad_offsets_write_nothing_and_flag():
         assert torch.equal(c, sentinel), case
 
 
+# SwiGLU in the epilogue (activation="swiglu"): both epilogues (staged; split-K's per-element
+# stores), a k_tail build, both activation paths; (path, forced config or None, (T, G, N, K))
+SWIGLU = [("w4a16", "swap_ab_t32", (64, 64, 256, 768)), ("w4a16", "swap_ab_t32_split_k4", (40, 64, 256, 4096)),
+          ("w4a16", "swap_ab_split_k", (300, 4, 256, 512)), ("w4a16", "swap_ab_one_round", (512, 2, 3072, 1024)),
+          ("w4a16", "swap_ab_variable", (2000, 16, 512, 1024)),
+          ("w4a16", None, (16, 64, 1536, 1408)), ("fp4", "swap_ab_t32_split_k4", (40, 64, 256, 4096)),
+          ("fp4", "swap_ab_variable", (2000, 16, 512, 1024))]
+
+
+@pytest.mark.parametrize("path,label,family", SWIGLU,
+                         ids=[f"{path}_{label or 'chosen'}_T{f[0]}_K{f[3]}" for path, label, f in SWIGLU])
+def test_swiglu_epilogue_matches_the_exact_decode_and_replays(path, label, family, monkeypatch):
+    """activation="swiglu" over a weight in swiglu_weights' order: c [T, N / 2] within the SwiGLU
+    bound (moe.swiglu_bound) of silu(gate) x up of the exact decode's gate and up, alpha [G, 2]
+    (the gate's, the up's) then [G], rows outside the groups untouched; then one CUDA graph
+    replayed over new routings; and the values agree with the unfused GEMM's outputs put
+    through torch's SwiGLU (the same roundings, silu's exponential aside)."""
+    if SM100:
+        pytest.skip("the SwiGLU epilogue is sm_90's")
+    _forced(monkeypatch, label)
+    try:
+        tokens, groups, n, k = family
+        rng = random.Random(41)
+        inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=None if path == "w4a16" else "plain",
+                                       generator=torch.Generator().manual_seed(43))
+        b, sfb = moe.swiglu_weights(inputs["b"], inputs["sfb"])
+        c = torch.full((tokens, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+        status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
+        call = (inputs["a"], inputs["sfa"], b, sfb, inputs["offsets"], c)
+        for trial, alpha_shape in enumerate(("halves", "expert")):
+            alpha = (torch.rand((groups, 2) if alpha_shape == "halves" else (groups,),
+                                generator=torch.Generator().manual_seed(trial)) * 4 + 2.0**-6).cuda()
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            c.fill_(float("nan"))
+            gemm.moe_grouped_gemm(*call, status=status, alpha=alpha, activation="swiglu")
+            torch.cuda.synchronize()
+            assert int(status.item()) == 0
+            mismatches, _, first, _, _ = moe.compare_with_exact(*call, alpha, "swiglu")
+            assert mismatches == 0, (label, trial, first)
+            outside = torch.ones(tokens, dtype=torch.bool, device="cuda")
+            outside[offsets[0]:offsets[-1]] = False
+            assert torch.isnan(c[outside]).all()
+            unfused = gemm.moe_grouped_gemm(inputs["a"], inputs["sfa"], inputs["b"], inputs["sfb"], inputs["offsets"],
+                                            torch.full((tokens, n), float("nan"), dtype=torch.bfloat16,
+                                                       device="cuda"), alpha=alpha)
+            rows = slice(offsets[0], offsets[-1])
+            torch_swiglu = (torch.nn.functional.silu(unfused[rows, : n // 2].float())
+                            * unfused[rows, n // 2:].float()).bfloat16()
+            differ = (c[rows] != torch_swiglu).float().mean()
+            assert differ < 0.01, (label, trial, float(differ))  # silu's exponential: a rare last-bit difference
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemm.moe_grouped_gemm(*call, status=status, alpha=alpha, activation="swiglu")
+        for trial in range(3):
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            c.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            mismatches, _, first, _, _ = moe.compare_with_exact(*call, alpha, "swiglu")
+            assert mismatches == 0, (label, "replay", trial, first)
+    finally:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
+        gemm.reset_runtime()
+
+
 # -----------------------------------------------------------------------------
 # K any multiple of 64 (k_tail builds: hopper.moe.moe_k_config) and fp16's overflow boundary
 # -----------------------------------------------------------------------------

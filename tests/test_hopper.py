@@ -1012,3 +1012,32 @@ def test_row_map_builds_read_their_indices_where_they_map_rows(sm90_builds, targ
         following = next(line for line in lines[i + 1:] if "cp.async.cg" in line or "st.global" in line)
         fed.add("copy" if "cp.async.cg" in following else "store")
     assert fed == ({"copy"} if "gather" in target else {"store"}), (target, fed)
+
+
+SWIGLU_TARGETS = [name for name, _arch, _compile in hopper.moe.moe_compile_targets() if name.endswith("_swiglu")]
+
+
+@pytest.mark.parametrize("target", SWIGLU_TARGETS)
+def test_swiglu_builds_store_half_the_columns_after_an_exact_silu(sm90_builds, target):
+    """The SwiGLU epilogue (MoeEpilogue.activation): no local memory up to G = 8; silu's
+    division to nearest (div.rn.f32, no approximate one) and an exponential; the gate and up
+    values rounded to bf16 before it (cvt.rn); half the unfused build's stores: split-K's
+    per-element stores (no stmatrix), the staged epilogue's stmatrix .x2 (one matrix per 8
+    tokens of the 8 columns a warp keeps) where the unfused one has .x4."""
+    assert len(SWIGLU_TARGETS) == 4
+    report = sm90_builds[(target, 8)]
+    assert report.error is None and report.frame_bytes == 0 and report.spill_bytes_max == 0
+    path, config = target.removeprefix("sm90_moe_").removesuffix("_swiglu").split("_", 1)
+    unfused = sm90_builds[(f"sm90_moe_{path}_{config}" + ("_halves" if path == "w4a16" and config == "variable"
+                                                           else "_halves_f16" if path == "gemm" else ""), 8)]
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    unfused_ptx = Path(unfused.ptx_path).read_text(errors="replace")
+    assert "div.rn.f32" in ptx and "div.approx" not in ptx and "ex2.approx" in ptx
+    assert "cvt.rn.bf16.f32" in ptx and "div.rn.f32" not in unfused_ptx
+    if "split_k" in config:
+        stores = len(re.findall(r"st\.global\.(?:b16|u16)", ptx))
+        assert stores and 2 * stores == len(re.findall(r"st\.global\.(?:b16|u16)", unfused_ptx))
+        assert "stmatrix" not in ptx
+    else:
+        assert "stmatrix.sync.aligned.m8n8.x2.trans" in ptx and "stmatrix.sync.aligned.m8n8.x4" not in ptx
+        assert ptx.count("stmatrix.sync.aligned.m8n8.x2.trans") == unfused_ptx.count("stmatrix.sync.aligned.m8n8.x4")

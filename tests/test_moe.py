@@ -934,17 +934,98 @@ def test_the_self_check_compares_through_the_row_maps(capsys):
     moe.exact_moe_call(x, None, b, sfb, offsets, c, None, None, a_rows, c_rows)
     shape = moe.check_moe_inputs(x, None, b, sfb, offsets, c, a_rows=a_rows, c_rows=c_rows, require_cuda=False)
     plan = FakePlan(moe.moe_chain(shape, 132, False, None), 4)
-    moe._self_check(plan, x, None, b, sfb, offsets, c.clone(), None, None, (a_rows, c_rows))
+    moe._self_check(plan, x, None, b, sfb, offsets, c.clone(), None, None, (a_rows, c_rows, None))
     assert plan.checked and not core.is_demoted(plan.kernel_key)
     core.reset_runtime()
     outside = c_rows.clone()
     outside[0] = -1
     plan = FakePlan(moe.moe_chain(shape, 132, False, None), 4)
-    moe._self_check(plan, x, None, b, sfb, offsets, c.clone(), None, None, (a_rows, outside))
+    moe._self_check(plan, x, None, b, sfb, offsets, c.clone(), None, None, (a_rows, outside, None))
     assert not plan.checked
     wrong = c.clone()
     target = int(c_rows[5])
     wrong[target, 3] = wrong[target, 3] * 2 + 1
-    moe._self_check(plan, x, None, b, sfb, offsets, wrong, None, None, (a_rows, c_rows))
+    moe._self_check(plan, x, None, b, sfb, offsets, wrong, None, None, (a_rows, c_rows, None))
     assert core.is_demoted(plan.kernel_key) and torch.equal(wrong, c)
     assert "column 3" in capsys.readouterr().err
+
+
+# -----------------------------------------------------------------------------
+# SwiGLU in the epilogue (activation="swiglu")
+# -----------------------------------------------------------------------------
+def test_the_swiglu_row_order_interleaves_gate_and_up_rows_by_eight():
+    order = hopper_moe.swiglu_row_order(256)
+    assert sorted(order) == list(range(256))
+    assert order[:16] == [*range(8), *range(128, 136)] and order[16:24] == list(range(8, 16))
+    # a lane's accumulators of tile rows 16 w + g and 16 w + g + 8 are a column's gate and up
+    for p in range(0, 256, 16):
+        for g in range(8):
+            assert order[p + g + 8] == order[p + g] + 128
+    with pytest.raises(ValueError, match="multiple of 128"):
+        hopper_moe.swiglu_row_order(192)
+
+
+@pytest.mark.parametrize("sfb_layout", ["blocked", "plain"])
+@pytest.mark.parametrize("alpha_shape", [None, "expert", "halves"])
+def test_the_swiglu_reference_is_torchs_swiglu_of_the_unfused_outputs(sfb_layout, alpha_shape):
+    """The exact decode with activation="swiglu" over swiglu_weights' weight: silu(gate) x up (fp32,
+    rounded to c's dtype) of the unfused GEMM's gate and up outputs (rounded to c's dtype), bit
+    for bit; alpha [G, 2] scales the gate rows by its first value and the up rows by its second;
+    through the op on CPU tensors, and with c_rows."""
+    inputs = w4a16_inputs()
+    sfb = inputs["sfb"] if sfb_layout == "blocked" else torch.stack(
+        [moe.plain_scales_of_blocked(inputs["sfb"][g], 256, 512) for g in range(4)])
+    alpha = {None: None, "expert": torch.tensor([0.5, 2.0, 1.0, 3.0]),
+             "halves": torch.tensor([[0.5, 2.0], [1.0, 0.25], [4.0, 1.0], [1.0, 1.0]])}[alpha_shape]
+    names = ("a", "sfa", "b")
+    unfused = moe.moe_reference(**{n: inputs[n] for n in names}, sfb=sfb, offsets=inputs["offsets"],
+                                c=torch.zeros(300, 256, dtype=torch.bfloat16), alpha=alpha)
+    expected = (torch.nn.functional.silu(unfused[:, :128].float()) * unfused[:, 128:].float()).bfloat16()
+    b, swiglu_sfb = moe.swiglu_weights(inputs["b"], sfb)
+    assert swiglu_sfb.shape == sfb.shape
+    c = torch.full((300, 128), float("nan"), dtype=torch.bfloat16)
+    status = torch.full((1,), 7, dtype=torch.int32)
+    gemm.moe_grouped_gemm_op(inputs["a"], None, b, swiglu_sfb, inputs["offsets"], c, status, alpha, None, None,
+                             "swiglu")
+    assert int(status) == 0 and torch.equal(c, expected)
+    c_rows = torch.randperm(300, generator=torch.Generator().manual_seed(2))
+    scattered = torch.full((300, 128), float("nan"), dtype=torch.bfloat16)
+    gemm.moe_grouped_gemm_op(inputs["a"], None, b, swiglu_sfb, inputs["offsets"], scattered, status, alpha, None,
+                             c_rows, "swiglu")
+    assert torch.equal(scattered[c_rows], expected)
+
+
+def test_swiglu_makes_its_own_kernel_and_its_bound_catches_a_wrong_value(monkeypatch, capsys):
+    """activation="swiglu" is part of the shape and the epilogue (another kernel, demoted and
+    self-checked on its own); c must be [T, N / 2]; an unknown activation is refused; the
+    self-check passes the exact result and demotes a kernel whose output is 5 % off."""
+    monkeypatch.setattr(moe, "_check_device", lambda *args: None)
+    inputs = w4a16_inputs()
+    b, sfb = moe.swiglu_weights(inputs["b"], inputs["sfb"])
+    c = torch.zeros(300, 128, dtype=torch.bfloat16)
+    tensors = (inputs["a"], None, b, sfb, inputs["offsets"])
+    shape = moe.check_moe_inputs(*tensors, c, alpha=torch.ones(4, 2), activation="swiglu")
+    assert shape.activation == "swiglu" and shape.epilogue() == hopper_moe.MoeEpilogue("halves", "bfloat16", "swiglu")
+    plain = moe.check_moe_inputs(*tensors, torch.zeros(300, 256, dtype=torch.bfloat16), alpha=torch.ones(4, 2))
+    links = [moe.moe_chain(s, 132, False, None)[0] for s in (shape, plain)]
+    assert links[0].kernel_key(4) != links[1].kernel_key(4) and "(W4A16), SwiGLU" in links[0].label
+    with pytest.raises(ValueError, match=r"c\.shape = \(300, 256\): must be \(300, 128\) \(fp16 or bf16 \[T, N / 2"):
+        moe.check_moe_inputs(*tensors, torch.zeros(300, 256, dtype=torch.bfloat16), activation="swiglu")
+    with pytest.raises(ValueError, match=r"activation = 'gelu': must be one of \(None, 'swiglu'\)"):
+        moe.check_moe_inputs(*tensors, c, activation="gelu")
+    before = c.clone()
+    with pytest.raises(ValueError, match="activation = 'gelu'"):
+        gemm.moe_grouped_gemm(*tensors, c, activation="gelu")
+    assert torch.equal(c, before)
+    monkeypatch.undo()
+    exact = moe.moe_reference(*tensors, c=torch.zeros(300, 128, dtype=torch.bfloat16), activation="swiglu")
+    plan = FakePlan(moe.moe_chain(shape, 132, False, None), 4)
+    moe._self_check(plan, *tensors, exact.clone(), None, None, (None, None, "swiglu"))
+    assert plan.checked and not core.is_demoted(plan.kernel_key)
+    core.reset_runtime()
+    wrong = exact.clone()
+    wrong[150, 7] = wrong[150, 7] * 1.05
+    plan = FakePlan(moe.moe_chain(shape, 132, False, None), 4)
+    moe._self_check(plan, *tensors, wrong, None, None, (None, None, "swiglu"))
+    assert core.is_demoted(plan.kernel_key) and torch.equal(wrong, exact)
+    assert "expert 2 row 150 column 7" in capsys.readouterr().err

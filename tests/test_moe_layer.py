@@ -269,3 +269,24 @@ def test_the_w4a4_experts_output_quantizes_in_25_ops_a_gemm():
     assert len(gemms) == 2 and len(ops) - len(gemms) == 60, ops
     quantize = _kernel_ops(lambda: moe_layer.quantize_activations(x, layer.scale13))
     assert len(quantize) == 25 and sum("bucketize" in op for op in quantize) == 2, quantize
+
+
+def test_the_fused_swiglu_layer_is_the_unfused_layer_bit_for_bit_on_a_cpu():
+    """MoeFfn.fuse_swiglu: the gate-and-up GEMM with SwiGLU in its epilogue (activation="swiglu"
+    over w13 in the epilogue's row order) gives, through the exact decode, the unfused layer's
+    bits (the same roundings: gate and up to bf16, silu(gate) x up in fp32, bf16), with one
+    and with two w13 scales; its routed experts are the two GEMMs and 6 small ops; the W4A4
+    layer refuses it."""
+    for split in (False, True):
+        _, layer, _ = make_layer(split, activations="bf16")
+        x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        unfused = layer(x)
+        assert layer.fuse_swiglu() is layer and layer.swiglu_w13 is not None
+        assert torch.equal(layer(x), unfused), split
+    topk_ids, topk_weights = layer.route(x)
+    ops = _kernel_ops(lambda: layer.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32))
+    gemms = [op for op in ops if op.startswith("nvfp4_group_gemm.")]
+    assert len(gemms) == 2 and len(ops) - len(gemms) == 6, ops
+    _, w4a4, _ = make_layer(activations="nvfp4")
+    with pytest.raises(ValueError, match="W4A16 only"):
+        w4a4.fuse_swiglu()

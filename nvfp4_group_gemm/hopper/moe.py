@@ -174,6 +174,22 @@ def group_token_tiles(m, tile_tokens: int, variable: bool):
 # What the MoE GEMM's epilogue applies to the fp32 sums before rounding, and the output's dtype
 ALPHA_MODES = (None, "expert", "halves")
 OUT_DTYPES = ("float16", "bfloat16")
+# MoeEpilogue.activation: none, or SwiGLU over interleaved gate-and-up rows (swiglu_row_order)
+ACTIVATIONS = (None, "swiglu")
+# the rows of a SwiGLU weight interleaved in blocks of 2 x this: a lane's accumulators of weight
+# rows g and g + 8 of each 16 (wgmma's fragment) are a column's gate and up
+SWIGLU_INTERLEAVE = 8
+
+
+def swiglu_row_order(n: int) -> list[int]:
+    """The row order of a fused gate-and-up weight [N = 2 I, ...] (gate rows 0 .. I - 1, then up
+    rows) for the SwiGLU epilogue: row p of the interleaved weight is row order[p] of the fused
+    one, 8 gate rows then their 8 up rows (p = 16 b + s: gate row 8 b + s for s < 8, else up
+    row I + 8 b + s - 8). N a multiple of 128 (the weight tile: 64 intermediate columns)."""
+    if n % 128:
+        raise ValueError(f"N = {n}: a SwiGLU weight's N must be a multiple of 128 (the weight tile)")
+    half, block = n // 2, SWIGLU_INTERLEAVE
+    return [(p // (2 * block)) * block + p % block + (half if p % (2 * block) >= block else 0) for p in range(n)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,15 +198,19 @@ class MoeEpilogue:
     "expert" (one fp32 scale per expert, alpha [G]: the checkpoint's input_scale x
     weight_scale_2) or "halves" (alpha [G, 2], one per half of N: a fused gate-and-up weight
     whose two halves carry their own weight_scale_2), multiplied into the fp32 sums before
-    they are rounded; `out_dtype` "float16" or "bfloat16" (c's dtype)."""
+    they are rounded; `out_dtype` "float16" or "bfloat16" (c's dtype); `activation` None, or
+    "swiglu": the weight rows interleaved by 8 (swiglu_row_order: gate rows, then their up
+    rows), each gate and up output rounded to out_dtype as the GEMM's would be, then silu(gate)
+    x up in fp32, rounded again: c [rows, N / 2] (with alpha "halves": the gate's scale, the up's)."""
 
     alpha: str | None = None
     out_dtype: str = "float16"
+    activation: str | None = None
 
     def __post_init__(self):
-        if self.alpha not in ALPHA_MODES or self.out_dtype not in OUT_DTYPES:
-            raise ValueError(f"MoeEpilogue({self.alpha!r}, {self.out_dtype!r}): alpha one of {ALPHA_MODES}, "
-                             f"out_dtype one of {OUT_DTYPES}")
+        if self.alpha not in ALPHA_MODES or self.out_dtype not in OUT_DTYPES or self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoeEpilogue({self.alpha!r}, {self.out_dtype!r}, {self.activation!r}): alpha one of "
+                             f"{ALPHA_MODES}, out_dtype one of {OUT_DTYPES}, activation one of {ACTIVATIONS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +337,7 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         self.epilogue = epilogue
         self.out_dtype = epilogue.out_dtype
         self.rows = MoeRows()  # a's and c's rows in group order (Sm90MoeW4A16RowsGemm maps them)
+        self.swiglu = epilogue.activation == "swiglu"
 
     @cute.jit
     def __call__(
@@ -420,7 +441,7 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
                 m, n, k,
                 b.toint() + cutlass.Int64(group) * (cutlass.Int64(n) * (k // 2)),
                 sfb.toint() + cutlass.Int64(group) * (cutlass.Int64(n) * (k // SF_VEC_SIZE)),
-                c.toint() + cutlass.Int64(row0) * n * 2,
+                c.toint() + cutlass.Int64(row0) * (n // 2 if cutlass.const_expr(self.swiglu) else n) * 2,
                 self.group_tokens_address(acts, row0, pad0, slab_bytes),
                 slab_bytes,
                 None if cutlass.const_expr(alpha is None) else alpha.toint() + cutlass.Int64(group) * (
@@ -456,12 +477,20 @@ class Sm90MoeSwapAbGemm(Sm90SwapAbGemm):
         alpha[g], or alpha[g, 0] for the first half of N and alpha[g, 1] for the second (a
         power-of-two product: exact, so the sums are rounded once, sum x alpha, as a plain
         fp32 multiply of the exact accumulator would)."""
+        rescale = cutlass.Float32(self.decode_rescale)
+        if cutlass.const_expr(self.swiglu):  # (the gate's, the up's): alpha[g] both, or alpha[g, 0], alpha[g, 1]
+            if cutlass.const_expr(operands.alpha_addr is None):
+                return rescale, rescale
+            gate = load_f32_global(operands.alpha_addr) * rescale
+            if cutlass.const_expr(self.epilogue.alpha == "halves"):
+                return gate, load_f32_global(operands.alpha_addr + cutlass.Int64(4)) * rescale
+            return gate, gate
         if cutlass.const_expr(operands.alpha_addr is None):
-            return cutlass.Float32(self.decode_rescale)
+            return rescale
         address = operands.alpha_addr
         if cutlass.const_expr(self.epilogue.alpha == "halves"):
             address = address + cutlass.Int64(4) * (n0 >= n // 2)
-        return load_f32_global(address) * cutlass.Float32(self.decode_rescale)
+        return load_f32_global(address) * rescale
 
 
 class Sm90MoeScaledGemm(Sm90MoeSwapAbGemm):
@@ -792,6 +821,13 @@ def moe_compile_targets():
                            epilogue=MoeEpilogue("expert", "bfloat16")))
         for path, compile_fn in (("gemm", compile_moe_gemm), ("w4a16", compile_moe_w4a16_gemm))
         for name, config in gemms.items()] + [
+        # SwiGLU in the epilogue (MoeFfn's gate-and-up GEMM, its rows gathered; the fp4 path's too)
+        (f"sm90_moe_{path}_{name}_swiglu", "sm_90a",
+         functools.partial(compile_fn, config=gemms[name], epilogue=MoeEpilogue("halves", "bfloat16", "swiglu"),
+                           **rows))
+        for path, compile_fn, rows in (("w4a16", compile_moe_w4a16_gemm, {"rows": MoeRows(gather=True)}),
+                                       ("gemm", compile_moe_gemm, {}))
+        for name in ("t32_split_k4", "variable")] + [
         # rows mapped (MoeFfn's W4A16 layer): the gate-and-up GEMM gathers token rows, the down
         # GEMM scatters to pair order; on the decode (split-K: store_tile's scatter) and the
         # variable configs

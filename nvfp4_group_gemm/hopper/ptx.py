@@ -5,6 +5,7 @@ applies to both operands."""
 from __future__ import annotations
 
 import cutlass
+from cutlass import cute
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import dsl_user_op
@@ -524,6 +525,33 @@ def stmatrix_x4_trans(smem: cutlass.Int32, registers, *, loc=None, ip=None):
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def stmatrix_x2_trans(smem: cutlass.Int32, registers, *, loc=None, ip=None):
+    """stmatrix .x2 .trans (warp-wide): stmatrix_x4_trans with two matrices; lanes 0 .. 15 give
+    the addresses (lane 8 i + r: matrix i's column r)."""
+    _inline_asm(
+        None,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip)] + [cutlass.Int32(r).ir_value(loc=loc, ip=ip) for r in registers],
+        "stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [$0], {$1, $2};",
+        "r,r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+def round_16(value, out_dtype: str):
+    """An fp32 value rounded to the output's 16-bit dtype (round to nearest even) and back: what
+    a 16-bit tensor holds of it."""
+    narrow = cutlass.BFloat16 if out_dtype == "bfloat16" else cutlass.Float16
+    return cutlass.Float32(narrow(value))
+
+
+def swiglu(gate, up):
+    """silu(gate) x up in fp32, as torch computes it on fp32 tensors: gate / (1 + exp(-gate)),
+    then times up (the exponential and the division to nearest: no fast-math)."""
+    return gate / (cutlass.Float32(1.0) + cute.math.exp(-gate)) * up
 
 
 @dsl_user_op

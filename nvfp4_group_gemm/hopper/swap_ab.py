@@ -63,8 +63,11 @@ from .ptx import (
     mbarrier_init_shared,
     mbarrier_wait_parity,
     pack_16x2,
+    round_16,
+    stmatrix_x2_trans,
     stmatrix_x4_trans,
     store_16,
+    swiglu,
 )
 from .schedules import TOKEN_CLASS_STEP
 
@@ -228,6 +231,8 @@ class Sm90SwapAbGemm:
     # token stage that completes with every earlier copy of the thread (cp.async arrivals) then
     # waits for no weights issued after it
     tokens_before_weights = False
+    # SwiGLU in the epilogue (the MoE entry's gate-and-up GEMM: Sm90MoeSwapAbGemm's epilogue)
+    swiglu = False
 
     def __init__(self, config: SwapAbConfig, num_groups: int):
         config.check()
@@ -607,7 +612,13 @@ class Sm90SwapAbGemm:
 
         `scatter` None: token row r of the tile goes to c_addr's row token0 + r. Else (the MoE
         entry's c_rows: its group's first index, c's base address, c's row count): to c's row
-        c_rows[token0 + r], none where that index is outside 0 .. rows - 1."""
+        c_rows[token0 + r], none where that index is outside 0 .. rows - 1.
+
+        SwiGLU (self.swiglu: store_swiglu_staged): half the columns, silu(gate) x up."""
+        if cutlass.const_expr(self.swiglu):
+            self.store_swiglu_staged(tile_t, tidx, accumulators, stage_base, c_addr, m, n, token0, n0, acc_scale,
+                                     scatter)
+            return
         pitch = self.tile_w * 2 + 16
         lane = tidx % 32
         warp = tidx // 32
@@ -642,6 +653,55 @@ class Sm90SwapAbGemm:
                                                   c_base + (row * n + n0 + part * 8) * 2)
 
     @cute.jit
+    def store_swiglu_staged(self, tile_t: cutlass.Constexpr, tidx, accumulators, stage_base, c_addr, m, n, token0,
+                            n0, acc_scale, scatter=None):
+        """store_tile_staged's SwiGLU form: the weight rows of a tile interleaved by 8 (rows 16 w ..
+        16 w + 7 the gate rows of intermediate columns n0 / 2 + 8 w .., rows 16 w + 8 .. their up
+        rows: swiglu_row_order), so lane (g, t) holds a column's gate (accumulator 4 j + c, r = 0)
+        and up (4 j + 2 + c, r = 1) for the same token. Each is scaled (acc_scale: the gate's and
+        the up's) and rounded to the output's dtype, as a gate-and-up output would be; then
+        silu(gate) x up in fp32 (hopper.ptx.swiglu), rounded again: the tile's n0 / 2 ..
+        n0 / 2 + tile_w / 2 - 1 columns of c [rows, N / 2], staged and copied out as there."""
+        gate_scale, up_scale = acc_scale
+        columns = self.tile_w // 2
+        pitch = columns * 2 + 16
+        lane = tidx % 32
+        warp = tidx // 32
+        # lane 8 q + col (q = 0, 1) gives the address of column col of matrix q = (j = 2 jj + q, r = 0)
+        lane_offset = (((lane // 8) % 2) * 8 + lane % 8) * pitch + warp * 8 * 2
+        cute.arch.sync_threads()  # every warpgroup's wgmma is done reading the token stages
+        for jj in cutlass.range_constexpr(tile_t // 16):
+            registers = []
+            for q in cutlass.range_constexpr(2):
+                i = 4 * (2 * jj + q)
+                values = [swiglu(round_16(accumulators[i + c] * gate_scale, self.out_dtype),
+                                 round_16(accumulators[i + 2 + c] * up_scale, self.out_dtype)) for c in range(2)]
+                registers.append(pack_16x2(values[0], values[1], self.out_dtype))
+            stmatrix_x2_trans(stage_base + jj * 16 * pitch + lane_offset, registers)
+        cute.arch.sync_threads()
+        n_out = n // 2
+        column0 = n0 // 2
+        chunks_per_token = columns * 2 // 16
+        chunks = tile_t * chunks_per_token
+        for i in cutlass.range_constexpr((chunks + self.num_threads - 1) // self.num_threads):
+            chunk = tidx + i * self.num_threads
+            token = chunk // chunks_per_token
+            part = chunk % chunks_per_token
+            if cutlass.const_expr(chunks % self.num_threads == 0) or chunk < chunks:  # noqa: SIM102
+                if token0 + token < m:
+                    if cutlass.const_expr(scatter is None):
+                        copy_16B_shared_to_global(
+                            stage_base + token * pitch + part * 16,
+                            c_addr + (cutlass.Int64(token0 + token) * n_out + column0 + part * 8) * 2,
+                        )
+                    else:
+                        c_rows_addr, c_base, c_row_count = scatter
+                        row = load_i64_global(c_rows_addr + cutlass.Int64(token0 + token) * 8)
+                        if cutlass.Uint64(row) < cutlass.Uint64(c_row_count):
+                            copy_16B_shared_to_global(stage_base + token * pitch + part * 16,
+                                                      c_base + (row * n_out + column0 + part * 8) * 2)
+
+    @cute.jit
     def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0,
                    acc_scale, scatter=None):
         """Split-K's epilogue (its summing rank's token stages hold the partial sums): the fp32
@@ -649,6 +709,9 @@ class Sm90SwapAbGemm:
         2-byte store each, predicated on M (N is a multiple of the weight tile). Without
         split-K, slower than store_tile_staged (EXPERIMENTS E15)."""
         tCcC = tiled_mma.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_w, tile_t)))
+        if cutlass.const_expr(self.swiglu):
+            self.store_swiglu(tCcC, accumulators, c_addr, m, n, token0, n0, acc_scale, scatter)
+            return
         # Predicated stores instead of the branch: within the spread (EXPERIMENTS E11).
         for i in cutlass.range_constexpr(cute.size(accumulators)):
             coord = tCcC[i]
@@ -662,6 +725,29 @@ class Sm90SwapAbGemm:
                     row = load_i64_global(c_rows_addr + cutlass.Int64(token) * 8)
                     if cutlass.Uint64(row) < cutlass.Uint64(c_row_count):
                         store_16(c_base + (row * n + n0 + coord[0]) * 2, accumulators[i] * acc_scale, self.out_dtype)
+
+    @cute.jit
+    def store_swiglu(self, tCcC, accumulators, c_addr, m, n, token0, n0, acc_scale, scatter=None):
+        """store_tile's SwiGLU form (store_swiglu_staged's values): each gate accumulator (r = 0,
+        weight row 16 w + g of the tile) with its up (r = 1, two further) -> column n0 / 2 + 8 w
+        + g of c [rows, N / 2]."""
+        gate_scale, up_scale = acc_scale
+        n_out = n // 2
+        for i in cutlass.range_constexpr(cute.size(accumulators)):
+            if cutlass.const_expr(i % 4 < 2):  # r = 0: a gate row; its up row is accumulator i + 2
+                coord = tCcC[i]
+                token = token0 + coord[1]
+                column = n0 // 2 + coord[0] // 16 * 8 + coord[0] % 8
+                if token < m:
+                    value = swiglu(round_16(accumulators[i] * gate_scale, self.out_dtype),
+                                   round_16(accumulators[i + 2] * up_scale, self.out_dtype))
+                    if cutlass.const_expr(scatter is None):
+                        store_16(c_addr + (cutlass.Int64(token) * n_out + column) * 2, value, self.out_dtype)
+                    else:
+                        c_rows_addr, c_base, c_row_count = scatter
+                        row = load_i64_global(c_rows_addr + cutlass.Int64(token) * 8)
+                        if cutlass.Uint64(row) < cutlass.Uint64(c_row_count):
+                            store_16(c_base + (row * n_out + column) * 2, value, self.out_dtype)
 
 
 # =============================================================================
