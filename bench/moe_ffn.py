@@ -29,6 +29,7 @@ through /proc/self/clear_refs; Linux).
 
 Columns, per layer and token count (one row):
     W4A16, W4A4   MoeFfn, bf16 activations / NVFP4 activations (activations="nvfp4")
+    W4A16s        MoeFfn W4A16 with SwiGLU in the gate-and-up GEMM's epilogue (fuse_swiglu)
     bf16          the same bf16 weights (regenerated from the seeds), router, routing,
                   permutation, SwiGLU, un-permute and shared expert as MoeFfn's torch ops; only its
                   two grouped GEMMs differ (`torch._grouped_mm` over the sorted rows; the shared
@@ -127,7 +128,7 @@ LAYERS = {name: GEMM_LAYERS[name] for name in ("qwen3", "dsv3_ep8", "mixtral")}
 ARCHITECTURES = {"qwen3": "qwen3_moe", "dsv3_ep8": "deepseek_v3", "mixtral": "mixtral"}
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 PROFILE_TOKENS = (1, 16)
-IMPLEMENTATIONS = ("W4A16", "W4A4", "bf16", "triton")
+IMPLEMENTATIONS = ("W4A16", "W4A16s", "W4A4", "bf16", "triton")
 EXPERTS_PER_SHARD = 32
 # a calibration of N(0, 1) activations: amax about 5
 INPUT_SCALE = 5.0 / (6 * 448)
@@ -594,12 +595,14 @@ def build_layer(layer: Layer, directory: Path, tk) -> tuple[dict, dict]:
 
     weights, load_s, peak = load_layer(directory, layer, "cuda")
     implementations = {"W4A16": moe_layer.MoeFfn.from_weights(weights, "bf16"),
+                       "W4A16s": moe_layer.MoeFfn.from_weights(weights, "bf16").fuse_swiglu(),
                        "W4A4": moe_layer.MoeFfn.from_weights(weights, "nvfp4")}
     bf16 = bf16_weights(layer, implementations["W4A16"], "cuda")
     implementations["bf16"] = Bf16Ffn(implementations["W4A16"], bf16)
     memory = {"W4A16": layer_weight_bytes(implementations["W4A16"]),
               "bf16": weight_bytes([bf16["w13"], bf16["w2"], *(bf16["shared"] or ())])}
     memory["W4A4"] = memory["W4A16"]
+    memory["W4A16s"] = memory["W4A16"] + weight_bytes(list(implementations["W4A16s"].swiglu_w13))
     load = {"layer": layer.name, "load_s": load_s, "host_peak_bytes": peak, "weight_bytes": memory}
     if tk is not None:
         try:
@@ -651,9 +654,11 @@ def print_load(load: dict) -> None:
 
 
 def print_header() -> None:
-    print("per row: experts read (mean), floor µs | eager, graph µs of W4A16, W4A4, bf16, triton_kernels | "
-          "W4A16 and W4A4 over the floor | over triton | relative error vs bf16 of W4A16, W4A4, triton", flush=True)
-    print(f"{'layer':<9}{'tokens':>6}{'exp':>6}{'floor':>8} |{'W4A16':>8}{'graph':>9} |{'W4A4':>8}{'graph':>9} |"
+    print("per row: experts read (mean), floor µs | eager, graph µs of W4A16, W4A16 with SwiGLU fused, W4A4, bf16, "
+          "triton_kernels | W4A16 and W4A4 over the floor | over triton | relative error vs bf16 of W4A16, W4A4, "
+          "triton", flush=True)
+    print(f"{'layer':<9}{'tokens':>6}{'exp':>6}{'floor':>8} |{'W4A16':>8}{'graph':>9} |{'W4A16s':>8}{'graph':>9} |"
+          f"{'W4A4':>8}{'graph':>9} |"
           f"{'bf16':>8}{'graph':>9} |{'triton':>8}{'graph':>9} |{'/floor 16':>10}{'4':>6} |{'/triton 16':>11}"
           f"{'4':>6} |{'err 16':>7}{'4':>7}{'tk':>7}", flush=True)
 
