@@ -28,6 +28,7 @@ from .moe import (
     moe_grouped_gemm,
     moe_reference,
     prepare_weight_scales,
+    swiglu_weights,
 )
 from .op import grouped_gemm, grouped_gemm_op, moe_grouped_gemm_op
 from .runtime import (
@@ -55,5 +56,6 @@ __all__ = [
     "reset_runtime",
     "run_with_backend",
     "select_backend",
+    "swiglu_weights",
     "warmup",
 ]
