@@ -82,9 +82,12 @@ def route(logits: torch.Tensor, routing: Routing, e_score_correction_bias: torch
     docstring). Torch ops only."""
     logits = logits.float()
     if routing.scoring == "softmax":
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1), routing.top_k, dim=-1)
         if routing.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            # the k largest probabilities over their sum is the softmax of the k largest logits
+            # (the normalizer cancels): two kernels where softmax, top-k, sum and division are four
+            top_logits, ids = torch.topk(logits, routing.top_k, dim=-1)
+            return ids, torch.softmax(top_logits, dim=-1)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), routing.top_k, dim=-1)
         return ids, weights
     scores = torch.sigmoid(logits)
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()

@@ -55,3 +55,19 @@ def test_the_routing_of_a_config_and_its_refusals():
         Routing("sigmoid", 2, True, n_group=4, topk_group=5)
     with pytest.raises(ValueError, match=r"10 experts do not split into n_group = 4 groups"):
         route(torch.zeros(1, 10), Routing("sigmoid", 2, True, n_group=4, topk_group=2))
+
+
+def test_renormalized_softmax_routing_is_the_softmax_of_the_top_logits_in_two_ops():
+    """Renormalized softmax top-k (Qwen3-MoE with norm_topk_prob, Mixtral): the softmax of the k
+    largest logits, the same experts and, within fp32 rounding, the same weights as the k
+    largest probabilities over their sum (transformers' form); two kernels, top-k and softmax."""
+    from test_moe_layer import _kernel_ops
+
+    routing = Routing("softmax", 8, renormalize=True)
+    logits = torch.randn(64, 128, generator=torch.Generator().manual_seed(4)) * 3
+    ids, weights = route(logits, routing)
+    probabilities = torch.softmax(logits, dim=-1)
+    want_weights, want_ids = torch.topk(probabilities, 8, dim=-1)
+    assert torch.equal(ids, want_ids)
+    assert torch.allclose(weights, want_weights / want_weights.sum(-1, keepdim=True), rtol=1e-6, atol=0)
+    assert _kernel_ops(lambda: route(logits, routing)) == ["aten.topk.default", "aten._softmax.default"]
