@@ -322,6 +322,11 @@ def test_compile_targets_list_what_the_backend_runs():
         **{f"sm90_moe_{path}_{name}_k_tail": "sm_90a" for path in ("gemm", "w4a16")
            for name in ("split_k", "one_round", "one_round_k128", "variable", "t32", "t32_k128", "t64", "t32_split_k2",
                         "t32_split_k4")},
+        # SwiGLU in the epilogue (both paths) and the row maps (W4A16), on the decode and variable configs
+        **{f"sm90_moe_{path}_{name}_swiglu": "sm_90a" for path in ("gemm", "w4a16")
+           for name in ("t32_split_k4", "variable")},
+        **{f"sm90_moe_w4a16_{name}_{maps}": "sm_90a" for name in ("t32_split_k4", "variable")
+           for maps in ("gather_halves", "scatter")},
     }
     # every config the automatic choice can return is registered
     for groups, n, k in ((8, 4096, 7168), (2, 3072, 4096), (1, 128, 256)):

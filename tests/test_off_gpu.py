@@ -53,6 +53,7 @@ CASES = {
     "prepare_weight_scales": (lambda: gemm.prepare_weight_scales(torch.ones(4, 256, 16).to(torch.float8_e4m3fn)),
                               "works"),
     "check_status": (lambda: gemm.check_status(torch.zeros(1, dtype=torch.int32)), "works"),
+    "swiglu_weights": (lambda: gemm.swiglu_weights(moe_inputs()["b"], moe_inputs()["sfb"]), "works"),
     "reset_runtime": (gemm.reset_runtime, "works"),
 }
 
