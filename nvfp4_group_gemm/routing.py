@@ -6,7 +6,7 @@ read: a CUDA graph captured with it replays for any input).
 
 `logits` are the router's fp32 scores [T, E] (hidden states @ router_weight^T). What comes back
 is vLLM's `fused_experts` convention: each token's k experts [T, k] (int64) and their weights
-[T, k] (fp32).
+[T, k] (fp32), the k in no particular order.
 
     softmax   Qwen3-MoE, Mixtral: softmax over the E logits, the k largest probabilities;
               divided by their sum where `renormalize` (Qwen3-MoE's `norm_topk_prob`; Mixtral
@@ -82,12 +82,14 @@ def route(logits: torch.Tensor, routing: Routing, e_score_correction_bias: torch
     docstring). Torch ops only."""
     logits = logits.float()
     if routing.scoring == "softmax":
+        # the k experts in no particular order (sorted=False): the layer sorts the pairs by
+        # expert anyway, and sorting them by score was one more kernel (3.8 µs at one token)
         if routing.renormalize:
             # the k largest probabilities over their sum is the softmax of the k largest logits
             # (the normalizer cancels): two kernels where softmax, top-k, sum and division are four
-            top_logits, ids = torch.topk(logits, routing.top_k, dim=-1)
+            top_logits, ids = torch.topk(logits, routing.top_k, dim=-1, sorted=False)
             return ids, torch.softmax(top_logits, dim=-1)
-        weights, ids = torch.topk(torch.softmax(logits, dim=-1), routing.top_k, dim=-1)
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), routing.top_k, dim=-1, sorted=False)
         return ids, weights
     scores = torch.sigmoid(logits)
     choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()

@@ -7,12 +7,18 @@ import torch
 from nvfp4_group_gemm.routing import Routing, route
 
 
+def by_expert(ids, weights):
+    """Each token's k (expert, weight) pairs in expert order (route gives them in no order)."""
+    order = ids.argsort(dim=-1)
+    return ids.gather(1, order), weights.gather(1, order)
+
+
 def test_softmax_routing_renormalizes_only_where_asked():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
-    ids, weights = route(logits, Routing("softmax", 2, renormalize=False))
+    ids, weights = by_expert(*route(logits, Routing("softmax", 2, renormalize=False)))
     probabilities = torch.softmax(logits, -1)[0]
     assert ids.tolist() == [[1, 2]] and torch.allclose(weights[0], probabilities[[1, 2]])
-    ids, weights = route(logits, Routing("softmax", 2, renormalize=True))
+    ids, weights = by_expert(*route(logits, Routing("softmax", 2, renormalize=True)))
     # Mixtral's order (top-k of the logits, softmax over the k) gives the same weights
     assert ids.tolist() == [[1, 2]] and torch.allclose(weights[0], torch.softmax(logits[0, [1, 2]], -1))
 
@@ -57,7 +63,7 @@ def test_the_routing_of_a_config_and_its_refusals():
         route(torch.zeros(1, 10), Routing("sigmoid", 2, True, n_group=4, topk_group=2))
 
 
-def test_renormalized_softmax_routing_is_the_softmax_of_the_top_logits_in_two_ops():
+def test_renormalized_softmax_routing_is_the_softmax_of_the_top_logits_in_two_ops(monkeypatch):
     """Renormalized softmax top-k (Qwen3-MoE with norm_topk_prob, Mixtral): the softmax of the k
     largest logits, the same experts and, within fp32 rounding, the same weights as the k
     largest probabilities over their sum (transformers' form); two kernels, top-k and softmax."""
@@ -65,9 +71,21 @@ def test_renormalized_softmax_routing_is_the_softmax_of_the_top_logits_in_two_op
 
     routing = Routing("softmax", 8, renormalize=True)
     logits = torch.randn(64, 128, generator=torch.Generator().manual_seed(4)) * 3
-    ids, weights = route(logits, routing)
+    ids, weights = by_expert(*route(logits, routing))
     probabilities = torch.softmax(logits, dim=-1)
-    want_weights, want_ids = torch.topk(probabilities, 8, dim=-1)
+    want_ids, want_weights = by_expert(*torch.topk(probabilities, 8, dim=-1)[::-1])
     assert torch.equal(ids, want_ids)
     assert torch.allclose(weights, want_weights / want_weights.sum(-1, keepdim=True), rtol=1e-6, atol=0)
     assert _kernel_ops(lambda: route(logits, routing)) == ["aten.topk.default", "aten._softmax.default"]
+    # sorted=False: the k come in no order of score (torch's sort of the k results is one kernel more)
+    sorts = []
+    original = torch.topk
+
+    def recording(*args, **kwargs):
+        sorts.append(kwargs.get("sorted", True))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "topk", recording)
+    route(logits, routing)
+    route(logits, Routing("softmax", 8, renormalize=False))
+    assert sorts == [False, False]
