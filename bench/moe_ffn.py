@@ -28,8 +28,9 @@ the peak resident host memory above the resident set before it (VmHWM of /proc/s
 through /proc/self/clear_refs; Linux).
 
 Columns, per layer and token count (one row):
-    W4A16, W4A4   MoeFfn, bf16 activations / NVFP4 activations (activations="nvfp4")
-    W4A16s        MoeFfn W4A16 with SwiGLU in the gate-and-up GEMM's epilogue (fuse_swiglu)
+    W4A16, W4A4   MoeFfn, bf16 activations with SwiGLU unfused (swiglu_epilogue=False) / NVFP4
+                  activations (activations="nvfp4")
+    W4A16s        MoeFfn W4A16 as it runs by default: SwiGLU in the gate-and-up GEMM's epilogue
     bf16          the same bf16 weights (regenerated from the seeds), router, routing,
                   permutation, SwiGLU, un-permute and shared expert as MoeFfn's torch ops; only its
                   two grouped GEMMs differ (`torch._grouped_mm` over the sorted rows; the shared
@@ -594,15 +595,15 @@ def build_layer(layer: Layer, directory: Path, tk) -> tuple[dict, dict]:
     from nvfp4_group_gemm import moe_layer
 
     weights, load_s, peak = load_layer(directory, layer, "cuda")
-    implementations = {"W4A16": moe_layer.MoeFfn.from_weights(weights, "bf16"),
-                       "W4A16s": moe_layer.MoeFfn.from_weights(weights, "bf16").fuse_swiglu(),
+    implementations = {"W4A16": moe_layer.MoeFfn.from_weights(weights, "bf16", swiglu_epilogue=False),
+                       "W4A16s": moe_layer.MoeFfn.from_weights(weights, "bf16"),
                        "W4A4": moe_layer.MoeFfn.from_weights(weights, "nvfp4")}
     bf16 = bf16_weights(layer, implementations["W4A16"], "cuda")
     implementations["bf16"] = Bf16Ffn(implementations["W4A16"], bf16)
     memory = {"W4A16": layer_weight_bytes(implementations["W4A16"]),
               "bf16": weight_bytes([bf16["w13"], bf16["w2"], *(bf16["shared"] or ())])}
     memory["W4A4"] = memory["W4A16"]
-    memory["W4A16s"] = memory["W4A16"] + weight_bytes(list(implementations["W4A16s"].swiglu_w13))
+    memory["W4A16s"] = memory["W4A16"]  # the same bytes, w13's rows in the epilogue's order
     load = {"layer": layer.name, "load_s": load_s, "host_peak_bytes": peak, "weight_bytes": memory}
     if tk is not None:
         try:

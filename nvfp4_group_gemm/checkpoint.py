@@ -142,11 +142,25 @@ class MoeProjection:
     alpha: torch.Tensor | None  # float32 [E] or [E, 2]: input_scale x weight_scale_2 (W4A4; None: no input_scale)
     weight_scale_2: torch.Tensor  # float32 [E] or [E, 2]
     input_scale: torch.Tensor | None  # float32 [E]
+    # b's and sfb's row order: "stacked" (a fused gate-and-up's gate rows, then its up rows, as
+    # exported) or "swiglu" (interleaved by 8 for the SwiGLU epilogue: moe.swiglu_weights)
+    row_order: str = "stacked"
 
     @property
     def w4a16_alpha(self) -> torch.Tensor:
         """alpha of bf16 activations (W4A16): weight_scale_2, [E] or [E, 2], contiguous fp32."""
         return self.weight_scale_2.float().contiguous()
+
+    def in_swiglu_order(self) -> MoeProjection:
+        """This fused gate-and-up projection with b's and sfb's rows in the SwiGLU epilogue's
+        order (moe.swiglu_weights; alpha and the scales unchanged: [E, 2] stays (gate, up)); a
+        copy of b and sfb, itself where it is in that order already."""
+        if self.row_order == "swiglu":
+            return self
+        from .moe import swiglu_weights
+
+        b, sfb = swiglu_weights(self.b, self.sfb)
+        return dataclasses.replace(self, b=b, sfb=sfb, row_order="swiglu")
 
 
 def load_projection(tensors: dict, name: str) -> MoeProjection:
@@ -188,13 +202,20 @@ def load_projection(tensors: dict, name: str) -> MoeProjection:
 
 def dequantize_projection(projection: MoeProjection, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """A loaded projection's weights [E, N, K] in `dtype` (float64: exact): e2m1 x e4m3 (the
-    core's decode of the plain scales, read back from the blocked ones) x weight_scale_2."""
+    core's decode of the plain scales, read back from the blocked ones) x weight_scale_2; rows
+    stacked (gate, then up) whatever the projection's row order."""
     from .moe import plain_scales_of_blocked
 
     experts, n, half_k = projection.b.shape
     codes = projection.b.view(torch.uint8)
     scaled = torch.stack([core.decode_fp4(codes[g], plain_scales_of_blocked(projection.sfb[g], n, 2 * half_k))
                           for g in range(experts)]).to(dtype)
+    if projection.row_order == "swiglu":  # back to gate rows, then up rows
+        from .hopper.moe import swiglu_row_order
+
+        stacked = torch.empty_like(scaled)
+        stacked[:, swiglu_row_order(n)] = scaled
+        scaled = stacked
     scale_2 = projection.weight_scale_2.to(dtype)
     if scale_2.dim() == 2:  # gate and up halves of a fused w13, each its own scale
         return scaled * scale_2.repeat_interleave(n // 2, dim=1)[:, :, None]

@@ -13,7 +13,8 @@ from their counts (scatter_add, cumsum: no host read); the gate-and-up GEMM of t
 fp32), the down GEMM, and the weighted sum of each token's k rows (in fp32, rounded to bf16). In
 W4A16 the gate-and-up GEMM reads the token rows of the sorted pairs in place and the down GEMM
 writes each pair's row in pair order (the entry's a_rows and c_rows): no gathered copy, no
-separate un-permute. Nothing reads a value on the
+separate un-permute; and SwiGLU runs in the gate-and-up GEMM's epilogue (`swiglu_epilogue`, w13
+held in that epilogue's row order). Nothing reads a value on the
 host, so after one eager call the whole layer can be captured once as a CUDA graph and replayed
 for any routing (the offsets, the permutation and the weights are tensors the graph recomputes).
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 import torch
 
 from . import checkpoint
-from .moe import swiglu_weights
 from .op import moe_grouped_gemm_op
 from .routing import Routing, route
 
@@ -71,39 +71,46 @@ class MoeFfn:
     def __init__(self, tensors: dict, prefix: str, router_weight: torch.Tensor, top_k: int,
                  activations: str = "bf16", first_local: int = 0, *, routing: Routing | None = None,
                  e_score_correction_bias: torch.Tensor | None = None,
-                 shared: dict[str, checkpoint.MoeProjection] | None = None):
+                 shared: dict[str, checkpoint.MoeProjection] | None = None, swiglu_epilogue: bool = True):
         layer = checkpoint.load_moe_layer(tensors, prefix)
         routing = Routing("softmax", top_k, renormalize=True) if routing is None else routing
         if routing.top_k != top_k:
             raise ValueError(f"MoeFfn: top_k = {top_k}: routing.top_k = {routing.top_k} differs")
         self._build(layer["w13"], layer["w2"], router_weight, routing, activations, first_local,
-                    e_score_correction_bias, shared)
+                    e_score_correction_bias, shared, swiglu_epilogue)
 
     @classmethod
-    def from_weights(cls, weights, activations: str = "bf16", with_shared: bool | None = None) -> MoeFfn:
+    def from_weights(cls, weights, activations: str = "bf16", with_shared: bool | None = None,
+                     swiglu_epilogue: bool = True) -> MoeFfn:
         """The layer of an export's MoeLayerWeights (export.Export.load_moe_layer). The shared
         expert is added where `with_shared` (default: where the weights' experts start at 0, so
         that an all-reduce over expert-parallel ranks adds it once)."""
         with_shared = weights.first_expert == 0 if with_shared is None else with_shared
         layer = cls.__new__(cls)
         layer._build(weights.w13, weights.w2, weights.router_weight, weights.routing, activations,
-                     weights.first_expert, weights.e_score_correction_bias, weights.shared if with_shared else None)
+                     weights.first_expert, weights.e_score_correction_bias, weights.shared if with_shared else None,
+                     swiglu_epilogue)
         return layer
 
     @classmethod
     def from_pretrained(cls, path, layer: int, device="cuda", activations: str = "bf16",
-                        experts: range | None = None) -> MoeFfn:
+                        experts: range | None = None, swiglu_epilogue: bool = True) -> MoeFfn:
         """MoE layer `layer` of the ModelOpt NVFP4 export directory `path` on `device`: its
         experts (all, or the range `experts`), router and routing, shared expert (MoeFfn.from_weights)."""
         from .export import open_export
 
-        return cls.from_weights(open_export(path).load_moe_layer(layer, device=device, experts=experts), activations)
+        return cls.from_weights(open_export(path).load_moe_layer(layer, device=device, experts=experts), activations,
+                                swiglu_epilogue=swiglu_epilogue)
 
-    def _build(self, w13, w2, router_weight, routing, activations, first_local, e_score_correction_bias, shared):
+    def _build(self, w13, w2, router_weight, routing, activations, first_local, e_score_correction_bias, shared,
+               swiglu_epilogue=True):
         if activations not in ACTIVATIONS:
             raise ValueError(f"MoeFfn: activations = {activations!r}: must be one of {ACTIVATIONS}")
         self.activations = activations
-        self.w13, self.w2 = w13, w2
+        # W4A16 runs SwiGLU in the gate-and-up GEMM's epilogue (swiglu_epilogue, the default):
+        # w13 is held in that epilogue's row order, one copy (dequantize_projection reads either)
+        self.w13 = w13.in_swiglu_order() if activations == "bf16" and swiglu_epilogue else w13
+        self.w2 = w2
         self.router_weight = router_weight.float()
         self.routing = routing
         self.top_k = routing.top_k
@@ -124,7 +131,6 @@ class MoeFfn:
         self.scale13, self.alpha13 = self._scale_and_alpha(self.w13)
         self.scale2, self.alpha2 = self._scale_and_alpha(self.w2)
         self.shared = shared
-        self.swiglu_w13 = None  # fuse_swiglu's interleaved copy of w13's b and sfb
         if shared is not None:
             self.shared_scale13, self.shared_alpha13 = self._scale_and_alpha(shared["w13"])
             self.shared_scale2, self.shared_alpha2 = self._scale_and_alpha(shared["w2"])
@@ -139,17 +145,14 @@ class MoeFfn:
         scale = projection.input_scale.max()
         return scale, (scale * projection.weight_scale_2).float().contiguous()
 
-    def fuse_swiglu(self) -> MoeFfn:
-        """W4A16: SwiGLU in the gate-and-up GEMM's epilogue (the entry's activation="swiglu": its
-        output I wide, bf16, no [T k, 2 I] round trip and none of SwiGLU's four small ops). It keeps
-        a copy of w13's weights in the epilogue's row order (moe.swiglu_weights: w13's bytes once
-        more; w13 stays as loaded for everything else). The values are the unfused layer's up to
-        silu's fp32 exponential. Returns the layer."""
-        if self.activations != "bf16":
-            raise ValueError("MoeFfn.fuse_swiglu: activations = 'nvfp4' quantizes SwiGLU's fp32 output for the down "
-                             "GEMM; the fused epilogue rounds it to bf16 first: W4A16 only")
-        self.swiglu_w13 = swiglu_weights(self.w13.b, self.w13.sfb)
-        return self
+    @property
+    def swiglu_epilogue(self) -> bool:
+        """Whether the gate-and-up GEMM runs SwiGLU in its epilogue (the entry's
+        activation="swiglu": its output I wide, bf16, no [T k, 2 I] round trip and none of SwiGLU's
+        four small ops): W4A16's default, w13 held in the epilogue's row order. The values are
+        the unfused layer's up to silu's fp32 exponential (bit for bit on a CPU). The W4A4 layer
+        quantizes SwiGLU's fp32 output for the down GEMM, so it runs SwiGLU unfused."""
+        return self.w13.row_order == "swiglu"
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_ids int64 [T, k], topk_weights fp32 [T, k]) of x [T, H]: the router's fp32
@@ -226,8 +229,8 @@ class MoeFfn:
         only: the first GEMM's rows read through `a_rows`, the second's written through `c_rows`
         (the entry's row maps)."""
         intermediate = w13.b.shape[1] // 2
-        if self.swiglu_w13 is not None and w13 is self.w13:  # fuse_swiglu: SwiGLU in the GEMM's epilogue
-            hidden = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows, swiglu=self.swiglu_w13)
+        if w13.row_order == "swiglu":  # SwiGLU in the GEMM's epilogue (swiglu_epilogue)
+            hidden = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows)
             return self.gemm(hidden, w2, *scale_alpha2, offsets, c_rows=c_rows)
         gate_up = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows)
         # up promoted to fp32 inside the product (exact, as .float() is): one kernel fewer
@@ -239,12 +242,11 @@ class MoeFfn:
     @staticmethod
     def gemm(rows: torch.Tensor, projection: checkpoint.MoeProjection, scale: torch.Tensor | None,
              alpha: torch.Tensor, offsets: torch.Tensor, status: torch.Tensor | None = None, *,
-             a_rows: torch.Tensor | None = None, c_rows: torch.Tensor | None = None,
-             swiglu: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             a_rows: torch.Tensor | None = None, c_rows: torch.Tensor | None = None) -> torch.Tensor:
         """One grouped GEMM of the layer, bf16 output: `rows` as they are (bf16, W4A16: scale
         None), or quantized with `scale`; W4A16 only: grouped row r reads rows[a_rows[r]], and
-        its output goes to row c_rows[r] (an output of c_rows' length), where given; `swiglu`:
-        the projection's (b, sfb) in the SwiGLU epilogue's order (fuse_swiglu), output N / 2 wide."""
+        its output goes to row c_rows[r] (an output of c_rows' length), where given; a projection
+        in the SwiGLU epilogue's row order gives silu(gate) x up, N / 2 wide."""
         if scale is None:
             a, sfa = rows.to(torch.bfloat16).contiguous(), None
             if a.data_ptr() % 16:  # a view into a larger batch (a rank's tokens): the entry reads aligned rows
@@ -252,11 +254,11 @@ class MoeFfn:
         else:
             a, sfa = quantize_activations(rows, scale)
         grouped = rows.shape[0] if a_rows is None else a_rows.shape[0]
-        b, sfb = (projection.b, projection.sfb) if swiglu is None else swiglu
-        columns = b.shape[1] if swiglu is None else b.shape[1] // 2
+        swiglu = projection.row_order == "swiglu"
+        columns = projection.b.shape[1] // 2 if swiglu else projection.b.shape[1]
         c = torch.empty(grouped, columns, dtype=torch.bfloat16, device=rows.device)
-        moe_grouped_gemm_op(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows,
-                            None if swiglu is None else "swiglu")
+        moe_grouped_gemm_op(a, sfa, projection.b, projection.sfb, offsets, c, status, alpha, a_rows, c_rows,
+                            "swiglu" if swiglu else None)
         return c
 
 

@@ -124,12 +124,14 @@ def test_an_export_layer_captured_once_replays_equal_to_eager(name, activations)
 
 @pytest.mark.parametrize("intermediate", [128, 768], ids=["i128", "i768"])
 def test_the_fused_swiglu_layer_matches_the_exact_layer_and_replays(intermediate):
-    """MoeFfn.fuse_swiglu (W4A16): SwiGLU in the gate-and-up GEMM's epilogue, within 1 % of the
+    """MoeFfn's swiglu_epilogue (W4A16's default): SwiGLU in the gate-and-up GEMM's epilogue, within 1 % of the
     CPU layer (the exact decode) and of the unfused GPU layer, eager and as one CUDA graph
     replayed for new routings."""
     tensors, cpu_layer, router = make_layer(True, activations="bf16", intermediate=intermediate)
-    unfused = to_cuda(cpu_layer, tensors, router)
-    fused = to_cuda(cpu_layer, tensors, router).fuse_swiglu()
+    unfused = moe_layer.MoeFfn({name: value.cuda() for name, value in tensors.items()}, "layer.", router.cuda(),
+                               cpu_layer.top_k, "bf16", swiglu_epilogue=False)
+    fused = to_cuda(cpu_layer, tensors, router)
+    assert fused.swiglu_epilogue and not unfused.swiglu_epilogue
     inputs = [torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
               for seed in range(4)]
     for x in inputs[:2]:

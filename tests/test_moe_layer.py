@@ -11,13 +11,14 @@ from nvfp4_group_gemm import checkpoint, core, moe_layer
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 4, 256, 128, 2
 
 
-def make_layer(split_w13_scales=False, seed=5, activations="nvfp4", intermediate=INTERMEDIATE):
+def make_layer(split_w13_scales=False, seed=5, activations="nvfp4", intermediate=INTERMEDIATE, swiglu_epilogue=True):
     tensors = layer_tensors(EXPERTS, HIDDEN, intermediate, split_w13_scales)
     # calibrated input scales that differ by expert: the layer quantizes with their largest
     tensors["layer.w13_input_scale"] = torch.tensor([2.0, 3.0, 2.5, 1.0]) / (6 * 448)
     tensors["layer.w2_input_scale"] = torch.tensor([0.5, 0.4, 0.6, 0.5]) / (6 * 448)
     router = torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(seed))
-    return tensors, moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, activations), router
+    return tensors, moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, activations,
+                                     swiglu_epilogue=swiglu_epilogue), router
 
 
 def dequantized(tensors, name):
@@ -176,11 +177,14 @@ def _experts_output_step_by_step(layer, x, topk_ids, topk_weights):
     offsets[1:] = torch.cumsum(counts[:layer.experts], 0)
     status = torch.zeros(1, dtype=torch.int32)
     rows = x[order // top_k]
-    gate_up = layer.gemm(rows, layer.w13, layer.scale13, layer.alpha13, offsets, status)
-    gate, up = gate_up[:, :layer.intermediate].float(), gate_up[:, layer.intermediate:].float()
-    hidden = torch.nn.functional.silu(gate) * up
-    if layer.scale2 is None:
-        hidden = hidden.to(torch.bfloat16)
+    if layer.swiglu_epilogue:  # SwiGLU in the GEMM (test_the_swiglu_epilogue_layer_is_the_unfused_layer_...)
+        hidden = layer.gemm(rows, layer.w13, layer.scale13, layer.alpha13, offsets, status)
+    else:
+        gate_up = layer.gemm(rows, layer.w13, layer.scale13, layer.alpha13, offsets, status)
+        gate, up = gate_up[:, :layer.intermediate].float(), gate_up[:, layer.intermediate:].float()
+        hidden = torch.nn.functional.silu(gate) * up
+        if layer.scale2 is None:
+            hidden = hidden.to(torch.bfloat16)
     down = layer.gemm(hidden, layer.w2, layer.scale2, layer.alpha2, offsets, status)
     unsorted = torch.empty_like(down)
     unsorted[order] = down
@@ -242,12 +246,12 @@ def _kernel_ops(fn) -> list[str]:
 
 
 def test_the_w4a16_experts_output_is_two_gemms_and_nine_small_ops():
-    """Where every expert is local, the W4A16 routed experts are the two GEMMs and 9 small ops
-    (the step-by-step form: 28): sort, search, token index, SwiGLU's cast, silu and product, its
-    bf16 rounding, the weights' product (the rows promoted to fp32 inside it), the sum; the
+    """Where every expert is local, the unfused W4A16 routed experts are the two GEMMs and 9 small
+    ops (the step-by-step form: 28): sort, search, token index, SwiGLU's cast, silu and product,
+    its bf16 rounding, the weights' product (the rows promoted to fp32 inside it), the sum; the
     gather and the un-permute are the GEMMs' (a_rows, c_rows), and the rows they name are the
     pairs' (order // k, order)."""
-    _, layer, _ = make_layer(activations="bf16")
+    _, layer, _ = make_layer(activations="bf16", swiglu_epilogue=False)
     x = torch.randn(1, HIDDEN).to(torch.bfloat16)
     topk_ids, topk_weights = layer.route(x)
     ops = _kernel_ops(lambda: layer.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32))
@@ -272,22 +276,23 @@ def test_the_w4a4_experts_output_quantizes_in_25_ops_a_gemm():
     assert len(quantize) == 25 and sum("bucketize" in op for op in quantize) == 2, quantize
 
 
-def test_the_fused_swiglu_layer_is_the_unfused_layer_bit_for_bit_on_a_cpu():
-    """MoeFfn.fuse_swiglu: the gate-and-up GEMM with SwiGLU in its epilogue (activation="swiglu"
-    over w13 in the epilogue's row order) gives, through the exact decode, the unfused layer's
-    bits (the same roundings: gate and up to bf16, silu(gate) x up in fp32, bf16), with one
-    and with two w13 scales; its routed experts are the two GEMMs and 5 small ops; the W4A4
-    layer refuses it."""
+def test_the_swiglu_epilogue_layer_is_the_unfused_layer_bit_for_bit_on_a_cpu():
+    """W4A16's default (swiglu_epilogue): the gate-and-up GEMM with SwiGLU in its epilogue
+    (activation="swiglu" over w13 held in the epilogue's row order, one copy) gives, through the
+    exact decode, the unfused layer's bits (the same roundings: gate and up to bf16, silu(gate)
+    x up in fp32, bf16), with one and with two w13 scales; w13 dequantizes to the same stacked
+    weights either way; its routed experts are the two GEMMs and 5 small ops; the W4A4 layer
+    keeps SwiGLU unfused."""
     for split in (False, True):
-        _, layer, _ = make_layer(split, activations="bf16")
+        tensors, layer, router = make_layer(split, activations="bf16")
+        unfused = moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, "bf16", swiglu_epilogue=False)
+        assert layer.swiglu_epilogue and not unfused.swiglu_epilogue and layer.w13.b.shape == unfused.w13.b.shape
+        assert torch.equal(checkpoint.dequantize_projection(layer.w13), checkpoint.dequantize_projection(unfused.w13))
         x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-        unfused = layer(x)
-        assert layer.fuse_swiglu() is layer and layer.swiglu_w13 is not None
-        assert torch.equal(layer(x), unfused), split
+        assert torch.equal(layer(x), unfused(x)), split
     topk_ids, topk_weights = layer.route(x)
     ops = _kernel_ops(lambda: layer.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32))
     gemms = [op for op in ops if op.startswith("nvfp4_group_gemm.")]
     assert len(gemms) == 2 and len(ops) - len(gemms) == 5, ops
     _, w4a4, _ = make_layer(activations="nvfp4")
-    with pytest.raises(ValueError, match="W4A16 only"):
-        w4a4.fuse_swiglu()
+    assert not w4a4.swiglu_epilogue
