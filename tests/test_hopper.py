@@ -908,7 +908,8 @@ def test_chained_calls_back_to_back_exactly(case):
 def test_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch, kernel):
     """Two input sets of benchmark shape 0 share one plan and its scratch (swap-AB's decoded
     activations; in_gemm_decode's stream-K workspace and counters); launched alternately on
-    two streams, each launch waits for the other stream's, so every output is exact."""
+    two streams, each launch waits for the other stream's, so every output is exact. (The NaN
+    fill runs on the default stream: the launch's stream waits for it, as a caller's must.)"""
     monkeypatch.setenv("NVFP4_SM90_KERNEL", kernel)
     runtime.reset_runtime()  # the switches are read again
     sizes = BENCHMARK_SIZES[0]
@@ -920,7 +921,9 @@ def test_input_sets_of_one_plan_alternate_streams_exactly(monkeypatch, kernel):
         for index, data in enumerate(sets):
             for _, _, c in data[0]:
                 c.fill_(float("nan"))
-            with torch.cuda.stream(streams[(index + round_) % 2]):
+            stream = streams[(index + round_) % 2]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
                 runtime.custom_kernel(data)
         torch.cuda.synchronize()
         for data, want in zip(sets, expected):
