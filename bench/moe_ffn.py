@@ -28,9 +28,12 @@ the peak resident host memory above the resident set before it (VmHWM of /proc/s
 through /proc/self/clear_refs; Linux).
 
 Columns, per layer and token count (one row):
-    W4A16, W4A4   MoeFfn, bf16 activations with SwiGLU unfused (swiglu_epilogue=False) / NVFP4
-                  activations (activations="nvfp4")
-    W4A16s        MoeFfn W4A16 as it runs by default: SwiGLU in the gate-and-up GEMM's epilogue
+    W4A16         MoeFfn, bf16 activations, SwiGLU unfused (swiglu_epilogue=False), the pairs'
+                  sort and weighted sum as torch ops (pair_kernels=False)
+    W4A16s        the same with SwiGLU in the gate-and-up GEMM's epilogue
+    W4A16k        MoeFfn W4A16 as it runs by default: SwiGLU in the epilogue and the pairs' sort
+                  and weighted sum one kernel each (nvfp4_group_gemm.pairs)
+    W4A4          MoeFfn with NVFP4 activations (activations="nvfp4"), as it runs by default
     bf16          the same bf16 weights (regenerated from the seeds), router, routing,
                   permutation, SwiGLU, un-permute and shared expert as MoeFfn's torch ops; only its
                   two grouped GEMMs differ (`torch._grouped_mm` over the sorted rows; the shared
@@ -129,7 +132,7 @@ LAYERS = {name: GEMM_LAYERS[name] for name in ("qwen3", "dsv3_ep8", "mixtral")}
 ARCHITECTURES = {"qwen3": "qwen3_moe", "dsv3_ep8": "deepseek_v3", "mixtral": "mixtral"}
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 PROFILE_TOKENS = (1, 16)
-IMPLEMENTATIONS = ("W4A16", "W4A16s", "W4A4", "bf16", "triton")
+IMPLEMENTATIONS = ("W4A16", "W4A16s", "W4A16k", "W4A4", "bf16", "triton")
 EXPERTS_PER_SHARD = 32
 # a calibration of N(0, 1) activations: amax about 5
 INPUT_SCALE = 5.0 / (6 * 448)
@@ -276,8 +279,8 @@ class Bf16Ffn:
         tokens = x.shape[0]
         topk_ids, weights = layer.route(x)
         experts = layer.local_experts(topk_ids.reshape(-1))
-        order, offsets = layer.sort_by_expert(experts)
-        rows = x[order // layer.top_k]
+        order, token_rows, offsets = layer.sort_by_expert(experts, layer.top_k)
+        rows = x[token_rows]
         gate_up = torch._grouped_mm(rows, self.w13_t, offs=offsets[1:])
         gate, up = gate_up[:, :layer.intermediate].float(), gate_up[:, layer.intermediate:].float()
         hidden = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
@@ -597,13 +600,16 @@ def build_layer(layer: Layer, directory: Path, tk) -> tuple[dict, dict]:
     weights, load_s, peak = load_layer(directory, layer, "cuda")
     implementations = {"W4A16": moe_layer.MoeFfn.from_weights(weights, "bf16", swiglu_epilogue=False),
                        "W4A16s": moe_layer.MoeFfn.from_weights(weights, "bf16"),
+                       "W4A16k": moe_layer.MoeFfn.from_weights(weights, "bf16"),
                        "W4A4": moe_layer.MoeFfn.from_weights(weights, "nvfp4")}
+    for name in ("W4A16", "W4A16s"):  # the torch ops around the GEMMs, as before the pair kernels
+        implementations[name].pair_kernels = False
     bf16 = bf16_weights(layer, implementations["W4A16"], "cuda")
     implementations["bf16"] = Bf16Ffn(implementations["W4A16"], bf16)
     memory = {"W4A16": layer_weight_bytes(implementations["W4A16"]),
               "bf16": weight_bytes([bf16["w13"], bf16["w2"], *(bf16["shared"] or ())])}
     memory["W4A4"] = memory["W4A16"]
-    memory["W4A16s"] = memory["W4A16"]  # the same bytes, w13's rows in the epilogue's order
+    memory["W4A16s"] = memory["W4A16k"] = memory["W4A16"]  # the same bytes, w13's rows in the epilogue's order
     load = {"layer": layer.name, "load_s": load_s, "host_peak_bytes": peak, "weight_bytes": memory}
     if tk is not None:
         try:
@@ -655,10 +661,11 @@ def print_load(load: dict) -> None:
 
 
 def print_header() -> None:
-    print("per row: experts read (mean), floor µs | eager, graph µs of W4A16, W4A16 with SwiGLU fused, W4A4, bf16, "
-          "triton_kernels | W4A16 and W4A4 over the floor | over triton | relative error vs bf16 of W4A16, W4A4, "
-          "triton", flush=True)
+    print("per row: experts read (mean), floor µs | eager, graph µs of W4A16 (unfused), W4A16s (SwiGLU fused), "
+          "W4A16k (and the pair kernels: the default), W4A4, bf16, triton_kernels | W4A16k and W4A4 over the floor | "
+          "over triton | relative error vs bf16 of W4A16k, W4A4, triton", flush=True)
     print(f"{'layer':<9}{'tokens':>6}{'exp':>6}{'floor':>8} |{'W4A16':>8}{'graph':>9} |{'W4A16s':>8}{'graph':>9} |"
+          f"{'W4A16k':>8}{'graph':>9} |"
           f"{'W4A4':>8}{'graph':>9} |"
           f"{'bf16':>8}{'graph':>9} |{'triton':>8}{'graph':>9} |{'/floor 16':>10}{'4':>6} |{'/triton 16':>11}"
           f"{'4':>6} |{'err 16':>7}{'4':>7}{'tk':>7}", flush=True)
@@ -676,9 +683,9 @@ def print_cell(cell: dict) -> None:
     for name in IMPLEMENTATIONS:
         parts.append(f"{us(name, 'eager_us')} {us(name, 'graph_us')} |")
     graph = {name: cell.get(name, {}).get("graph_us") for name in IMPLEMENTATIONS}
-    parts.append(f"{ratio(graph['W4A16'], cell['floor_us']):>10}{ratio(graph['W4A4'], cell['floor_us']):>6} |")
-    parts.append(f"{ratio(graph['W4A16'], graph['triton']):>11}{ratio(graph['W4A4'], graph['triton']):>6} |")
-    errors = [cell.get(name, {}).get("error_vs_bf16") for name in ("W4A16", "W4A4", "triton")]
+    parts.append(f"{ratio(graph['W4A16k'], cell['floor_us']):>10}{ratio(graph['W4A4'], cell['floor_us']):>6} |")
+    parts.append(f"{ratio(graph['W4A16k'], graph['triton']):>11}{ratio(graph['W4A4'], graph['triton']):>6} |")
+    errors = [cell.get(name, {}).get("error_vs_bf16") for name in ("W4A16k", "W4A4", "triton")]
     parts.append("".join(f"{e:>7.3f}" if e is not None else f"{'-':>7}" for e in errors))
     print("".join(parts), flush=True)
     for name in IMPLEMENTATIONS:

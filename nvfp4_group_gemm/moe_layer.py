@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, pairs
 from .op import moe_grouped_gemm_op
 from .routing import Routing, route
 
@@ -123,8 +123,11 @@ class MoeFfn:
                              f"the router's {router_weight.shape[0]}")
         # every expert local (no expert parallelism): the ids need no mapping and no pair is masked
         self.all_local = first_local == 0 and self.experts == router_weight.shape[0]
-        # 0 .. E, where sort_by_expert looks up each expert's first pair
+        # 0 .. E, where sort_by_expert's torch ops look up each expert's first pair
         self.expert_bounds = torch.arange(self.experts + 1, device=router_weight.device)
+        # the pairs' sort and weighted sum as one kernel each on a GPU (nvfp4_group_gemm.pairs);
+        # False: torch ops (the same values; the bench's comparison)
+        self.pair_kernels = True
         if activations == "nvfp4":  # the quantizer's constants on the device, before any capture
             checkpoint.midpoint_tensors(router_weight.device)
         # one activation scale per projection (the experts' largest), alpha recomputed with it
@@ -167,22 +170,20 @@ class MoeFfn:
         local = experts - self.first_local
         return torch.where((local >= 0) & (local < self.experts), local, self.experts)
 
-    def sort_by_expert(self, experts: torch.Tensor):
-        """(the pairs in expert order: their index into the T k pairs, the int32 offsets [E + 1])
-        on the pairs' device, with no host read; `experts` local (local_experts: E, another GPU's,
-        sorts last, past offsets[E]). Two kernels: a stable sort, then each expert's first pair
-        in the sorted ids (offsets[e] = the pairs of experts below e)."""
-        sorted_experts, order = torch.sort(experts, stable=True)
-        offsets = torch.searchsorted(sorted_experts, self.expert_bounds, out_int32=True)
-        return order, offsets
+    def sort_by_expert(self, experts: torch.Tensor, top_k: int):
+        """(the pairs in expert order: their index into the T k pairs, their tokens, the int32
+        offsets [E + 1]) on the pairs' device, with no host read; `experts` local
+        (local_experts: E, another GPU's, sorts last, past offsets[E]). pairs.sort_pairs: one
+        kernel on a GPU (pair_kernels), else a stable sort and searchsorted."""
+        if self.pair_kernels:
+            return pairs.sort_pairs(experts, self.experts, top_k, self.expert_bounds)
+        return pairs.sort_pairs_torch(experts, self.experts, top_k, self.expert_bounds)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] bf16 -> y [T, H] bf16: routing, the routed experts, the shared expert."""
         topk_ids, topk_weights = self.route(x)
-        if self.shared is None:
-            return self.experts_output(x, topk_ids, topk_weights)
-        routed = self.experts_output(x, topk_ids, topk_weights, out_dtype=torch.float32)
-        return (routed + self.shared_expert(x).float()).to(torch.bfloat16)
+        shared = None if self.shared is None else self.shared_expert(x)
+        return self._experts_output(x, topk_ids, topk_weights, shared, torch.bfloat16)
 
     def experts_output(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -199,23 +200,26 @@ class MoeFfn:
                              f"{tuple(topk_weights.shape)}: both must be [T, k] with T = {tokens}")
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"MoeFfn: topk_ids.dtype = {topk_ids.dtype}: must be int32 or int64")
+        return self._experts_output(hidden_states, topk_ids, topk_weights, None, out_dtype)
+
+    def _experts_output(self, hidden_states, topk_ids, topk_weights, shared, out_dtype) -> torch.Tensor:
+        """experts_output, plus `shared` (bf16 [T, H] or None) added before the one rounding."""
         top_k = topk_ids.shape[1]
         experts = self.local_experts(topk_ids.reshape(-1).long())
-        order, offsets = self.sort_by_expert(experts)
+        order, token_rows, offsets = self.sort_by_expert(experts, top_k)
         projections = (self.w13, self.w2, (self.scale13, self.alpha13), (self.scale2, self.alpha2), offsets)
         if self.activations == "bf16":
             # the gate-and-up GEMM reads the sorted pairs' token rows in place (a_rows) and the
             # down GEMM writes row p of pair p (c_rows): no gathered or permuted copy
-            unsorted = self.ffn(hidden_states, *projections, a_rows=order // top_k, c_rows=order)
+            unsorted = self.ffn(hidden_states, *projections, a_rows=token_rows, c_rows=order)
         else:  # the fp4 path quantizes the sorted pairs' token rows, [T k, H]; then the un-permute
-            down = self.ffn(hidden_states[order // top_k], *projections)
+            down = self.ffn(hidden_states[token_rows], *projections)
             unsorted = torch.empty_like(down)
             unsorted[order] = down  # row p: pair p = (token p // k, its (p % k)-th expert)
-        if not self.all_local:  # the rows of pairs on other GPUs' experts were not written: they add nothing here
-            unsorted = torch.where((experts < self.experts)[:, None], unsorted, 0.0)
-        # the bf16 rows promoted to fp32 inside the product (exact, as a cast is): one kernel fewer
-        weighted = unsorted.view(tokens, top_k, self.hidden) * topk_weights.float()[..., None]
-        return weighted.sum(dim=1).to(out_dtype)
+        # the rows of pairs on other GPUs' experts were not written: they add nothing here
+        masked = None if self.all_local else experts
+        combine = pairs.combine_pairs if self.pair_kernels else pairs.combine_pairs_torch
+        return combine(unsorted, topk_weights, masked, self.experts, shared, out_dtype)
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert of every token, bf16 [T, H] (one group: offsets [0, T] made on

@@ -1,5 +1,5 @@
 """A host interpreter of the straight-line PTX the sm_90a decode helpers emit (integer, prmt,
-lop3, fp16/bf16/fp32 conversions and multiplies, shared loads), one thread at a time: the
+lop3, fp16/bf16/fp32 conversions, multiplies and adds, shared loads), one thread at a time: the
 tests run the very text the kernel's inline assembly holds, on bytes they choose, and compare
 the registers it leaves with an independent decode."""
 
@@ -144,6 +144,8 @@ class Thread:
             regs[d] = _f32_to_bits(np.float32(_f16_bits_to_float(v[0])))
         elif opcode == "mul.rn.f32":
             regs[d] = _f32_to_bits(np.float32(_bits_to_f32(v[0]) * _bits_to_f32(v[1])))
+        elif opcode == "add.rn.f32":
+            regs[d] = _f32_to_bits(np.float32(_bits_to_f32(v[0]) + _bits_to_f32(v[1])))
         elif opcode == "cvt.rn.bf16x2.f32":  # d = {cvt(a) high, cvt(b) low}
             high, low = (_float_to_bf16_bits(float(_bits_to_f32(x))) for x in v[:2])
             regs[d] = low | (high << 16)

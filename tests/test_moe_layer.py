@@ -117,10 +117,11 @@ def test_the_layer_on_cpu_is_the_float64_layer_to_bf16_roundings(split, activati
 def test_routing_and_offsets_need_no_host_read():
     _, layer, _ = make_layer()
     experts = torch.tensor([3, 1, 1, 0, 3, 3, 2, 1])
-    order, offsets = layer.sort_by_expert(experts)
+    order, token_rows, offsets = layer.sort_by_expert(experts, 2)
     assert offsets.tolist() == [0, 1, 4, 5, 8] and offsets.dtype == torch.int32
     assert experts[order].tolist() == [0, 1, 1, 1, 2, 3, 3, 3]
-    assert order.tolist()[1:4] == [1, 2, 7]  # stable: pairs of one expert in token order
+    assert order.tolist()[1:4] == [1, 2, 7]  # stable on a CPU: pairs of one expert in token order
+    assert token_rows.tolist() == [p // 2 for p in order.tolist()]
 
 
 def test_the_layer_names_its_activation_modes():
@@ -218,7 +219,7 @@ def test_offsets_leave_other_gpus_pairs_past_the_last_expert():
     """Pairs routed to another GPU's experts (local id E) sort last: offsets[E] counts the local
     pairs only."""
     _, layer, _ = make_layer()
-    order, offsets = layer.sort_by_expert(torch.tensor([4, 1, 4, 0, 3]))
+    order, _, offsets = layer.sort_by_expert(torch.tensor([4, 1, 4, 0, 3]), 1)
     assert offsets.tolist() == [0, 1, 2, 2, 3] and order.tolist() == [3, 1, 4, 0, 2]
 
 

@@ -133,6 +133,7 @@ from .kernel import (
     stage_scale_offset,
 )
 from .kernel import compile_targets as in_gemm_decode_compile_targets
+from .layer import layer_compile_targets
 from .moe import (
     ACTIVATION_SCALE_LAYOUTS,
     Sm90MoeDecodeActivations,
@@ -184,7 +185,8 @@ from .swap_ab import (
 def compile_targets():
     """Kernels of this backend for the build report: (kernel name, arch, compile(G, options)),
     the swap-AB kernels first."""
-    return swap_ab_compile_targets() + moe_compile_targets() + in_gemm_decode_compile_targets()
+    return (swap_ab_compile_targets() + moe_compile_targets() + layer_compile_targets()
+            + in_gemm_decode_compile_targets())
 
 
 __all__ = [

@@ -765,3 +765,107 @@ def cp_async_mbarrier_arrive_noinc(mbar_smem: cutlass.Int32, *, loc=None, ip=Non
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def load_bf16x8_where(address: cutlass.Int64, expert: cutlass.Int64, bound: cutlass.Int64, *, loc=None, ip=None):
+    """The 16 bytes (8 bf16) at global `address` as 4 words where expert < bound; zeros, and
+    nothing read, otherwise (a row another GPU computes holds no value here)."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Int32.mlir_type] * 4),
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int64(expert).ir_value(loc=loc, ip=ip),
+         cutlass.Int64(bound).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred valid;\n\tsetp.lt.s64 valid, $5, $6;\n\t"
+        "mov.b32 $0, 0;\n\tmov.b32 $1, 0;\n\tmov.b32 $2, 0;\n\tmov.b32 $3, 0;\n\t"
+        "@valid ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];\n\t}",
+        "=r,=r,=r,=r,l,l,l",
+        loc=loc,
+        ip=ip,
+    )
+    return [cutlass.Int32(llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def load_u32x4_global_nc(address: cutlass.Int64, *, loc=None, ip=None):
+    """The 16 bytes at global `address` as 4 words, through the read-only path (data no thread
+    of the grid writes)."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Int32.mlir_type] * 4),
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,l",
+        loc=loc,
+        ip=ip,
+    )
+    return [cutlass.Int32(llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+def accumulate_bf16x8_text() -> str:
+    """accumulate_bf16x8's PTX: $0 .. $7 the accumulators (in and out), $8 the weight, $9 .. $12
+    the words."""
+    lines = ["{", ".reg .b32 bits;", ".reg .f32 value;"]
+    for e in range(8):
+        word = f"${9 + e // 2}"
+        # bf16 -> fp32 is the 16 bits placed high: exact
+        lines.append(f"shl.b32 bits, {word}, 16;" if e % 2 == 0 else f"and.b32 bits, {word}, 0xffff0000;")
+        lines += ["mov.b32 value, bits;", "mul.rn.f32 value, value, $8;", f"add.rn.f32 ${e}, ${e}, value;"]
+    lines.append("}")
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def accumulate_bf16x8(accumulators, words, weight: cutlass.Float32, *, loc=None, ip=None):
+    """accumulators[e] + weight x bf16 e of `words` (4 words, element 0 in word 0's low half) in
+    fp32: the product rounded, then the sum (torch's fp32 mul and add, no fused multiply-add)."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 8),
+        # $8 the weight, $9 .. $12 the words, then the accumulators' inputs, tied to $0 .. $7
+        [cutlass.Float32(weight).ir_value(loc=loc, ip=ip)]
+        + [cutlass.Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+        + [cutlass.Float32(a).ir_value(loc=loc, ip=ip) for a in accumulators],
+        accumulate_bf16x8_text(),
+        ",".join(["=f"] * 8) + ",f,r,r,r,r," + ",".join(str(e) for e in range(8)),
+        loc=loc,
+        ip=ip,
+    )
+    return [cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [e], loc=loc, ip=ip))
+            for e in range(8)]
+
+
+@dsl_user_op
+def store_u32x4_global(address: cutlass.Int64, words, *, loc=None, ip=None):
+    """Store 4 32-bit words at global `address` (one 16-byte store)."""
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)] + [cutlass.Int32(w).ir_value(loc=loc, ip=ip) for w in words],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def atomic_add_u32_shared(smem: cutlass.Int32, value: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    """atom.shared.add.u32: adds `value` at shared `smem`, returns the previous value."""
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "atom.shared.add.u32 $0, [$1], $2;",
+        "=r,r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
+
+
+@dsl_user_op
+def store_i64_global(address: cutlass.Int64, value: cutlass.Int64, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int64(value).ir_value(loc=loc, ip=ip)],
+        "st.global.s64 [$0], $1;",
+        "l,l,~{memory}",
+        loc=loc,
+        ip=ip,
+    )

@@ -1,0 +1,214 @@
+"""The MoE layer's two small kernels around its GEMMs (nvfp4_group_gemm.pairs launches them):
+
+    sort (Sm90MoeSortPairs): the T x k (token, expert) pairs grouped by expert in one CTA, a
+        counting sort in shared memory: each expert's pair count (shared atomics), their
+        exclusive prefix sum by one warp (the GEMMs' int32 offsets [E + 1]), then each pair's
+        place in its expert's range (shared atomics: the pairs' order within an expert is
+        unspecified, which no output depends on: a GEMM row's value does not depend on the row's
+        place in its group). It writes the order (the pair at each sorted place) and a_rows (its
+        token, order // k), both int64 as the entry's row maps. Expert ids outside [0, E) sort
+        last, past offsets[E] (another GPU's experts). One launch where torch's stable sort and
+        searchsorted are seven (two memsets, an arange, the radix sort, searchsorted, a division).
+    combine (Sm90MoeCombine): out[t] = sum over j < k of weights[t k + j] x rows[t k + j] (+
+        shared[t]), fp32 (each product rounded, then the sum in j order, as torch's mul and add),
+        rounded once to bf16 (or kept fp32); a pair whose expert is not local (expert >= E, where
+        masked) adds nothing and its row is not read. One thread per 8 columns of a token (one
+        16-byte load per pair). One launch where the cast, the product, the sum over k and the
+        rounding were four kernels and a [T, k, H] fp32 round trip through memory.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import cuda.bindings.driver as cuda
+import cutlass
+from cutlass import cute
+
+from nvfp4_group_gemm import core
+
+from .moe import WARP, warp_inclusive_sum
+from .ptx import (
+    accumulate_bf16x8,
+    atomic_add_u32_shared,
+    load_bf16x8_where,
+    load_f32_global,
+    load_i64_global,
+    load_u32_shared,
+    load_u32x4_global_nc,
+    pack_bf16x2,
+    store_f32x4_global,
+    store_i64_global,
+    store_u32_global,
+    store_u32_shared,
+    store_u32x4_global,
+)
+
+SORT_THREADS = 1024
+COMBINE_THREADS = 256
+# columns of one combine thread: 16 bytes of a bf16 row
+COMBINE_COLUMNS = 8
+COMBINE_OUT_DTYPES = ("bfloat16", "float32")
+# launch.CellLauncher's kinds and pointer dtypes of the two kernels' arguments (their __call__s)
+SORT_ARGS = (("ptr",) * 4 + ("i32",) * 2 + ("stream",),
+             (cutlass.Int64, cutlass.Int64, cutlass.Int64, cutlass.Int32, None, None, None))
+COMBINE_ARGS = (("ptr",) * 5 + ("i32",) * 4 + ("stream",),
+                (cutlass.BFloat16, cutlass.Float32, cutlass.Int64, cutlass.BFloat16, cutlass.Uint8) + (None,) * 5)
+
+
+class Sm90MoeSortPairs:
+    """The pairs' counting sort by expert (module docstring), E = num_experts local experts."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.bins = num_experts + 1  # bin E: the pairs of experts not local
+
+    @cute.jit
+    def __call__(self, experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer, offsets: cute.Pointer,
+                 pairs: cutlass.Int32, top_k: cutlass.Int32, stream: cuda.CUstream):
+        fields = {"counts": cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.bins], 16]}
+        self.shared_storage = cute.struct(type("SortStorage", (), {"__annotations__": fields}))
+        self.kernel(experts, order, a_rows, offsets, pairs, top_k).launch(
+            grid=(1, 1, 1), block=(SORT_THREADS, 1, 1), smem=self.shared_storage.size_in_bytes(), stream=stream)
+
+    @cute.jit
+    def expert_bin(self, experts: cute.Pointer, pair):
+        """The pair's bin: its expert, E where the expert is not in [0, E)."""
+        expert = load_i64_global(experts.toint() + cutlass.Int64(pair) * 8)
+        bin_ = cutlass.Int32(self.num_experts)
+        if (expert >= 0) & (expert < self.num_experts):
+            bin_ = cutlass.Int32(expert)
+        return bin_
+
+    @cute.kernel
+    def kernel(self, experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer, offsets: cute.Pointer,
+               pairs: cutlass.Int32, top_k: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        counts = storage.counts.data_ptr().toint()
+        for i in cutlass.range_constexpr((self.bins + SORT_THREADS - 1) // SORT_THREADS):
+            b = tidx + SORT_THREADS * i
+            if b < self.bins:
+                store_u32_shared(counts + b * 4, cutlass.Int32(0))
+        cute.arch.sync_threads()
+        for pair in cutlass.range(tidx, pairs, SORT_THREADS):
+            atomic_add_u32_shared(counts + self.expert_bin(experts, pair) * 4, cutlass.Int32(1))
+        cute.arch.sync_threads()
+        # one warp: the exclusive prefix sum of the counts, 32 bins at a time; it becomes each
+        # bin's first place (the offsets) and, in shared memory, the bin's next free place
+        if tidx < WARP:
+            lane = tidx
+            running = cutlass.Int32(0)
+            for c in cutlass.range_constexpr((self.bins + WARP - 1) // WARP):
+                b = lane + WARP * c
+                count = cutlass.Int32(0)
+                if b < self.bins:
+                    count = load_u32_shared(counts + b * 4)
+                inclusive = warp_inclusive_sum(count, lane)
+                if b < self.bins:
+                    first = running + inclusive - count
+                    store_u32_shared(counts + b * 4, first)
+                    store_u32_global(offsets.toint() + cutlass.Int64(b) * 4, first)
+                running = running + cute.arch.shuffle_sync(inclusive, WARP - 1)
+        cute.arch.sync_threads()
+        for pair in cutlass.range(tidx, pairs, SORT_THREADS):
+            place = atomic_add_u32_shared(counts + self.expert_bin(experts, pair) * 4, cutlass.Int32(1))
+            store_i64_global(order.toint() + cutlass.Int64(place) * 8, cutlass.Int64(pair))
+            store_i64_global(a_rows.toint() + cutlass.Int64(place) * 8, cutlass.Int64(pair // top_k))
+
+
+class Sm90MoeCombine:
+    """The weighted sum of each token's k pair rows (module docstring): rows bf16 [T k, H] in
+    pair order, weights fp32 [T k]; `masked`: experts int64 [T k] local ids (E: not local);
+    `shared`: a bf16 [T, H] added before the rounding; out [T, H] of `out_dtype`."""
+
+    def __init__(self, top_k: int, out_dtype: str, masked: bool, shared: bool):
+        if out_dtype not in COMBINE_OUT_DTYPES:
+            raise ValueError(f"out_dtype={out_dtype!r}: must be one of {', '.join(COMBINE_OUT_DTYPES)}")
+        self.top_k, self.out_dtype, self.masked, self.shared = top_k, out_dtype, masked, shared
+
+    @cute.jit
+    def __call__(self, rows: cute.Pointer, weights: cute.Pointer, experts: cute.Pointer, shared: cute.Pointer,
+                 out: cute.Pointer, tokens: cutlass.Int32, hidden: cutlass.Int32, num_experts: cutlass.Int32,
+                 blocks: cutlass.Int32, stream: cuda.CUstream):
+        self.kernel(rows, weights, experts, shared, out, tokens, hidden, num_experts).launch(
+            grid=(blocks, 1, 1), block=(COMBINE_THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, rows: cute.Pointer, weights: cute.Pointer, experts: cute.Pointer, shared: cute.Pointer,
+               out: cute.Pointer, tokens: cutlass.Int32, hidden: cutlass.Int32, num_experts: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        chunks = hidden // COMBINE_COLUMNS
+        item = bidx * COMBINE_THREADS + tidx
+        token = item // chunks
+        column = cutlass.Int64(item - token * chunks) * COMBINE_COLUMNS
+        if token < tokens:
+            # every load first (the k rows' 16 bytes in flight together), then the sums
+            pairs = [cutlass.Int64(token) * self.top_k + j for j in range(self.top_k)]
+            weights_k = [load_f32_global(weights.toint() + pair * 4) for pair in pairs]
+            if cutlass.const_expr(self.masked):
+                experts_k = [load_i64_global(experts.toint() + pair * 8) for pair in pairs]
+                bound = cutlass.Int64(num_experts)
+            addresses = [rows.toint() + (pair * hidden + column) * 2 for pair in pairs]
+            if cutlass.const_expr(self.masked):
+                words_k = [load_bf16x8_where(address, expert, bound) for address, expert in zip(addresses, experts_k)]
+            else:
+                words_k = [load_u32x4_global_nc(address) for address in addresses]
+            if cutlass.const_expr(self.shared):
+                words_k.append(load_u32x4_global_nc(shared.toint() + (cutlass.Int64(token) * hidden + column) * 2))
+                weights_k.append(cutlass.Float32(1.0))
+            accumulators = [cutlass.Float32(0.0)] * COMBINE_COLUMNS
+            for words, weight in zip(words_k, weights_k):
+                accumulators = accumulate_bf16x8(accumulators, words, weight)
+            element = cutlass.Int64(token) * hidden + column
+            if cutlass.const_expr(self.out_dtype == "bfloat16"):
+                store_u32x4_global(out.toint() + element * 2,
+                                   [pack_bf16x2(accumulators[2 * i], accumulators[2 * i + 1]) for i in range(4)])
+            else:
+                store_f32x4_global(out.toint() + element * 4, accumulators[:4])
+                store_f32x4_global(out.toint() + element * 4 + 16, accumulators[4:])
+
+
+fake_ptr = core.fake_ptr
+
+
+def sort_pairs_build(num_experts: int) -> tuple:
+    return Sm90MoeSortPairs(num_experts), (
+        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32),
+        cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
+
+
+def combine_build(top_k: int, out_dtype: str, masked: bool, shared: bool) -> tuple:
+    return Sm90MoeCombine(top_k, out_dtype, masked, shared), (
+        fake_ptr(cutlass.BFloat16), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int64), fake_ptr(cutlass.BFloat16),
+        fake_ptr(cutlass.Uint8), cutlass.Int32(1), cutlass.Int32(8), cutlass.Int32(1), cutlass.Int32(1),
+        cuda.CUstream(0))
+
+
+def compile_sort_pairs(num_experts: int, options: str | None = None):
+    """Compile (cached: core.compile_key) the pairs' sort for num_experts local experts."""
+    return core.compile_once(sort_pairs_build, num_experts, options=options)
+
+
+def compile_combine(top_k: int, out_dtype: str = "bfloat16", masked: bool = False, shared: bool = False,
+                    options: str | None = None):
+    """Compile (cached: core.compile_key) the weighted sum of k pair rows per token."""
+    return core.compile_once(combine_build, top_k, out_dtype, masked, shared, options=options)
+
+
+def compile_combine_target(groups: int, options: str | None = None, out_dtype: str = "bfloat16",
+                           masked: bool = False, shared: bool = False):
+    """compile_combine at k = 8 (a build report's compile(G, options): G is not a combine's)."""
+    return compile_combine(8, out_dtype, masked, shared, options=options)
+
+
+def layer_compile_targets():
+    """The layer's kernels for the build report: (kernel name, arch, compile(G, options)); G is
+    the sort's expert count."""
+    return [
+        ("sm90_moe_sort_pairs", "sm_90a", compile_sort_pairs),
+        ("sm90_moe_combine_bf16", "sm_90a", compile_combine_target),
+        ("sm90_moe_combine_masked_shared_f32", "sm_90a",
+         functools.partial(compile_combine_target, out_dtype="float32", masked=True, shared=True)),
+    ]

@@ -1,0 +1,121 @@
+"""The MoE layer's pair kernels (hopper/layer.py through nvfp4_group_gemm.pairs) on the GPU:
+against the torch ops on random routings (experts of other GPUs, ids out of range, pair counts
+past one CTA's threads), rows of other GPUs' pairs full of NaN (never read), the shared expert
+and both output dtypes; replayed in a CUDA graph for new routings; the layer with them against
+the layer without."""
+
+import pytest
+import torch
+
+from nvfp4_group_gemm import core, pairs
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="needs an sm_90 or later GPU")
+
+
+def check_sort(experts: torch.Tensor, num_experts: int, top_k: int) -> None:
+    order, a_rows, offsets = pairs.sort_pairs(experts, num_experts, top_k)
+    binned = torch.where((experts >= 0) & (experts < num_experts), experts, num_experts)
+    expected_order, _, expected_offsets = pairs.sort_pairs_torch(binned, num_experts, top_k)
+    assert torch.equal(offsets, expected_offsets)
+    assert torch.equal(order.sort().values, torch.arange(experts.shape[0], device=experts.device))
+    # place by place the same experts as the stable sort's: each pair within its expert's range
+    assert torch.equal(binned[order], binned[expected_order])
+    assert torch.equal(a_rows, order // top_k)
+
+
+@pytest.mark.parametrize("pairs_count,num_experts,top_k",
+                         [(1, 1, 1), (8, 128, 8), (128, 128, 8), (1000, 8, 2), (32768, 128, 8), (70001, 512, 7)])
+def test_the_sort_kernel_groups_pairs_as_the_torch_ops(pairs_count, num_experts, top_k):
+    generator = torch.Generator(device="cuda").manual_seed(pairs_count)
+    # E and beyond, and negative ids: experts of other GPUs, sorted last
+    experts = torch.randint(-2, num_experts + 3, (pairs_count,), device="cuda", generator=generator)
+    check_sort(experts, num_experts, top_k)
+    assert ("pairs", experts.device.index, "sort", num_experts) not in core.DEMOTED
+
+
+def test_the_sort_kernel_takes_every_pair_to_one_expert():
+    check_sort(torch.full((4096,), 3, device="cuda"), 8, 8)
+    check_sort(torch.full((4096,), 8, device="cuda"), 8, 8)  # every pair another GPU's
+
+
+def reference_combine(rows, weights, experts, num_experts, shared):
+    tokens, top_k = weights.shape
+    terms = rows.double().view(tokens, top_k, -1) * weights.double()[..., None]
+    if experts is not None:
+        terms = torch.where((experts < num_experts).view(tokens, top_k, 1), terms, 0.0)
+    out = terms.sum(dim=1)
+    return out if shared is None else out + shared.double()
+
+
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 8, 2048), (3, 2, 4096), (16, 8, 7168), (257, 6, 8),
+                                                 (4096, 8, 2048)])
+@pytest.mark.parametrize("masked", [False, True], ids=["all_local", "masked"])
+@pytest.mark.parametrize("with_shared,out_dtype", [(False, torch.bfloat16), (True, torch.float32),
+                                                   (True, torch.bfloat16)], ids=["bf16", "shared_fp32", "shared_bf16"])
+def test_the_combine_kernel_is_the_weighted_sum(tokens, top_k, hidden, masked, with_shared, out_dtype):
+    generator = torch.Generator(device="cuda").manual_seed(tokens * hidden + top_k)
+    num_experts = 16
+    rows = torch.randn(tokens * top_k, hidden, device="cuda", generator=generator).bfloat16()
+    weights = torch.rand(tokens, top_k, device="cuda", generator=generator)
+    experts = (torch.randint(0, num_experts + 1, (tokens * top_k,), device="cuda", generator=generator)
+               if masked else None)
+    if masked:  # another GPU's rows hold anything: never read, never summed
+        rows[experts == num_experts] = float("nan")
+    shared = torch.randn(tokens, hidden, device="cuda", generator=generator).bfloat16() if with_shared else None
+    out = pairs.combine_pairs(rows, weights, experts, num_experts, shared, out_dtype)
+    torch_ops = pairs.combine_pairs_torch(rows, weights, experts, num_experts, shared, out_dtype)
+    expected = reference_combine(rows, weights, experts, num_experts, shared)
+    assert out.dtype == out_dtype and not out.isnan().any()
+    # the fp32 sum in another order than float64's: within a few fp32 units before the rounding
+    # to bf16, so within one bf16 unit of the float64 value rounded
+    unit = 2**-7 if out_dtype == torch.bfloat16 else 2**-20
+    assert ((out.double() - expected).abs() <= unit * expected.abs() + 1e-6).all()
+    assert ((out.double() - torch_ops.double()).abs() <= unit * expected.abs() + 1e-6).all()
+    assert not any(key[0] == "pairs" for key in core.DEMOTED)
+
+
+def test_both_kernels_replay_in_a_cuda_graph_for_new_routings():
+    tokens, top_k, hidden, num_experts = 64, 8, 1024, 32
+    experts = torch.randint(0, num_experts, (tokens * top_k,), device="cuda")
+    rows = torch.randn(tokens * top_k, hidden, device="cuda").bfloat16()
+    weights = torch.rand(tokens, top_k, device="cuda")
+    pairs.sort_pairs(experts, num_experts, top_k)  # first eager uses: compile and check
+    pairs.combine_pairs(rows, weights)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        order, a_rows, offsets = pairs.sort_pairs(experts, num_experts, top_k)
+        permuted = rows[order]  # stands for the GEMMs: depends on the sort
+        unsorted = torch.empty_like(permuted)
+        unsorted[order] = permuted
+        out = pairs.combine_pairs(unsorted, weights)
+    for seed in range(3):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        experts.copy_(torch.randint(0, num_experts, (tokens * top_k,), device="cuda", generator=generator))
+        rows.copy_(torch.randn(tokens * top_k, hidden, device="cuda", generator=generator).bfloat16())
+        weights.copy_(torch.rand(tokens, top_k, device="cuda", generator=generator))
+        graph.replay()
+        torch.cuda.synchronize()
+        _, _, expected_offsets = pairs.sort_pairs_torch(experts, num_experts, top_k)
+        assert torch.equal(offsets, expected_offsets), seed
+        assert torch.equal(experts[order].sort().values, experts.sort().values) and torch.equal(a_rows, order // top_k)
+        expected = reference_combine(rows, weights, None, num_experts, None)
+        assert ((out.double() - expected).abs() <= 2**-7 * expected.abs() + 1e-6).all(), seed
+
+
+@pytest.mark.parametrize("activations", ["bf16", "nvfp4"], ids=["w4a16", "w4a4"])
+def test_the_layer_with_pair_kernels_is_the_layer_without(activations):
+    """MoeFfn on the GPU with its pair kernels and with the torch ops: each GEMM row the same
+    bits (the order within an expert does not change a row), the weighted sums within one bf16
+    unit."""
+    from test_gpu_moe_layer import to_cuda
+    from test_moe_layer import HIDDEN, make_layer
+
+    tensors, cpu_layer, router = make_layer(activations=activations)
+    layer = to_cuda(cpu_layer, tensors, router)
+    x = torch.randn(48, HIDDEN, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4)).bfloat16()
+    with_kernels = layer(x)
+    layer.pair_kernels = False
+    without = layer(x)
+    assert ((with_kernels.double() - without.double()).abs() <= 2**-7 * without.double().abs() + 1e-6).all()

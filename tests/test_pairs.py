@@ -1,0 +1,110 @@
+"""The MoE layer's pair kernels (nvfp4_group_gemm.pairs, hopper/layer.py) on a CPU: the torch ops
+each kernel is checked against, against plain loops; the combine's inline PTX (the bf16 unpack,
+product and sum) run by the PTX interpreter against numpy's fp32; the kernels' sm_90a builds."""
+
+import numpy as np
+import pytest
+import torch
+from ptx_interpreter import Thread, _bits_to_f32, _f32_to_bits
+
+from nvfp4_group_gemm import pairs
+from nvfp4_group_gemm.hopper import layer, ptx
+
+
+@pytest.mark.parametrize("pairs_count,num_experts,top_k", [(1, 1, 1), (40, 8, 2), (1024, 128, 8), (999, 512, 3)])
+def test_the_torch_sort_groups_pairs_by_expert_stably(pairs_count, num_experts, top_k):
+    generator = torch.Generator().manual_seed(pairs_count)
+    # E marks another GPU's expert
+    experts = torch.randint(0, num_experts + 1, (pairs_count,), generator=generator)
+    order, a_rows, offsets = pairs.sort_pairs(experts, num_experts, top_k)
+    expected_order = [p for e in range(num_experts + 1) for p in range(pairs_count) if experts[p] == e]
+    assert order.tolist() == expected_order
+    assert a_rows.tolist() == [p // top_k for p in expected_order]
+    counts = torch.bincount(experts, minlength=num_experts + 1)
+    assert offsets.tolist() == [0] + torch.cumsum(counts, 0)[:num_experts].tolist()
+    assert offsets.dtype == torch.int32 and order.dtype == a_rows.dtype == torch.int64
+
+
+def test_the_sort_refuses_what_its_kernel_cannot_read():
+    with pytest.raises(TypeError, match=r"sort_pairs: experts torch.int32 \(4,\): must be int64 \[P\]"):
+        pairs.sort_pairs(torch.zeros(4, dtype=torch.int32), 4, 1)
+    with pytest.raises(ValueError, match="num_experts = 0: must be >= 1"):
+        pairs.sort_pairs(torch.zeros(4, dtype=torch.int64), 0, 1)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["all_local", "masked"])
+@pytest.mark.parametrize("with_shared", [False, True], ids=["routed", "shared"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_torch_combine_is_the_weighted_sum_of_each_tokens_rows(masked, with_shared, out_dtype):
+    tokens, top_k, hidden, num_experts = 5, 3, 16, 4
+    generator = torch.Generator().manual_seed(7)
+    rows = torch.randn(tokens * top_k, hidden, generator=generator).bfloat16()
+    weights = torch.rand(tokens, top_k, generator=generator)
+    experts = torch.randint(0, num_experts + 1, (tokens * top_k,), generator=generator) if masked else None
+    if masked:
+        rows[experts == num_experts] = float("nan")  # rows another GPU computes: never read
+    shared = torch.randn(tokens, hidden, generator=generator).bfloat16() if with_shared else None
+    out = pairs.combine_pairs(rows, weights, experts, num_experts, shared, out_dtype)
+    expected = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(top_k):
+            p = t * top_k + j
+            if experts is None or experts[p] < num_experts:
+                expected[t] += float(weights[t, j]) * rows[p].double()
+        if shared is not None:
+            expected[t] += shared[t].double()
+    assert out.dtype == out_dtype and not out.isnan().any()
+    # fp32 products and sums, rounded once to the output
+    tolerance = 2**-8 if out_dtype == torch.bfloat16 else 2**-20
+    assert torch.allclose(out.double(), expected, rtol=tolerance, atol=1e-6)
+
+
+def test_the_combine_refuses_rows_that_are_not_the_pairs():
+    with pytest.raises(TypeError, match=r"rows torch.float32 \(6, 8\): must be bf16 \[T k = 6, H\]"):
+        pairs.combine_pairs(torch.zeros(6, 8), torch.ones(3, 2))
+    with pytest.raises(TypeError, match=r"rows torch.bfloat16 \(5, 8\): must be bf16 \[T k = 6, H\]"):
+        pairs.combine_pairs(torch.zeros(5, 8, dtype=torch.bfloat16), torch.ones(3, 2))
+
+
+def test_the_combines_inline_ptx_is_numpys_fp32_mul_then_add():
+    """accumulate_bf16x8's text, one thread: 8 accumulators plus weight x 8 bf16 (4 words), each
+    product rounded to fp32, then the sum rounded (no fused multiply-add), on values whose fused
+    and unfused results differ."""
+    text = ptx.accumulate_bf16x8_text()
+    rng = np.random.default_rng(3)
+    for trial in range(50):
+        values = torch.tensor(rng.normal(size=8) * 10.0 ** rng.integers(-3, 4), dtype=torch.float32).bfloat16()
+        bits = values.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+        words = [int(bits[2 * i]) | (int(bits[2 * i + 1]) << 16) for i in range(4)]
+        accumulators = rng.normal(size=8).astype(np.float32)
+        weight = np.float32(rng.random())
+        operands = {e: _f32_to_bits(accumulators[e]) for e in range(8)}
+        operands[8] = _f32_to_bits(weight)
+        operands.update({9 + i: words[i] for i in range(4)})
+        thread = Thread(operands, {})
+        thread.run(text)
+        got = [_bits_to_f32(thread.registers[f"${e}"]) for e in range(8)]
+        expected = [np.float32(accumulators[e] + np.float32(np.float32(values[e].float().item()) * weight))
+                    for e in range(8)]
+        assert [_f32_to_bits(g) for g in got] == [_f32_to_bits(x) for x in expected], trial
+
+
+def test_the_layer_runs_its_pair_ops_or_the_torch_ones_alike():
+    """On a CPU both settings of MoeFfn.pair_kernels run the same torch ops: the same bits."""
+    from test_moe_layer import HIDDEN, make_layer
+
+    _, layer, _ = make_layer()
+    x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with_kernels = layer(x)
+    layer.pair_kernels = False
+    assert torch.equal(layer(x), with_kernels)
+
+
+def test_the_pair_kernels_build_for_sm_90a(sm90_builds):
+    """Both kernels (and the combine's masked, shared, fp32 build) compile for sm_90a: one CTA of
+    1024 threads for the sort, shared memory for the E + 1 counts; 256 threads for the combine."""
+    for name, _, _ in layer.layer_compile_targets():
+        for groups in (1, 8):
+            report = sm90_builds[(name, groups)]
+            assert report.error is None, (name, groups, report.error)
+            assert report.registers and report.registers <= 64, (name, report.registers)
