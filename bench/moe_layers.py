@@ -20,9 +20,11 @@ offsets on the GPU; the entry's result is checked against the exact decode where
 small (--check-flops); each peer reads bf16 [T, K] activations and bf16 (torch) or MXFP4
 (triton_kernels) weights of the same shape. Timing, per implementation: L2 flushed (a 256 MB
 write), a sleep kernel queued so the host is ahead (device time only: triton_kernels' host cost
-would otherwise dominate), CUDA events around one call; median of --repeats. Printed: µs, the
-ratio to torch._grouped_mm, and the effective weight bandwidth (the bytes of the experts that got
-a row, fp4 + e4m3 scales for the entry, bf16 for torch, over the time).
+would otherwise dominate), CUDA events around one call; median of --repeats. Printed: µs of the
+entry's fp4 path (`entry`) and W4A16 path (bf16 activations, the same weights, alpha per expert,
+bf16 out), the ratio entry / torch._grouped_mm (goal), both paths over triton_kernels, the active
+weight MB and the effective weight bandwidth (the bytes of the experts that got a row, fp4 +
+e4m3 scales for the entry's two paths, bf16 for torch, over the time).
 
     python bench/moe.py --layers [--repeats 15] [--tokens 1,8,64,512,4096] [--layers-only qwen3_64]
                                  [--json PATH] [--no-triton]
@@ -135,6 +137,16 @@ def entry_inputs(rows: list[int], n: int, k: int, device="cuda") -> dict:
     }
 
 
+def w4a16_inputs(inputs: dict) -> dict:
+    """The W4A16 twin of entry inputs: bf16 activations [T, K] (N(0, 1)), no sfa, the same
+    weights and offsets, alpha per expert (0.5 .. 1.5), a bf16 c."""
+    tokens, k = inputs["a"].shape[0], 2 * inputs["a"].shape[1]
+    groups = inputs["b"].shape[0]
+    return dict(inputs, a=torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16), sfa=None,
+                c=torch.empty(inputs["c"].shape, dtype=torch.bfloat16, device="cuda"),
+                alpha=torch.rand(groups, device="cuda") + 0.5)
+
+
 def within_fp32_bound(inputs: dict, rows: list[int]) -> bool:
     """Every group's rows of c within the fp32 accumulation bound of the exact sum
     (reference.exact_mismatches: general e4m3 scales make fp32 sums round)."""
@@ -204,20 +216,28 @@ def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[in
         cell["exact"] = within_fp32_bound(inputs, rows)
     lib.moe_grouped_gemm(**inputs)  # the binding
     cell["entry_us"] = device_us(lambda: lib.moe_grouped_gemm(**inputs), args.repeats, flush)
+    # the W4A16 path: the same weights and offsets, bf16 activations read by the GEMM, a
+    # checkpoint's epilogue (alpha per expert, bf16 out)
+    w4a16 = w4a16_inputs(inputs)
+    lib.moe_grouped_gemm(**w4a16)
+    if total * n * k <= args.check_flops:
+        cell["w4a16_exact"] = moe.compare_with_exact(**w4a16)[0] == 0
+    cell["w4a16_us"] = device_us(lambda: lib.moe_grouped_gemm(**w4a16), args.repeats, flush)
     for label in filter(None, args.configs.split(",")):  # forced configs (NVFP4_MOE_CONFIG), same inputs
         os.environ["NVFP4_MOE_CONFIG"] = label
         lib.reset_runtime()  # reads the switches again (nvfp4_group_gemm.switches)
-        try:
-            lib.moe_grouped_gemm(**inputs)
-            if total * n * k <= args.check_flops:
-                cell.setdefault("configs_exact", {})[label] = within_fp32_bound(inputs, rows)
-            cell.setdefault("configs_us", {})[label] = device_us(lambda: lib.moe_grouped_gemm(**inputs),
-                                                                 args.repeats, flush)
-        except Exception as error:  # noqa: BLE001 - a config that cannot run this cell
-            cell.setdefault("configs_us", {})[label] = f"{type(error).__name__}: {error}"[:120]
-        finally:
-            del os.environ["NVFP4_MOE_CONFIG"]
-            lib.reset_runtime()
+        for path, path_inputs in (("", inputs), ("w4a16 ", w4a16)):
+            try:
+                lib.moe_grouped_gemm(**path_inputs)
+                if total * n * k <= args.check_flops:
+                    cell.setdefault("configs_exact", {})[path + label] = (
+                        within_fp32_bound(inputs, rows) if not path else moe.compare_with_exact(**path_inputs)[0] == 0)
+                cell.setdefault("configs_us", {})[path + label] = device_us(
+                    lambda path_inputs=path_inputs: lib.moe_grouped_gemm(**path_inputs), args.repeats, flush)
+            except Exception as error:  # noqa: BLE001 - a config that cannot run this cell
+                cell.setdefault("configs_us", {})[path + label] = f"{type(error).__name__}: {error}"[:120]
+        del os.environ["NVFP4_MOE_CONFIG"]
+        lib.reset_runtime()
     x = torch.randn(total, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(len(rows), n, k, device="cuda", dtype=torch.bfloat16)
     ends = torch.tensor(rows, device="cuda").cumsum(0).to(torch.int32)
@@ -229,7 +249,9 @@ def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[in
             cell["triton_us"] = device_us(runner, args.repeats, flush)
     torch.cuda.empty_cache()
     fp4_bytes = active * (n * k // 2 + n * k // 16)
+    cell["weight_mb"] = fp4_bytes / 1e6
     cell["entry_weight_tbps"] = fp4_bytes / (cell["entry_us"] * 1e-6) / 1e12
+    cell["w4a16_weight_tbps"] = fp4_bytes / (cell["w4a16_us"] * 1e-6) / 1e12
     cell["grouped_mm_weight_tbps"] = active * n * k * 2 / (cell["grouped_mm_us"] * 1e-6) / 1e12
     cell["ratio"] = cell["entry_us"] / cell["grouped_mm_us"]
     return cell
@@ -246,11 +268,15 @@ def print_row(cell) -> None:
     goal, _ = goal_of(cell)
     met = "ok" if cell["ratio"] <= goal else "MISS"
     triton = f"{cell['triton_us']:.1f}" if "triton_us" in cell else "-"
+    over_triton = (f"{cell['entry_us'] / cell['triton_us']:>6.2f}{cell['w4a16_us'] / cell['triton_us']:>6.2f}"
+                   if "triton_us" in cell else f"{'-':>6}{'-':>6}")
     exact = {True: "exact", False: "WRONG", None: "-"}[cell.get("exact")]
+    exact += {True: "", False: "/W4A16 WRONG", None: ""}[cell.get("w4a16_exact")]
     routing = "skew" if cell.get("skewed") else "topk"
     print(f"{cell['layer']:<9}{cell['gemm']:<8}{routing:<5}{cell['tokens']:>6}{cell['rows']:>7}{cell['active_experts']:>5}"
-          f"{cell['entry_us']:>9.1f}{cell['grouped_mm_us']:>9.1f}{triton:>9}{cell['ratio']:>7.2f}{goal:>5.1f} {met:<5}"
-          f"{cell['entry_weight_tbps']:>7.2f}{cell['grouped_mm_weight_tbps']:>7.2f}  {exact:<6}{cell['config']}"
+          f"{cell['entry_us']:>9.1f}{cell['w4a16_us']:>9.1f}{cell['grouped_mm_us']:>9.1f}{triton:>9}{cell['ratio']:>7.2f}"
+          f"{goal:>5.1f} {met:<5}{over_triton}{cell['weight_mb']:>7.0f}{cell['entry_weight_tbps']:>7.2f}"
+          f"{cell['w4a16_weight_tbps']:>7.2f}{cell['grouped_mm_weight_tbps']:>7.2f}  {exact:<6}{cell['config']}"
           + "".join(f" | {label} {value:.1f}" if isinstance(value, float) else f" | {label} {value}"
                     + {True: "", False: " WRONG", None: ""}[cell.get("configs_exact", {}).get(label)]
                     for label, value in cell.get("configs_us", {}).items()), flush=True)
@@ -284,8 +310,9 @@ def main(argv=None) -> int:
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; device µs of one call (L2 flushed, "
           f"host ahead), median of {args.repeats}; TB/s = active experts' weight bytes / time")
-    print(f"{'layer':<9}{'gemm':<8}{'rout':<5}{'tokens':>6}{'rows':>7}{'exp':>5}{'entry':>9}{'bf16mm':>9}"
-          f"{'triton':>9}{'ratio':>7}{'goal':>5} {'':<5}{'TB/s':>7}{'bf16':>7}  check config")
+    print(f"{'layer':<9}{'gemm':<8}{'rout':<5}{'tokens':>6}{'rows':>7}{'exp':>5}{'entry':>9}{'W4A16':>9}{'bf16mm':>9}"
+          f"{'triton':>9}{'ratio':>7}{'goal':>5} {'':<5}{'/tk fp4':>7}{'W4A16':>6}{'MB':>7}{'TB/s':>7}{'W4A16':>7}"
+          f"{'bf16':>7}  check config")
     cells, wrong = [], False
     for layer in layers:
         for gemm, n, k in layer.gemms():
