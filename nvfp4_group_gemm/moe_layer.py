@@ -180,9 +180,17 @@ class MoeFfn:
         return pairs.sort_pairs_torch(experts, self.experts, top_k, self.expert_bounds)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] bf16 -> y [T, H] bf16: routing, the routed experts, the shared expert."""
-        topk_ids, topk_weights = self.route(x)
+        """x [T, H] bf16 -> y [T, H] bf16: routing, the routed experts, the shared expert. A
+        softmax router's choice and the pairs' sort run as one kernel where pairs.route_and_sort
+        takes the batch (pair_kernels, a GPU, decode-sized T)."""
         shared = None if self.shared is None else self.shared_expert(x)
+        if self.pair_kernels and pairs.route_and_sort_usable(x, self.routing, self.router_weight.shape[0]):
+            logits = x.float() @ self.router_weight.T
+            topk_ids, topk_weights, experts, *sorted_pairs = pairs.route_and_sort(
+                logits, self.routing.top_k, self.routing.renormalize, self.first_local, self.experts)
+            return self._experts_output(x, topk_ids, topk_weights, shared, torch.bfloat16,
+                                        (experts, *sorted_pairs))
+        topk_ids, topk_weights = self.route(x)
         return self._experts_output(x, topk_ids, topk_weights, shared, torch.bfloat16)
 
     def experts_output(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -202,11 +210,17 @@ class MoeFfn:
             raise TypeError(f"MoeFfn: topk_ids.dtype = {topk_ids.dtype}: must be int32 or int64")
         return self._experts_output(hidden_states, topk_ids, topk_weights, None, out_dtype)
 
-    def _experts_output(self, hidden_states, topk_ids, topk_weights, shared, out_dtype) -> torch.Tensor:
-        """experts_output, plus `shared` (bf16 [T, H] or None) added before the one rounding."""
+    def _experts_output(self, hidden_states, topk_ids, topk_weights, shared, out_dtype, sorted_pairs=None
+                        ) -> torch.Tensor:
+        """experts_output, plus `shared` (bf16 [T, H] or None) added before the one rounding;
+        `sorted_pairs`: (the pairs' local experts, order, tokens, offsets) where the routing
+        made them already."""
         top_k = topk_ids.shape[1]
-        experts = self.local_experts(topk_ids.reshape(-1).long())
-        order, token_rows, offsets = self.sort_by_expert(experts, top_k)
+        if sorted_pairs is None:
+            experts = self.local_experts(topk_ids.reshape(-1).long())
+            order, token_rows, offsets = self.sort_by_expert(experts, top_k)
+        else:
+            experts, order, token_rows, offsets = sorted_pairs
         projections = (self.w13, self.w2, (self.scale13, self.alpha13), (self.scale2, self.alpha2), offsets)
         if self.activations == "bf16":
             # the gate-and-up GEMM reads the sorted pairs' token rows in place (a_rows) and the

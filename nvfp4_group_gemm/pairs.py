@@ -78,6 +78,76 @@ def sort_pairs(experts: torch.Tensor, num_experts: int, top_k: int, bounds: torc
     return result
 
 
+# Batches the fused routing takes: one CTA's warps route the tokens in turn (about 40
+# instructions per round of k per token), so past a few tokens per warp torch.topk's grid is
+# faster; the sort alone (sort_pairs) takes any batch
+ROUTE_MAX_TOKENS = 256
+# a lane holds the router's logits 32 apart, one bit each in a 32-bit mask
+ROUTE_MAX_EXPERTS = 32 * 32
+
+
+def route_and_sort_usable(x: torch.Tensor, routing, router_experts: int) -> bool:
+    """Whether route_and_sort takes this batch and routing: a softmax router (renormalized or
+    not) on a GPU, at most ROUTE_MAX_TOKENS tokens and ROUTE_MAX_EXPERTS experts, k of them."""
+    return (routing.scoring == "softmax" and x.is_cuda and 0 < x.shape[0] <= ROUTE_MAX_TOKENS
+            and routing.top_k <= router_experts <= ROUTE_MAX_EXPERTS and _kernels_usable(x))
+
+
+def route_and_sort_torch(logits: torch.Tensor, top_k: int, renormalize: bool, first_local: int, num_experts: int):
+    """route_and_sort by torch ops (nvfp4_group_gemm.routing's softmax choice, then sort_pairs_torch)."""
+    from .routing import Routing, route
+
+    ids, weights = route(logits, Routing("softmax", top_k, renormalize))
+    local = ids.reshape(-1) - first_local
+    experts = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    return (ids, weights, experts, *sort_pairs_torch(experts, num_experts, top_k))
+
+
+def route_and_sort(logits: torch.Tensor, top_k: int, renormalize: bool, first_local: int, num_experts: int):
+    """A softmax router's choice and the pairs' sort in one kernel (hopper/layer.py,
+    Sm90MoeRouteSort), for logits fp32 [T, E_r] (route_and_sort_usable): (topk_ids int64 [T, k],
+    the k in descending logit order, the lowest expert first on a tie; topk_weights fp32 [T, k]:
+    the softmax of the k logits where `renormalize`, else of all E_r; the pairs' local experts
+    int64 [T k] (id - first_local, num_experts where not local); then sort_pairs' order, a_rows
+    and offsets)."""
+    tokens, router_experts = logits.shape
+    key = ("route", num_experts, router_experts, top_k, renormalize)
+    if _demoted(logits.device, key):
+        return route_and_sort_torch(logits, top_k, renormalize, first_local, num_experts)
+    logits = logits.float().contiguous()
+    device = logits.device
+    topk_ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
+    topk_weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    experts = torch.empty(tokens * top_k, dtype=torch.int64, device=device)
+    order = torch.empty_like(experts)
+    a_rows = torch.empty_like(experts)
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    from .hopper import layer
+
+    compiled = layer.compile_route_sort(num_experts, router_experts, top_k, renormalize)
+    _launch(compiled, layer.ROUTE_SORT_ARGS, (logits, topk_ids, topk_weights, experts, order, a_rows, offsets),
+            (tokens, first_local))
+    result = topk_ids, topk_weights, experts, order, a_rows, offsets
+    if _first_use(device, key):
+        expected = route_and_sort_torch(logits, top_k, renormalize, first_local, num_experts)
+        # the same experts per token (as sets: torch's come in no order), weights within a few
+        # fp32 units (another exponential, another sum order), then a sort of those pairs
+        chosen = torch.sort(topk_ids, dim=1)
+        expected_chosen = torch.sort(expected[0], dim=1)
+        binned = experts
+        agrees = (torch.equal(chosen.values, expected_chosen.values)
+                  and torch.allclose(topk_weights.gather(1, chosen.indices),
+                                     expected[1].gather(1, expected_chosen.indices), rtol=1e-5, atol=1e-7)
+                  and torch.equal(offsets, expected[5])
+                  and torch.equal(order.sort().values, torch.arange(tokens * top_k, device=device))
+                  and torch.equal(binned[order].sort().values, expected[2].sort().values)
+                  and bool((binned[order][1:] >= binned[order][:-1]).all())
+                  and torch.equal(a_rows, order // top_k))
+        if not _settle(device, key, agrees, "the softmax routing and sort"):
+            return expected
+    return result
+
+
 def combine_pairs_torch(rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor | None = None,
                         num_experts: int = 0, shared: torch.Tensor | None = None,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""A host interpreter of the straight-line PTX the sm_90a decode helpers emit (integer, prmt,
-lop3, fp16/bf16/fp32 conversions, multiplies and adds, shared loads), one thread at a time: the
+"""A host interpreter of the straight-line PTX the sm_90a helpers emit (integer, prmt, lop3,
+fp16/bf16/fp32 conversions, multiplies and adds, shared loads, comparisons into predicates and
+guarded instructions), one thread at a time, or a warp in lockstep for butterfly shuffles: the
 tests run the very text the kernel's inline assembly holds, on bytes they choose, and compare
 the registers it leaves with an independent decode."""
 
@@ -94,15 +95,28 @@ class Thread:
         return int.from_bytes(bytes(self.shared[address + i] for i in range(size)), "little")
 
     def run(self, text: str) -> None:
-        for raw in text.split("\n"):
-            line = raw.strip().rstrip(";").strip()
-            if not line or line in "{}" or line.startswith(".reg"):
-                continue
-            opcode, _, rest = line.partition(" ")
-            self.execute(opcode, rest.strip())
+        for line in instructions(text):
+            self.step(line)
+
+    def step(self, line: str) -> None:
+        """One instruction, its guard (@p, @!p) read first."""
+        if line.startswith("@"):
+            guard, _, line = line.partition(" ")
+            negated = guard.startswith("@!")
+            if bool(self.registers[guard.lstrip("@!")]) == negated:
+                return
+        opcode, _, rest = line.partition(" ")
+        self.execute(opcode, rest.strip())
 
     def execute(self, opcode: str, rest: str) -> None:
         regs = self.registers
+        if opcode.startswith("setp."):
+            self.set_predicate(opcode, [a.strip() for a in rest.split(",")])
+            return
+        if opcode == "or.pred":
+            d, a, b = (x.strip() for x in rest.split(","))
+            regs[d] = int(bool(regs[a]) or bool(regs[b]))
+            return
         if opcode.startswith("ld.shared"):
             destination, _, source = rest.partition(", [")
             address = self.address("[" + source)
@@ -123,8 +137,12 @@ class Thread:
         args = [a.strip() for a in rest.split(",")]
         d, sources = args[0], args[1:]
         v = [self.value(s) for s in sources]
-        if opcode == "mov.b32":
+        if opcode in ("mov.b32", "mov.f32"):
             regs[d] = v[0]
+        elif opcode == "or.b32":
+            regs[d] = v[0] | v[1]
+        elif opcode == "shr.u32":
+            regs[d] = (v[0] & MASK32) >> v[1]
         elif opcode == "and.b32":
             regs[d] = v[0] & v[1]
         elif opcode == "shr.b32":
@@ -155,6 +173,51 @@ class Thread:
             regs[d] = low | (high << 16)
         else:
             raise NotImplementedError(f"PTX opcode {opcode} ({rest})")
+
+
+    def set_predicate(self, opcode: str, args: list[str]) -> None:
+        """setp.<cmp>[.and].<type> p, a, b[, c]: p = (a cmp b) [and c]."""
+        parts = opcode.split(".")
+        compare, kind = parts[1], parts[-1]
+        a, b = (self.value(x) for x in args[1:3])
+        if kind == "f32":
+            a, b = float(_bits_to_f32(a)), float(_bits_to_f32(b))
+        elif kind.startswith("s"):
+            a, b = (x - (1 << 32) if x >> 31 else x for x in (a & MASK32, b & MASK32))
+        result = {"eq": a == b, "ne": a != b, "gt": a > b, "lt": a < b, "ge": a >= b, "le": a <= b}[compare]
+        if len(parts) == 4:  # a boolean operation with a third predicate
+            other = bool(self.registers[args[3]])
+            result = {"and": result and other, "or": result or other}[parts[2]]
+        self.registers[args[0]] = int(result)
+
+
+def instructions(text: str) -> list[str]:
+    """The instructions of an inline-asm text, one per item (braces and .reg lines left out)."""
+    lines = []
+    for raw in text.split("\n"):
+        line = raw.strip().rstrip(";").strip()
+        if line and line not in "{}" and not line.startswith(".reg"):
+            lines.append(line)
+    return lines
+
+
+class Warp:
+    """32 Threads run in lockstep, instruction by instruction: shfl.sync.bfly.b32 reads every
+    lane's source register before any lane writes (full member mask)."""
+
+    def __init__(self, operands_by_lane: list[dict[int, int]]):
+        self.threads = [Thread(operands, {}) for operands in operands_by_lane]
+
+    def run(self, text: str) -> None:
+        for line in instructions(text):
+            if line.startswith("shfl.sync.bfly.b32"):
+                d, a, distance = (x.strip() for x in line.partition(" ")[2].split(",")[:3])
+                sources = [t.value(a) for t in self.threads]
+                for lane, thread in enumerate(self.threads):
+                    thread.registers[d] = sources[lane ^ int(distance)]
+            else:
+                for thread in self.threads:
+                    thread.step(line)
 
 
 def bf16_lanes(register: int) -> tuple[float, float]:

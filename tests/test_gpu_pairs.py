@@ -119,3 +119,55 @@ def test_the_layer_with_pair_kernels_is_the_layer_without(activations):
     layer.pair_kernels = False
     without = layer(x)
     assert ((with_kernels.double() - without.double()).abs() <= 2**-7 * without.double().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("tokens,router_experts,top_k", [(1, 128, 8), (16, 128, 8), (256, 128, 8), (5, 8, 2),
+                                                         (64, 512, 8), (3, 1024, 4)])
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax_all"])
+@pytest.mark.parametrize("shard", [None, (32, 64)], ids=["all_local", "shard"])
+def test_the_routing_kernel_chooses_and_weighs_as_torch(tokens, router_experts, top_k, renormalize, shard):
+    """route_and_sort against nvfp4_group_gemm.routing's softmax choice and the torch sort: the
+    same k experts per token, the same weights within a few fp32 units, the pairs sorted by
+    local expert (a shard's experts first_local .. + E; the others past offsets[E])."""
+    if shard is not None and shard[0] + shard[1] > router_experts:
+        pytest.skip("the shard lies past the router's experts")
+    first_local, num_experts = shard or (0, router_experts)
+    generator = torch.Generator(device="cuda").manual_seed(tokens + router_experts)
+    logits = torch.randn(tokens, router_experts, device="cuda", generator=generator) * 3
+    ids, weights, experts, order, a_rows, offsets = pairs.route_and_sort(
+        logits, top_k, renormalize, first_local, num_experts)
+    e_ids, e_weights, e_experts, _, _, e_offsets = pairs.route_and_sort_torch(
+        logits, top_k, renormalize, first_local, num_experts)
+    chosen, expected = torch.sort(ids, dim=1), torch.sort(e_ids, dim=1)
+    assert torch.equal(chosen.values, expected.values)
+    assert torch.allclose(weights.gather(1, chosen.indices), e_weights.gather(1, expected.indices), rtol=1e-5,
+                          atol=1e-7)
+    # descending logits within each token
+    picked = logits.gather(1, ids)
+    assert bool((picked[:, 1:] <= picked[:, :-1]).all())
+    assert torch.equal(experts.view(tokens, top_k).sort(dim=1).values,
+                       e_experts.view(tokens, top_k).sort(dim=1).values)
+    assert torch.equal(offsets, e_offsets)
+    assert bool((experts[order][1:] >= experts[order][:-1]).all()) and torch.equal(a_rows, order // top_k)
+    assert torch.equal(order.sort().values, torch.arange(tokens * top_k, device="cuda"))
+    assert not any(key[0] == "pairs" for key in core.DEMOTED)
+
+
+def test_the_routing_kernel_replays_in_a_cuda_graph():
+    tokens, router_experts, top_k = 8, 128, 8
+    logits = torch.randn(tokens, router_experts, device="cuda")
+    pairs.route_and_sort(logits, top_k, True, 0, router_experts)  # compile and check
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, weights, _, order, _, offsets = pairs.route_and_sort(logits, top_k, True, 0, router_experts)
+    for seed in range(3):
+        logits.copy_(torch.randn(tokens, router_experts, device="cuda",
+                                 generator=torch.Generator(device="cuda").manual_seed(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        e_ids, e_weights, _, _, _, e_offsets = pairs.route_and_sort_torch(logits, top_k, True, 0, router_experts)
+        chosen, expected = torch.sort(ids, dim=1), torch.sort(e_ids, dim=1)
+        assert torch.equal(chosen.values, expected.values), seed
+        assert torch.allclose(weights.gather(1, chosen.indices), e_weights.gather(1, expected.indices), rtol=1e-5)
+        assert torch.equal(offsets, e_offsets) and torch.equal(order.sort().values, torch.arange(tokens * top_k,
+                                                                                                 device="cuda"))

@@ -5,7 +5,7 @@ product and sum) run by the PTX interpreter against numpy's fp32; the kernels' s
 import numpy as np
 import pytest
 import torch
-from ptx_interpreter import Thread, _bits_to_f32, _f32_to_bits
+from ptx_interpreter import Thread, Warp, _bits_to_f32, _f32_to_bits
 
 from nvfp4_group_gemm import pairs
 from nvfp4_group_gemm.hopper import layer, ptx
@@ -108,3 +108,44 @@ def test_the_pair_kernels_build_for_sm_90a(sm90_builds):
             report = sm90_builds[(name, groups)]
             assert report.error is None, (name, groups, report.error)
             assert report.registers and report.registers <= 64, (name, report.registers)
+
+
+def route_in_the_interpreter(logits: np.ndarray, top_k: int) -> list[int]:
+    """The routing kernel's choice for one token, its PTX run in the interpreter: each lane's
+    values 32 apart (-inf past E), k rounds of lane_best, warp_best and take_slot."""
+    experts = logits.shape[0]
+    slots = (experts + 31) // 32
+    values = [[_f32_to_bits(np.float32(logits[lane + 32 * i])) if lane + 32 * i < experts else 0xFF800000
+               for i in range(slots)] for lane in range(32)]
+    taken = [0] * 32
+    chosen = []
+    for _ in range(top_k):
+        best = []
+        for lane in range(32):
+            thread = Thread({2: taken[lane], **{3 + i: values[lane][i] for i in range(slots)}}, {})
+            thread.run(ptx.lane_best_text(slots))
+            index = (thread.registers["$1"] * 32 + lane) & 0xFFFFFFFF
+            best.append({0: thread.registers["$0"], 1: index})
+        warp = Warp(best)
+        warp.run(ptx.warp_best_text())
+        winners = {(t.registers["$0"], t.registers["$1"]) for t in warp.threads}
+        assert len(winners) == 1  # every lane holds the warp's winner
+        (_, index), = winners
+        chosen.append(index)
+        for lane in range(32):
+            thread = Thread({1: taken[lane], 2: lane, 3: index}, {})
+            thread.run(ptx.take_slot_text())
+            taken[lane] = thread.registers["$0"]
+    return chosen
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (160, 6), (512, 8), (1024, 4)])
+def test_the_routing_kernels_ptx_picks_the_k_largest_lowest_expert_first_on_a_tie(experts, top_k):
+    rng = np.random.default_rng(experts + top_k)
+    for trial in range(4):
+        logits = rng.normal(size=experts).astype(np.float32)
+        if trial % 2:  # ties: a few values repeated, among them the largest
+            logits[rng.choice(experts, size=min(6, experts), replace=False)] = logits.max()
+        # descending value, then ascending expert: the kernel's order
+        expected = sorted(range(experts), key=lambda e: (-float(logits[e]), e))[:top_k]
+        assert route_in_the_interpreter(logits, top_k) == expected, trial

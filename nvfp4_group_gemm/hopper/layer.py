@@ -31,17 +31,22 @@ from .moe import WARP, warp_inclusive_sum
 from .ptx import (
     accumulate_bf16x8,
     atomic_add_u32_shared,
+    lane_best,
     load_bf16x8_where,
     load_f32_global,
+    load_f32_global_or_neg_inf,
     load_i64_global,
     load_u32_shared,
     load_u32x4_global_nc,
     pack_bf16x2,
+    store_f32_global,
     store_f32x4_global,
     store_i64_global,
     store_u32_global,
     store_u32_shared,
     store_u32x4_global,
+    take_slot,
+    warp_best,
 )
 
 SORT_THREADS = 1024
@@ -52,6 +57,9 @@ COMBINE_OUT_DTYPES = ("bfloat16", "float32")
 # launch.CellLauncher's kinds and pointer dtypes of the two kernels' arguments (their __call__s)
 SORT_ARGS = (("ptr",) * 4 + ("i32",) * 2 + ("stream",),
              (cutlass.Int64, cutlass.Int64, cutlass.Int64, cutlass.Int32, None, None, None))
+ROUTE_SORT_ARGS = (("ptr",) * 7 + ("i32",) * 2 + ("stream",),
+                   (cutlass.Float32, cutlass.Int64, cutlass.Float32, cutlass.Int64, cutlass.Int64, cutlass.Int64,
+                    cutlass.Int32, None, None, None))
 COMBINE_ARGS = (("ptr",) * 5 + ("i32",) * 4 + ("stream",),
                 (cutlass.BFloat16, cutlass.Float32, cutlass.Int64, cutlass.BFloat16, cutlass.Uint8) + (None,) * 5)
 
@@ -84,13 +92,25 @@ class Sm90MoeSortPairs:
     def kernel(self, experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer, offsets: cute.Pointer,
                pairs: cutlass.Int32, top_k: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
+        counts = self.zeroed_counts(tidx)
+        cute.arch.sync_threads()
+        self.sort(tidx, counts, experts, order, a_rows, offsets, pairs, top_k)
+
+    @cute.jit
+    def zeroed_counts(self, tidx):
+        """The shared address of the E + 1 bins' counts, zeroed (a barrier before their use)."""
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         counts = storage.counts.data_ptr().toint()
         for i in cutlass.range_constexpr((self.bins + SORT_THREADS - 1) // SORT_THREADS):
             b = tidx + SORT_THREADS * i
             if b < self.bins:
                 store_u32_shared(counts + b * 4, cutlass.Int32(0))
-        cute.arch.sync_threads()
+        return counts
+
+    @cute.jit
+    def sort(self, tidx, counts, experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer,
+             offsets: cute.Pointer, pairs, top_k):
+        """The counting sort (module docstring) of the pairs' experts, every thread of the CTA."""
         for pair in cutlass.range(tidx, pairs, SORT_THREADS):
             atomic_add_u32_shared(counts + self.expert_bin(experts, pair) * 4, cutlass.Int32(1))
         cute.arch.sync_threads()
@@ -115,6 +135,76 @@ class Sm90MoeSortPairs:
             place = atomic_add_u32_shared(counts + self.expert_bin(experts, pair) * 4, cutlass.Int32(1))
             store_i64_global(order.toint() + cutlass.Int64(place) * 8, cutlass.Int64(pair))
             store_i64_global(a_rows.toint() + cutlass.Int64(place) * 8, cutlass.Int64(pair // top_k))
+
+
+class Sm90MoeRouteSort(Sm90MoeSortPairs):
+    """A softmax router's choice and the pairs' sort in one CTA (module docstring): each warp
+    takes tokens in turn, its lanes holding the router's E_r logits 32 apart; k rounds of the
+    largest untaken logit (a lane's own, then the warp's: the lowest expert on a tie) give the
+    token's experts in descending order, their weights the softmax of the k logits (renormalize)
+    or of all E_r, times nothing else; their local ids (id - first_local; E where not local)
+    feed the counting sort after a barrier. For decode-sized batches (pairs.ROUTE_MAX_TOKENS):
+    a warp's rounds take about 40 instructions each."""
+
+    def __init__(self, num_experts: int, router_experts: int, top_k: int, renormalize: bool):
+        super().__init__(num_experts)
+        self.router_experts, self.top_k, self.renormalize = router_experts, top_k, renormalize
+        self.slots = (router_experts + WARP - 1) // WARP
+
+    @cute.jit
+    def __call__(self, logits: cute.Pointer, topk_ids: cute.Pointer, topk_weights: cute.Pointer,
+                 experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer, offsets: cute.Pointer,
+                 tokens: cutlass.Int32, first_local: cutlass.Int32, stream: cuda.CUstream):
+        fields = {"counts": cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.bins], 16]}
+        self.shared_storage = cute.struct(type("RouteStorage", (), {"__annotations__": fields}))
+        self.kernel(logits, topk_ids, topk_weights, experts, order, a_rows, offsets, tokens, first_local).launch(
+            grid=(1, 1, 1), block=(SORT_THREADS, 1, 1), smem=self.shared_storage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, logits: cute.Pointer, topk_ids: cute.Pointer, topk_weights: cute.Pointer,
+               experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer, offsets: cute.Pointer,
+               tokens: cutlass.Int32, first_local: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        counts = self.zeroed_counts(tidx)
+        warp = tidx // WARP
+        lane = tidx % WARP
+        for token in cutlass.range(warp, tokens, SORT_THREADS // WARP):
+            row = logits.toint() + cutlass.Int64(token) * (self.router_experts * 4)
+            values = [load_f32_global_or_neg_inf(row + (lane + WARP * i) * 4,
+                                                 cutlass.Int32(lane + WARP * i < self.router_experts))
+                      for i in range(self.slots)]
+            taken = cutlass.Int32(0)
+            chosen = []
+            for _ in cutlass.range_constexpr(self.top_k):
+                value, slot = lane_best(values, taken)
+                value, index = warp_best(value, slot * WARP + lane)
+                taken = take_slot(taken, lane, index)
+                chosen.append((value, index))
+            largest = chosen[0][0]  # the token's largest logit: every exponent <= 0
+            exps = [cute.math.exp(value - largest) for value, _ in chosen]
+            if cutlass.const_expr(self.renormalize):
+                # the softmax of the k logits: the k largest probabilities over their sum
+                total = exps[0]
+                for e in exps[1:]:
+                    total = total + e
+            else:  # the softmax over every expert: its denominator over the whole row
+                total = cute.math.exp(values[0] - largest)
+                for v in values[1:]:
+                    total = total + cute.math.exp(v - largest)
+                total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+            if lane == 0:
+                for j in cutlass.range_constexpr(self.top_k):
+                    pair = cutlass.Int64(token) * self.top_k + j
+                    index = chosen[j][1]
+                    store_i64_global(topk_ids.toint() + pair * 8, cutlass.Int64(index))
+                    store_f32_global(topk_weights.toint() + pair * 4, exps[j] / total)
+                    local = index - first_local
+                    bin_ = cutlass.Int32(self.num_experts)
+                    if (local >= 0) & (local < self.num_experts):
+                        bin_ = local
+                    store_i64_global(experts.toint() + pair * 8, cutlass.Int64(bin_))
+        cute.arch.sync_threads()  # every pair's expert written (global memory, this CTA)
+        self.sort(tidx, counts, experts, order, a_rows, offsets, tokens * self.top_k, cutlass.Int32(self.top_k))
 
 
 class Sm90MoeCombine:
@@ -179,6 +269,13 @@ def sort_pairs_build(num_experts: int) -> tuple:
         cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
 
 
+def route_sort_build(num_experts: int, router_experts: int, top_k: int, renormalize: bool) -> tuple:
+    return Sm90MoeRouteSort(num_experts, router_experts, top_k, renormalize), (
+        fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int64), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int64),
+        fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(0),
+        cuda.CUstream(0))
+
+
 def combine_build(top_k: int, out_dtype: str, masked: bool, shared: bool) -> tuple:
     return Sm90MoeCombine(top_k, out_dtype, masked, shared), (
         fake_ptr(cutlass.BFloat16), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int64), fake_ptr(cutlass.BFloat16),
@@ -189,6 +286,17 @@ def combine_build(top_k: int, out_dtype: str, masked: bool, shared: bool) -> tup
 def compile_sort_pairs(num_experts: int, options: str | None = None):
     """Compile (cached: core.compile_key) the pairs' sort for num_experts local experts."""
     return core.compile_once(sort_pairs_build, num_experts, options=options)
+
+
+def compile_route_sort(num_experts: int, router_experts: int, top_k: int, renormalize: bool,
+                       options: str | None = None):
+    """Compile (cached: core.compile_key) a softmax router's choice and the pairs' sort."""
+    return core.compile_once(route_sort_build, num_experts, router_experts, top_k, renormalize, options=options)
+
+
+def compile_route_sort_target(groups: int, options: str | None = None, renormalize: bool = True):
+    """compile_route_sort for a build report: G local experts of a router's G, top-8."""
+    return compile_route_sort(groups, groups, min(8, groups), renormalize, options=options)
 
 
 def compile_combine(top_k: int, out_dtype: str = "bfloat16", masked: bool = False, shared: bool = False,
@@ -208,6 +316,8 @@ def layer_compile_targets():
     the sort's expert count."""
     return [
         ("sm90_moe_sort_pairs", "sm_90a", compile_sort_pairs),
+        ("sm90_moe_route_sort", "sm_90a", compile_route_sort_target),
+        ("sm90_moe_route_sort_softmax_all", "sm_90a", functools.partial(compile_route_sort_target, renormalize=False)),
         ("sm90_moe_combine_bf16", "sm_90a", compile_combine_target),
         ("sm90_moe_combine_masked_shared_f32", "sm_90a",
          functools.partial(compile_combine_target, out_dtype="float32", masked=True, shared=True)),

@@ -869,3 +869,113 @@ def store_i64_global(address: cutlass.Int64, value: cutlass.Int64, *, loc=None, 
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def load_f32_global_or_neg_inf(address: cutlass.Int64, valid: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Float32:
+    """One fp32 from global `address` where valid != 0; -inf, and nothing read, otherwise."""
+    result = _inline_asm(
+        cutlass.Float32.mlir_type,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(valid).ir_value(loc=loc, ip=ip)],
+        "{\n\t.reg .pred valid;\n\tsetp.ne.s32 valid, $2, 0;\n\tmov.f32 $0, 0fFF800000;\n\t"
+        "@valid ld.global.f32 $0, [$1];\n\t}",
+        "=f,l,r",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Float32(result)
+
+
+def lane_best_text(count: int) -> str:
+    """lane_best's PTX over `count` values: $0 the best value, $1 its slot; $2 the taken bits,
+    $3 .. the values."""
+    lines = ["{", ".reg .pred better, free;", ".reg .b32 bit;", "mov.f32 $0, 0fFF800000;", "mov.b32 $1, -1;"]
+    for i in range(count):
+        lines += [f"and.b32 bit, $2, {1 << i};", "setp.eq.u32 free, bit, 0;",
+                  f"setp.gt.and.f32 better, ${3 + i}, $0, free;",
+                  f"@better mov.f32 $0, ${3 + i};", f"@better mov.b32 $1, {i};"]
+    lines.append("}")
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def lane_best(values, taken: cutlass.Int32, *, loc=None, ip=None):
+    """(the largest of `values` whose bit i of `taken` is clear, its slot i): the first on a tie;
+    (-inf, -1) where every value is taken or -inf."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type, cutlass.Int32.mlir_type]),
+        [cutlass.Int32(taken).ir_value(loc=loc, ip=ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        lane_best_text(len(values)),
+        "=f,=r,r," + ",".join(["f"] * len(values)),
+        loc=loc,
+        ip=ip,
+    )
+    return (cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [0], loc=loc, ip=ip)),
+            cutlass.Int32(llvm.extractvalue(cutlass.Int32.mlir_type, result, [1], loc=loc, ip=ip)))
+
+
+def warp_best_text() -> str:
+    """warp_best's PTX: $0, $1 the (value, index) in and out (tied to $2, $3)."""
+    lines = ["{", ".reg .f32 other;", ".reg .b32 value_bits, other_bits, other_index;", ".reg .pred better, tie;"]
+    for distance in (16, 8, 4, 2, 1):
+        lines += ["mov.b32 value_bits, $0;",
+                  f"shfl.sync.bfly.b32 other_bits, value_bits, {distance}, 31, -1;",
+                  f"shfl.sync.bfly.b32 other_index, $1, {distance}, 31, -1;",
+                  "mov.b32 other, other_bits;",
+                  "setp.gt.f32 better, other, $0;",
+                  "setp.eq.f32 tie, other, $0;",
+                  "setp.lt.and.u32 tie, other_index, $1, tie;",
+                  "or.pred better, better, tie;",
+                  "@better mov.f32 $0, other;",
+                  "@better mov.b32 $1, other_index;"]
+    lines.append("}")
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def warp_best(value: cutlass.Float32, index: cutlass.Int32, *, loc=None, ip=None):
+    """The warp's largest (value, index), the lowest index on a tie (unsigned), in every lane."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type, cutlass.Int32.mlir_type]),
+        [cutlass.Float32(value).ir_value(loc=loc, ip=ip), cutlass.Int32(index).ir_value(loc=loc, ip=ip)],
+        warp_best_text(),
+        "=f,=r,0,1",
+        loc=loc,
+        ip=ip,
+    )
+    return (cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [0], loc=loc, ip=ip)),
+            cutlass.Int32(llvm.extractvalue(cutlass.Int32.mlir_type, result, [1], loc=loc, ip=ip)))
+
+
+def take_slot_text() -> str:
+    """take_slot's PTX: $0 the bits out; $1 the bits in, $2 the lane, $3 the index."""
+    return ("{\n\t.reg .pred mine;\n\t.reg .b32 owner, slot, bit;\n\tand.b32 owner, $3, 31;\n\t"
+            "setp.eq.u32 mine, owner, $2;\n\tshr.u32 slot, $3, 5;\n\tshl.b32 bit, 1, slot;\n\t"
+            "mov.b32 $0, $1;\n\t@mine or.b32 $0, $1, bit;\n\t}")
+
+
+@dsl_user_op
+def take_slot(taken: cutlass.Int32, lane: cutlass.Int32, index: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
+    """`taken` with bit index / 32 set in the lane that holds element `index` (index % 32)."""
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [cutlass.Int32(taken).ir_value(loc=loc, ip=ip), cutlass.Int32(lane).ir_value(loc=loc, ip=ip),
+         cutlass.Int32(index).ir_value(loc=loc, ip=ip)],
+        take_slot_text(),
+        "=r,r,r,r",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
+
+
+@dsl_user_op
+def store_f32_global(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.f32 [$0], $1;",
+        "l,f,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
