@@ -628,7 +628,7 @@ def layer_inputs(layer: Layer, tokens: int, count: int) -> list[torch.Tensor]:
 
 
 def run_layer(layer: Layer, directory: Path, tokens_list: list[int], repeats: int, flush: torch.Tensor, tk,
-              on_cell=None) -> dict:
+              on_cell=None, skip: tuple = ()) -> dict:
     implementations, load = build_layer(layer, directory, tk)
     print_load(load)
     ours = implementations["W4A16"]
@@ -643,7 +643,8 @@ def run_layer(layer: Layer, directory: Path, tokens_list: list[int], repeats: in
                 "floor_us": sum(floor_us(a, routed_bytes, shared_bytes) for a in active) / len(active)}
         reference = implementations["bf16"](inputs[0]).float()
         for name, fn in implementations.items():
-            cell[name] = time_implementation(fn, inputs, reference, flush)
+            if name not in skip:  # --skip: a column left out (printed "-")
+                cell[name] = time_implementation(fn, inputs, reference, flush)
         rows.append(cell)
         print_cell(cell)
         if on_cell is not None:
@@ -821,6 +822,8 @@ def parse_options(argv=None) -> argparse.Namespace:
                         "temporary folder, removed at the end)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-triton", action="store_true", help="skip triton_kernels' layer")
+    parser.add_argument("--skip", type=lambda v: [x for x in v.split(",") if x], default=[],
+                        help=f"columns not timed (of {', '.join(IMPLEMENTATIONS)}; bf16 is the error reference)")
     parser.add_argument("--profile", action="store_true", help="every device activity of a layer call, with its "
                         "µs (torch.profiler), instead of the timing table")
     parser.add_argument("--profile-calls", type=int, default=5, help="calls profiled per layer, token count and "
@@ -830,6 +833,8 @@ def parse_options(argv=None) -> argparse.Namespace:
     unknown = [name for name in args.layers if name not in LAYERS]
     if unknown:
         raise ValueError(f"unknown layers {unknown}: choose from {', '.join(LAYERS)}")
+    if set(args.skip) - set(IMPLEMENTATIONS):
+        raise ValueError(f"--skip {','.join(args.skip)}: choose from {', '.join(IMPLEMENTATIONS)}")
     if args.tokens is None:
         args.tokens = list(PROFILE_TOKENS if args.profile else DEFAULT_TOKENS)
     if args.repeats < 1 or args.profile_calls < 1:
@@ -879,7 +884,8 @@ def main(argv=None) -> int:
                     result.update(load=load, cells=rows)
                     save()
 
-                result.update(run_layer(layer, directory, args.tokens, args.repeats, flush, tk, on_cell))
+                result.update(run_layer(layer, directory, args.tokens, args.repeats, flush, tk, on_cell,
+                                        tuple(args.skip)))
             save()
             print(f"{name}: {time.perf_counter() - begin:.1f} s", flush=True)
             torch.cuda.empty_cache()
