@@ -42,7 +42,8 @@ Columns, per layer and token count (one row):
                   .peers/triton_kernels_src, ../shared/peers/triton_kernels_src or installed;
                   without it the column is skipped and the reason printed)
     floor         the layer's memory floor: the NVFP4 bytes (e2m1 codes, e4m3 block scales, fp32
-                  global scales) of the experts this call reads / 4.8 TB/s (the H200's HBM3e).
+                  global scales) of the experts this call reads / the GPU's HBM bandwidth
+                  (hbm_bytes_per_s: 4.8 TB/s on an H200, 3.35 on an H100 SXM).
                   The experts read: the distinct local experts the call's routing hits, plus
                   the shared expert (DeepSeek-V3); router, activations and outputs not counted.
                   Mean over the inputs (each input routes anew), as the times are.
@@ -138,6 +139,16 @@ EXPERTS_PER_SHARD = 32
 INPUT_SCALE = 5.0 / (6 * 448)
 COMPLETE = "bench_export_complete"
 HBM_BYTES_PER_S = 4.8e12  # the H200's HBM3e
+# HBM bandwidth by device name (NVIDIA's datasheets); another GPU: the H200's, said in the header
+HBM_BYTES_PER_S_BY_DEVICE = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12}
+
+
+def hbm_bytes_per_s(device_name: str) -> float:
+    """The HBM bandwidth the floor divides by, for a device named `device_name`."""
+    for name, value in HBM_BYTES_PER_S_BY_DEVICE.items():
+        if name in device_name:
+            return value
+    return HBM_BYTES_PER_S
 # triton_kernels' SwiGLU as SiLU(gate) x up (module docstring): alpha 1, no clamp, -1 on up
 SWIGLU_ALPHA = 1.0
 SWIGLU_LIMIT = float("inf")
@@ -640,7 +651,8 @@ def run_layer(layer: Layer, directory: Path, tokens_list: list[int], repeats: in
         active = [active_experts(ours.route(x)[0], ours.first_local, ours.experts) for x in inputs]
         mean_active = sum(active) / len(active)
         cell = {"layer": layer.name, "tokens": tokens, "active_experts": mean_active,
-                "floor_us": sum(floor_us(a, routed_bytes, shared_bytes) for a in active) / len(active)}
+                "floor_us": sum(floor_us(a, routed_bytes, shared_bytes, hbm_bytes_per_s(torch.cuda.get_device_name()))
+                                for a in active) / len(active)}
         reference = implementations["bf16"](inputs[0]).float()
         for name, fn in implementations.items():
             if name not in skip:  # --skip: a column left out (printed "-")
@@ -856,12 +868,12 @@ def main(argv=None) -> int:
     root = Path(args.export_dir) if args.export_dir else Path(tempfile.mkdtemp(prefix="moe_ffn_exports_"))
     what = (f"device activities of {args.profile_calls} eager calls (torch.profiler)" if args.profile else
             f"µs per layer call, mean of {args.repeats} (L2 flushed), eager and graph replay; floor = the read "
-            f"experts' NVFP4 bytes / {HBM_BYTES_PER_S / 1e12:.1f} TB/s; ratios on graph replay")
+            f"experts' NVFP4 bytes / {hbm_bytes_per_s(torch.cuda.get_device_name()) / 1e12:.2f} TB/s; ratios on graph replay")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; exports in {root}; {what}", flush=True)
     tk, where = triton_peer(args.no_triton)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton_kernels": where if tk is not None else f"skipped: {where}",
-              "hbm_bytes_per_s": HBM_BYTES_PER_S, "repeats": args.repeats, "layers": [], "profile": []}
+              "hbm_bytes_per_s": hbm_bytes_per_s(torch.cuda.get_device_name()), "repeats": args.repeats, "layers": [], "profile": []}
 
     def save(*_):
         if args.json:  # after every cell: a run cut short keeps what it measured

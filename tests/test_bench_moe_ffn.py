@@ -264,3 +264,9 @@ def test_a_profile_splits_into_calls_at_the_marker_and_drops_the_flush():
         "route": (5.0, 1.0), "gemm": (32.0, 2.0), "Memset (Device)": (1.0, 1.0), "reduce": (1.5, 0.5)}
     with pytest.raises(ValueError, match="no device activity"):
         moe_ffn.split_calls([])
+
+
+def test_the_floor_divides_by_the_gpus_own_bandwidth():
+    assert moe_ffn.hbm_bytes_per_s("NVIDIA H200") == 4.8e12
+    assert moe_ffn.hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert moe_ffn.hbm_bytes_per_s("some other GPU") == moe_ffn.HBM_BYTES_PER_S
