@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checkpoint, pairs
+from . import checkpoint, pairs, switches
 from .op import moe_grouped_gemm_op
 from .routing import Routing, route
 
@@ -125,9 +125,9 @@ class MoeFfn:
         self.all_local = first_local == 0 and self.experts == router_weight.shape[0]
         # 0 .. E, where sort_by_expert's torch ops look up each expert's first pair
         self.expert_bounds = torch.arange(self.experts + 1, device=router_weight.device)
-        # the pairs' sort and weighted sum as one kernel each on a GPU (nvfp4_group_gemm.pairs);
-        # False: torch ops (the same values; the bench's comparison)
-        self.pair_kernels = True
+        # the routing, the pairs' sort and weighted sum as kernels on a GPU (nvfp4_group_gemm.pairs);
+        # False: torch ops (the same values; the bench's comparison). Default: NVFP4_PAIR_KERNELS
+        self.pair_kernels = switches.CURRENT.pair_kernels
         if activations == "nvfp4":  # the quantizer's constants on the device, before any capture
             checkpoint.midpoint_tensors(router_weight.device)
         # one activation scale per projection (the experts' largest), alpha recomputed with it

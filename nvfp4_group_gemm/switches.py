@@ -24,6 +24,8 @@ SWITCHES = {
                                                       "programmatic dependent launch; 0: graph replay instead")),
     "NVFP4_MOE_CONFIG": (None, "", "a hopper config name the MoE entry runs for every shape (experiments)"),
     "NVFP4_MOE_SM100": (("0", "1"), "0", "1: the MoE entry runs its sm_100a kernels (never run on a B200 here)"),
+    "NVFP4_PAIR_KERNELS": (("0", "1"), "1", ("1: MoeFfn's routing, pair sort and weighted sum as kernels "
+                                                  "(nvfp4_group_gemm.pairs; MoeFfn.pair_kernels); 0: torch ops")),
 }
 # read by nvfp4_group_gemm.core (the leaderboard file) at its import
 LEADERBOARD_SWITCHES = ("NVFP4_SM100_KERNEL", "NVFP4_SM100_CHAIN_CALLS", "NVFP4_PLAIN_LAUNCH", "NVFP4_SELF_CHECK")
@@ -37,6 +39,7 @@ class Switches:
     sm90_chain_calls: bool  # NVFP4_SM90_CHAIN_CALLS
     moe_config: str | None  # NVFP4_MOE_CONFIG (None: the entry's own choice)
     moe_sm100: bool  # NVFP4_MOE_SM100
+    pair_kernels: bool  # NVFP4_PAIR_KERNELS (MoeFfn.pair_kernels' default)
 
 
 def read() -> Switches:
@@ -53,6 +56,7 @@ def read() -> Switches:
         sm90_chain_calls=value("NVFP4_SM90_CHAIN_CALLS") == "1",
         moe_config=value("NVFP4_MOE_CONFIG") or None,
         moe_sm100=value("NVFP4_MOE_SM100") == "1",
+        pair_kernels=value("NVFP4_PAIR_KERNELS") == "1",
     )
 
 
