@@ -13,6 +13,7 @@ in its place, as the GEMMs' fallback chain does.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -63,7 +64,8 @@ def sort_pairs(experts: torch.Tensor, num_experts: int, top_k: int, bounds: torc
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=experts.device)
     from .hopper import layer
 
-    _launch(layer.compile_sort_pairs(num_experts), layer.SORT_ARGS, (experts, order, a_rows, offsets), (pairs, top_k))
+    _launch(functools.partial(layer.compile_sort_pairs, num_experts), layer.SORT_ARGS,
+            (experts, order, a_rows, offsets), (pairs, top_k))
     result = order, a_rows, offsets
     if _first_use(experts.device, key):
         binned = torch.where((experts >= 0) & (experts < num_experts), experts, num_experts)
@@ -124,8 +126,8 @@ def route_and_sort(logits: torch.Tensor, top_k: int, renormalize: bool, first_lo
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     from .hopper import layer
 
-    compiled = layer.compile_route_sort(num_experts, router_experts, top_k, renormalize)
-    _launch(compiled, layer.ROUTE_SORT_ARGS, (logits, topk_ids, topk_weights, experts, order, a_rows, offsets),
+    compile_fn = functools.partial(layer.compile_route_sort, num_experts, router_experts, top_k, renormalize)
+    _launch(compile_fn, layer.ROUTE_SORT_ARGS, (logits, topk_ids, topk_weights, experts, order, a_rows, offsets),
             (tokens, first_local))
     result = topk_ids, topk_weights, experts, order, a_rows, offsets
     if _first_use(device, key):
@@ -190,10 +192,10 @@ def combine_pairs(rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     out = torch.empty(tokens, hidden, dtype=out_dtype, device=rows.device)
     from .hopper import layer
 
-    compiled = layer.compile_combine(top_k, "bfloat16" if out_dtype == torch.bfloat16 else "float32",
-                                     experts is not None, shared is not None)
+    compile_fn = functools.partial(layer.compile_combine, top_k, "bfloat16" if out_dtype == torch.bfloat16 else "float32",
+                                 experts is not None, shared is not None)
     blocks = -(-tokens * (hidden // layer.COMBINE_COLUMNS) // layer.COMBINE_THREADS)
-    _launch(compiled, layer.COMBINE_ARGS, (rows, weights, experts if experts is not None else weights,
+    _launch(compile_fn, layer.COMBINE_ARGS, (rows, weights, experts if experts is not None else weights,
                                      shared if shared is not None else rows, out),
             (tokens, hidden, num_experts, blocks))
     if _first_use(rows.device, key):
@@ -206,11 +208,16 @@ def combine_pairs(rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     return out
 
 
-def _launch(compiled, args, tensors, sizes) -> None:
+def _launch(compile_fn, args, tensors, sizes) -> None:
+    """Compile (once: the DSL's compilation is not thread-safe, so under the runtime's lock) and
+    launch on the tensors' device, on its current stream."""
     kinds, dtypes = args
-    with _LOCK:
-        launch.cell_launcher(compiled, kinds, dtypes)(*(t.data_ptr() for t in tensors), *sizes,
-                                                      launch.current_stream_handle())
+    with torch.cuda.device(tensors[0].device):
+        with core.RUNTIME_LOCK:
+            compiled = compile_fn()
+        with _LOCK:
+            launch.cell_launcher(compiled, kinds, dtypes)(*(t.data_ptr() for t in tensors), *sizes,
+                                                          launch.current_stream_handle())
 
 
 def _kernel_key(device: torch.device, key) -> tuple:
