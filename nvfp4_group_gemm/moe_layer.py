@@ -43,9 +43,9 @@ def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[to
     """x [R, K] (K a multiple of 16) as NVFP4 with a given global scale, the ModelOpt formula:
     block scale = e4m3(block amax / 6 / input_scale), value = e2m1(x / (block scale x
     input_scale)), round to nearest even, saturating. Returns (a float4_e2m1fn_x2 [R, K/2], plain
-    scales float8_e4m3fn [R, K/16]; checkpoint.quantize_blocks). Torch ops only: no host read."""
-    codes, block_scale = checkpoint.quantize_blocks(x, input_scale.float().reshape(()))
-    return codes.view(torch.float4_e2m1fn_x2), block_scale
+    scales float8_e4m3fn [R, K/16]; checkpoint.quantize_blocks). On a GPU one kernel
+    (pairs.quantize_rows, the same bits); no host read."""
+    return pairs.quantize_rows(x, input_scale)
 
 
 ACTIVATIONS = ("bf16", "nvfp4")
@@ -226,8 +226,8 @@ class MoeFfn:
             # the gate-and-up GEMM reads the sorted pairs' token rows in place (a_rows) and the
             # down GEMM writes row p of pair p (c_rows): no gathered or permuted copy
             unsorted = self.ffn(hidden_states, *projections, a_rows=token_rows, c_rows=order)
-        else:  # the fp4 path quantizes the sorted pairs' token rows, [T k, H]; then the un-permute
-            down = self.ffn(hidden_states[token_rows], *projections)
+        else:  # the fp4 path quantizes the sorted pairs' token rows (gathered as it quantizes); then the un-permute
+            down = self.ffn(hidden_states, *projections, a_rows=token_rows)
             unsorted = torch.empty_like(down)
             unsorted[order] = down  # row p: pair p = (token p // k, its (p % k)-th expert)
         # the rows of pairs on other GPUs' experts were not written: they add nothing here
@@ -247,31 +247,37 @@ class MoeFfn:
         only: the first GEMM's rows read through `a_rows`, the second's written through `c_rows`
         (the entry's row maps)."""
         intermediate = w13.b.shape[1] // 2
+        kernels = self.pair_kernels
         if w13.row_order == "swiglu":  # SwiGLU in the GEMM's epilogue (swiglu_epilogue)
-            hidden = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows)
-            return self.gemm(hidden, w2, *scale_alpha2, offsets, c_rows=c_rows)
-        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows)
+            hidden = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows, kernels=kernels)
+            return self.gemm(hidden, w2, *scale_alpha2, offsets, c_rows=c_rows, kernels=kernels)
+        gate_up = self.gemm(rows, w13, *scale_alpha13, offsets, a_rows=a_rows, kernels=kernels)
         # up promoted to fp32 inside the product (exact, as .float() is): one kernel fewer
         hidden = torch.nn.functional.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:]
         if scale_alpha2[0] is None:  # W4A16: the down GEMM reads bf16 rows
             hidden = hidden.to(torch.bfloat16)
-        return self.gemm(hidden, w2, *scale_alpha2, offsets, c_rows=c_rows)
+        return self.gemm(hidden, w2, *scale_alpha2, offsets, c_rows=c_rows, kernels=kernels)
 
     @staticmethod
     def gemm(rows: torch.Tensor, projection: checkpoint.MoeProjection, scale: torch.Tensor | None,
              alpha: torch.Tensor, offsets: torch.Tensor, status: torch.Tensor | None = None, *,
-             a_rows: torch.Tensor | None = None, c_rows: torch.Tensor | None = None) -> torch.Tensor:
+             a_rows: torch.Tensor | None = None, c_rows: torch.Tensor | None = None,
+             kernels: bool = False) -> torch.Tensor:
         """One grouped GEMM of the layer, bf16 output: `rows` as they are (bf16, W4A16: scale
-        None), or quantized with `scale`; W4A16 only: grouped row r reads rows[a_rows[r]], and
-        its output goes to row c_rows[r] (an output of c_rows' length), where given; a projection
-        in the SwiGLU epilogue's row order gives silu(gate) x up, N / 2 wide."""
+        None), or quantized with `scale`; grouped row r reads rows[a_rows[r]] (W4A16: the GEMM's
+        row map; W4A4: the rows gathered as they are quantized), and its output goes to row
+        c_rows[r] (W4A16; an output of c_rows' length), where given; a projection in the SwiGLU
+        epilogue's row order gives silu(gate) x up, N / 2 wide. `kernels`: the quantization as
+        one kernel on a GPU (pairs.quantize_rows), else torch ops."""
+        grouped = rows.shape[0] if a_rows is None else a_rows.shape[0]
         if scale is None:
             a, sfa = rows.to(torch.bfloat16).contiguous(), None
             if a.data_ptr() % 16:  # a view into a larger batch (a rank's tokens): the entry reads aligned rows
                 a = a.clone()
         else:
-            a, sfa = quantize_activations(rows, scale)
-        grouped = rows.shape[0] if a_rows is None else a_rows.shape[0]
+            quantize = pairs.quantize_rows if kernels else pairs.quantize_rows_torch
+            a, sfa = quantize(rows, scale, a_rows)
+            a_rows = None  # the quantized rows are the grouped rows
         swiglu = projection.row_order == "swiglu"
         columns = projection.b.shape[1] // 2 if swiglu else projection.b.shape[1]
         c = torch.empty(grouped, columns, dtype=torch.bfloat16, device=rows.device)

@@ -150,6 +150,50 @@ def route_and_sort(logits: torch.Tensor, top_k: int, renormalize: bool, first_lo
     return result
 
 
+def quantize_rows_torch(x: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | None = None):
+    """quantize_rows by torch ops (checkpoint.quantize_blocks of the gathered rows)."""
+    from . import checkpoint
+
+    if rows is not None:
+        x = x[rows]
+    codes, block_scale = checkpoint.quantize_blocks(x, scale.float().reshape(()))
+    return codes.view(torch.float4_e2m1fn_x2), block_scale
+
+
+def quantize_rows(x: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor | None = None):
+    """Rows of x [N, K] (bf16 or fp32, K a multiple of 16), or x[rows] (rows int64 [R]), as
+    NVFP4 under the global scale `scale` (one fp32 on the device): (a float4_e2m1fn_x2 [R, K/2],
+    plain scales float8_e4m3fn [R, K/16]), ModelOpt's formula bit for bit as
+    checkpoint.quantize_blocks computes it (hopper/layer.py, Sm90QuantizeRows: one thread per
+    16-element block, no gathered copy). A block holding a NaN: torch's scale is NaN, the
+    kernel's ignores it (max.f32)."""
+    count, k = (x.shape[0] if rows is None else rows.shape[0]), x.shape[1]
+    in_dtype = {torch.bfloat16: "bfloat16", torch.float32: "float32"}.get(x.dtype)
+    key = ("quantize", in_dtype, rows is not None)
+    tensors = [t for t in (x, scale, rows) if t is not None]
+    if (in_dtype is None or k % 16 or count == 0 or count * (k // 16) >= 2**31 or not _kernels_usable(*tensors)
+            or _demoted(x.device, key) or x.data_ptr() % 16):
+        return quantize_rows_torch(x, scale, rows)
+    x = x.contiguous()
+    scale = scale.float().reshape(1).contiguous()
+    rows = None if rows is None else rows.to(torch.int64).contiguous()
+    a = torch.empty(count, k // 2, dtype=torch.uint8, device=x.device)
+    sfa = torch.empty(count, k // 16, dtype=torch.uint8, device=x.device)
+    from .hopper import layer
+
+    blocks = -(-count * (k // 16) // layer.QUANTIZE_THREADS)
+    _launch(functools.partial(layer.compile_quantize, in_dtype, rows is not None), layer.QUANTIZE_ARGS,
+            (x, rows if rows is not None else scale, scale, a, sfa), (count, k, blocks))
+    result = a.view(torch.float4_e2m1fn_x2), sfa.view(torch.float8_e4m3fn)
+    if _first_use(x.device, key):
+        expected = quantize_rows_torch(x, scale, rows)
+        agrees = (torch.equal(a, expected[0].view(torch.uint8))
+                  and torch.equal(sfa, expected[1].view(torch.uint8)))
+        if not _settle(x.device, key, agrees, "the rows' NVFP4 quantization"):
+            return expected
+    return result
+
+
 def combine_pairs_torch(rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor | None = None,
                         num_experts: int = 0, shared: torch.Tensor | None = None,
                         out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

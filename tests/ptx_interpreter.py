@@ -139,6 +139,27 @@ class Thread:
         v = [self.value(s) for s in sources]
         if opcode in ("mov.b32", "mov.f32"):
             regs[d] = v[0]
+        elif opcode == "abs.f32":
+            regs[d] = v[0] & 0x7FFFFFFF
+        elif opcode in ("max.f32", "min.f32"):  # a NaN operand gives the other one (PTX's rule)
+            a, b = float(_bits_to_f32(v[0])), float(_bits_to_f32(v[1]))
+            if np.isnan(a) or np.isnan(b):
+                regs[d] = v[1] if np.isnan(a) else v[0]
+            else:
+                regs[d] = _f32_to_bits(np.float32(max(a, b) if opcode == "max.f32" else min(a, b)))
+        elif opcode == "div.rn.f32":
+            with np.errstate(divide="ignore", invalid="ignore"):
+                regs[d] = _f32_to_bits(np.float32(_bits_to_f32(v[0])) / np.float32(_bits_to_f32(v[1])))
+        elif opcode == "add.u32":
+            regs[d] = (v[0] + v[1]) & MASK32
+        elif opcode in ("selp.b32", "selp.f32"):  # d = p ? a : b
+            regs[d] = v[0] if regs[sources[2]] else v[1]
+        elif opcode == "cvt.rn.satfinite.e4m3x2.f32":  # d (16 bits) = {e4m3(a) high, e4m3(b) low}
+            high, low = (int(torch.tensor([float(_bits_to_f32(x))]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                             .view(torch.uint8)[0]) for x in v[:2])
+            regs[d] = (high << 8) | low
+        elif opcode == "cvt.u32.u16":
+            regs[d] = v[0] & 0xFFFF
         elif opcode == "or.b32":
             regs[d] = v[0] | v[1]
         elif opcode == "shr.u32":

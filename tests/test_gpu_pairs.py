@@ -176,3 +176,46 @@ def test_the_routing_kernel_replays_in_a_cuda_graph():
         assert torch.allclose(weights.gather(1, chosen.indices), e_weights.gather(1, expected.indices), rtol=1e-5)
         assert torch.equal(offsets, e_offsets) and torch.equal(order.sort().values, torch.arange(tokens * top_k,
                                                                                                  device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
+@pytest.mark.parametrize("count,k", [(1, 2048), (48, 768), (4096, 2048)])
+def test_the_quantize_kernel_is_the_torch_quantizer_bit_for_bit(dtype, gather, count, k):
+    """pairs.quantize_rows against checkpoint.quantize_blocks (pairs.quantize_rows_torch): the
+    same codes and scale bytes, rows read through a map or in place, a global scale on the device;
+    rows of zeros, of huge and of tiny values included."""
+    generator = torch.Generator(device="cuda").manual_seed(count + k)
+    source = (torch.randn(max(count, 8), k, device="cuda", generator=generator) * 3).to(dtype)
+    source[0] = 0.0
+    source[1 % source.shape[0]] = 1e30  # the block scale saturates at 448
+    source[2 % source.shape[0]] *= 1e-20
+    rows = torch.randint(0, source.shape[0], (count,), device="cuda", generator=generator) if gather else None
+    x = source if gather else source[:count]
+    scale = torch.tensor(5.0 / (6 * 448), device="cuda")
+    a, sfa = pairs.quantize_rows(x, scale, rows)
+    expected_a, expected_sfa = pairs.quantize_rows_torch(x, scale, rows)
+    assert a.dtype == torch.float4_e2m1fn_x2 and sfa.dtype == torch.float8_e4m3fn
+    assert torch.equal(a.view(torch.uint8), expected_a.view(torch.uint8))
+    assert torch.equal(sfa.view(torch.uint8), expected_sfa.view(torch.uint8))
+    assert not any(key[0] == "pairs" for key in core.DEMOTED)
+
+
+def test_the_quantize_kernel_replays_in_a_cuda_graph():
+    x = torch.randn(64, 1024, device="cuda").bfloat16()
+    rows = torch.randint(0, 64, (128,), device="cuda")
+    scale = torch.tensor(0.01, device="cuda")
+    pairs.quantize_rows(x, scale, rows)  # compile and check
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a, sfa = pairs.quantize_rows(x, scale, rows)
+    for seed in range(3):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(64, 1024, device="cuda", generator=generator))
+        rows.copy_(torch.randint(0, 64, (128,), device="cuda", generator=generator))
+        scale.fill_(0.01 * (seed + 1))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected_a, expected_sfa = pairs.quantize_rows_torch(x, scale, rows)
+        assert torch.equal(a.view(torch.uint8), expected_a.view(torch.uint8)), seed
+        assert torch.equal(sfa.view(torch.uint8), expected_sfa.view(torch.uint8)), seed

@@ -149,3 +149,42 @@ def test_the_routing_kernels_ptx_picks_the_k_largest_lowest_expert_first_on_a_ti
         # descending value, then ascending expert: the kernel's order
         expected = sorted(range(experts), key=lambda e: (-float(logits[e]), e))[:top_k]
         assert route_in_the_interpreter(logits, top_k) == expected, trial
+
+
+def quantize_in_the_interpreter(block: np.ndarray, global_scale: float) -> tuple[bytes, int]:
+    from nvfp4_group_gemm.checkpoint import _TIE_DOWN, _TIE_UP
+
+    operands = {3 + e: _f32_to_bits(np.float32(block[e])) for e in range(16)}
+    operands[19] = _f32_to_bits(np.float32(global_scale))
+    thread = Thread(operands, {})
+    thread.run(ptx.quantize_block_text(_TIE_DOWN, _TIE_UP))
+    words = thread.registers["$0"] | (thread.registers["$1"] << 32)
+    return words.to_bytes(8, "little"), thread.registers["$2"]
+
+
+def test_the_quantizers_ptx_is_the_formats_formula_bit_for_bit():
+    """quantize_block's text, one 16-element block at a time, against checkpoint.quantize_blocks
+    (the torch quantizer MoeFfn's W4A4 layer runs): the packed codes and the e4m3 scale byte,
+    on random blocks over six decades and global scales, every midpoint (ties to even), zeros and
+    negative zeros, a block whose scale underflows to 0 and one that saturates at 448."""
+    from nvfp4_group_gemm import checkpoint
+
+    rng = np.random.default_rng(11)
+    blocks, scales = [], []
+    for _ in range(60):
+        blocks.append((rng.normal(size=16) * 10.0 ** rng.integers(-3, 4)).astype(np.float32))
+        scales.append(float(np.float32(10.0 ** rng.uniform(-4, 1))))
+    midpoints = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], dtype=np.float32)
+    blocks.append(np.concatenate([midpoints, -midpoints]))  # amax 6, global 1: scale 1, values = midpoints
+    scales.append(1.0)
+    blocks.append(np.array([0.0, -0.0] * 8, dtype=np.float32))
+    scales.append(0.01)
+    blocks.append(np.full(16, 1e-30, dtype=np.float32))  # the block scale rounds to 0: every code 0
+    scales.append(1.0)
+    blocks.append(np.linspace(-1e6, 1e6, 16, dtype=np.float32))  # the block scale saturates at 448
+    scales.append(1e-3)
+    for block, scale in zip(blocks, scales):
+        codes, block_scale = checkpoint.quantize_blocks(torch.from_numpy(block)[None], torch.tensor(scale))
+        got_codes, got_scale = quantize_in_the_interpreter(block, scale)
+        assert got_codes == bytes(codes[0].tolist()), (block, scale)
+        assert got_scale == int(block_scale.view(torch.uint8)[0, 0]), (block, scale)

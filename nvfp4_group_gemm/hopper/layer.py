@@ -31,19 +31,24 @@ from .moe import WARP, warp_inclusive_sum
 from .ptx import (
     accumulate_bf16x8,
     atomic_add_u32_shared,
+    bf16x8_to_f32,
     lane_best,
     load_bf16x8_where,
     load_f32_global,
     load_f32_global_or_neg_inf,
+    load_f32x4_global_l2,
     load_i64_global,
     load_u32_shared,
     load_u32x4_global_nc,
     pack_bf16x2,
+    quantize_block,
     store_f32_global,
     store_f32x4_global,
     store_i64_global,
+    store_u8_global,
     store_u32_global,
     store_u32_shared,
+    store_u32x2_global,
     store_u32x4_global,
     take_slot,
     warp_best,
@@ -60,6 +65,8 @@ SORT_ARGS = (("ptr",) * 4 + ("i32",) * 2 + ("stream",),
 ROUTE_SORT_ARGS = (("ptr",) * 7 + ("i32",) * 2 + ("stream",),
                    (cutlass.Float32, cutlass.Int64, cutlass.Float32, cutlass.Int64, cutlass.Int64, cutlass.Int64,
                     cutlass.Int32, None, None, None))
+QUANTIZE_ARGS = (("ptr",) * 5 + ("i32",) * 3 + ("stream",),
+                 (cutlass.Uint8, cutlass.Int64, cutlass.Float32, cutlass.Uint8, cutlass.Uint8) + (None,) * 4)
 COMBINE_ARGS = (("ptr",) * 5 + ("i32",) * 4 + ("stream",),
                 (cutlass.BFloat16, cutlass.Float32, cutlass.Int64, cutlass.BFloat16, cutlass.Uint8) + (None,) * 5)
 
@@ -260,6 +267,56 @@ class Sm90MoeCombine:
                 store_f32x4_global(out.toint() + element * 4 + 16, accumulators[4:])
 
 
+QUANTIZE_THREADS = 256
+QUANTIZE_IN_DTYPES = ("bfloat16", "float32")
+
+
+class Sm90QuantizeRows:
+    """Rows x [R, K] (bf16 or fp32; through a row map where `gather`: output row r quantizes
+    x[rows[r]]) as NVFP4 under a global scale on the device: one thread per 16-element block,
+    its values loaded in 16-byte pieces, then ptx.quantize_block (the format's formula as
+    checkpoint.quantize_blocks computes it, bit for bit), 8 bytes of codes and one scale byte
+    stored: a [R, K/2], plain scales [R, K/16]."""
+
+    def __init__(self, in_dtype: str, gather: bool):
+        if in_dtype not in QUANTIZE_IN_DTYPES:
+            raise ValueError(f"in_dtype={in_dtype!r}: must be one of {', '.join(QUANTIZE_IN_DTYPES)}")
+        self.in_dtype, self.gather = in_dtype, gather
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, rows: cute.Pointer, scale: cute.Pointer, a: cute.Pointer,
+                 sfa: cute.Pointer, count: cutlass.Int32, k: cutlass.Int32, blocks: cutlass.Int32,
+                 stream: cuda.CUstream):
+        self.kernel(x, rows, scale, a, sfa, count, k).launch(
+            grid=(blocks, 1, 1), block=(QUANTIZE_THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, x: cute.Pointer, rows: cute.Pointer, scale: cute.Pointer, a: cute.Pointer,
+               sfa: cute.Pointer, count: cutlass.Int32, k: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        blocks_per_row = k // 16
+        item = bidx * QUANTIZE_THREADS + tidx
+        row = item // blocks_per_row
+        block = item - row * blocks_per_row
+        if row < count:
+            source = cutlass.Int64(row)
+            if cutlass.const_expr(self.gather):
+                source = load_i64_global(rows.toint() + cutlass.Int64(row) * 8)
+            element = source * k + cutlass.Int64(block) * 16
+            if cutlass.const_expr(self.in_dtype == "bfloat16"):
+                address = x.toint() + element * 2
+                values = bf16x8_to_f32(load_u32x4_global_nc(address)) + bf16x8_to_f32(
+                    load_u32x4_global_nc(address + 16))
+            else:
+                address = x.toint() + element * 4
+                values = [v for piece in range(4) for v in load_f32x4_global_l2(address + 16 * piece)]
+            low, high, scale_byte = quantize_block(values, load_f32_global(scale.toint()))
+            out = cutlass.Int64(row) * blocks_per_row + block
+            store_u32x2_global(a.toint() + out * 8, low, high)
+            store_u8_global(sfa.toint() + out, scale_byte)
+
+
 fake_ptr = core.fake_ptr
 
 
@@ -286,6 +343,23 @@ def combine_build(top_k: int, out_dtype: str, masked: bool, shared: bool) -> tup
 def compile_sort_pairs(num_experts: int, options: str | None = None):
     """Compile (cached: core.compile_key) the pairs' sort for num_experts local experts."""
     return core.compile_once(sort_pairs_build, num_experts, options=options)
+
+
+def quantize_build(in_dtype: str, gather: bool) -> tuple:
+    return Sm90QuantizeRows(in_dtype, gather), (
+        fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Int64), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Uint8),
+        fake_ptr(cutlass.Uint8), cutlass.Int32(1), cutlass.Int32(16), cutlass.Int32(1), cuda.CUstream(0))
+
+
+def compile_quantize(in_dtype: str = "bfloat16", gather: bool = False, options: str | None = None):
+    """Compile (cached: core.compile_key) the rows' NVFP4 quantizer."""
+    return core.compile_once(quantize_build, in_dtype, gather, options=options)
+
+
+def compile_quantize_target(groups: int, options: str | None = None, in_dtype: str = "bfloat16",
+                            gather: bool = False):
+    """compile_quantize for a build report (G is not a quantizer's)."""
+    return compile_quantize(in_dtype, gather, options=options)
 
 
 def compile_route_sort(num_experts: int, router_experts: int, top_k: int, renormalize: bool,
@@ -319,6 +393,8 @@ def layer_compile_targets():
         ("sm90_moe_route_sort", "sm_90a", compile_route_sort_target),
         ("sm90_moe_route_sort_softmax_all", "sm_90a", functools.partial(compile_route_sort_target, renormalize=False)),
         ("sm90_moe_combine_bf16", "sm_90a", compile_combine_target),
+        ("sm90_moe_quantize_gather_bf16", "sm_90a", functools.partial(compile_quantize_target, gather=True)),
+        ("sm90_moe_quantize_f32", "sm_90a", functools.partial(compile_quantize_target, in_dtype="float32")),
         ("sm90_moe_combine_masked_shared_f32", "sm_90a",
          functools.partial(compile_combine_target, out_dtype="float32", masked=True, shared=True)),
     ]

@@ -981,3 +981,109 @@ def store_f32_global(address: cutlass.Int64, value: cutlass.Float32, *, loc=None
         loc=loc,
         ip=ip,
     )
+
+
+def quantize_block_text(tie_down, tie_up) -> str:
+    """quantize_block's PTX: $0, $1 the 16 e2m1 codes (element e in bits 4 (e % 8) of word
+    e // 8), $2 the block's e4m3 scale byte; $3 .. $18 the 16 fp32 values, $19 the global scale.
+    The format's formula as checkpoint.quantize_blocks computes it in fp32: block scale =
+    e4m3(min(amax / 6 / global, 448)) (each division to nearest), denominator = that scale x
+    global, value = x / denominator (0 where the denominator is 0), code = the midpoints below
+    |value| (tie_down: strictly, tie_up: at or below: round to nearest even, saturating), the
+    sign bit of value at bit 3. A NaN value codes as 0 with its sign; a NaN amax is ignored
+    (max.f32), where torch's would make the scale NaN."""
+    def f32(value: float) -> str:
+        import struct
+
+        return "0f" + struct.pack(">f", value).hex().upper()
+
+    lines = ["{", ".reg .f32 amax, t, scale, q, v;", ".reg .b32 bits, code, s, c, w0, w1;",
+             ".reg .b16 pair;", ".reg .b16 h_lo, h_hi;", ".reg .b32 halves;", ".reg .pred positive, p;",
+             "abs.f32 amax, $3;"]
+    for e in range(1, 16):
+        lines += [f"abs.f32 t, ${3 + e};", "max.f32 amax, amax, t;"]
+    lines += [f"div.rn.f32 scale, amax, {f32(6.0)};", "div.rn.f32 scale, scale, $19;",
+              f"min.f32 scale, scale, {f32(448.0)};",
+              "cvt.rn.satfinite.e4m3x2.f32 pair, scale, scale;",
+              "cvt.u32.u16 bits, pair;", "and.b32 $2, bits, 255;",
+              "cvt.rn.f16x2.e4m3x2 halves, pair;", "mov.b32 {h_lo, h_hi}, halves;", "cvt.f32.f16 scale, h_lo;",
+              "mul.rn.f32 scale, scale, $19;", f"setp.gt.f32 positive, scale, {f32(0.0)};",
+              "mov.b32 w0, 0;", "mov.b32 w1, 0;"]
+    for e in range(16):
+        lines += [f"div.rn.f32 q, ${3 + e}, scale;", f"selp.f32 q, q, {f32(0.0)}, positive;", "abs.f32 v, q;",
+                  "mov.b32 code, 0;"]
+        for midpoint in tie_down:
+            lines += [f"setp.gt.f32 p, v, {f32(midpoint)};", "selp.b32 c, 1, 0, p;", "add.u32 code, code, c;"]
+        for midpoint in tie_up:
+            lines += [f"setp.ge.f32 p, v, {f32(midpoint)};", "selp.b32 c, 1, 0, p;", "add.u32 code, code, c;"]
+        lines += ["mov.b32 s, q;", "shr.u32 s, s, 31;", "shl.b32 s, s, 3;", "or.b32 code, code, s;",
+                  f"shl.b32 code, code, {4 * (e % 8)};", f"or.b32 w{e // 8}, w{e // 8}, code;"]
+    lines += ["mov.b32 $0, w0;", "mov.b32 $1, w1;", "}"]
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def quantize_block(values, global_scale: cutlass.Float32, *, loc=None, ip=None):
+    """(code word 0, code word 1, scale byte) of one 16-element block (quantize_block_text)."""
+    from nvfp4_group_gemm.checkpoint import _TIE_DOWN, _TIE_UP
+
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Int32.mlir_type] * 3),
+        [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values]
+        + [cutlass.Float32(global_scale).ir_value(loc=loc, ip=ip)],
+        quantize_block_text(_TIE_DOWN, _TIE_UP),
+        "=r,=r,=r," + ",".join(["f"] * 17),
+        loc=loc,
+        ip=ip,
+    )
+    return [cutlass.Int32(llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip)) for i in range(3)]
+
+
+def bf16x8_to_f32_text() -> str:
+    """bf16x8_to_f32's PTX: $0 .. $7 the fp32 values of the 8 bf16 in words $8 .. $11."""
+    lines = ["{"]
+    for e in range(8):
+        word = f"${8 + e // 2}"
+        lines.append(f"shl.b32 ${e}, {word}, 16;" if e % 2 == 0 else f"and.b32 ${e}, {word}, 0xffff0000;")
+    lines.append("}")
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def bf16x8_to_f32(words, *, loc=None, ip=None):
+    """The 8 bf16 of 4 words (element 0 in word 0's low half) as fp32 (exact)."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 8),
+        [cutlass.Int32(w).ir_value(loc=loc, ip=ip) for w in words],
+        bf16x8_to_f32_text(),
+        ",".join(["=f"] * 8) + ",r,r,r,r",
+        loc=loc,
+        ip=ip,
+    )
+    return [cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [e], loc=loc, ip=ip))
+            for e in range(8)]
+
+
+@dsl_user_op
+def store_u32x2_global(address: cutlass.Int64, low: cutlass.Int32, high: cutlass.Int32, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(low).ir_value(loc=loc, ip=ip),
+         cutlass.Int32(high).ir_value(loc=loc, ip=ip)],
+        "st.global.v2.b32 [$0], {$1, $2};",
+        "l,r,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def store_u8_global(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None):
+    _inline_asm(
+        None,
+        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.global.u8 [$0], $1;",
+        "l,r,~{memory}",
+        loc=loc,
+        ip=ip,
+    )
