@@ -115,20 +115,3 @@ def test_the_interpreter_reads_the_fp16_decode_as_the_hardware_does(seed):
                                          * e4m3_to_float(scales[row][step]) * 2.0**-14))
                         for column in (pair, pair + 1)]
                 assert got == want, (t, step, name, got, want)
-
-
-def test_the_small_batch_w4a16_gemm_places_each_register_with_one_multiply(sm90_builds):
-    """EXPERIMENTS E86, in the SASS of the choice at small batch (32-token tiles, 128-wide
-    k-tiles) compiled for sm_90a: the decode's 128 bf16 scale multiplies (HMUL2) of the unrolled
-    k-tiles come with at most 2.25 integer multiplies (IMAD) each, one for the placement of the
-    register and what addressing needs; the placement by two multiplies made it 3.2 (413 IMAD)."""
-    from pathlib import Path
-
-    from test_sm100_persistent import _count, _run_nvdisasm, sass_opcodes
-
-    report = sm90_builds[("sm90_moe_w4a16_t32_k128", 8)]
-    assert report.error is None, report.error
-    opcodes = sass_opcodes(_run_nvdisasm(Path(report.cubin_path)))
-    hmul2, imad = _count(opcodes, "HMUL2"), _count(opcodes, "IMAD")
-    assert hmul2 == 128, hmul2
-    assert imad <= 2.25 * hmul2, (imad, hmul2)
