@@ -633,7 +633,7 @@ def decode_scale_blocks_to_registers(units, *, loc=None, ip=None):
 # (high codes, moved down), register p is Y = prmt(x, h, [p, 0, 4+p, 0]) = [low code of byte p,
 # 0, high code of byte p, 0] (selector nibble 8 replicates bit 7 of x's byte 0: a zero byte),
 # placed as bf16 in both 16-bit lanes at once: sign (code bit 3) to bit 15, magnitude (bits 2-0:
-# e1 e0 m) to bits 8..6, (Y << 12 | Y << 6) & 0x81C081C0 = (Y x 4160) & 0x81C081C0. That bf16 is v * 2^-126 exactly (code
+# e1 e0 m) to bits 8..6, (Y << 12 | Y << 6) & 0x81C081C0. That bf16 is v * 2^-126 exactly (code
 # 0.5 is the bf16 subnormal 2^-127). The multiply by the block's scale S = s * 2^118 (bf16,
 # normal: s <= 448 gives < 2^127) gives v * s * 2^-8, exact (at most 6 significant bits, within
 # bf16's normal range for every e2m1 x e4m3 product but 0); the epilogue rescales by 2^8. The
@@ -651,20 +651,18 @@ def bf16_word_selector(t: int) -> int:
 
 def _place_bf16_word_ptx(word: str, destinations: list[str]) -> list[str]:
     """PTX placing the 8 codes of `word` = [g.t, g8.t, g.t+4, g8.t+4] as bf16 v * 2^-126 into the
-    four fragment registers `destinations` (R0 .. R3 above); scratch x, h, y, a; mask in `lanes`."""
+    four fragment registers `destinations` (R0 .. R3 above); scratch x, h, y, a, b; mask in `lanes`."""
     lines = [
         f"and.b32 x, {word}, 0x0F0F0F0F;",
         f"shr.b32 h, {word}, 4;",
         "and.b32 h, h, 0x0F0F0F0F;",
     ]
     for destination, selector in zip(destinations, BF16_PLACE_SELECTORS):
-        # Y << 12 | Y << 6 is Y x 4160: Y's codes sit in bytes 0 and 2, so the two shifted
-        # copies (bits 15-12 and 9-6, 31-28 and 25-22) never overlap and the sum carries nothing.
-        # Two multiplies and a lop3 before: one instruction more per register (EXPERIMENTS E86).
         lines += [
             f"prmt.b32 y, x, h, {hex(selector)};",
-            "mul.lo.u32 a, y, 4160;",
-            f"and.b32 {destination}, a, lanes;",
+            "mul.lo.u32 a, y, 4096;",
+            "mul.lo.u32 b, y, 64;",
+            f"lop3.b32 {destination}, a, b, lanes, 0xA8;",
         ]
     return lines
 
