@@ -658,6 +658,8 @@ def _place_bf16_word_ptx(word: str, destinations: list[str]) -> list[str]:
         "and.b32 h, h, 0x0F0F0F0F;",
     ]
     for destination, selector in zip(destinations, BF16_PLACE_SELECTORS):
+        # (Y x 4160) & lanes, one multiply and an and: an 8-byte local frame in the 32-token
+        # build at its 64-register bound (EXPERIMENTS E86)
         lines += [
             f"prmt.b32 y, x, h, {hex(selector)};",
             "mul.lo.u32 a, y, 4096;",
