@@ -34,19 +34,16 @@ import dataclasses
 
 import torch
 
-from nvfp4_group_gemm import core
+from nvfp4_group_gemm import core, e2m1
 
 from .moe import prepare_weight_scales
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 BLOCK = 16
-# Round to nearest, ties to the even code, as (midpoint, a tie rounds up): the code of |x| is
-# the number of midpoints below it (x > m, or x >= m where the tie goes to the upper, even code)
-_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-# the midpoints a tie stays below (counted where x > m) and those it rounds up from (x >= m)
-_TIE_DOWN = tuple(midpoint for midpoint, tie_up in _MIDPOINTS if not tie_up)
-_TIE_UP = tuple(midpoint for midpoint, tie_up in _MIDPOINTS if tie_up)
+# Round to nearest, ties to the even code: the midpoints a tie stays below (counted where x > m)
+# and those it rounds up from (x >= m), nvfp4_group_gemm.e2m1's
+_TIE_DOWN, _TIE_UP = e2m1.TIE_DOWN, e2m1.TIE_UP
 
 
 # The two midpoint sets as tensors, per device: made once, since a copy from the host cannot be

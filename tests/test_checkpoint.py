@@ -6,7 +6,7 @@ scale x weight_scale_2 (raw sums x alpha = the dequantized GEMM)."""
 import pytest
 import torch
 
-from nvfp4_group_gemm import checkpoint, core, moe
+from nvfp4_group_gemm import checkpoint, core, e2m1, moe
 
 
 def test_e2m1_rounds_to_nearest_even_and_saturates():
@@ -113,12 +113,12 @@ def test_e2m1_codes_count_the_midpoints_below_each_value():
     def compared_one_by_one(x):
         magnitude = x.abs().float()
         code = torch.zeros_like(magnitude, dtype=torch.uint8)
-        for midpoint, tie_up in checkpoint._MIDPOINTS:
+        for midpoint, tie_up in e2m1.MIDPOINTS:
             code += (magnitude >= midpoint if tie_up else magnitude > midpoint).to(torch.uint8)
         return code | (torch.signbit(x).to(torch.uint8) << 3)
 
     sweep = (torch.arange(0, 2**32, 4099, dtype=torch.int64) - 2**31).to(torch.int32).view(torch.float32)
-    points = torch.tensor([m for m, _ in checkpoint._MIDPOINTS] + [0.0, 0.5, 6.0, 7.0, float("inf")])
+    points = torch.tensor([m for m, _ in e2m1.MIDPOINTS] + [0.0, 0.5, 6.0, 7.0, float("inf")])
     near = torch.cat([points, torch.nextafter(points, torch.full_like(points, float("inf"))),
                       torch.nextafter(points, torch.zeros_like(points))])
     x = torch.cat([sweep, near, -near])

@@ -327,6 +327,10 @@ def test_compile_targets_list_what_the_backend_runs():
            for name in ("t32_split_k4", "variable")},
         **{f"sm90_moe_w4a16_{name}_{maps}": "sm_90a" for name in ("t32_split_k4", "variable")
            for maps in ("gather_halves", "scatter")},
+        # the MoE layer's kernels around its GEMMs (hopper/layer.py)
+        **{f"sm90_moe_{name}": "sm_90a" for name in ("sort_pairs", "route_sort", "route_sort_softmax_all",
+                                                      "combine_bf16", "quantize_gather_bf16", "quantize_f32",
+                                                      "combine_masked_shared_f32")},
     }
     # every config the automatic choice can return is registered
     for groups, n, k in ((8, 4096, 7168), (2, 3072, 4096), (1, 128, 256)):

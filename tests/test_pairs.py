@@ -152,12 +152,12 @@ def test_the_routing_kernels_ptx_picks_the_k_largest_lowest_expert_first_on_a_ti
 
 
 def quantize_in_the_interpreter(block: np.ndarray, global_scale: float) -> tuple[bytes, int]:
-    from nvfp4_group_gemm.checkpoint import _TIE_DOWN, _TIE_UP
+    from nvfp4_group_gemm import e2m1
 
     operands = {3 + e: _f32_to_bits(np.float32(block[e])) for e in range(16)}
     operands[19] = _f32_to_bits(np.float32(global_scale))
     thread = Thread(operands, {})
-    thread.run(ptx.quantize_block_text(_TIE_DOWN, _TIE_UP))
+    thread.run(ptx.quantize_block_text(e2m1.TIE_DOWN, e2m1.TIE_UP))
     words = thread.registers["$0"] | (thread.registers["$1"] << 32)
     return words.to_bytes(8, "little"), thread.registers["$2"]
 

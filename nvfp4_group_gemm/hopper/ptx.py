@@ -10,7 +10,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import dsl_user_op
 
-from nvfp4_group_gemm import core
+from nvfp4_group_gemm import core, e2m1
 
 
 def _inline_asm(result_type, operands, asm: str, constraints: str, *, loc=None, ip=None):
@@ -1025,13 +1025,11 @@ def quantize_block_text(tie_down, tie_up) -> str:
 @dsl_user_op
 def quantize_block(values, global_scale: cutlass.Float32, *, loc=None, ip=None):
     """(code word 0, code word 1, scale byte) of one 16-element block (quantize_block_text)."""
-    from nvfp4_group_gemm.checkpoint import _TIE_DOWN, _TIE_UP
-
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * 3),
         [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values]
         + [cutlass.Float32(global_scale).ir_value(loc=loc, ip=ip)],
-        quantize_block_text(_TIE_DOWN, _TIE_UP),
+        quantize_block_text(e2m1.TIE_DOWN, e2m1.TIE_UP),
         "=r,=r,=r," + ",".join(["f"] * 17),
         loc=loc,
         ip=ip,
