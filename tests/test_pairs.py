@@ -67,22 +67,24 @@ def test_the_combine_refuses_rows_that_are_not_the_pairs():
 
 
 def test_the_combines_inline_ptx_is_numpys_fp32_mul_then_add():
-    """accumulate_bf16x8's text, one thread: 8 accumulators plus weight x 8 bf16 (4 words), each
-    product rounded to fp32, then the sum rounded (no fused multiply-add), on values whose fused
-    and unfused results differ."""
-    text = ptx.accumulate_bf16x8_text()
+    """The combine's two texts in turn, one thread: bf16x8_to_f32 (4 words to 8 fp32, exact),
+    then accumulate_f32x8 (8 accumulators plus weight x value, each product rounded to fp32,
+    then the sum rounded: no fused multiply-add), on values whose fused and unfused results
+    differ."""
     rng = np.random.default_rng(3)
     for trial in range(50):
         values = torch.tensor(rng.normal(size=8) * 10.0 ** rng.integers(-3, 4), dtype=torch.float32).bfloat16()
         bits = values.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
         words = [int(bits[2 * i]) | (int(bits[2 * i + 1]) << 16) for i in range(4)]
+        unpack = Thread({8 + i: words[i] for i in range(4)}, {})
+        unpack.run(ptx.bf16x8_to_f32_text())
         accumulators = rng.normal(size=8).astype(np.float32)
         weight = np.float32(rng.random())
         operands = {e: _f32_to_bits(accumulators[e]) for e in range(8)}
         operands[8] = _f32_to_bits(weight)
-        operands.update({9 + i: words[i] for i in range(4)})
+        operands.update({9 + e: unpack.registers[f"${e}"] for e in range(8)})
         thread = Thread(operands, {})
-        thread.run(text)
+        thread.run(ptx.accumulate_f32x8_text())
         got = [_bits_to_f32(thread.registers[f"${e}"]) for e in range(8)]
         expected = [np.float32(accumulators[e] + np.float32(np.float32(values[e].float().item()) * weight))
                     for e in range(8)]

@@ -29,7 +29,7 @@ from nvfp4_group_gemm import core
 
 from .moe import WARP, warp_inclusive_sum
 from .ptx import (
-    accumulate_bf16x8,
+    accumulate_f32x8,
     atomic_add_u32_shared,
     bf16x8_to_f32,
     lane_best,
@@ -257,7 +257,7 @@ class Sm90MoeCombine:
                 weights_k.append(cutlass.Float32(1.0))
             accumulators = [cutlass.Float32(0.0)] * COMBINE_COLUMNS
             for words, weight in zip(words_k, weights_k):
-                accumulators = accumulate_bf16x8(accumulators, words, weight)
+                accumulators = accumulate_f32x8(accumulators, bf16x8_to_f32(words), weight)
             element = cutlass.Int64(token) * hidden + column
             if cutlass.const_expr(self.out_dtype == "bfloat16"):
                 store_u32x4_global(out.toint() + element * 2,

@@ -156,6 +156,33 @@ def _load_f32x4(instruction: str, address, address_constraint: str, loc, ip):
     ]
 
 
+def _store(instruction: str, address, address_constraint: str, values, value_type, value_constraint: str, loc, ip):
+    """One `instruction` (st.<space>[.v2 / .v4].<type>) of `values` (one, or a vector) at
+    `address`: every store helper below."""
+    targets = "$1" if len(values) == 1 else "{" + ", ".join(f"${i + 1}" for i in range(len(values))) + "}"
+    _inline_asm(
+        None,
+        [address.ir_value(loc=loc, ip=ip)] + [value_type(v).ir_value(loc=loc, ip=ip) for v in values],
+        f"{instruction} [$0], {targets};",
+        ",".join([address_constraint] + [value_constraint] * len(values)) + ",~{memory}",
+        loc=loc,
+        ip=ip,
+    )
+
+
+def _atomic_add_u32(space: str, address, address_constraint: str, value, loc, ip) -> cutlass.Int32:
+    """atom.<space>.add.u32 (relaxed): adds `value` at `address`, returns the previous value."""
+    result = _inline_asm(
+        cutlass.Int32.mlir_type,
+        [address.ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
+        f"atom.{space}.add.u32 $0, [$1], $2;",
+        f"=r,{address_constraint},r,~{{memory}}",
+        loc=loc,
+        ip=ip,
+    )
+    return cutlass.Int32(result)
+
+
 @dsl_user_op
 def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
     """4 fp32 from shared address `smem` (one 16-byte load)."""
@@ -165,15 +192,7 @@ def load_f32x4(smem: cutlass.Int32, *, loc=None, ip=None):
 @dsl_user_op
 def store_f32x4_global(address: cutlass.Int64, values, *, loc=None, ip=None):
     """Store 4 fp32 at global `address` (one 16-byte store)."""
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)]
-        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
-        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
-        "l,f,f,f,f,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store("st.global.v4.f32", cutlass.Int64(address), "l", values, cutlass.Float32, "f", loc, ip)
 
 
 @dsl_user_op
@@ -210,39 +229,17 @@ def fence_acq_rel_gpu(*, loc=None, ip=None):
 @dsl_user_op
 def atomic_add_u32(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
     """atom.global.add.u32 (relaxed, GPU scope): adds `value`, returns the previous value."""
-    result = _inline_asm(
-        cutlass.Int32.mlir_type,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
-        "atom.global.add.u32 $0, [$1], $2;",
-        "=r,l,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
-    return cutlass.Int32(result)
+    return _atomic_add_u32("global", cutlass.Int64(address), "l", value, loc, ip)
 
 
 @dsl_user_op
 def store_u32_global(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None):
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
-        "st.global.u32 [$0], $1;",
-        "l,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store("st.global.u32", cutlass.Int64(address), "l", [value], cutlass.Int32, "r", loc, ip)
 
 
 @dsl_user_op
 def store_u32_shared(smem: cutlass.Int32, value: cutlass.Int32, *, loc=None, ip=None):
-    _inline_asm(
-        None,
-        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
-        "st.shared.u32 [$0], $1;",
-        "r,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store("st.shared.u32", cutlass.Int32(smem), "r", [value], cutlass.Int32, "r", loc, ip)
 
 
 @dsl_user_op
@@ -802,31 +799,28 @@ def load_u32x4_global_nc(address: cutlass.Int64, *, loc=None, ip=None):
     return [cutlass.Int32(llvm.extractvalue(cutlass.Int32.mlir_type, result, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
-def accumulate_bf16x8_text() -> str:
-    """accumulate_bf16x8's PTX: $0 .. $7 the accumulators (in and out), $8 the weight, $9 .. $12
-    the words."""
-    lines = ["{", ".reg .b32 bits;", ".reg .f32 value;"]
+def accumulate_f32x8_text() -> str:
+    """accumulate_f32x8's PTX: $0 .. $7 the accumulators (in and out), $8 the weight, $9 .. $16
+    the values."""
+    lines = ["{", ".reg .f32 product;"]
     for e in range(8):
-        word = f"${9 + e // 2}"
-        # bf16 -> fp32 is the 16 bits placed high: exact
-        lines.append(f"shl.b32 bits, {word}, 16;" if e % 2 == 0 else f"and.b32 bits, {word}, 0xffff0000;")
-        lines += ["mov.b32 value, bits;", "mul.rn.f32 value, value, $8;", f"add.rn.f32 ${e}, ${e}, value;"]
+        lines += [f"mul.rn.f32 product, ${9 + e}, $8;", f"add.rn.f32 ${e}, ${e}, product;"]
     lines.append("}")
     return "\n\t".join(lines)
 
 
 @dsl_user_op
-def accumulate_bf16x8(accumulators, words, weight: cutlass.Float32, *, loc=None, ip=None):
-    """accumulators[e] + weight x bf16 e of `words` (4 words, element 0 in word 0's low half) in
-    fp32: the product rounded, then the sum (torch's fp32 mul and add, no fused multiply-add)."""
+def accumulate_f32x8(accumulators, values, weight: cutlass.Float32, *, loc=None, ip=None):
+    """accumulators[e] + weight x values[e] in fp32: the product rounded, then the sum (torch's
+    fp32 mul and add; in PTX so that no fused multiply-add replaces them)."""
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 8),
-        # $8 the weight, $9 .. $12 the words, then the accumulators' inputs, tied to $0 .. $7
+        # $8 the weight, $9 .. $16 the values, then the accumulators' inputs, tied to $0 .. $7
         [cutlass.Float32(weight).ir_value(loc=loc, ip=ip)]
-        + [cutlass.Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+        + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values]
         + [cutlass.Float32(a).ir_value(loc=loc, ip=ip) for a in accumulators],
-        accumulate_bf16x8_text(),
-        ",".join(["=f"] * 8) + ",f,r,r,r,r," + ",".join(str(e) for e in range(8)),
+        accumulate_f32x8_text(),
+        ",".join(["=f"] * 8) + "," + ",".join(["f"] * 9) + "," + ",".join(str(e) for e in range(8)),
         loc=loc,
         ip=ip,
     )
@@ -837,40 +831,18 @@ def accumulate_bf16x8(accumulators, words, weight: cutlass.Float32, *, loc=None,
 @dsl_user_op
 def store_u32x4_global(address: cutlass.Int64, words, *, loc=None, ip=None):
     """Store 4 32-bit words at global `address` (one 16-byte store)."""
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip)] + [cutlass.Int32(w).ir_value(loc=loc, ip=ip) for w in words],
-        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
-        "l,r,r,r,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store("st.global.v4.b32", cutlass.Int64(address), "l", words, cutlass.Int32, "r", loc, ip)
 
 
 @dsl_user_op
 def atomic_add_u32_shared(smem: cutlass.Int32, value: cutlass.Int32, *, loc=None, ip=None) -> cutlass.Int32:
     """atom.shared.add.u32: adds `value` at shared `smem`, returns the previous value."""
-    result = _inline_asm(
-        cutlass.Int32.mlir_type,
-        [cutlass.Int32(smem).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
-        "atom.shared.add.u32 $0, [$1], $2;",
-        "=r,r,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
-    return cutlass.Int32(result)
+    return _atomic_add_u32("shared", cutlass.Int32(smem), "r", value, loc, ip)
 
 
 @dsl_user_op
 def store_i64_global(address: cutlass.Int64, value: cutlass.Int64, *, loc=None, ip=None):
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int64(value).ir_value(loc=loc, ip=ip)],
-        "st.global.s64 [$0], $1;",
-        "l,l,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store("st.global.s64", cutlass.Int64(address), "l", [value], cutlass.Int64, "l", loc, ip)
 
 
 @dsl_user_op
@@ -973,14 +945,7 @@ def take_slot(taken: cutlass.Int32, lane: cutlass.Int32, index: cutlass.Int32, *
 
 @dsl_user_op
 def store_f32_global(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
-        "st.global.f32 [$0], $1;",
-        "l,f,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store("st.global.f32", cutlass.Int64(address), "l", [value], cutlass.Float32, "f", loc, ip)
 
 
 def quantize_block_text(tie_down, tie_up) -> str:
@@ -1064,24 +1029,9 @@ def bf16x8_to_f32(words, *, loc=None, ip=None):
 
 @dsl_user_op
 def store_u32x2_global(address: cutlass.Int64, low: cutlass.Int32, high: cutlass.Int32, *, loc=None, ip=None):
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(low).ir_value(loc=loc, ip=ip),
-         cutlass.Int32(high).ir_value(loc=loc, ip=ip)],
-        "st.global.v2.b32 [$0], {$1, $2};",
-        "l,r,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store("st.global.v2.b32", cutlass.Int64(address), "l", [low, high], cutlass.Int32, "r", loc, ip)
 
 
 @dsl_user_op
 def store_u8_global(address: cutlass.Int64, value: cutlass.Int32, *, loc=None, ip=None):
-    _inline_asm(
-        None,
-        [cutlass.Int64(address).ir_value(loc=loc, ip=ip), cutlass.Int32(value).ir_value(loc=loc, ip=ip)],
-        "st.global.u8 [$0], $1;",
-        "l,r,~{memory}",
-        loc=loc,
-        ip=ip,
-    )
+    _store("st.global.u8", cutlass.Int64(address), "l", [value], cutlass.Int32, "r", loc, ip)

@@ -634,23 +634,33 @@ class Sm90SwapAbGemm:
                                            self.out_dtype))
             stmatrix_x4_trans(stage_base + jj * 16 * pitch + lane_offset, registers)
         cute.arch.sync_threads()
-        chunks_per_token = self.tile_w * 2 // 16
-        for i in cutlass.range_constexpr(tile_t * chunks_per_token // self.num_threads):
+        self.copy_out_staged(tile_t, tidx, stage_base, pitch, self.tile_w, c_addr, m, n, token0, n0, scatter)
+
+    @cute.jit
+    def copy_out_staged(self, tile_t: cutlass.Constexpr, tidx, stage_base, pitch, columns: cutlass.Constexpr, c_addr,
+                        m, row_width, token0, column0, scatter):
+        """The staged tile's token rows (`columns` 16-bit values each, `pitch` bytes apart in
+        shared memory) to c's rows of `row_width` columns from column `column0`, 16 bytes per
+        thread and store, predicated on M; `scatter` as store_tile_staged's."""
+        chunks_per_token = columns * 2 // 16
+        chunks = tile_t * chunks_per_token
+        for i in cutlass.range_constexpr((chunks + self.num_threads - 1) // self.num_threads):
             chunk = tidx + i * self.num_threads
             token = chunk // chunks_per_token
             part = chunk % chunks_per_token
-            if token0 + token < m:
-                if cutlass.const_expr(scatter is None):
-                    copy_16B_shared_to_global(
-                        stage_base + token * pitch + part * 16,
-                        c_addr + (cutlass.Int64(token0 + token) * n + n0 + part * 8) * 2,
-                    )
-                else:
-                    c_rows_addr, c_base, c_row_count = scatter
-                    row = load_i64_global(c_rows_addr + cutlass.Int64(token0 + token) * 8)
-                    if cutlass.Uint64(row) < cutlass.Uint64(c_row_count):  # unsigned: a negative row is outside
-                        copy_16B_shared_to_global(stage_base + token * pitch + part * 16,
-                                                  c_base + (row * n + n0 + part * 8) * 2)
+            if cutlass.const_expr(chunks % self.num_threads == 0) or chunk < chunks:  # noqa: SIM102
+                if token0 + token < m:
+                    if cutlass.const_expr(scatter is None):
+                        copy_16B_shared_to_global(
+                            stage_base + token * pitch + part * 16,
+                            c_addr + (cutlass.Int64(token0 + token) * row_width + column0 + part * 8) * 2,
+                        )
+                    else:
+                        c_rows_addr, c_base, c_row_count = scatter
+                        row = load_i64_global(c_rows_addr + cutlass.Int64(token0 + token) * 8)
+                        if cutlass.Uint64(row) < cutlass.Uint64(c_row_count):  # unsigned: a negative row is outside
+                            copy_16B_shared_to_global(stage_base + token * pitch + part * 16,
+                                                      c_base + (row * row_width + column0 + part * 8) * 2)
 
     @cute.jit
     def store_swiglu_staged(self, tile_t: cutlass.Constexpr, tidx, accumulators, stage_base, c_addr, m, n, token0,
@@ -679,27 +689,7 @@ class Sm90SwapAbGemm:
                 registers.append(pack_16x2(values[0], values[1], self.out_dtype))
             stmatrix_x2_trans(stage_base + jj * 16 * pitch + lane_offset, registers)
         cute.arch.sync_threads()
-        n_out = n // 2
-        column0 = n0 // 2
-        chunks_per_token = columns * 2 // 16
-        chunks = tile_t * chunks_per_token
-        for i in cutlass.range_constexpr((chunks + self.num_threads - 1) // self.num_threads):
-            chunk = tidx + i * self.num_threads
-            token = chunk // chunks_per_token
-            part = chunk % chunks_per_token
-            if cutlass.const_expr(chunks % self.num_threads == 0) or chunk < chunks:  # noqa: SIM102
-                if token0 + token < m:
-                    if cutlass.const_expr(scatter is None):
-                        copy_16B_shared_to_global(
-                            stage_base + token * pitch + part * 16,
-                            c_addr + (cutlass.Int64(token0 + token) * n_out + column0 + part * 8) * 2,
-                        )
-                    else:
-                        c_rows_addr, c_base, c_row_count = scatter
-                        row = load_i64_global(c_rows_addr + cutlass.Int64(token0 + token) * 8)
-                        if cutlass.Uint64(row) < cutlass.Uint64(c_row_count):
-                            copy_16B_shared_to_global(stage_base + token * pitch + part * 16,
-                                                      c_base + (row * n_out + column0 + part * 8) * 2)
+        self.copy_out_staged(tile_t, tidx, stage_base, pitch, columns, c_addr, m, n // 2, token0, n0 // 2, scatter)
 
     @cute.jit
     def store_tile(self, tile_t: cutlass.Constexpr, tiled_mma, tidx, accumulators, c_addr, m, n, token0, n0,
