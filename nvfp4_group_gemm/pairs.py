@@ -70,11 +70,7 @@ def sort_pairs(experts: torch.Tensor, num_experts: int, top_k: int, bounds: torc
     if _first_use(experts.device, key):
         binned = torch.where((experts >= 0) & (experts < num_experts), experts, num_experts)
         expected = sort_pairs_torch(binned, num_experts, top_k)
-        # the same offsets; a permutation of the pairs whose experts, place by place, are the
-        # stable sort's (so each pair sits in its expert's range); their tokens
-        agrees = (torch.equal(offsets, expected[2])
-                  and torch.equal(order.sort().values, torch.arange(pairs, device=order.device))
-                  and torch.equal(binned[order], binned[expected[0]]) and torch.equal(a_rows, order // top_k))
+        agrees = _sorted_alike(binned, (order, a_rows, offsets), expected, top_k)
         if not _settle(experts.device, key, agrees, "the pairs' sort"):
             return expected
     return result
@@ -133,18 +129,15 @@ def route_and_sort(logits: torch.Tensor, top_k: int, renormalize: bool, first_lo
     if _first_use(device, key):
         expected = route_and_sort_torch(logits, top_k, renormalize, first_local, num_experts)
         # the same experts per token (as sets: torch's come in no order), weights within a few
-        # fp32 units (another exponential, another sum order), then a sort of those pairs
+        # fp32 units (another exponential, another sum order), then a sort of the kernel's pairs
         chosen = torch.sort(topk_ids, dim=1)
         expected_chosen = torch.sort(expected[0], dim=1)
-        binned = experts
         agrees = (torch.equal(chosen.values, expected_chosen.values)
                   and torch.allclose(topk_weights.gather(1, chosen.indices),
                                      expected[1].gather(1, expected_chosen.indices), rtol=1e-5, atol=1e-7)
-                  and torch.equal(offsets, expected[5])
-                  and torch.equal(order.sort().values, torch.arange(tokens * top_k, device=device))
-                  and torch.equal(binned[order].sort().values, expected[2].sort().values)
-                  and bool((binned[order][1:] >= binned[order][:-1]).all())
-                  and torch.equal(a_rows, order // top_k))
+                  and torch.equal(experts.sort().values, expected[2].sort().values)
+                  and _sorted_alike(experts, (order, a_rows, offsets),
+                                    sort_pairs_torch(experts, num_experts, top_k), top_k))
         if not _settle(device, key, agrees, "the softmax routing and sort"):
             return expected
     return result
@@ -250,6 +243,17 @@ def combine_pairs(rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
         if not _settle(rows.device, key, agrees, "the pairs' weighted sum"):
             return expected
     return out
+
+
+def _sorted_alike(binned: torch.Tensor, got, expected, top_k: int) -> bool:
+    """Whether a sort of the pairs whose bins are `binned` (got: order, a_rows, offsets) matches
+    the stable one (expected) where the order within a bin is free: the same offsets, a
+    permutation of the pairs whose bins, place by place, are the stable sort's (so each pair
+    sits in its bin's range), their tokens."""
+    order, a_rows, offsets = got
+    return (torch.equal(offsets, expected[2])
+            and torch.equal(order.sort().values, torch.arange(order.shape[0], device=order.device))
+            and torch.equal(binned[order], binned[expected[0]]) and torch.equal(a_rows, order // top_k))
 
 
 def _launch(compile_fn, args, tensors, sizes) -> None:

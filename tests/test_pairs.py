@@ -190,3 +190,22 @@ def test_the_quantizers_ptx_is_the_formats_formula_bit_for_bit():
         got_codes, got_scale = quantize_in_the_interpreter(block, scale)
         assert got_codes == bytes(codes[0].tolist()), (block, scale)
         assert got_scale == int(block_scale.view(torch.uint8)[0, 0]), (block, scale)
+
+
+def test_the_first_use_check_takes_any_order_within_an_expert_and_nothing_else():
+    """pairs._sorted_alike (the sort kernels' first-use check): a sort whose pairs of one expert
+    come in another order agrees with the stable sort; one pair in the wrong expert's range, or
+    a token that is not the pair's, does not."""
+    generator = torch.Generator().manual_seed(4)
+    experts = torch.randint(0, 9, (64,), generator=generator)  # 8 local experts and E
+    expected = pairs.sort_pairs_torch(experts, 8, 4)
+    order = expected[0].clone()
+    offsets = torch.cat([expected[2].long(), torch.tensor([64])])
+    for e in range(9):  # each expert's pairs reversed
+        order[offsets[e]:offsets[e + 1]] = order[offsets[e]:offsets[e + 1]].flip(0)
+    assert pairs._sorted_alike(experts, (order, order // 4, expected[2]), expected, 4)
+    swapped = order.clone()
+    first, last = int(offsets[0]), int(offsets[8])  # a pair of expert 0 and one of E change places
+    swapped[[first, last]] = swapped[[last, first]]
+    assert not pairs._sorted_alike(experts, (swapped, swapped // 4, expected[2]), expected, 4)
+    assert not pairs._sorted_alike(experts, (order, order // 2, expected[2]), expected, 4)
