@@ -580,6 +580,13 @@ def _check_row_maps(x, inputs, offsets, a_rows, c_rows, alpha, c, tag):
     assert torch.isnan(c[~written]).all(), (tag, "rows no grouped row names were written")
 
 
+def _random_alpha(groups: int, alpha_shape: str, seed: int) -> torch.Tensor:
+    """A checkpoint's alpha on the GPU: one per expert ("expert") or per half of N ("halves"),
+    in [2^-6, 4 + 2^-6)."""
+    return (torch.rand((groups, 2) if alpha_shape == "halves" else (groups,),
+                       generator=torch.Generator().manual_seed(seed)) * 4 + 2.0**-6).cuda()
+
+
 @pytest.mark.parametrize("label,family", ROW_MAPS, ids=[f"{label or 'chosen'}_R{f[1]}_K{f[4]}" for label, f in ROW_MAPS])
 def test_w4a16_row_maps_match_the_exact_decode_and_replay(label, family, monkeypatch):
     """a_rows and c_rows (the gather in the GEMM's token loads, the un-permute in its stores):
@@ -601,8 +608,7 @@ def test_w4a16_row_maps_match_the_exact_decode_and_replay(label, family, monkeyp
         call = {"b": inputs["b"], "sfb": inputs["sfb"], "offsets": inputs["offsets"], "c": c, "status": status,
                 "a_rows": a_rows, "c_rows": c_rows}
         for trial, alpha_shape in enumerate(("halves", "expert")):
-            alpha = (torch.rand((groups, 2) if alpha_shape == "halves" else (groups,),
-                                generator=torch.Generator().manual_seed(trial)) * 4 + 2.0**-6).cuda()
+            alpha = _random_alpha(groups, alpha_shape, trial)
             offsets = moe.random_routing(rows, groups, rng)
             inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
             c.fill_(float("nan"))
@@ -676,8 +682,7 @@ def test_swiglu_epilogue_matches_the_exact_decode_and_replays(path, label, famil
         status = torch.full((1,), 7, dtype=torch.int32, device="cuda")
         call = (inputs["a"], inputs["sfa"], b, sfb, inputs["offsets"], c)
         for trial, alpha_shape in enumerate(("halves", "expert")):
-            alpha = (torch.rand((groups, 2) if alpha_shape == "halves" else (groups,),
-                                generator=torch.Generator().manual_seed(trial)) * 4 + 2.0**-6).cuda()
+            alpha = _random_alpha(groups, alpha_shape, trial)
             offsets = moe.random_routing(tokens, groups, rng)
             inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
             c.fill_(float("nan"))
