@@ -626,18 +626,21 @@ def decode_scale_blocks_to_registers(units, *, loc=None, ip=None):
 # R0 = (row g, cols 2t, 2t+1), R1 = (g+8, 2t, 2t+1), R2 = (g, 2t+8, 2t+9), R3 = (g+8, 2t+8, 2t+9):
 # the two codes of packed byte t (R0, R1) and byte t+4 (R2, R3) of the block's 8 bytes. The lane
 # loads rows g and g+8's 8 bytes (two words each) and builds W = [g.t, g8.t, g.t+4, g8.t+4] (three
-# prmt, bf16_word_selector). With x = W & 0x0F0F0F0F (low codes) and h = (W >> 4) & 0x0F0F0F0F
-# (high codes, moved down), register p is Y = prmt(x, h, [p, 0, 4+p, 0]) = [low code of byte p,
-# 0, high code of byte p, 0] (selector nibble 8 replicates bit 7 of x's byte 0: a zero byte),
-# placed as bf16 in both 16-bit lanes at once: sign (code bit 3) to bit 15, magnitude (bits 2-0:
-# e1 e0 m) to bits 8..6, (Y << 12 | Y << 6) & 0x81C081C0. That bf16 is v * 2^-126 exactly (code
-# 0.5 is the bf16 subnormal 2^-127). The multiply by the block's scale S = s * 2^118 (bf16,
-# normal: s <= 448 gives < 2^127) gives v * s * 2^-8, exact (at most 6 significant bits, within
-# bf16's normal range for every e2m1 x e4m3 product but 0); the epilogue rescales by 2^8. The
-# scale: e4m3 -> fp16 (exact) -> fp32 (exact) -> times 2^118 (exact) -> bf16 (exact: 4 significant bits).
+# prmt, bf16_word_selector). With H = W >> 4, register p is Y = prmt(W, H, [p, 0, 4+p, 0]) =
+# [byte p (low code in bits 0-3), 0, byte p >> 4 (high code in bits 16-19), 0] (the zero bytes:
+# selector nibble 0xF replicates bit 7 of H's byte 3, which the shift cleared; the codes' other
+# bits land outside the mask below, so W and H need no mask of their own), placed as bf16 in both
+# 16-bit lanes at once: sign (code bit 3) to bit 15, magnitude (bits 2-0: e1 e0 m) to bits
+# 8..6, (Y << 12 | Y << 6) & 0x81C081C0. That bf16 is v * 2^-126 exactly (code 0.5 is the bf16
+# subnormal 2^-127). The multiply by the block's scale S = s * 2^118 (bf16, normal: s <= 448
+# gives < 2^127) gives v * s * 2^-8, exact (at most 6 significant bits, within bf16's normal
+# range for every e2m1 x e4m3 product but 0); the epilogue rescales by 2^8. The scales, two
+# blocks at a time: e4m3x2 -> f16x2 (exact) -> two fp32 (exact) -> bf16x2 (exact: 4 significant
+# bits) -> times (2^118, 2^118) (exact); each block's S then fills both lanes of its operand.
 BF16_LANES = 0x81C081C0
 BF16_DECODE_SCALE_EXPONENT = 118  # S = s * 2^118: the decoded weights are v * s * 2^-8
-BF16_PLACE_SELECTORS = tuple(0x8080 | (p << 0) | ((4 + p) << 8) for p in range(4))
+BF16_DECODE_SCALE_PAIR = 0x10001 * ((BF16_DECODE_SCALE_EXPONENT + 127) << 7)  # bf16x2 (2^118, 2^118)
+BF16_PLACE_SELECTORS = tuple(0xF0F0 | (p << 0) | ((4 + p) << 8) for p in range(4))
 
 
 def bf16_word_selector(t: int) -> int:
@@ -648,19 +651,16 @@ def bf16_word_selector(t: int) -> int:
 
 def _place_bf16_word_ptx(word: str, destinations: list[str]) -> list[str]:
     """PTX placing the 8 codes of `word` = [g.t, g8.t, g.t+4, g8.t+4] as bf16 v * 2^-126 into the
-    four fragment registers `destinations` (R0 .. R3 above); scratch x, h, y, a, b; mask in `lanes`."""
-    lines = [
-        f"and.b32 x, {word}, 0x0F0F0F0F;",
-        f"shr.b32 h, {word}, 4;",
-        "and.b32 h, h, 0x0F0F0F0F;",
-    ]
+    four fragment registers `destinations` (R0 .. R3 above); scratch h, y, a, b; mask in `lanes`."""
+    lines = [f"shr.b32 h, {word}, 4;"]
     for destination, selector in zip(destinations, BF16_PLACE_SELECTORS):
-        # (Y x 4160) & lanes, one multiply and an and: an 8-byte local frame in the 32-token
-        # build at its 64-register bound (EXPERIMENTS E86)
+        # (Y x 4160) & lanes, one multiply in place of the two shifts (its two copies must not
+        # overlap: W and H masked first): an 8-byte local frame in the 32-token build at its
+        # 64-register bound (EXPERIMENTS E86)
         lines += [
-            f"prmt.b32 y, x, h, {hex(selector)};",
-            "mul.lo.u32 a, y, 4096;",
-            "mul.lo.u32 b, y, 64;",
+            f"prmt.b32 y, {word}, h, {hex(selector)};",
+            "shl.b32 a, y, 12;",
+            "shl.b32 b, y, 6;",
             f"lop3.b32 {destination}, a, b, lanes, 0xA8;",
         ]
     return lines
@@ -672,11 +672,12 @@ def _decode_bf16_registers_asm(num_units: int) -> str:
     bytes of the 64-wide k-tile (32 bytes, 8-byte aligned), row g+8's, bf16_word_selector(t), row
     g's 4 scale bytes (4-byte aligned), row g+8's. All loads first, then the scales, then the
     codes (as _decode_blocks_asm). Each step's loads folded into its word at once, or each step
-    done in turn: more spill at the 64-register bound (EXPERIMENTS E83)."""
+    done in turn: more spill at the 64-register bound (EXPERIMENTS E83); each pair of steps'
+    scales converted before the first of them: more spill too."""
     first_input = 16 * num_units
     lines = [
         "{",
-        ".reg .b32 x, h, y, a, b, lanes, sc, p, q, w;",
+        ".reg .b32 h, y, a, b, lanes, p, q, w;",
         ".reg .b16 slo, shi, f16a, f16b;",
         ".reg .f32 f;",
         f"mov.b32 lanes, {hex(BF16_LANES)};",
@@ -693,16 +694,17 @@ def _decode_bf16_registers_asm(num_units: int) -> str:
     scale = hex(0x3F800000 + (BF16_DECODE_SCALE_EXPONENT << 23))  # 2^118 as fp32
     for u in range(num_units):  # scales: bf16x2 (S, S) of row r, block s -> S{u}_{4 r + s}
         for row, scales in enumerate((f"sg{u}", f"sh{u}")):
-            for half, selector in ((0, "0x1100"), (1, "0x3322")):
+            lines.append("mov.b32 {slo, shi}, " + f"{scales};")
+            for half, source in enumerate(("slo", "shi")):
+                # blocks 2 half and + 1: e4m3x2 -> f16x2 (exact) -> fp32 (exact) -> times 2^118
+                # (exact) -> bf16 (exact: 4 significant bits) in both lanes
                 lines += [
-                    f"prmt.b32 sc, {scales}, 0, {selector};",
-                    "mov.b32 {slo, shi}, sc;",
+                    f"cvt.rn.f16x2.e4m3x2 F{u}, {source};",
+                    "mov.b32 {f16a, f16b}, " + f"F{u};",
                 ]
-                for part, source in enumerate(("slo", "shi")):
+                for part, f16 in enumerate(("f16a", "f16b")):
                     lines += [
-                        f"cvt.rn.f16x2.e4m3x2 F{u}, {source};",
-                        "mov.b32 {f16a, f16b}, " + f"F{u};",
-                        "cvt.f32.f16 f, f16a;",
+                        f"cvt.f32.f16 f, {f16};",
                         f"mul.rn.f32 f, f, 0f{scale[2:].upper()};",
                         f"cvt.rn.bf16x2.f32 S{u}_{4 * row + 2 * half + part}, f, f;",
                     ]
