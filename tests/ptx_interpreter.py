@@ -134,6 +134,11 @@ class Thread:
             value = self.value(source)
             regs[low], regs[high] = value & 0xFFFF, value >> 16
             return
+        if opcode == "mov.b32" and "{" in rest:  # pack two 16 -> 32: d, {low, high}
+            d, _, names = rest.partition(",")
+            low, high = [self.value(n.strip()) & 0xFFFF for n in names.strip(" {}").split(",")]
+            regs[d.strip()] = low | (high << 16)
+            return
         args = [a.strip() for a in rest.split(",")]
         d, sources = args[0], args[1:]
         v = [self.value(s) for s in sources]

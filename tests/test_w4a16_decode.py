@@ -23,9 +23,9 @@ def element(row_bytes: bytes, column: int) -> float:
     return E2M1[(byte >> (4 * (column % 2))) & 0xF]
 
 
-def run_lane(t: int, rows: tuple[bytes, bytes], scales: tuple[bytes, bytes]):
+def run_lane(t: int, rows: tuple[bytes, bytes], scales: tuple[bytes, bytes], paired_scales: bool = False):
     """Lane t's 16 output registers for rows (g, g+8) (32 packed bytes each: a 64-wide
-    k-tile) and their 4 scale bytes each."""
+    k-tile) and their 4 scale bytes each, with the scales converted one block or two at a time."""
     shared = {}
     bases = (0x100, 0x200, None, 0x300, 0x340)
     for base, data in ((bases[0], rows[0]), (bases[1], rows[1]), (bases[3], scales[0]), (bases[4], scales[1])):
@@ -33,7 +33,7 @@ def run_lane(t: int, rows: tuple[bytes, bytes], scales: tuple[bytes, bytes]):
     operands = {16 + i: v for i, v in enumerate(
         (bases[0], bases[1], ptx.bf16_word_selector(t), bases[3], bases[4]))}
     thread = Thread(operands, shared)
-    thread.run(ptx._decode_bf16_registers_asm(1))
+    thread.run(ptx._decode_bf16_registers_asm(1, paired_scales))
     return [thread.registers[f"${i}"] for i in range(16)]
 
 
@@ -46,13 +46,14 @@ def expected_register(rows, scales, t: int, step: int, register: int) -> tuple[f
     return tuple(float(np.float32(element(rows[row], c) * scale * 2.0**-8)) for c in (column, column + 1))
 
 
+@pytest.mark.parametrize("paired_scales", [False, True], ids=["one_scale", "paired_scales"])
 @pytest.mark.parametrize("seed", range(6))
-def test_every_register_is_the_natural_order_element_times_its_scale(seed):
+def test_every_register_is_the_natural_order_element_times_its_scale(seed, paired_scales):
     rng = np.random.default_rng(seed)
     rows = tuple(bytes(rng.integers(0, 256, 32, dtype=np.uint8).tolist()) for _ in range(2))
     scales = tuple(bytes(rng.choice(SCALE_BYTES, 4).tolist()) for _ in range(2))
     for t in range(4):
-        registers = run_lane(t, rows, scales)
+        registers = run_lane(t, rows, scales, paired_scales)
         for step in range(4):
             for i in range(4):
                 got = bf16_lanes(registers[4 * step + i])
@@ -62,7 +63,8 @@ def test_every_register_is_the_natural_order_element_times_its_scale(seed):
                 assert [np.signbit(x) for x in got] == [np.signbit(x) for x in want], (t, step, i)
 
 
-def test_every_code_with_every_scale_is_exact():
+@pytest.mark.parametrize("paired_scales", [False, True], ids=["one_scale", "paired_scales"])
+def test_every_code_with_every_scale_is_exact(paired_scales):
     """All 256 byte values (both codes) under each scale: v * s * 2^-8 exactly, as bf16."""
     for scale_byte in SCALE_BYTES + [0x09, 0x30, 0x7D]:
         for start in range(0, 256, 32):
@@ -70,7 +72,7 @@ def test_every_code_with_every_scale_is_exact():
             rows = (row, row[::-1])
             scales = (bytes([scale_byte] * 4), bytes([scale_byte] * 4))
             for t in range(4):
-                registers = run_lane(t, rows, scales)
+                registers = run_lane(t, rows, scales, paired_scales)
                 for step in range(4):
                     for i in range(4):
                         assert bf16_lanes(registers[4 * step + i]) == expected_register(rows, scales, t, step, i)

@@ -65,12 +65,13 @@ def stage_scale_offset(row, block, base=0):
 @cute.jit
 def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr,
                             parts: cutlass.Constexpr = 1, part_bytes: cutlass.Constexpr = 0,
-                            dtype: cutlass.Constexpr = cutlass.Float16):
+                            dtype: cutlass.Constexpr = cutlass.Float16, paired_scales: cutlass.Constexpr = False):
     """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
     64 v + 16 w + g and + 8 of a stage (packed rows of row_bytes from packed_base, their scale
     atoms from scales_base) into the wgmma A fragment. fp16: in ptx's K permutation, from the
     4-byte half t // 2 of every scale block (the bytes a_word_selector(t) picks); bf16 (W4A16):
-    in natural K order, from the whole 8 bytes (the bytes bf16_word_selector(t) picks). `parts`
+    in natural K order, from the whole 8 bytes (the bytes bf16_word_selector(t) picks; paired_scales:
+    decode_bf16_rows_to_registers'). `parts`
     stages of tile_k (64) each, part_bytes apart, fill the fragment's k16 steps in order (one
     decode, every load first)."""
     lane = tidx % 32
@@ -95,7 +96,10 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
         )
         for part in range(parts)
     ]
-    steps_of_parts = decode(units)
+    if cutlass.const_expr(dtype == cutlass.Float16):
+        steps_of_parts = decode(units)
+    else:
+        steps_of_parts = decode(units, paired_scales)
     # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
     for part in cutlass.range_constexpr(parts):
         for step in cutlass.range_constexpr(tile_k // 16):

@@ -631,7 +631,8 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
         (kernel.decode_rows_to_fragment)."""
         w_stage = w_base + stage * self.config.weight_stage_bytes
         decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, SWAP_AB_HALF_K,
-                                self.k_halves, self.config.weight_half_bytes, cutlass.BFloat16)
+                                self.k_halves, self.config.weight_half_bytes, cutlass.BFloat16,
+                                w4a16_paired_scales(self.config))
 
 
 
@@ -705,6 +706,14 @@ def k_tail_config(config: SwapAbConfig) -> SwapAbConfig:
     if config.split_k == 4 and config.ctas_per_sm == 4:
         tail = dataclasses.replace(tail, ctas_per_sm=3)
     return tail
+
+
+def w4a16_paired_scales(config: SwapAbConfig) -> bool:
+    """Whether the W4A16 decode converts two blocks' scales as one bf16x2 (ptx.decode_bf16_rows_to_registers):
+    where the build has the registers for it, 128-wide k-tiles, split-K, or at most 2 CTAs per SM.
+    The 32- and 64-token builds of 64-wide k-tiles at 4 and 3 CTAs per SM took an 8- to 16-byte
+    local frame with it (EXPERIMENTS E89)."""
+    return config.k_halves == 2 or config.split_k > 1 or config.ctas_per_sm <= 2
 
 
 def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:

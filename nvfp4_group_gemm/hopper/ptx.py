@@ -637,11 +637,13 @@ def decode_scale_blocks_to_registers(units, *, loc=None, ip=None):
 # range for every e2m1 x e4m3 product but 0); the epilogue rescales by 2^8. The scales: e4m3x2
 # -> f16x2 (exact) for two blocks at once, then each: fp32 (exact) -> times 2^118 (exact) -> bf16
 # (exact: 4 significant bits) in both lanes.
-# Converting each block's S as a bf16x2 pair of two blocks (two conversions and a bf16x2 multiply
-# a pair; 1419 in place of 1503 SASS instructions in the 128-wide k-tile's main loop): an 8- to
-# 16-byte local frame in the 32- and 64-token builds at their register bounds (EXPERIMENTS E89).
+# With paired_scales, two blocks' S at once: fp32 (exact) -> one bf16x2 pair (exact) -> times
+# (2^118, 2^118) (exact), each block's S then read from its lane of the pair (the multiply's
+# operand halves: no instruction of its own); fewer instructions, more registers (the builds
+# that take it: hopper.moe.w4a16_paired_scales).
 BF16_LANES = 0x81C081C0
 BF16_DECODE_SCALE_EXPONENT = 118  # S = s * 2^118: the decoded weights are v * s * 2^-8
+BF16_DECODE_SCALE_PAIR = 0x10001 * ((BF16_DECODE_SCALE_EXPONENT + 127) << 7)  # bf16x2 (2^118, 2^118)
 BF16_PLACE_SELECTORS = tuple(0xF0F0 | (p << 0) | ((4 + p) << 8) for p in range(4))
 
 
@@ -668,24 +670,25 @@ def _place_bf16_word_ptx(word: str, destinations: list[str]) -> list[str]:
     return lines
 
 
-def _decode_bf16_registers_asm(num_units: int) -> str:
+def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False) -> str:
     """PTX of decode_bf16_rows_to_registers: outputs $(16u + 4s + i), register i (R0 .. R3) of
     k16 step s of unit u; inputs after the 16 * num_units outputs, per unit: row g's packed
     bytes of the 64-wide k-tile (32 bytes, 8-byte aligned), row g+8's, bf16_word_selector(t), row
-    g's 4 scale bytes (4-byte aligned), row g+8's. All loads first, then the scales, then the
-    codes (as _decode_blocks_asm). Each step's loads folded into its word at once, or each step
-    done in turn: more spill at the 64-register bound (EXPERIMENTS E83); each pair of steps'
-    scales converted before the first of them: more spill too."""
+    g's 4 scale bytes (4-byte aligned), row g+8's. All loads first, then the scales (paired_scales:
+    two blocks' S in one bf16x2, above), then the codes (as _decode_blocks_asm). Each step's loads
+    folded into its word at once, or each step done in turn: more spill at the 64-register bound
+    (EXPERIMENTS E83); each pair of steps' scales converted before the first of them: more spill too."""
     first_input = 16 * num_units
     lines = [
         "{",
-        ".reg .b32 h, y, a, b, lanes, p, q, w;",
-        ".reg .b16 slo, shi, f16a, f16b;",
-        ".reg .f32 f;",
+        ".reg .b32 h, y, a, b, lanes, scale_pair, p, q, w;",
+        ".reg .b16 slo, shi, f16a, f16b, plo, phi;",
+        ".reg .f32 f, fb;",
         f"mov.b32 lanes, {hex(BF16_LANES)};",
+        f"mov.b32 scale_pair, {hex(BF16_DECODE_SCALE_PAIR)};",
     ]
     for u in range(num_units):
-        lines.append(f".reg .b32 gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>, sg{u}, sh{u}, S{u}_<8>, F{u};")
+        lines.append(f".reg .b32 gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>, sg{u}, sh{u}, S{u}_<8>, F{u}, P{u};")
     for u in range(num_units):  # loads
         src = first_input + 5 * u
         for s in range(4):
@@ -698,17 +701,28 @@ def _decode_bf16_registers_asm(num_units: int) -> str:
         for row, scales in enumerate((f"sg{u}", f"sh{u}")):
             lines.append("mov.b32 {slo, shi}, " + f"{scales};")
             for half, source in enumerate(("slo", "shi")):
-                # blocks 2 half and + 1: e4m3x2 -> f16x2 (exact) -> fp32 (exact) -> times 2^118
-                # (exact) -> bf16 (exact: 4 significant bits) in both lanes
+                # blocks 2 half and + 1: e4m3x2 -> f16x2 (exact), then each block's S (above)
                 lines += [
                     f"cvt.rn.f16x2.e4m3x2 F{u}, {source};",
                     "mov.b32 {f16a, f16b}, " + f"F{u};",
                 ]
+                first = 4 * row + 2 * half
+                if paired_scales:
+                    lines += [
+                        "cvt.f32.f16 f, f16a;",
+                        "cvt.f32.f16 fb, f16b;",
+                        f"cvt.rn.bf16x2.f32 P{u}, fb, f;",
+                        f"mul.rn.bf16x2 P{u}, P{u}, scale_pair;",
+                        "mov.b32 {plo, phi}, " + f"P{u};",
+                        f"mov.b32 S{u}_{first}, {{plo, plo}};",
+                        f"mov.b32 S{u}_{first + 1}, {{phi, phi}};",
+                    ]
+                    continue
                 for part, f16 in enumerate(("f16a", "f16b")):
                     lines += [
                         f"cvt.f32.f16 f, {f16};",
                         f"mul.rn.f32 f, f, 0f{scale[2:].upper()};",
-                        f"cvt.rn.bf16x2.f32 S{u}_{4 * row + 2 * half + part}, f, f;",
+                        f"cvt.rn.bf16x2.f32 S{u}_{first + part}, f, f;",
                     ]
     for u in range(num_units):  # words, bit placement and scaling
         selector = f"${first_input + 5 * u + 2}"
@@ -728,17 +742,18 @@ def _decode_bf16_registers_asm(num_units: int) -> str:
 
 
 @dsl_user_op
-def decode_bf16_rows_to_registers(units, *, loc=None, ip=None):
+def decode_bf16_rows_to_registers(units, paired_scales: bool = False, *, loc=None, ip=None):
     """Decode a lane's share of row pairs (g, g+8) of a 64-wide k-tile into bf16 fragment
     registers in natural K order; `units` lists (row g packed, row g+8 packed, bf16_word_selector(t),
-    row g's scales, row g+8's) shared addresses per row pair. Returns, per unit and k16 step,
-    the 4 Int32 fragment registers (R0 .. R3)."""
+    row g's scales, row g+8's) shared addresses per row pair; paired_scales: two blocks' S in
+    one bf16x2 (_decode_bf16_registers_asm). Returns, per unit and k16 step, the 4 Int32
+    fragment registers (R0 .. R3)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
     num_outputs = 16 * len(units)
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
-        _decode_bf16_registers_asm(len(units)),
+        _decode_bf16_registers_asm(len(units), paired_scales),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
         loc=loc,
         ip=ip,
