@@ -355,12 +355,12 @@ def _decode_blocks_asm(num_units: int, mode: str = "chunks", space: str = "share
     lines = [
         "{",
         ".reg .b32 x, o, a, b, lanes, sc;",
-        ".reg .b16 slo, shi;",
+        ".reg .b16 slo, shi, plo, phi;",
         "mov.b32 lanes, 0x8E008E00;",
     ]
     for u in range(num_units):
         if registers:
-            lines.append(f".reg .b32 g{u}_<4>, h{u}_<4>, w{u}, sg{u}, sh{u}, S{u}_<8>;")
+            lines.append(f".reg .b32 g{u}_<4>, h{u}_<4>, w{u}, sg{u}, sh{u}, S{u}_<8>, P{u};")
             lines += [f".reg .b32 r{u}_{s}_<4>;" for s in range(4)]
         else:
             lines.append(f".reg .b32 w{u}_<2>, s{u}, S{u}, r{u}_0_<4>, r{u}_1_<4>;")
@@ -379,12 +379,15 @@ def _decode_blocks_asm(num_units: int, mode: str = "chunks", space: str = "share
     for u in range(num_units):  # scales: fp16x2 (s, s) per row and block
         if registers:
             for row, scales in enumerate((f"sg{u}", f"sh{u}")):
-                for half, selector in ((0, "0x1100"), (1, "0x3322")):
+                lines.append("mov.b32 {slo, shi}, " + f"{scales};")
+                for half, source in enumerate(("slo", "shi")):
+                    # blocks 2 half and + 1 as one f16x2 (s, s'); each block's (s, s) read from
+                    # its lane (the multiply's operand halves: no instruction of its own)
                     lines += [
-                        f"prmt.b32 sc, {scales}, 0, {selector};",
-                        "mov.b32 {slo, shi}, sc;",
-                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half}, slo;",
-                        f"cvt.rn.f16x2.e4m3x2 S{u}_{4 * row + 2 * half + 1}, shi;",
+                        f"cvt.rn.f16x2.e4m3x2 P{u}, {source};",
+                        "mov.b32 {plo, phi}, " + f"P{u};",
+                        f"mov.b32 S{u}_{4 * row + 2 * half}, {{plo, plo}};",
+                        f"mov.b32 S{u}_{4 * row + 2 * half + 1}, {{phi, phi}};",
                     ]
         else:
             lines += [f"mul.lo.u32 sc, s{u}, 257;", "mov.b32 {slo, shi}, sc;", f"cvt.rn.f16x2.e4m3x2 S{u}, slo;"]
