@@ -710,10 +710,10 @@ def k_tail_config(config: SwapAbConfig) -> SwapAbConfig:
 
 def w4a16_paired_scales(config: SwapAbConfig) -> bool:
     """Whether the W4A16 decode converts two blocks' scales as one bf16x2 (ptx.decode_bf16_rows_to_registers):
-    where the build has the registers for it, 128-wide k-tiles, split-K, or at most 2 CTAs per SM.
-    The 32- and 64-token builds of 64-wide k-tiles at 4 and 3 CTAs per SM took an 8- to 16-byte
-    local frame with it (EXPERIMENTS E89)."""
-    return config.k_halves == 2 or config.split_k > 1 or config.ctas_per_sm <= 2
+    where the build has the registers for it, 128-wide k-tiles or at most 2 CTAs per SM. The
+    builds of 64-wide k-tiles at 3 and 4 CTAs per SM (the 32-token ones, split-K or not, and the
+    64-token one) took an 8- to 16-byte local frame with it (EXPERIMENTS E89)."""
+    return config.k_halves == 2 or config.ctas_per_sm <= 2
 
 
 def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:
