@@ -18,11 +18,13 @@ instruction count.
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 BF16_PAIR_BITS = (6, 7, 8, 15, 22, 23, 24, 31)  # hopper.ptx.BF16_LANES' bits, low to high
 
 
+@functools.cache
 def single_ops() -> dict:
     """Each one-instruction operation on a 32-bit word as out_bit -> in_bit (None: a zero bit)."""
     ops = {}
