@@ -91,12 +91,58 @@ def packings(max_ops: int = 2, limit: int = 5) -> list[tuple[int, list]]:
     return results[:limit]
 
 
+# triton_kernels' packing (v3.6.0 `tensor_details/layout_details/hopper_value.py`, `_pack_bits`
+# and `_unpack_fp4_to_bf16_triton`), one instance the search's count allows: a word holds the 4
+# bytes of a lane's fragment (R0 .. R3: rows g and g+8 at k-bytes t and t + 4, each byte's low
+# code the first), byte j's two codes placed as byte 0's are, then shifted right by 3 j for j < 3;
+# byte 3's bits fill the rest. Register j is (word << 3 j) & mask for j < 3, and three shifted and
+# masked copies or-ed for j = 3: 11 integer instructions (the ors fold into lop3s)
+FRAGMENT_MASK = 0x81C081C0
+
+
+def _place_code(code: int) -> int:
+    """A code's bf16 placement in one half: sign at bit 15, e1 e0 m at bits 8..6."""
+    return ((code & 8) << 12) | ((code & 7) << 6)
+
+
+def _place_fourth(code: int) -> int:
+    """Byte 3's code in the bits the other three leave: sign 14, e1 e0 at 11..10, m at 13."""
+    return ((code & 8) << 11) | ((code & 6) << 9) | ((code & 1) << 13)
+
+
+def fragment_pack(fragment: bytes) -> int:
+    """The packed word of a lane's 4 fragment bytes (R0 .. R3 order)."""
+    word = 0
+    for j, byte in enumerate(fragment):
+        low, high = byte & 15, byte >> 4
+        if j < 3:
+            word |= ((_place_code(low) | _place_code(high) << 16) >> (3 * j))
+        else:
+            word |= _place_fourth(low) | _place_fourth(high) << 16
+    return word
+
+
+def fragment_place(word: int) -> list[int]:
+    """The 4 bf16x2 registers of a packed word (each code's value x 2^-126 as bf16 bits), as the
+    11 instructions compute them."""
+    shifted = [word, (word << 3) & 0xFFFFFFFF, (word << 6) & 0xFFFFFFFF]
+    registers = [value & FRAGMENT_MASK for value in shifted]
+    registers.append((((word << 1) & 0xFFFFFFFF) & 0x80008000) | ((word >> 3) & 0x01800180)
+                     | ((word >> 7) & 0x00400040))
+    return registers
+
+
+FRAGMENT_PLACE_INSTRUCTIONS = 11  # and; shl, and; shl, and; shl, shr, shr, 3 and, 2 or -> 6 lop3 + 5 shifts
+
+
 def main() -> None:
     best = packings()
     print(f"packings found: {len(best)} shown; per word of 8 codes (the placement's mask included):")
     for cost, sequences in best:
         print(f"  {cost} instructions: " + "; ".join(" . ".join(f"{op}{arg}" for op, arg in seq) or "mask"
                                                      for seq in sequences))
+    print(f"triton_kernels' Hopper packing (fragment_pack / fragment_place): {FRAGMENT_PLACE_INSTRUCTIONS} "
+          "instructions a word, the search's count")
 
 
 if __name__ == "__main__":

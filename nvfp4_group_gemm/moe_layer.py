@@ -180,14 +180,14 @@ class MoeFfn:
         return pairs.sort_pairs_torch(experts, self.experts, top_k, self.expert_bounds)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] bf16 -> y [T, H] bf16: routing, the routed experts, the shared expert. A
-        softmax router's choice and the pairs' sort run as one kernel where pairs.route_and_sort
-        takes the batch (pair_kernels, a GPU, decode-sized T)."""
+        """x [T, H] bf16 -> y [T, H] bf16: routing, the routed experts, the shared expert. The
+        router's choice (softmax, or DeepSeek-V3's grouped sigmoid) and the pairs' sort run as one
+        kernel where pairs.route_and_sort takes the batch (pair_kernels, a GPU, decode-sized T)."""
         shared = None if self.shared is None else self.shared_expert(x)
         if self.pair_kernels and pairs.route_and_sort_usable(x, self.routing, self.router_weight.shape[0]):
             logits = x.float() @ self.router_weight.T
             topk_ids, topk_weights, experts, *sorted_pairs = pairs.route_and_sort(
-                logits, self.routing.top_k, self.routing.renormalize, self.first_local, self.experts)
+                logits, self.routing, self.first_local, self.experts, self.e_score_correction_bias)
             return self._experts_output(x, topk_ids, topk_weights, shared, torch.bfloat16,
                                         (experts, *sorted_pairs))
         topk_ids, topk_weights = self.route(x)

@@ -85,33 +85,51 @@ ROUTE_MAX_EXPERTS = 32 * 32
 
 
 def route_and_sort_usable(x: torch.Tensor, routing, router_experts: int) -> bool:
-    """Whether route_and_sort takes this batch and routing: a softmax router (renormalized or
-    not) on a GPU, at most ROUTE_MAX_TOKENS tokens and ROUTE_MAX_EXPERTS experts, k of them."""
-    return (routing.scoring == "softmax" and x.is_cuda and 0 < x.shape[0] <= ROUTE_MAX_TOKENS
-            and routing.top_k <= router_experts <= ROUTE_MAX_EXPERTS and _kernels_usable(x))
+    """Whether route_and_sort takes this batch and routing: on a GPU, at most ROUTE_MAX_TOKENS
+    tokens and ROUTE_MAX_EXPERTS experts, k of them; a softmax router, or a sigmoid one whose
+    expert groups (n_group > 1) are whole slots of 32 experts (DeepSeek-V3: 8 groups of 32)."""
+    if not (x.is_cuda and 0 < x.shape[0] <= ROUTE_MAX_TOKENS and routing.top_k <= router_experts <= ROUTE_MAX_EXPERTS):
+        return False
+    if routing.scoring == "sigmoid" and routing.n_group > 1:
+        per_group, rest = divmod(router_experts, routing.n_group)
+        if rest or per_group % 32:
+            return False
+    return _kernels_usable(x)
 
 
-def route_and_sort_torch(logits: torch.Tensor, top_k: int, renormalize: bool, first_local: int, num_experts: int):
-    """route_and_sort by torch ops (nvfp4_group_gemm.routing's softmax choice, then sort_pairs_torch)."""
-    from .routing import Routing, route
+def route_and_sort_torch(logits: torch.Tensor, routing, first_local: int, num_experts: int,
+                         e_score_correction_bias: torch.Tensor | None = None):
+    """route_and_sort by torch ops (nvfp4_group_gemm.routing.route, then sort_pairs_torch)."""
+    from .routing import route
 
-    ids, weights = route(logits, Routing("softmax", top_k, renormalize))
+    ids, weights = route(logits, routing, e_score_correction_bias)
     local = ids.reshape(-1) - first_local
     experts = torch.where((local >= 0) & (local < num_experts), local, num_experts)
-    return (ids, weights, experts, *sort_pairs_torch(experts, num_experts, top_k))
+    return (ids, weights, experts, *sort_pairs_torch(experts, num_experts, routing.top_k))
 
 
-def route_and_sort(logits: torch.Tensor, top_k: int, renormalize: bool, first_local: int, num_experts: int):
-    """A softmax router's choice and the pairs' sort in one kernel (hopper/layer.py,
-    Sm90MoeRouteSort), for logits fp32 [T, E_r] (route_and_sort_usable): (topk_ids int64 [T, k],
-    the k in descending logit order, the lowest expert first on a tie; topk_weights fp32 [T, k]:
-    the softmax of the k logits where `renormalize`, else of all E_r; the pairs' local experts
-    int64 [T k] (id - first_local, num_experts where not local); then sort_pairs' order, a_rows
-    and offsets)."""
+def route_and_sort(logits: torch.Tensor, routing, first_local: int, num_experts: int,
+                   e_score_correction_bias: torch.Tensor | None = None):
+    """A router's choice (nvfp4_group_gemm.routing: softmax, or DeepSeek-V3's grouped sigmoid
+    with its correction bias) and the pairs' sort in one kernel (hopper/layer.py,
+    Sm90MoeRouteSort), for logits fp32 [T, E_r] (route_and_sort_usable): (topk_ids int64
+    [T, k], the k in descending order of the score the choice reads, the lowest expert first on
+    a tie; topk_weights fp32 [T, k], as routing.route weighs them; the pairs' local experts int64
+    [T k] (id - first_local, num_experts where not local); then sort_pairs' order, a_rows and
+    offsets)."""
     tokens, router_experts = logits.shape
-    key = ("route", num_experts, router_experts, top_k, renormalize)
+    top_k = routing.top_k
+    bias = None
+    if routing.scoring == "sigmoid" and e_score_correction_bias is not None:
+        bias = e_score_correction_bias.float().contiguous()
+        if bias.shape != (router_experts,) or bias.device != logits.device:
+            raise ValueError(f"route_and_sort: e_score_correction_bias {tuple(bias.shape)} on {bias.device}: must be "
+                             f"[{router_experts}] on {logits.device}")
+    build = (routing.scoring, routing.n_group, routing.topk_group, float(routing.routed_scaling_factor),
+             bias is not None) if routing.scoring == "sigmoid" else ("softmax",)
+    key = ("route", num_experts, router_experts, top_k, routing.renormalize, *build)
     if _demoted(logits.device, key):
-        return route_and_sort_torch(logits, top_k, renormalize, first_local, num_experts)
+        return route_and_sort_torch(logits, routing, first_local, num_experts, e_score_correction_bias)
     logits = logits.float().contiguous()
     device = logits.device
     topk_ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
@@ -122,12 +140,14 @@ def route_and_sort(logits: torch.Tensor, top_k: int, renormalize: bool, first_lo
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     from .hopper import layer
 
-    compile_fn = functools.partial(layer.compile_route_sort, num_experts, router_experts, top_k, renormalize)
-    _launch(compile_fn, layer.ROUTE_SORT_ARGS, (logits, topk_ids, topk_weights, experts, order, a_rows, offsets),
+    compile_fn = functools.partial(layer.compile_route_sort, num_experts, router_experts, top_k, routing.renormalize,
+                                   *build)
+    _launch(compile_fn, layer.ROUTE_SORT_ARGS,
+            (logits, logits if bias is None else bias, topk_ids, topk_weights, experts, order, a_rows, offsets),
             (tokens, first_local))
     result = topk_ids, topk_weights, experts, order, a_rows, offsets
     if _first_use(device, key):
-        expected = route_and_sort_torch(logits, top_k, renormalize, first_local, num_experts)
+        expected = route_and_sort_torch(logits, routing, first_local, num_experts, bias)
         # the same experts per token (as sets: torch's come in no order), weights within a few
         # fp32 units (another exponential, another sum order), then a sort of the kernel's pairs
         chosen = torch.sort(topk_ids, dim=1)
@@ -138,7 +158,7 @@ def route_and_sort(logits: torch.Tensor, top_k: int, renormalize: bool, first_lo
                   and torch.equal(experts.sort().values, expected[2].sort().values)
                   and _sorted_alike(experts, (order, a_rows, offsets),
                                     sort_pairs_torch(experts, num_experts, top_k), top_k))
-        if not _settle(device, key, agrees, "the softmax routing and sort"):
+        if not _settle(device, key, agrees, "the routing"):
             return expected
     return result
 

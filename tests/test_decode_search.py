@@ -52,3 +52,31 @@ def test_no_packing_takes_two_instructions_a_pair():
     """A shift, rotate or permute and the mask for every pair (8 a word) covers no word: some pair
     needs a third instruction."""
     assert not [p for p in decode_search.packings(max_ops=1, limit=1)]
+
+
+def test_triton_kernels_packing_places_every_code_of_every_fragment_byte():
+    """fragment_pack then fragment_place gives each fragment byte's two codes as bf16 bits of
+    value x 2^-126 (low code in the low half), every byte value in every place of the word, the
+    other bytes random; and the four registers read disjoint bits that cover the word."""
+    import torch
+
+    values = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+    def bf16(bits: int) -> float:
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().item()
+
+    rng = random.Random(1)
+    for place in range(4):
+        for byte in range(256):
+            fragment = [rng.randrange(256) for _ in range(4)]
+            fragment[place] = byte
+            registers = decode_search.fragment_place(decode_search.fragment_pack(bytes(fragment)))
+            for j, register in enumerate(registers):
+                for half, code in enumerate((fragment[j] & 15, fragment[j] >> 4)):
+                    bits = (register >> (16 * half)) & 0xFFFF
+                    expected = (-1.0 if code & 8 else 1.0) * values[code & 7]
+                    assert bf16(bits - 65536 if bits >= 32768 else bits) * 2.0**126 == expected, (place, byte, j)
+    # the registers' source bits: one word bit each
+    probes = [decode_search.fragment_place(1 << bit) for bit in range(32)]
+    assert all(sum(bin(r).count("1") for r in registers) == 1 for registers in probes)
+    assert decode_search.FRAGMENT_PLACE_INSTRUCTIONS == min(cost for cost, _ in decode_search.packings(limit=1))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nvfp4_group_gemm import core, pairs
+from nvfp4_group_gemm.routing import Routing
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -139,10 +140,10 @@ def test_the_routing_kernel_chooses_and_weighs_as_torch(tokens, router_experts, 
     first_local, num_experts = shard or (0, router_experts)
     generator = torch.Generator(device="cuda").manual_seed(tokens + router_experts)
     logits = torch.randn(tokens, router_experts, device="cuda", generator=generator) * 3
-    ids, weights, experts, order, a_rows, offsets = pairs.route_and_sort(
-        logits, top_k, renormalize, first_local, num_experts)
-    e_ids, e_weights, e_experts, _, _, e_offsets = pairs.route_and_sort_torch(
-        logits, top_k, renormalize, first_local, num_experts)
+    routing = Routing("softmax", top_k, renormalize)
+    ids, weights, experts, order, a_rows, offsets = pairs.route_and_sort(logits, routing, first_local, num_experts)
+    e_ids, e_weights, e_experts, _, _, e_offsets = pairs.route_and_sort_torch(logits, routing, first_local,
+                                                                              num_experts)
     chosen, expected = torch.sort(ids, dim=1), torch.sort(e_ids, dim=1)
     assert torch.equal(chosen.values, expected.values)
     assert torch.allclose(weights.gather(1, chosen.indices), e_weights.gather(1, expected.indices), rtol=1e-5,
@@ -161,21 +162,70 @@ def test_the_routing_kernel_chooses_and_weighs_as_torch(tokens, router_experts, 
 def test_the_routing_kernel_replays_in_a_cuda_graph():
     tokens, router_experts, top_k = 8, 128, 8
     logits = torch.randn(tokens, router_experts, device="cuda")
-    pairs.route_and_sort(logits, top_k, True, 0, router_experts)  # compile and check
+    routing = Routing("softmax", top_k, True)
+    pairs.route_and_sort(logits, routing, 0, router_experts)  # compile and check
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ids, weights, _, order, _, offsets = pairs.route_and_sort(logits, top_k, True, 0, router_experts)
+        ids, weights, _, order, _, offsets = pairs.route_and_sort(logits, routing, 0, router_experts)
     for seed in range(3):
         logits.copy_(torch.randn(tokens, router_experts, device="cuda",
                                  generator=torch.Generator(device="cuda").manual_seed(seed)))
         graph.replay()
         torch.cuda.synchronize()
-        e_ids, e_weights, _, _, _, e_offsets = pairs.route_and_sort_torch(logits, top_k, True, 0, router_experts)
+        e_ids, e_weights, _, _, _, e_offsets = pairs.route_and_sort_torch(logits, routing, 0, router_experts)
         chosen, expected = torch.sort(ids, dim=1), torch.sort(e_ids, dim=1)
         assert torch.equal(chosen.values, expected.values), seed
         assert torch.allclose(weights.gather(1, chosen.indices), e_weights.gather(1, expected.indices), rtol=1e-5)
         assert torch.equal(offsets, e_offsets) and torch.equal(order.sort().values, torch.arange(tokens * top_k,
                                                                                                  device="cuda"))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+@pytest.mark.parametrize("router_experts,n_group,topk_group,top_k,bias,renormalize,scaling", [
+    (256, 8, 4, 8, True, True, 2.5),  # DeepSeek-V3
+    (64, 1, 1, 6, True, True, 1.0),  # one group: no masking
+    (150, 1, 1, 6, False, False, 16.0),  # no bias, no renormalization, E_r not a multiple of 32
+    (512, 4, 2, 8, True, True, 1.0),  # groups of 128: four slots each
+])
+@pytest.mark.parametrize("shard", [None, (32, 32)], ids=["all_local", "shard"])
+def test_the_grouped_sigmoid_routing_kernel_chooses_and_weighs_as_torch(tokens, router_experts, n_group, topk_group,
+                                                                        top_k, bias, renormalize, scaling, shard):
+    """route_and_sort with a sigmoid router against nvfp4_group_gemm.routing.route: the same k
+    experts per token (its sigmoid is torch's formula, its group scores and masking torch's), the
+    weights within a few fp32 units (another sum order), the pairs sorted by local expert; in
+    descending order of the biased score the choice reads."""
+    first_local, num_experts = shard or (0, router_experts)
+    generator = torch.Generator(device="cuda").manual_seed(tokens + router_experts)
+    logits = torch.randn(tokens, router_experts, device="cuda", generator=generator) * 2
+    correction = (torch.randn(router_experts, device="cuda", generator=generator) * 0.05) if bias else None
+    routing = Routing("sigmoid", top_k, renormalize, n_group=n_group, topk_group=topk_group,
+                      routed_scaling_factor=scaling)
+    x = torch.empty(tokens, 8, device="cuda")
+    assert pairs.route_and_sort_usable(x, routing, router_experts)
+    ids, weights, experts, order, a_rows, offsets = pairs.route_and_sort(logits, routing, first_local, num_experts,
+                                                                         correction)
+    e_ids, e_weights, e_experts, _, _, e_offsets = pairs.route_and_sort_torch(logits, routing, first_local,
+                                                                              num_experts, correction)
+    chosen, expected = torch.sort(ids, dim=1), torch.sort(e_ids, dim=1)
+    assert torch.equal(chosen.values, expected.values)
+    assert torch.allclose(weights.gather(1, chosen.indices), e_weights.gather(1, expected.indices), rtol=1e-5,
+                          atol=1e-7)
+    biased = torch.sigmoid(logits) + (0 if correction is None else correction)
+    picked = biased.gather(1, ids)
+    assert bool((picked[:, 1:] <= picked[:, :-1]).all())
+    assert torch.equal(offsets, e_offsets)
+    assert torch.equal(experts.view(tokens, top_k).sort(dim=1).values,
+                       e_experts.view(tokens, top_k).sort(dim=1).values)
+    assert bool((experts[order][1:] >= experts[order][:-1]).all()) and torch.equal(a_rows, order // top_k)
+    assert not any(key[0] == "pairs" for key in core.DEMOTED)
+
+
+def test_the_routing_kernel_refuses_groups_that_are_not_whole_slots():
+    """DeepSeek-V2's 160 experts in 8 groups (20 each) route by torch ops: the kernel's groups
+    are whole slots of 32."""
+    x = torch.empty(4, 8, device="cuda")
+    assert not pairs.route_and_sort_usable(x, Routing("sigmoid", 6, True, n_group=8, topk_group=3), 160)
+    assert pairs.route_and_sort_usable(x, Routing("sigmoid", 8, True, n_group=8, topk_group=4), 256)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -103,13 +103,17 @@ def test_the_layer_runs_its_pair_ops_or_the_torch_ones_alike():
 
 
 def test_the_pair_kernels_build_for_sm_90a(sm90_builds):
-    """Both kernels (and the combine's masked, shared, fp32 build) compile for sm_90a: one CTA of
-    1024 threads for the sort, shared memory for the E + 1 counts; 256 threads for the combine."""
+    """The layer's kernels (the sort, the routings, the combine's masked, shared, fp32 build, the
+    quantizer) compile for sm_90a: one CTA of 1024 threads for the sort and the softmax routing,
+    512 for the grouped sigmoid, shared memory for the E + 1 counts; 256 threads for the
+    combine; no local memory."""
     for name, _, _ in layer.layer_compile_targets():
         for groups in (1, 8):
             report = sm90_builds[(name, groups)]
             assert report.error is None, (name, groups, report.error)
-            assert report.registers and report.registers <= 64, (name, report.registers)
+            # one CTA's registers fit the SM's 64 K, and nothing spills to local memory
+            assert report.registers and report.registers * report.threads <= 65536, (name, report.registers)
+            assert report.spill_bytes_max == 0 and report.frame_bytes == 0, (name, report.frame_bytes)
 
 
 def route_in_the_interpreter(logits: np.ndarray, top_k: int) -> list[int]:
@@ -151,6 +155,67 @@ def test_the_routing_kernels_ptx_picks_the_k_largest_lowest_expert_first_on_a_ti
         # descending value, then ascending expert: the kernel's order
         expected = sorted(range(experts), key=lambda e: (-float(logits[e]), e))[:top_k]
         assert route_in_the_interpreter(logits, top_k) == expected, trial
+
+
+def grouped_choice_in_the_interpreter(choice: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
+    """The grouped sigmoid routing's masking (Sm90MoeRouteSort.sigmoid_choice after the
+    sigmoid and the bias) run in the interpreter for one token: each group's two best by
+    group_top_two (every lane must agree), topk_group rounds of lane_best over the group scores,
+    then zero_unkept; the choice scores back in expert order."""
+    experts = choice.shape[0]
+    slots = experts // 32
+    per_group = slots // n_group
+    bits = [[_f32_to_bits(np.float32(choice[lane + 32 * i])) for i in range(slots)] for lane in range(32)]
+    group_scores = []
+    for g in range(n_group):
+        warp = Warp([{2 + j: bits[lane][g * per_group + j] for j in range(per_group)} for lane in range(32)])
+        warp.run(ptx.group_top_two_text(per_group))
+        results = {(t.registers["$0"], t.registers["$1"]) for t in warp.threads}
+        assert len(results) == 1  # every lane holds the group's two best
+        (first, second), = results
+        group_scores.append(_f32_to_bits(np.float32(_bits_to_f32(first)) + np.float32(_bits_to_f32(second))))
+    kept = 0
+    for _ in range(topk_group):
+        thread = Thread({2: kept, **{3 + g: group_scores[g] for g in range(n_group)}}, {})
+        thread.run(ptx.lane_best_text(n_group))
+        kept |= 1 << thread.registers["$1"]
+    out = np.empty(experts, dtype=np.float32)
+    for lane in range(32):
+        thread = Thread({slots: kept, **{i: bits[lane][i] for i in range(slots)}}, {})
+        thread.run(ptx.zero_unkept_text(slots, per_group))
+        for i in range(slots):
+            out[lane + 32 * i] = _bits_to_f32(thread.registers[f"${i}"])
+    return out
+
+
+@pytest.mark.parametrize("experts,n_group,topk_group", [(256, 8, 4), (256, 4, 2), (512, 8, 3), (64, 2, 1),
+                                                        (128, 1, 1)])
+def test_the_grouped_routings_ptx_masks_the_groups_torch_masks(experts, n_group, topk_group):
+    """The kernel's group scores (sum of each group's two best, a group's duplicates counted
+    twice), its choice of groups and its masking, against nvfp4_group_gemm.routing.route's torch
+    ops on the same biased sigmoid scores: the same scores kept, the others 0.0, bit for bit; and
+    the k chosen by route from those scores are the k largest of ours."""
+    from nvfp4_group_gemm.routing import Routing, route
+
+    rng = np.random.default_rng(experts + n_group)
+    for trial in range(4):
+        logits = rng.normal(size=experts).astype(np.float32)
+        bias = (rng.normal(size=experts) * 0.1).astype(np.float32)
+        if trial == 1:  # a group's best value twice: its score counts it twice (torch's topk(2))
+            logits[5] = logits[3] = logits.max() + 1
+        scores = torch.sigmoid(torch.from_numpy(logits)).numpy()
+        choice = (scores + bias).astype(np.float32)
+        got = grouped_choice_in_the_interpreter(choice, n_group, topk_group)
+        # the torch routing's masking, step by step as routing.route does it
+        grouped = torch.from_numpy(choice).view(1, n_group, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores).scatter_(1, best, 1.0)[:, :, None].expand_as(grouped).reshape(1, -1)
+        expected = torch.from_numpy(choice).view(1, -1).masked_fill(mask == 0, 0.0).numpy()[0]
+        assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), trial
+        routing = Routing("sigmoid", 8, True, n_group=n_group, topk_group=topk_group)
+        ids, _ = route(torch.from_numpy(logits)[None], routing, torch.from_numpy(bias))
+        assert sorted(ids[0].tolist()) == sorted(np.argsort(-got, kind="stable")[:8].tolist()), trial
 
 
 def quantize_in_the_interpreter(block: np.ndarray, global_scale: float) -> tuple[bytes, int]:

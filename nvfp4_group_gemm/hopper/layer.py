@@ -32,6 +32,7 @@ from .ptx import (
     accumulate_f32x8,
     atomic_add_u32_shared,
     bf16x8_to_f32,
+    group_top_two,
     lane_best,
     load_bf16x8_where,
     load_f32_global,
@@ -52,6 +53,7 @@ from .ptx import (
     store_u32x4_global,
     take_slot,
     warp_best,
+    zero_unkept,
 )
 
 SORT_THREADS = 1024
@@ -62,9 +64,9 @@ COMBINE_OUT_DTYPES = ("bfloat16", "float32")
 # launch.CellLauncher's kinds and pointer dtypes of the two kernels' arguments (their __call__s)
 SORT_ARGS = (("ptr",) * 4 + ("i32",) * 2 + ("stream",),
              (cutlass.Int64, cutlass.Int64, cutlass.Int64, cutlass.Int32, None, None, None))
-ROUTE_SORT_ARGS = (("ptr",) * 7 + ("i32",) * 2 + ("stream",),
-                   (cutlass.Float32, cutlass.Int64, cutlass.Float32, cutlass.Int64, cutlass.Int64, cutlass.Int64,
-                    cutlass.Int32, None, None, None))
+ROUTE_SORT_ARGS = (("ptr",) * 8 + ("i32",) * 2 + ("stream",),
+                   (cutlass.Float32, cutlass.Float32, cutlass.Int64, cutlass.Float32, cutlass.Int64, cutlass.Int64,
+                    cutlass.Int64, cutlass.Int32, None, None, None))
 QUANTIZE_ARGS = (("ptr",) * 5 + ("i32",) * 3 + ("stream",),
                  (cutlass.Uint8, cutlass.Int64, cutlass.Float32, cutlass.Uint8, cutlass.Uint8) + (None,) * 4)
 COMBINE_ARGS = (("ptr",) * 5 + ("i32",) * 4 + ("stream",),
@@ -74,9 +76,10 @@ COMBINE_ARGS = (("ptr",) * 5 + ("i32",) * 4 + ("stream",),
 class Sm90MoeSortPairs:
     """The pairs' counting sort by expert (module docstring), E = num_experts local experts."""
 
-    def __init__(self, num_experts: int):
+    def __init__(self, num_experts: int, threads: int = SORT_THREADS):
         self.num_experts = num_experts
         self.bins = num_experts + 1  # bin E: the pairs of experts not local
+        self.threads = threads
 
     @cute.jit
     def __call__(self, experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer, offsets: cute.Pointer,
@@ -84,7 +87,7 @@ class Sm90MoeSortPairs:
         fields = {"counts": cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.bins], 16]}
         self.shared_storage = cute.struct(type("SortStorage", (), {"__annotations__": fields}))
         self.kernel(experts, order, a_rows, offsets, pairs, top_k).launch(
-            grid=(1, 1, 1), block=(SORT_THREADS, 1, 1), smem=self.shared_storage.size_in_bytes(), stream=stream)
+            grid=(1, 1, 1), block=(self.threads, 1, 1), smem=self.shared_storage.size_in_bytes(), stream=stream)
 
     @cute.jit
     def expert_bin(self, experts: cute.Pointer, pair):
@@ -108,8 +111,8 @@ class Sm90MoeSortPairs:
         """The shared address of the E + 1 bins' counts, zeroed (a barrier before their use)."""
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         counts = storage.counts.data_ptr().toint()
-        for i in cutlass.range_constexpr((self.bins + SORT_THREADS - 1) // SORT_THREADS):
-            b = tidx + SORT_THREADS * i
+        for i in cutlass.range_constexpr((self.bins + self.threads - 1) // self.threads):
+            b = tidx + self.threads * i
             if b < self.bins:
                 store_u32_shared(counts + b * 4, cutlass.Int32(0))
         return counts
@@ -118,7 +121,7 @@ class Sm90MoeSortPairs:
     def sort(self, tidx, counts, experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer,
              offsets: cute.Pointer, pairs, top_k):
         """The counting sort (module docstring) of the pairs' experts, every thread of the CTA."""
-        for pair in cutlass.range(tidx, pairs, SORT_THREADS):
+        for pair in cutlass.range(tidx, pairs, self.threads):
             atomic_add_u32_shared(counts + self.expert_bin(experts, pair) * 4, cutlass.Int32(1))
         cute.arch.sync_threads()
         # one warp: the exclusive prefix sum of the counts, 32 bins at a time; it becomes each
@@ -138,73 +141,135 @@ class Sm90MoeSortPairs:
                     store_u32_global(offsets.toint() + cutlass.Int64(b) * 4, first)
                 running = running + cute.arch.shuffle_sync(inclusive, WARP - 1)
         cute.arch.sync_threads()
-        for pair in cutlass.range(tidx, pairs, SORT_THREADS):
+        for pair in cutlass.range(tidx, pairs, self.threads):
             place = atomic_add_u32_shared(counts + self.expert_bin(experts, pair) * 4, cutlass.Int32(1))
             store_i64_global(order.toint() + cutlass.Int64(place) * 8, cutlass.Int64(pair))
             store_i64_global(a_rows.toint() + cutlass.Int64(place) * 8, cutlass.Int64(pair // top_k))
 
 
 class Sm90MoeRouteSort(Sm90MoeSortPairs):
-    """A softmax router's choice and the pairs' sort in one CTA (module docstring): each warp
-    takes tokens in turn, its lanes holding the router's E_r logits 32 apart; k rounds of the
-    largest untaken logit (a lane's own, then the warp's: the lowest expert on a tie) give the
-    token's experts in descending order, their weights the softmax of the k logits (renormalize)
-    or of all E_r, times nothing else; their local ids (id - first_local; E where not local)
-    feed the counting sort after a barrier. For decode-sized batches (pairs.ROUTE_MAX_TOKENS):
-    a warp's rounds take about 40 instructions each."""
+    """A router's choice and the pairs' sort in one CTA (module docstring): each warp takes
+    tokens in turn, its lanes holding the router's E_r logits 32 apart; k rounds of the largest
+    untaken score (a lane's own, then the warp's: the lowest expert on a tie) give the token's
+    experts in descending order; their local ids (id - first_local; E where not local) feed the
+    counting sort after a barrier. For decode-sized batches (pairs.ROUTE_MAX_TOKENS): a warp's
+    rounds take about 40 instructions each.
 
-    def __init__(self, num_experts: int, router_experts: int, top_k: int, renormalize: bool):
-        super().__init__(num_experts)
+    softmax (Qwen3-MoE, Mixtral): the rounds read the logits; the weights are the softmax of the
+        k logits (renormalize) or of all E_r.
+    sigmoid (DeepSeek-V3): the rounds read each expert's sigmoid plus its correction bias (where
+        `bias`), those of all but the `topk_group` best of `n_group` groups set to 0 (a group's
+        score: the sum of its two best; a group is whole slots, E_r / n_group a multiple of 32);
+        the weights are the chosen experts' sigmoids over their sum plus 1e-20 (renormalize),
+        times `scaling`. The sigmoid is 1 / (1 + exp(-x)) with libdevice's expf and an IEEE
+        division, torch's own formula on the GPU (nvfp4_group_gemm.routing)."""
+
+    def __init__(self, num_experts: int, router_experts: int, top_k: int, renormalize: bool,
+                 scoring: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+                 bias: bool = False):
+        # the grouped sigmoid's group scores and recomputed weights need more than the 64
+        # registers a thread of 1024 has (40 bytes of local memory there): 512 threads
+        super().__init__(num_experts, SORT_THREADS if scoring == "softmax" else SORT_THREADS // 2)
         self.router_experts, self.top_k, self.renormalize = router_experts, top_k, renormalize
+        self.scoring, self.n_group, self.topk_group = scoring, n_group, topk_group
+        self.scaling, self.bias = scaling, bias
         self.slots = (router_experts + WARP - 1) // WARP
+        self.slots_per_group = self.slots // n_group
 
     @cute.jit
-    def __call__(self, logits: cute.Pointer, topk_ids: cute.Pointer, topk_weights: cute.Pointer,
-                 experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer, offsets: cute.Pointer,
-                 tokens: cutlass.Int32, first_local: cutlass.Int32, stream: cuda.CUstream):
+    def __call__(self, logits: cute.Pointer, bias: cute.Pointer, topk_ids: cute.Pointer,
+                 topk_weights: cute.Pointer, experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer,
+                 offsets: cute.Pointer, tokens: cutlass.Int32, first_local: cutlass.Int32, stream: cuda.CUstream):
         fields = {"counts": cute.struct.Align[cute.struct.MemRange[cutlass.Int32, self.bins], 16]}
         self.shared_storage = cute.struct(type("RouteStorage", (), {"__annotations__": fields}))
-        self.kernel(logits, topk_ids, topk_weights, experts, order, a_rows, offsets, tokens, first_local).launch(
-            grid=(1, 1, 1), block=(SORT_THREADS, 1, 1), smem=self.shared_storage.size_in_bytes(), stream=stream)
+        self.kernel(logits, bias, topk_ids, topk_weights, experts, order, a_rows, offsets, tokens,
+                    first_local).launch(grid=(1, 1, 1), block=(self.threads, 1, 1),
+                                        smem=self.shared_storage.size_in_bytes(), stream=stream)
+
+    @cute.jit
+    def sigmoid(self, x: cutlass.Float32) -> cutlass.Float32:
+        return cutlass.Float32(1.0) / (cutlass.Float32(1.0) + cute.math.exp(cutlass.Float32(0.0) - x))
+
+    @cute.jit
+    def sigmoid_choice(self, values, bias: cute.Pointer, lane):
+        """Each slot's choice score: its sigmoid plus its bias (-inf past E_r), the groups not
+        kept set to 0."""
+        choice = []
+        for i in cutlass.range_constexpr(self.slots):
+            expert = lane + WARP * i
+            if cutlass.const_expr(self.bias):
+                offset = load_f32_global_or_neg_inf(bias.toint() + cutlass.Int64(expert) * 4,
+                                                    cutlass.Int32(expert < self.router_experts))
+            else:
+                offset = cutlass.Float32(0.0)
+                if expert >= self.router_experts:
+                    offset = cutlass.Float32(float("-inf"))
+            choice.append(self.sigmoid(values[i]) + offset)
+        if cutlass.const_expr(self.n_group > 1):
+            group_scores = []
+            for g in cutlass.range_constexpr(self.n_group):
+                first, second = group_top_two(choice[g * self.slots_per_group:(g + 1) * self.slots_per_group])
+                group_scores.append(first + second)
+            kept = cutlass.Int32(0)
+            for _ in cutlass.range_constexpr(self.topk_group):
+                _, group = lane_best(group_scores, kept)  # the same in every lane
+                kept = kept | (cutlass.Int32(1) << group)
+            choice = zero_unkept(choice, kept, self.slots_per_group)
+        return choice
 
     @cute.kernel
-    def kernel(self, logits: cute.Pointer, topk_ids: cute.Pointer, topk_weights: cute.Pointer,
+    def kernel(self, logits: cute.Pointer, bias: cute.Pointer, topk_ids: cute.Pointer, topk_weights: cute.Pointer,
                experts: cute.Pointer, order: cute.Pointer, a_rows: cute.Pointer, offsets: cute.Pointer,
                tokens: cutlass.Int32, first_local: cutlass.Int32):
         tidx, _, _ = cute.arch.thread_idx()
         counts = self.zeroed_counts(tidx)
         warp = tidx // WARP
         lane = tidx % WARP
-        for token in cutlass.range(warp, tokens, SORT_THREADS // WARP):
+        for token in cutlass.range(warp, tokens, self.threads // WARP):
             row = logits.toint() + cutlass.Int64(token) * (self.router_experts * 4)
             values = [load_f32_global_or_neg_inf(row + (lane + WARP * i) * 4,
                                                  cutlass.Int32(lane + WARP * i < self.router_experts))
                       for i in range(self.slots)]
+            scores = values
+            if cutlass.const_expr(self.scoring == "sigmoid"):
+                scores = self.sigmoid_choice(values, bias, lane)
             taken = cutlass.Int32(0)
             chosen = []
             for _ in cutlass.range_constexpr(self.top_k):
-                value, slot = lane_best(values, taken)
+                value, slot = lane_best(scores, taken)
                 value, index = warp_best(value, slot * WARP + lane)
                 taken = take_slot(taken, lane, index)
                 chosen.append((value, index))
-            largest = chosen[0][0]  # the token's largest logit: every exponent <= 0
-            exps = [cute.math.exp(value - largest) for value, _ in chosen]
-            if cutlass.const_expr(self.renormalize):
-                # the softmax of the k logits: the k largest probabilities over their sum
-                total = exps[0]
-                for e in exps[1:]:
-                    total = total + e
-            else:  # the softmax over every expert: its denominator over the whole row
-                total = cute.math.exp(values[0] - largest)
-                for v in values[1:]:
-                    total = total + cute.math.exp(v - largest)
-                total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+            if cutlass.const_expr(self.scoring == "sigmoid"):
+                # the chosen experts' sigmoids (without the bias), from their logits again
+                weights = [self.sigmoid(load_f32_global(row + cutlass.Int64(index) * 4)) for _, index in chosen]
+                if cutlass.const_expr(self.renormalize):
+                    total = weights[0]
+                    for w in weights[1:]:
+                        total = total + w
+                    total = total + cutlass.Float32(1e-20)
+                    weights = [w / total for w in weights]
+                weights = [w * cutlass.Float32(self.scaling) for w in weights]
+            else:
+                largest = chosen[0][0]  # the token's largest logit: every exponent <= 0
+                exps = [cute.math.exp(value - largest) for value, _ in chosen]
+                if cutlass.const_expr(self.renormalize):
+                    # the softmax of the k logits: the k largest probabilities over their sum
+                    total = exps[0]
+                    for e in exps[1:]:
+                        total = total + e
+                else:  # the softmax over every expert: its denominator over the whole row
+                    total = cute.math.exp(values[0] - largest)
+                    for v in values[1:]:
+                        total = total + cute.math.exp(v - largest)
+                    total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+                weights = [e / total for e in exps]
             if lane == 0:
                 for j in cutlass.range_constexpr(self.top_k):
                     pair = cutlass.Int64(token) * self.top_k + j
                     index = chosen[j][1]
                     store_i64_global(topk_ids.toint() + pair * 8, cutlass.Int64(index))
-                    store_f32_global(topk_weights.toint() + pair * 4, exps[j] / total)
+                    store_f32_global(topk_weights.toint() + pair * 4, weights[j])
                     local = index - first_local
                     bin_ = cutlass.Int32(self.num_experts)
                     if (local >= 0) & (local < self.num_experts):
@@ -326,9 +391,11 @@ def sort_pairs_build(num_experts: int) -> tuple:
         cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
 
 
-def route_sort_build(num_experts: int, router_experts: int, top_k: int, renormalize: bool) -> tuple:
-    return Sm90MoeRouteSort(num_experts, router_experts, top_k, renormalize), (
-        fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int64), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int64),
+def route_sort_build(num_experts: int, router_experts: int, top_k: int, renormalize: bool, scoring: str = "softmax",
+                     n_group: int = 1, topk_group: int = 1, scaling: float = 1.0, bias: bool = False) -> tuple:
+    return Sm90MoeRouteSort(num_experts, router_experts, top_k, renormalize, scoring, n_group, topk_group, scaling,
+                            bias), (
+        fake_ptr(cutlass.Float32), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int64), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int64),
         fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int32), cutlass.Int32(1), cutlass.Int32(0),
         cuda.CUstream(0))
 
@@ -363,14 +430,22 @@ def compile_quantize_target(groups: int, options: str | None = None, in_dtype: s
 
 
 def compile_route_sort(num_experts: int, router_experts: int, top_k: int, renormalize: bool,
-                       options: str | None = None):
-    """Compile (cached: core.compile_key) a softmax router's choice and the pairs' sort."""
-    return core.compile_once(route_sort_build, num_experts, router_experts, top_k, renormalize, options=options)
+                       scoring: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+                       bias: bool = False, options: str | None = None):
+    """Compile (cached: core.compile_key) a router's choice (Sm90MoeRouteSort) and the pairs' sort."""
+    return core.compile_once(route_sort_build, num_experts, router_experts, top_k, renormalize, scoring, n_group,
+                             topk_group, scaling, bias, options=options)
 
 
 def compile_route_sort_target(groups: int, options: str | None = None, renormalize: bool = True):
     """compile_route_sort for a build report: G local experts of a router's G, top-8."""
     return compile_route_sort(groups, groups, min(8, groups), renormalize, options=options)
+
+
+def compile_route_sort_grouped_target(groups: int, options: str | None = None):
+    """A DeepSeek-V3 router for a build report: 256 experts in 8 groups, the best 4, top-8, a
+    correction bias, scaled by 2.5; G local experts."""
+    return compile_route_sort(groups, 256, 8, True, "sigmoid", 8, 4, 2.5, True, options=options)
 
 
 def compile_combine(top_k: int, out_dtype: str = "bfloat16", masked: bool = False, shared: bool = False,
@@ -392,6 +467,7 @@ def layer_compile_targets():
         ("sm90_moe_sort_pairs", "sm_90a", compile_sort_pairs),
         ("sm90_moe_route_sort", "sm_90a", compile_route_sort_target),
         ("sm90_moe_route_sort_softmax_all", "sm_90a", functools.partial(compile_route_sort_target, renormalize=False)),
+        ("sm90_moe_route_sort_grouped_sigmoid", "sm_90a", compile_route_sort_grouped_target),
         ("sm90_moe_combine_bf16", "sm_90a", compile_combine_target),
         ("sm90_moe_quantize_gather_bf16", "sm_90a", functools.partial(compile_quantize_target, gather=True)),
         ("sm90_moe_quantize_f32", "sm_90a", functools.partial(compile_quantize_target, in_dtype="float32")),

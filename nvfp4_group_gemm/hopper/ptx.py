@@ -965,6 +965,66 @@ def take_slot(taken: cutlass.Int32, lane: cutlass.Int32, index: cutlass.Int32, *
     return cutlass.Int32(result)
 
 
+def group_top_two_text(count: int) -> str:
+    """group_top_two's PTX: $0, $1 the largest and second largest out; $2 .. the lane's `count`
+    values. Each lane's two largest, then the warp's by a butterfly: the merge of two disjoint
+    sets' (first, second) is (max(first, first'), max(second, second', min(first, first')))."""
+    lines = ["{", ".reg .f32 other_first, other_second, low;", "mov.f32 $0, 0fFF800000;", "mov.f32 $1, 0fFF800000;"]
+    for i in range(count):
+        lines += [f"min.f32 low, $0, ${2 + i};", "max.f32 $1, $1, low;", f"max.f32 $0, $0, ${2 + i};"]
+    for distance in (16, 8, 4, 2, 1):
+        lines += [f"shfl.sync.bfly.b32 other_first, $0, {distance}, 31, -1;",
+                  f"shfl.sync.bfly.b32 other_second, $1, {distance}, 31, -1;",
+                  "min.f32 low, $0, other_first;", "max.f32 $1, $1, other_second;", "max.f32 $1, $1, low;",
+                  "max.f32 $0, $0, other_first;"]
+    lines.append("}")
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def group_top_two(values, *, loc=None, ip=None):
+    """The warp's largest and second largest of every lane's `values` (a group of experts), in
+    every lane; -inf where the group has fewer."""
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type] * 2),
+        [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        group_top_two_text(len(values)),
+        "=f,=f," + ",".join(["f"] * len(values)),
+        loc=loc,
+        ip=ip,
+    )
+    return tuple(cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
+                 for i in range(2))
+
+
+def zero_unkept_text(count: int, per_group: int) -> str:
+    """zero_unkept's PTX: $0 .. $(count - 1) the values out (tied to $(count + 1) ..); $count
+    the kept groups' bits; value i belongs to group i // per_group."""
+    lines = ["{", ".reg .b32 bit;", ".reg .pred drop;"]
+    for i in range(count):
+        lines += [f"and.b32 bit, ${count}, {1 << (i // per_group)};", "setp.eq.u32 drop, bit, 0;",
+                  f"@drop mov.f32 ${i}, 0f00000000;"]
+    lines.append("}")
+    return "\n\t".join(lines)
+
+
+@dsl_user_op
+def zero_unkept(values, kept: cutlass.Int32, per_group: int, *, loc=None, ip=None) -> list:
+    """`values` with those of groups whose bit in `kept` is clear set to 0.0 (value i: group
+    i // per_group), as transformers' grouped routing masks the experts of groups it drops."""
+    count = len(values)
+    result = _inline_asm(
+        llvm.StructType.get_literal([cutlass.Float32.mlir_type] * count),
+        [cutlass.Int32(kept).ir_value(loc=loc, ip=ip)] + [cutlass.Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        zero_unkept_text(count, per_group),
+        ",".join(["=f"] * count) + ",r," + ",".join(str(i) for i in range(count)),
+        loc=loc,
+        ip=ip,
+    )
+    return [cutlass.Float32(llvm.extractvalue(cutlass.Float32.mlir_type, result, [i], loc=loc, ip=ip))
+            for i in range(count)]
+
+
 @dsl_user_op
 def store_f32_global(address: cutlass.Int64, value: cutlass.Float32, *, loc=None, ip=None):
     _store("st.global.f32", cutlass.Int64(address), "l", [value], cutlass.Float32, "f", loc, ip)
