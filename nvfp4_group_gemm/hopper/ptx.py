@@ -684,14 +684,17 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False) -> s
     first_input = 16 * num_units
     lines = [
         "{",
-        ".reg .b32 h, y, a, b, lanes, scale_pair, p, q, w;",
-        ".reg .b16 slo, shi, f16a, f16b, plo, phi;",
-        ".reg .f32 f, fb;",
+        ".reg .b32 h, y, a, b, lanes, p, q, w;",
+        ".reg .b16 slo, shi, f16a, f16b;",
+        ".reg .f32 f;",
         f"mov.b32 lanes, {hex(BF16_LANES)};",
-        f"mov.b32 scale_pair, {hex(BF16_DECODE_SCALE_PAIR)};",
     ]
+    if paired_scales:  # the pair's registers and constant only where the scales pair
+        lines += [".reg .b32 scale_pair;", ".reg .b16 plo, phi;", ".reg .f32 fb;",
+                  f"mov.b32 scale_pair, {hex(BF16_DECODE_SCALE_PAIR)};"]
     for u in range(num_units):
-        lines.append(f".reg .b32 gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>, sg{u}, sh{u}, S{u}_<8>, F{u}, P{u};")
+        pair = f", P{u}" if paired_scales else ""
+        lines.append(f".reg .b32 gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>, sg{u}, sh{u}, S{u}_<8>, F{u}{pair};")
     for u in range(num_units):  # loads
         src = first_input + 5 * u
         for s in range(4):
