@@ -22,7 +22,8 @@ small (--check-flops); each peer reads bf16 [T, K] activations and bf16 (torch) 
 write), a sleep kernel queued so the host is ahead (device time only: triton_kernels' host cost
 would otherwise dominate), CUDA events around one call; median of --repeats. Printed: µs of the
 entry's fp4 path (`entry`) and W4A16 path (bf16 activations, the same weights, alpha per expert,
-bf16 out), the ratio entry / torch._grouped_mm (goal), both paths over triton_kernels, the active
+bf16 out), the W4A16 path with the weights packed for the fragment (`W4A16fr`: b_layout="fragment",
+nvfp4_group_gemm.weight_layout; checked against the exact product too), the ratio entry / torch._grouped_mm (goal), both paths over triton_kernels, the active
 weight MB and the effective weight bandwidth (the bytes of the experts that got a row, fp4 +
 e4m3 scales for the entry's two paths, bf16 for torch, over the time).
 
@@ -201,6 +202,7 @@ def triton_runner(rows: list[int], n: int, k: int):
 def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[int], args, flush) -> dict:
     import nvfp4_group_gemm as lib
     from nvfp4_group_gemm import moe
+    from nvfp4_group_gemm.weight_layout import pack_fragment
 
     active = sum(1 for r in rows if r)
     total = max(1, sum(rows))
@@ -223,6 +225,13 @@ def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[in
     if total * n * k <= args.check_flops:
         cell["w4a16_exact"] = moe.compare_with_exact(**w4a16)[0] == 0
     cell["w4a16_us"] = device_us(lambda: lib.moe_grouped_gemm(**w4a16), args.repeats, flush)
+    # the same W4A16 call with the weights packed for the fragment (b_layout="fragment")
+    fragment = dict(w4a16, b=pack_fragment(w4a16["b"]), b_layout="fragment")
+    lib.moe_grouped_gemm(**fragment)
+    if total * n * k <= args.check_flops:
+        cell["fragment_exact"] = moe.compare_with_exact(**w4a16)[0] == 0  # its c, the plain weights' product
+    cell["w4a16_fragment_us"] = device_us(lambda: lib.moe_grouped_gemm(**fragment), args.repeats, flush)
+    del fragment
     for label in filter(None, args.configs.split(",")):  # forced configs (NVFP4_MOE_CONFIG), same inputs
         os.environ["NVFP4_MOE_CONFIG"] = label
         lib.reset_runtime()  # reads the switches again (nvfp4_group_gemm.switches)
@@ -252,6 +261,7 @@ def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[in
     cell["weight_mb"] = fp4_bytes / 1e6
     cell["entry_weight_tbps"] = fp4_bytes / (cell["entry_us"] * 1e-6) / 1e12
     cell["w4a16_weight_tbps"] = fp4_bytes / (cell["w4a16_us"] * 1e-6) / 1e12
+    cell["w4a16_fragment_weight_tbps"] = fp4_bytes / (cell["w4a16_fragment_us"] * 1e-6) / 1e12
     cell["grouped_mm_weight_tbps"] = active * n * k * 2 / (cell["grouped_mm_us"] * 1e-6) / 1e12
     cell["ratio"] = cell["entry_us"] / cell["grouped_mm_us"]
     return cell
@@ -272,9 +282,11 @@ def print_row(cell) -> None:
                    if "triton_us" in cell else f"{'-':>6}{'-':>6}")
     exact = {True: "exact", False: "WRONG", None: "-"}[cell.get("exact")]
     exact += {True: "", False: "/W4A16 WRONG", None: ""}[cell.get("w4a16_exact")]
+    exact += {True: "", False: "/fragment WRONG", None: ""}[cell.get("fragment_exact")]
     routing = "skew" if cell.get("skewed") else "topk"
     print(f"{cell['layer']:<9}{cell['gemm']:<8}{routing:<5}{cell['tokens']:>6}{cell['rows']:>7}{cell['active_experts']:>5}"
-          f"{cell['entry_us']:>9.1f}{cell['w4a16_us']:>9.1f}{cell['grouped_mm_us']:>9.1f}{triton:>9}{cell['ratio']:>7.2f}"
+          f"{cell['entry_us']:>9.1f}{cell['w4a16_us']:>9.1f}{cell['w4a16_fragment_us']:>9.1f}{cell['grouped_mm_us']:>9.1f}"
+          f"{triton:>9}{cell['ratio']:>7.2f}"
           f"{goal:>5.1f} {met:<5}{over_triton}{cell['weight_mb']:>7.0f}{cell['entry_weight_tbps']:>7.2f}"
           f"{cell['w4a16_weight_tbps']:>7.2f}{cell['grouped_mm_weight_tbps']:>7.2f}  {exact:<6}{cell['config']}"
           + "".join(f" | {label} {value:.1f}" if isinstance(value, float) else f" | {label} {value}"
@@ -310,7 +322,8 @@ def main(argv=None) -> int:
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; device µs of one call (L2 flushed, "
           f"host ahead), median of {args.repeats}; TB/s = active experts' weight bytes / time")
-    print(f"{'layer':<9}{'gemm':<8}{'rout':<5}{'tokens':>6}{'rows':>7}{'exp':>5}{'entry':>9}{'W4A16':>9}{'bf16mm':>9}"
+    print(f"{'layer':<9}{'gemm':<8}{'rout':<5}{'tokens':>6}{'rows':>7}{'exp':>5}{'entry':>9}{'W4A16':>9}{'W4A16fr':>9}"
+          f"{'bf16mm':>9}"
           f"{'triton':>9}{'ratio':>7}{'goal':>5} {'':<5}{'/tk fp4':>7}{'W4A16':>6}{'MB':>7}{'TB/s':>7}{'W4A16':>7}"
           f"{'bf16':>7}  check config")
     cells, wrong = [], False

@@ -142,6 +142,27 @@ class MoeProjection:
     # b's and sfb's row order: "stacked" (a fused gate-and-up's gate rows, then its up rows, as
     # exported) or "swiglu" (interleaved by 8 for the SwiGLU epilogue: moe.swiglu_weights)
     row_order: str = "stacked"
+    # b's layout: "plain" (as exported) or "fragment" (W4A16's weights packed for the decode's
+    # fragment at load: nvfp4_group_gemm.weight_layout; the entry's b_layout)
+    b_layout: str = "plain"
+
+    @property
+    def plain_b(self) -> torch.Tensor:
+        """b as exported (unpacked where it is held in the fragment layout)."""
+        if self.b_layout == "plain":
+            return self.b
+        from .weight_layout import unpack_fragment
+
+        return unpack_fragment(self.b)
+
+    def packed_for_fragment(self) -> MoeProjection:
+        """This projection with b packed for the W4A16 decode's fragment (weight_layout.pack_fragment;
+        the scales, alpha and row order unchanged): a copy of b, itself where it is packed already."""
+        if self.b_layout == "fragment":
+            return self
+        from .weight_layout import pack_fragment
+
+        return dataclasses.replace(self, b=pack_fragment(self.b), b_layout="fragment")
 
     @property
     def w4a16_alpha(self) -> torch.Tensor:
@@ -156,8 +177,9 @@ class MoeProjection:
             return self
         from .moe import swiglu_weights
 
-        b, sfb = swiglu_weights(self.b, self.sfb)
-        return dataclasses.replace(self, b=b, sfb=sfb, row_order="swiglu")
+        b, sfb = swiglu_weights(self.plain_b, self.sfb)
+        swiglu = dataclasses.replace(self, b=b, sfb=sfb, row_order="swiglu", b_layout="plain")
+        return swiglu.packed_for_fragment() if self.b_layout == "fragment" else swiglu
 
 
 def load_projection(tensors: dict, name: str) -> MoeProjection:
@@ -204,7 +226,7 @@ def dequantize_projection(projection: MoeProjection, dtype: torch.dtype = torch.
     from .moe import plain_scales_of_blocked
 
     experts, n, half_k = projection.b.shape
-    codes = projection.b.view(torch.uint8)
+    codes = projection.plain_b.view(torch.uint8)
     scaled = torch.stack([core.decode_fp4(codes[g], plain_scales_of_blocked(projection.sfb[g], n, 2 * half_k))
                           for g in range(experts)]).to(dtype)
     if projection.row_order == "swiglu":  # back to gate rows, then up rows

@@ -1,7 +1,8 @@
 """The MoE entry: one NVFP4 grouped GEMM over stacked tokens whose group boundaries stay on the
 GPU.
 
-    c = moe_grouped_gemm(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, a_rows=None, c_rows=None)
+    c = moe_grouped_gemm(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, a_rows=None, c_rows=None,
+                         activation=None, b_layout=None)
 
 a        [T, K]    bfloat16 (W4A16: sfa None), or [T, K/2] float4_e2m1fn_x2 (or uint8, with sfa),
                    the tokens of every group stacked (T is a capacity: rows past offsets[G] are
@@ -26,6 +27,10 @@ c_rows   [R]      int64 on the GPU, optional, bf16 activations only: grouped row
                   c's row c_rows[r] (c [T_c, N], any T_c, given: the un-permute in the GEMM's
                   stores); distinct over the groups' rows. An index outside a (c) reads zeros
                   (writes nothing). On sm_90 the GEMM itself reads and writes through them.
+b_layout None or "plain": b as exported; "fragment", bf16 activations only: b from
+                  nvfp4_group_gemm.weight_layout.pack_fragment (the same bytes rearranged once at
+                  load, so the W4A16 decode reads a lane's fragment with one load and places its
+                  codes with fewer instructions; the exact decode unpacks it)
 
 C[rows of g] = alpha[g] x (A[rows of g] * SFA) @ (B[g] * SFB[g])^T, exact products accumulated
 in fp32, as custom_kernel computes per group; with bf16 activations (W4A16) A's rows are the
@@ -62,6 +67,7 @@ import torch
 from nvfp4_group_gemm import core, switches
 
 from . import launch
+from .weight_layout import FRAGMENT, PLAIN, WEIGHT_LAYOUTS, unpack_fragment
 
 SF_VEC_SIZE = 16
 ATOM_ROWS = 128
@@ -192,14 +198,15 @@ class MoeShape(tuple):
     None: bf16 activations, W4A16), weight scale layout, alpha mode (None, "expert": [G],
     "halves": [G, 2]), c's dtype ("float16", "bfloat16"), the rows mapped (None, or (a's rows
     where a_rows maps them, else None; c's rows where c_rows does, else None)), the epilogue's
-    activation (None, "swiglu"))."""
+    activation (None, "swiglu"), the weights' layout ("plain", or "fragment": W4A16's weights
+    packed for the fragment, nvfp4_group_gemm.weight_layout))."""
 
     __slots__ = ()
 
     def __new__(cls, tokens, groups, n, k, sfa_layout, sfb_layout, alpha=None, out_dtype="float16", rows=None,
-                activation=None):
+                activation=None, b_layout="plain"):
         return super().__new__(cls, (tokens, groups, n, k, sfa_layout, sfb_layout, alpha, out_dtype, rows,
-                                     activation))
+                                     activation, b_layout))
 
     tokens = property(lambda self: self[0])
     groups = property(lambda self: self[1])
@@ -211,6 +218,7 @@ class MoeShape(tuple):
     out_dtype = property(lambda self: self[7])
     rows = property(lambda self: self[8])
     activation = property(lambda self: self[9])
+    b_layout = property(lambda self: self[10])
     w4a16 = property(lambda self: self[4] is None)
 
     def kernel_rows(self):
@@ -227,7 +235,8 @@ class MoeShape(tuple):
             return f"{self.sfa_layout} activation scales{swiglu}"
         rows = self.kernel_rows()
         mapped = " and ".join(name for name, on in (("gathered", rows.gather), ("scattered", rows.scatter)) if on)
-        return "bf16 activations (W4A16)" + (f", rows {mapped}" if mapped else "") + swiglu
+        fragment = ", weights packed for the fragment" if self.b_layout == FRAGMENT else ""
+        return "bf16 activations (W4A16)" + (f", rows {mapped}" if mapped else "") + swiglu + fragment
 
     def epilogue(self):
         """The GEMM's epilogue (hopper.moe.MoeEpilogue) of this shape."""
@@ -237,7 +246,7 @@ class MoeShape(tuple):
 
 
 def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *, a_rows=None, c_rows=None,
-                     activation=None, require_cuda: bool = True) -> MoeShape:
+                     activation=None, b_layout=None, require_cuda: bool = True) -> MoeShape:
     """Validate everything the host can see (types, dtypes, devices, shapes, strides,
     alignment, G, N, K), before any launch; returns the problem's MoeShape. Raises TypeError
     or ValueError naming the field, its value and the rule. `require_cuda` False: the CPU
@@ -354,9 +363,16 @@ def check_moe_inputs(a, sfa, b, sfb, offsets, c=None, status=None, alpha=None, *
                           ("status", status), ("alpha", alpha), ("a_rows", a_rows), ("c_rows", c_rows)):
         if tensor is not None:
             _check_device(field, tensor, a.device, require_cuda)
+    layout = PLAIN if b_layout is None else b_layout
+    if layout not in WEIGHT_LAYOUTS:
+        _fail(ValueError, "b_layout", repr(b_layout), f"must be None or one of {WEIGHT_LAYOUTS} (\"fragment\": b "
+              "from nvfp4_group_gemm.weight_layout.pack_fragment)")
+    if layout == FRAGMENT and not w4a16:
+        _fail(ValueError, "b_layout", repr(b_layout), "\"fragment\" takes bf16 activations (W4A16): the fp4 path's "
+              "decode reads the weights as exported")
     rows = None if mapped is None else (None if a_rows is None else a_tokens,
                                         None if c_rows is None else c.shape[0])
-    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout, alpha_mode, out_dtype, rows, activation)
+    return MoeShape(tokens, groups, n, k, sfa_layout, sfb_layout, alpha_mode, out_dtype, rows, activation, layout)
 
 
 def _check_row_maps(a, a_rows, c_rows) -> int | None:
@@ -491,7 +507,7 @@ def compile_moe_kernels(shape: MoeShape, config) -> tuple:
     if shape.w4a16:
         config = hopper_moe.w4a16_config(config)
         return None, hopper_moe.compile_moe_w4a16_gemm(shape.groups, config=config, epilogue=shape.epilogue(),
-                                                       rows=shape.kernel_rows())
+                                                       rows=shape.kernel_rows(), weight_layout=shape.b_layout)
     decode = hopper_moe.compile_moe_decode(shape.groups, scale_layout=shape.sfa_layout, chained=config.chain_calls)
     return decode, hopper_moe.compile_moe_gemm(shape.groups, config=config, epilogue=shape.epilogue())
 
@@ -669,7 +685,8 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
     ranks (t32_split_k); else split-K where its CTAs fit one per SM for every routing
     (2 x max_moe_tiles <= SMs); else, where the groups that can hold a row hold at most 32 or 64 rows each on average
     (T / min(G, T): decode, many experts), 32-token tiles (128-wide k-tiles where their tiles fit
-    one round and K % 512 == 0) or 64-token tiles; else one round of 128-token tiles where every
+    one round and K % 512 == 0) or 64-token tiles (32-token ones where b is packed for
+    the fragment); else one round of 128-token tiles where every
     routing fits one round (with 128-wide k-tiles where K % 512 == 0); else variable tiles,
     which the GPU cuts at 128 or 256 tokens from the routing (hopper.moe.moe_token_cap). The per-size-set path's choice for equal groups
     of T / G, or the choice most frequent over sampled routings, picked 128-, 112- or 192-token
@@ -716,7 +733,9 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
         if hopper_moe.max_moe_tiles(tokens, groups, n, config) <= SWAP_AB_T32_K128_CONFIG.ctas_per_sm * num_sms:
             config = with_wide_k_tiles([(tokens, n, k, 1)], config)
     elif rows_per_group <= SWAP_AB_T64_CONFIG.tile_tokens:
-        config = SWAP_AB_T64_CONFIG
+        # with b packed for the fragment, two 32-token tiles: its 64-token build took an 8-byte
+        # local frame (80 registers, rows scattered) under DSL 4.8.1 (EXPERIMENTS E92)
+        config = SWAP_AB_T64_CONFIG if shape.b_layout != FRAGMENT else SWAP_AB_T32_CONFIG
     elif hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_ONE_ROUND_CONFIG) <= num_sms:
         config = with_wide_k_tiles([(tokens, n, k, 1)], SWAP_AB_ONE_ROUND_CONFIG)
     else:
@@ -757,7 +776,7 @@ def moe_chain(shape: MoeShape, num_sms: int, chain_calls: bool, forced: str | No
     if shape.w4a16:  # no pre-pass: unchained
         configs = [w4a16_config(config) for config in configs]
     links = [core.KernelChoice(MOE_BACKEND, config_name(config),
-                               (config, shape.sfa_layout, shape.epilogue(), shape.kernel_rows()),
+                               (config, shape.sfa_layout, shape.epilogue(), shape.kernel_rows(), shape.b_layout),
                                per_group_count=True, label=f"{shape.activations()}, {shape.epilogue()}")
              for config in configs]
     return [*links, core.KernelChoice(MOE_BACKEND, "exact_decode", host=True)]
@@ -924,14 +943,15 @@ def w4a16_accumulation_bound(a, b, sfb):
 
 
 def exact_moe_call(a, sfa, b, sfb, offsets, c, status=None, alpha=None, a_rows=None, c_rows=None,
-                   activation=None) -> None:
+                   activation=None, b_layout=None) -> None:
     """The exact decode as the entry's kernels behave, on any device: the entry's rules
     (check_moe_inputs, the CUDA device excepted) before any work; then valid offsets: every
     group's rows written (moe_reference; through c_rows where given) and status 0; bad offsets:
     nothing written and status 1, or, without a status to flag them in, check_offsets'
     ValueError. Reads the offsets on the host: the op's CPU implementation."""
     shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows,
-                             activation=activation, require_cuda=False)
+                             activation=activation, b_layout=b_layout, require_cuda=False)
+    b = plain_weights(b, shape)
     if not _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, (a_rows, c_rows, activation)) and status is None:
         check_offsets(offsets, shape.tokens)  # raises, naming what breaks the rule
 
@@ -949,6 +969,13 @@ def _exact_decode(a, sfa, b, sfb, offsets, c, status, alpha, maps=(None, None, N
     return valid
 
 
+def plain_weights(b: torch.Tensor, shape: MoeShape) -> torch.Tensor:
+    """b as exported: unpacked where the call's b_layout is "fragment" (what the exact decode reads)."""
+    if shape.b_layout == FRAGMENT:
+        return unpack_fragment(b)
+    return b
+
+
 def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None, maps=(None, None, None)) -> None:
     """The chain's last link, on inputs the entry validated: the exact decode as the kernels
     behave (bad offsets without a status: nothing written, nothing raised, as a kernel
@@ -964,7 +991,8 @@ def _exact_call(a, sfa, b, sfb, offsets, c, status, shape: MoeShape, alpha=None,
 data_address = core.data_address
 
 
-def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None, activation=None):
+def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None, activation=None,
+                 b_layout=None):
     """Everything a binding's arguments and validation depend on: the ten addresses (status's,
     alpha's, a_rows' and c_rows' None where none is given), then the layout (shapes, strides
     and dtypes, the epilogue's activation; _checked_shape's key). The device follows from the
@@ -975,7 +1003,7 @@ def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_
               c.dtype, None if status is None else (status.shape, status.dtype),
               None if alpha is None else (alpha.shape, alpha.stride(), alpha.dtype),
               None if a_rows is None else (a_rows.shape, a_rows.stride(), a_rows.dtype),
-              None if c_rows is None else (c_rows.shape, c_rows.stride(), c_rows.dtype), activation)
+              None if c_rows is None else (c_rows.shape, c_rows.stride(), c_rows.dtype), activation, b_layout)
     return (data_address(a), 0 if sfa is None else data_address(sfa), data_address(b), data_address(sfb),
             data_address(offsets), data_address(c),
             None if status is None else data_address(status), None if alpha is None else data_address(alpha),
@@ -986,22 +1014,24 @@ def _binding_key(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_
 def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
                      c: torch.Tensor | None = None, *, status: torch.Tensor | None = None,
                      alpha: torch.Tensor | None = None, a_rows: torch.Tensor | None = None,
-                     c_rows: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+                     c_rows: torch.Tensor | None = None, activation: str | None = None,
+                     b_layout: str | None = None) -> torch.Tensor:
     """C rows of group g = alpha[g] x (A rows of g x SFA) @ (B[g] x SFB[g])^T for the groups the
     GPU's `offsets` give, rounded to c's dtype (fp16 or bf16; a new c is bf16), the rows read
     through a_rows and written through c_rows where given, silu(gate) x up of a SwiGLU weight's
-    outputs with activation="swiglu" (c [rows, N / 2]); returns c (module docstring: layouts,
-    alpha, row maps, SwiGLU, validation, bad offsets)."""
+    outputs with activation="swiglu" (c [rows, N / 2]), b packed for the fragment with
+    b_layout="fragment" (W4A16: nvfp4_group_gemm.weight_layout); returns c (module docstring:
+    layouts, alpha, row maps, SwiGLU, validation, bad offsets)."""
     if (c is None and c_rows is None and isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
             and a.dim() == 2 and b.dim() == 3):
         rows = a.shape[0] if not isinstance(a_rows, torch.Tensor) else a_rows.shape[0]
         columns = b.shape[1] // 2 if activation == "swiglu" else b.shape[1]
         c = torch.empty((rows, columns), dtype=torch.bfloat16, device=a.device)
     try:
-        key = _binding_key(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows, activation)
+        key = _binding_key(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows, activation, b_layout)
     except AttributeError:  # not tensors: the validation names the field
         check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows,
-                         activation=activation)
+                         activation=activation, b_layout=b_layout)
         raise
     entry = where = None
     if a.is_cuda:  # CUDA is initialized: the hit path (the binding, touched: least recently used go first)
@@ -1009,7 +1039,7 @@ def moe_grouped_gemm(a: torch.Tensor, sfa: torch.Tensor, b: torch.Tensor, sfb: t
         entry = RUNTIME.bindings.get((where, key))
     if entry is None or entry is _SEEN_ONCE:
         _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=entry is _SEEN_ONCE, where=where, alpha=alpha,
-                     a_rows=a_rows, c_rows=c_rows, activation=activation)
+                     a_rows=a_rows, c_rows=c_rows, activation=activation, b_layout=b_layout)
     else:
         entry.launch()
     return c
@@ -1024,7 +1054,7 @@ RUNTIME.caches.append(_LAYOUTS)
 
 
 def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None,
-                   activation=None) -> MoeShape:
+                   activation=None, b_layout=None) -> MoeShape:
     """check_moe_inputs, short where the layout (`key[-1]`) was validated before: then the
     addresses' alignment and the devices alone."""
     known = _LAYOUTS.get(key[-1])  # touched: a layout in use stays cached
@@ -1042,7 +1072,7 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=N
                 and (c_rows is None or (c_rows.get_device() == device and not key[9] & 7))):
             return shape
     shape = check_moe_inputs(a, sfa, b, sfb, offsets, c, status, alpha, a_rows=a_rows, c_rows=c_rows,
-                             activation=activation)
+                             activation=activation, b_layout=b_layout)
     # 16-byte addresses for the TMA-read operands and c, 4 for offsets; plain scales any byte
     _LAYOUTS.put(key[-1], (shape, (15, 0 if shape.sfa_layout == "plain" else 15, 15,
                                    0 if shape.sfb_layout == "plain" else 15, 3, 15)))
@@ -1050,12 +1080,12 @@ def _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=N
 
 
 def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tuple | None = None,
-                 alpha=None, a_rows=None, c_rows=None, activation=None) -> None:
+                 alpha=None, a_rows=None, c_rows=None, activation=None, b_layout=None) -> None:
     """A call whose key has no binding: validate, find (or make) the plan, then launch through
     the plan's shared cells (`bind` False: the key's first call) or build the key's binding and
     launch it (its second call). `where`: (torch's current stream handle, current device) where
     the caller read them."""
-    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows, activation)
+    shape = _checked_shape(key, a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows, activation, b_layout)
     maps = (a_rows, c_rows, activation)  # what the exact decode and the self-check apply beyond the tensors
     device = a.device
     stream_handle, current_device = where or (launch.current_stream_handle(), core.current_device_index())
@@ -1076,7 +1106,7 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
         RUNTIME.before_miss()
         plan = _plan_for(plan_key, shape, device)
         if plan is None:  # every kernel of the chain demoted
-            _exact_call(a, sfa, b, sfb, offsets, c, status, shape, alpha, maps)
+            _exact_call(a, sfa, plain_weights(b, shape), sfb, offsets, c, status, shape, alpha, maps)
             return
         if capturing:
             plan.captured = True
@@ -1106,10 +1136,10 @@ def _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind: bool, where: tup
                 raise
             core.demote(MOE_BACKEND, plan.choice, plan.chain, plan.groups, f"launch failed ({core.one_line(error)})")
             _launch_miss(a, sfa, b, sfb, offsets, c, status, key, bind=False, where=where, alpha=alpha,
-                         a_rows=a_rows, c_rows=c_rows, activation=activation)
+                         a_rows=a_rows, c_rows=c_rows, activation=activation, b_layout=b_layout)
             return
         if check:
-            _self_check(plan, a, sfa, b, sfb, offsets, c, status, alpha, maps)
+            _self_check(plan, a, sfa, plain_weights(b, shape), sfb, offsets, c, status, alpha, maps)
         RUNTIME.put_binding(binding_key, _SEEN_ONCE)
 
 

@@ -37,6 +37,7 @@ import torch
 from . import checkpoint, pairs, switches
 from .op import moe_grouped_gemm_op
 from .routing import Routing, route
+from .weight_layout import FRAGMENT, PLAIN, WEIGHT_LAYOUTS
 
 
 def quantize_activations(x: torch.Tensor, input_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,17 +72,18 @@ class MoeFfn:
     def __init__(self, tensors: dict, prefix: str, router_weight: torch.Tensor, top_k: int,
                  activations: str = "bf16", first_local: int = 0, *, routing: Routing | None = None,
                  e_score_correction_bias: torch.Tensor | None = None,
-                 shared: dict[str, checkpoint.MoeProjection] | None = None, swiglu_epilogue: bool = True):
+                 shared: dict[str, checkpoint.MoeProjection] | None = None, swiglu_epilogue: bool = True,
+                 weight_layout: str = "plain"):
         layer = checkpoint.load_moe_layer(tensors, prefix)
         routing = Routing("softmax", top_k, renormalize=True) if routing is None else routing
         if routing.top_k != top_k:
             raise ValueError(f"MoeFfn: top_k = {top_k}: routing.top_k = {routing.top_k} differs")
         self._build(layer["w13"], layer["w2"], router_weight, routing, activations, first_local,
-                    e_score_correction_bias, shared, swiglu_epilogue)
+                    e_score_correction_bias, shared, swiglu_epilogue, weight_layout)
 
     @classmethod
     def from_weights(cls, weights, activations: str = "bf16", with_shared: bool | None = None,
-                     swiglu_epilogue: bool = True) -> MoeFfn:
+                     swiglu_epilogue: bool = True, weight_layout: str = "plain") -> MoeFfn:
         """The layer of an export's MoeLayerWeights (export.Export.load_moe_layer). The shared
         expert is added where `with_shared` (default: where the weights' experts start at 0, so
         that an all-reduce over expert-parallel ranks adds it once)."""
@@ -89,28 +91,38 @@ class MoeFfn:
         layer = cls.__new__(cls)
         layer._build(weights.w13, weights.w2, weights.router_weight, weights.routing, activations,
                      weights.first_expert, weights.e_score_correction_bias, weights.shared if with_shared else None,
-                     swiglu_epilogue)
+                     swiglu_epilogue, weight_layout)
         return layer
 
     @classmethod
     def from_pretrained(cls, path, layer: int, device="cuda", activations: str = "bf16",
-                        experts: range | None = None, swiglu_epilogue: bool = True) -> MoeFfn:
+                        experts: range | None = None, swiglu_epilogue: bool = True,
+                        weight_layout: str = "plain") -> MoeFfn:
         """MoE layer `layer` of the ModelOpt NVFP4 export directory `path` on `device`: its
         experts (all, or the range `experts`), router and routing, shared expert (MoeFfn.from_weights)."""
         from .export import open_export
 
         return cls.from_weights(open_export(path).load_moe_layer(layer, device=device, experts=experts), activations,
-                                swiglu_epilogue=swiglu_epilogue)
+                                swiglu_epilogue=swiglu_epilogue, weight_layout=weight_layout)
 
     def _build(self, w13, w2, router_weight, routing, activations, first_local, e_score_correction_bias, shared,
-               swiglu_epilogue=True):
+               swiglu_epilogue=True, weight_layout="plain"):
         if activations not in ACTIVATIONS:
             raise ValueError(f"MoeFfn: activations = {activations!r}: must be one of {ACTIVATIONS}")
+        if weight_layout not in WEIGHT_LAYOUTS or (weight_layout == FRAGMENT and activations != "bf16"):
+            raise ValueError(f"MoeFfn: weight_layout = {weight_layout!r}: must be one of {WEIGHT_LAYOUTS}, "
+                             f"\"{FRAGMENT}\" with bf16 activations only (W4A16's decode)")
         self.activations = activations
         # W4A16 runs SwiGLU in the gate-and-up GEMM's epilogue (swiglu_epilogue, the default):
         # w13 is held in that epilogue's row order, one copy (dequantize_projection reads either)
         self.w13 = w13.in_swiglu_order() if activations == "bf16" and swiglu_epilogue else w13
         self.w2 = w2
+        # weight_layout="fragment": the weights packed once for the W4A16 decode's fragment
+        # (nvfp4_group_gemm.weight_layout; one copy; dequantize_projection reads either)
+        if weight_layout == FRAGMENT:
+            self.w13, self.w2 = self.w13.packed_for_fragment(), self.w2.packed_for_fragment()
+            if shared is not None:
+                shared = {name: projection.packed_for_fragment() for name, projection in shared.items()}
         self.router_weight = router_weight.float()
         self.routing = routing
         self.top_k = routing.top_k
@@ -282,7 +294,8 @@ class MoeFfn:
         columns = projection.b.shape[1] // 2 if swiglu else projection.b.shape[1]
         c = torch.empty(grouped, columns, dtype=torch.bfloat16, device=rows.device)
         moe_grouped_gemm_op(a, sfa, projection.b, projection.sfb, offsets, c, status, alpha, a_rows, c_rows,
-                            "swiglu" if swiglu else None)
+                            "swiglu" if swiglu else None,
+                            None if projection.b_layout == PLAIN else projection.b_layout)
         return c
 
 

@@ -80,7 +80,7 @@ def grouped_gemm(data: input_t) -> output_t:
 
 
 # The MoE entry as torch.ops.nvfp4_group_gemm.moe_grouped_gemm(a, sfa, b, sfb, offsets, c,
-# status, alpha=None, a_rows=None, c_rows=None, activation=None) (sfa None: bf16 activations,
+# status, alpha=None, a_rows=None, c_rows=None, activation=None, b_layout=None) (sfa None: bf16 activations,
 # W4A16; the row maps and SwiGLU of moe.py's docstring): mutates c and the status word (int32 [1]: 0, or 1 for bad offsets),
 # returns nothing; the fake implementation does nothing; on CPU tensors the exact decode
 # (moe.exact_moe_call: the entry's validation, then it reads the offsets on the host, as only a
@@ -89,13 +89,14 @@ def grouped_gemm(data: input_t) -> output_t:
 def _moe_cuda(a: torch.Tensor, sfa: torch.Tensor | None, b: torch.Tensor, sfb: torch.Tensor, offsets: torch.Tensor,
               c: torch.Tensor, status: torch.Tensor, alpha: torch.Tensor | None = None,
               a_rows: torch.Tensor | None = None, c_rows: torch.Tensor | None = None,
-              activation: str | None = None) -> None:
+              activation: str | None = None, b_layout: str | None = None) -> None:
     moe_grouped_gemm(a, sfa, b, sfb, offsets, c, status=status, alpha=alpha, a_rows=a_rows, c_rows=c_rows,
-                     activation=activation)
+                     activation=activation, b_layout=b_layout)
 
 
-def _moe_cpu(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None, activation=None) -> None:
-    exact_moe_call(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows, activation)
+def _moe_cpu(a, sfa, b, sfb, offsets, c, status, alpha=None, a_rows=None, c_rows=None, activation=None,
+             b_layout=None) -> None:
+    exact_moe_call(a, sfa, b, sfb, offsets, c, status, alpha, a_rows, c_rows, activation, b_layout)
 
 
 def _register_moe_op():

@@ -850,3 +850,67 @@ def test_fp16_boundary_bit_for_bit_as_the_exact_decode(label, path, k, monkeypat
     finally:
         monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
         gemm.reset_runtime()
+
+
+# -----------------------------------------------------------------------------
+# W4A16 with the weights packed for the fragment (b_layout="fragment", nvfp4_group_gemm.weight_layout)
+# -----------------------------------------------------------------------------
+FRAGMENT = [(label, family) for label, family in W4A16 if label in
+            ("swap_ab_t32", "swap_ab_t32_k128", "swap_ab_t32_split_k4", "swap_ab_t64", "swap_ab_variable")]
+
+
+@pytest.mark.parametrize("label,family", FRAGMENT, ids=[f"{label}_G{family[1]}" for label, family in FRAGMENT])
+def test_the_fragment_layout_gives_the_plain_layouts_bits(label, family, monkeypatch):
+    """The same weights packed for the fragment (pack_fragment) and read with
+    b_layout="fragment": c bit for bit as from the plain weights (the decode places the same
+    bf16 values; the same k-loop and epilogue), for plain rows, for mapped rows with SwiGLU in
+    the epilogue, and for scattered rows; within the exact product's bound; and a CUDA graph
+    replayed over new routings."""
+    from nvfp4_group_gemm.weight_layout import pack_fragment
+
+    if SM100:
+        pytest.skip("W4A16 runs on sm_90 only")
+    _forced(monkeypatch, label)
+    try:
+        tokens, groups, n, k = family
+        rng, generator = random.Random(41), torch.Generator().manual_seed(19)
+        inputs = moe.random_moe_inputs(tokens, groups, n, k, sfa_layout=None, generator=generator)
+        packed = pack_fragment(inputs["b"])
+        alpha = _random_alpha(groups, "halves", 1)
+        a_rows = torch.randint(0, tokens, (tokens,), generator=generator).cuda()
+        c_rows = torch.randperm(tokens, generator=generator).cuda()
+        cases = [("plain rows", {}, n), ("swiglu, gathered", {"a_rows": a_rows, "activation": "swiglu"}, n // 2),
+                 ("scattered", {"c_rows": c_rows}, n)]
+        for tag, extra, columns in cases:
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            results = []
+            for b, layout in ((inputs["b"], None), (packed, "fragment")):
+                c = torch.full((tokens, columns), float("nan"), dtype=torch.bfloat16, device="cuda")
+                gemm.moe_grouped_gemm(inputs["a"], None, b, inputs["sfb"], inputs["offsets"], c, alpha=alpha,
+                                      b_layout=layout, **extra)
+                results.append(c)
+            torch.cuda.synchronize()
+            assert torch.equal(results[0].nan_to_num(7.0), results[1].nan_to_num(7.0)), (label, tag)
+            if not extra:
+                mismatches, _, first, _, _ = moe.compare_with_exact(inputs["a"], None, inputs["b"], inputs["sfb"],
+                                                                    inputs["offsets"], results[1], alpha)
+                assert mismatches == 0, (label, first)
+        c = torch.full((tokens, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemm.moe_grouped_gemm(inputs["a"], None, packed, inputs["sfb"], inputs["offsets"], c, alpha=alpha,
+                                  b_layout="fragment")
+        for trial in range(3):
+            offsets = moe.random_routing(tokens, groups, rng)
+            inputs["offsets"].copy_(torch.tensor(offsets, dtype=torch.int32))
+            c.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            mismatches, _, first, _, _ = moe.compare_with_exact(inputs["a"], None, inputs["b"], inputs["sfb"],
+                                                                inputs["offsets"], c, alpha)
+            assert mismatches == 0, (label, "replay", trial, first)
+        assert not core.demotions(), core.demotions()
+    finally:
+        monkeypatch.delenv("NVFP4_MOE_CONFIG", raising=False)
+        gemm.reset_runtime()

@@ -127,6 +127,24 @@ def test_the_layer_with_pair_kernels_is_the_layer_without(activations):
     assert ((with_kernels.double() - without.double()).abs() <= 2**-7 * without.double().abs() + 1e-6).all()
 
 
+@pytest.mark.parametrize("tokens", [1, 48])
+def test_the_layer_with_fragment_weights_is_the_plain_layer_bit_for_bit(tokens):
+    """MoeFfn(weight_layout="fragment") on the GPU: the W4A16 GEMMs read the weights packed for
+    the fragment, and the layer's output is the plain layout's bit for bit (the same bf16 weights
+    decoded, the same sums); nothing demoted."""
+    from test_moe_layer import HIDDEN, TOP_K, make_layer
+
+    from nvfp4_group_gemm import moe_layer
+
+    tensors, cpu_layer, router = make_layer(activations="bf16")
+    cuda_tensors = {name: value.cuda() for name, value in tensors.items()}
+    plain = moe_layer.MoeFfn(cuda_tensors, "layer.", router.cuda(), TOP_K, "bf16")
+    fragment = moe_layer.MoeFfn(cuda_tensors, "layer.", router.cuda(), TOP_K, "bf16", weight_layout="fragment")
+    x = torch.randn(tokens, HIDDEN, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9)).bfloat16()
+    assert torch.equal(fragment(x), plain(x))
+    assert not core.demotions(), core.demotions()
+
+
 @pytest.mark.parametrize("tokens,router_experts,top_k", [(1, 128, 8), (16, 128, 8), (256, 128, 8), (5, 8, 2),
                                                          (64, 512, 8), (3, 1024, 4)])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renormalized", "softmax_all"])

@@ -1029,3 +1029,49 @@ def test_swiglu_makes_its_own_kernel_and_its_bound_catches_a_wrong_value(monkeyp
     moe._self_check(plan, *tensors, wrong, None, None, (None, None, "swiglu"))
     assert core.is_demoted(plan.kernel_key) and torch.equal(wrong, exact)
     assert "expert 2 row 150 column 7" in capsys.readouterr().err
+
+
+def test_the_fragment_layout_through_the_cpu_op_and_its_rules():
+    """b_layout="fragment" on the op's CPU path (the exact decode unpacks first): the plain
+    layout's bits for the packed weights; the plain weights read as packed give other values;
+    the fp4 path and unknown layouts refused before any work, naming b_layout."""
+    from nvfp4_group_gemm import op, weight_layout
+
+    tokens, groups, n, k = 24, 3, 128, 256
+    inputs = moe.random_moe_inputs(tokens, groups, n, k, general_scales=False, device="cpu",
+                                   generator=torch.Generator().manual_seed(5))
+    a = (torch.randn(tokens, k, generator=torch.Generator().manual_seed(6)) * 2).bfloat16()
+    offsets = torch.tensor([0, 5, 5, tokens], dtype=torch.int32)
+    status = torch.zeros(1, dtype=torch.int32)
+    plain, packed, misread = (torch.full((tokens, n), float("nan"), dtype=torch.bfloat16) for _ in range(3))
+    op.moe_grouped_gemm_op(a, None, inputs["b"], inputs["sfb"], offsets, plain, status)
+    fragment_b = weight_layout.pack_fragment(inputs["b"])
+    op.moe_grouped_gemm_op(a, None, fragment_b, inputs["sfb"], offsets, packed, status, b_layout="fragment")
+    op.moe_grouped_gemm_op(a, None, inputs["b"], inputs["sfb"], offsets, misread, status, b_layout="fragment")
+    assert torch.equal(plain, packed) and not torch.isnan(plain).any()
+    assert not torch.equal(plain, misread)
+    with pytest.raises(ValueError, match="b_layout.*bf16 activations"):
+        moe.check_moe_inputs(inputs["a"], inputs["sfa"], inputs["b"], inputs["sfb"], offsets, b_layout="fragment",
+                             require_cuda=False)
+    before = packed.clone()
+    with pytest.raises(ValueError, match="b_layout = 'packed'"):
+        op.moe_grouped_gemm_op(a, None, fragment_b, inputs["sfb"], offsets, packed, status, b_layout="packed")
+    assert torch.equal(packed, before)
+
+
+def test_fragment_weights_take_32_token_tiles_where_the_choice_takes_64():
+    """A W4A16 shape of 33-64 rows per expert: 64-token tiles with plain weights, 32-token ones
+    with b packed for the fragment (its 64-token build spilled under DSL 4.8.1); the fragment
+    layout in the chain's links (their compile keys differ from the plain layout's)."""
+    plain = moe.MoeShape(48 * 8, 8, 4096, 2048, None, "blocked", "expert", "bfloat16")
+    fragment = moe.MoeShape(*plain[:10], "fragment")
+    from nvfp4_group_gemm.hopper import config_name
+
+    assert config_name(moe.moe_config(plain, 132, False, None)).startswith("swap_ab_t64")
+    assert config_name(moe.moe_config(fragment, 132, False, None)).startswith("swap_ab_t32")
+    small = moe.MoeShape(8, 8, 4096, 2048, None, "blocked", "expert", "bfloat16")
+    assert moe.moe_config(small, 132, False, None) == moe.moe_config(moe.MoeShape(*small[:10], "fragment"), 132,
+                                                                     False, None)
+    links = moe.moe_chain(fragment, 132, chain_calls=False, forced=None)
+    assert all(link.config[-1] == "fragment" for link in links[:-1])
+    assert links[0].kernel_key(8) != moe.moe_chain(plain, 132, chain_calls=False, forced=None)[0].kernel_key(8)

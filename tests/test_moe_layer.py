@@ -297,3 +297,24 @@ def test_the_swiglu_epilogue_layer_is_the_unfused_layer_bit_for_bit_on_a_cpu():
     assert len(gemms) == 2 and len(ops) - len(gemms) == 5, ops
     _, w4a4, _ = make_layer(activations="nvfp4")
     assert not w4a4.swiglu_epilogue
+
+
+@pytest.mark.parametrize("swiglu_epilogue", [True, False], ids=["swiglu_epilogue", "unfused"])
+def test_the_fragment_weight_layout_gives_the_plain_layers_bits(swiglu_epilogue):
+    """weight_layout="fragment" (W4A16's weights packed once for the decode's fragment): the
+    layer's output bit for bit as the plain layout's (on a CPU: the op's exact decode unpacks);
+    the projections read back alike (dequantize_projection); refused for W4A4 and unknown
+    layouts, naming the setting."""
+    tensors, plain, router = make_layer(activations="bf16", swiglu_epilogue=swiglu_epilogue)
+    fragment = moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, "bf16", swiglu_epilogue=swiglu_epilogue,
+                                weight_layout="fragment")
+    assert fragment.w13.b_layout == fragment.w2.b_layout == "fragment"
+    assert not torch.equal(fragment.w13.b.view(torch.uint8), plain.w13.b.view(torch.uint8))
+    for name in ("w13", "w2"):
+        assert torch.equal(checkpoint.dequantize_projection(getattr(fragment, name)),
+                           checkpoint.dequantize_projection(getattr(plain, name)))
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(8)).bfloat16()
+    assert torch.equal(fragment(x), plain(x))
+    for activations, layout in (("nvfp4", "fragment"), ("bf16", "packed")):
+        with pytest.raises(ValueError, match="weight_layout"):
+            moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, activations, weight_layout=layout)

@@ -117,3 +117,62 @@ def test_the_interpreter_reads_the_fp16_decode_as_the_hardware_does(seed):
                                          * e4m3_to_float(scales[row][step]) * 2.0**-14))
                         for column in (pair, pair + 1)]
                 assert got == want, (t, step, name, got, want)
+
+
+def run_fragment_lane(g: int, t: int, block: bytes, scales: tuple[bytes, bytes], paired_scales: bool = False):
+    """Lane (g, t)'s 16 output registers from a fragment-layout block (16 rows x 32 bytes as
+    they sit in shared memory): its 16 bytes at 16 (4 g + t), rows g and g+8's scale bytes."""
+    shared = {0x1000 + i: b for i, b in enumerate(block)}
+    shared.update({0x300 + i: b for i, b in enumerate(scales[0])})
+    shared.update({0x340 + i: b for i, b in enumerate(scales[1])})
+    lane_bytes = 0x1000 + 16 * (4 * g + t)
+    operands = {16 + i: v for i, v in enumerate((lane_bytes, lane_bytes, 0, 0x300, 0x340))}
+    thread = Thread(operands, shared)
+    thread.run(ptx._decode_bf16_registers_asm(1, paired_scales, fragment=True))
+    return [thread.registers[f"${i}"] for i in range(16)]
+
+
+@pytest.mark.parametrize("paired_scales", [False, True], ids=["one_scale", "paired_scales"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_fragment_layouts_decode_is_the_plain_decode_bit_for_bit(seed, paired_scales):
+    """The fragment layout (nvfp4_group_gemm.weight_layout.pack_fragment) decoded by its PTX:
+    every lane's every register is the plain rows' natural-order element times its scale and
+    2^-8, bit for bit, for random blocks and every byte value in every lane's every place."""
+    from nvfp4_group_gemm import weight_layout
+
+    rng = np.random.default_rng(50 + seed)
+    plain = torch.from_numpy(rng.integers(0, 256, (16, 32), dtype=np.uint8))
+    if seed == 0:  # every byte value: byte 32 r + c is (r * 32 + c + 7) % 256 over the 512
+        plain = (torch.arange(512).reshape(16, 32) * 1 + 7).remainder(256).to(torch.uint8)
+    packed = weight_layout.pack_fragment(plain)
+    block = bytes(packed.reshape(-1).tolist())
+    for g in range(8):
+        rows = (bytes(plain[g].tolist()), bytes(plain[g + 8].tolist()))
+        scales = tuple(bytes(rng.choice(SCALE_BYTES, 4).tolist()) for _ in range(2))
+        for t in range(4):
+            registers = run_fragment_lane(g, t, block, scales, paired_scales)
+            for step in range(4):
+                for i in range(4):
+                    got = bf16_lanes(registers[4 * step + i])
+                    want = expected_register(rows, scales, t, step, i)
+                    assert got == want, (g, t, step, i, got, want)
+                    assert [np.signbit(x) for x in got] == [np.signbit(x) for x in want], (g, t, step, i)
+
+
+def test_the_fragment_layout_round_trips_and_checks_its_shape():
+    from nvfp4_group_gemm import weight_layout
+
+    b = torch.randint(0, 256, (3, 48, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    packed = weight_layout.pack_fragment(b)
+    assert packed.shape == b.shape and packed.dtype == torch.uint8 and not torch.equal(packed, b)
+    assert torch.equal(weight_layout.unpack_fragment(packed), b)
+    # the blocks stay in place: a block's bytes change with its own block only
+    other = b.clone()
+    other[1, 16:32, 32:64] ^= 0x5A
+    changed = (weight_layout.pack_fragment(other) != packed).nonzero()
+    assert changed.numel() and bool((changed[:, 0] == 1).all() and (changed[:, 1] // 16 == 1).all()
+                                    and (changed[:, 2] // 32 == 1).all())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        weight_layout.pack_fragment(b[:, :40])
+    with pytest.raises(TypeError, match="uint8"):
+        weight_layout.pack_fragment(b.to(torch.int16))

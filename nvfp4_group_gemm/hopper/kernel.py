@@ -65,7 +65,8 @@ def stage_scale_offset(row, block, base=0):
 @cute.jit
 def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr,
                             parts: cutlass.Constexpr = 1, part_bytes: cutlass.Constexpr = 0,
-                            dtype: cutlass.Constexpr = cutlass.Float16, paired_scales: cutlass.Constexpr = False):
+                            dtype: cutlass.Constexpr = cutlass.Float16, paired_scales: cutlass.Constexpr = False,
+                            fragment: cutlass.Constexpr = False):
     """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
     64 v + 16 w + g and + 8 of a stage (packed rows of row_bytes from packed_base, their scale
     atoms from scales_base) into the wgmma A fragment. fp16: in ptx's K permutation, from the
@@ -73,7 +74,9 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
     in natural K order, from the whole 8 bytes (the bytes bf16_word_selector(t) picks; paired_scales:
     decode_bf16_rows_to_registers'). `parts`
     stages of tile_k (64) each, part_bytes apart, fill the fragment's k16 steps in order (one
-    decode, every load first)."""
+    decode, every load first). fragment (bf16 only): the weights in
+    nvfp4_group_gemm.weight_layout's fragment layout, the lane's 16 bytes of its warp's 16-row
+    block at 16 x lane."""
     lane = tidx % 32
     row = (tidx // 32) * 16 + lane // 4
     t = lane % 4
@@ -88,18 +91,31 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
         selector = bf16_word_selector(0) + (bf16_word_selector(1) - bf16_word_selector(0)) * t
         decode = decode_bf16_rows_to_registers
     rows = (row, row + 8)
-    units = [
-        (
-            *(packed_base + part * part_bytes + r * row_bytes + half_offset for r in rows),
-            selector,
-            *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) for r in rows),
-        )
-        for part in range(parts)
-    ]
+    if cutlass.const_expr(fragment):
+        # the warp's block of 16 rows (row_bytes each), the lane's 16 bytes in it
+        lane_bytes = (tidx // 32) * 16 * row_bytes + lane * 16
+        units = [
+            (
+                packed_base + part * part_bytes + lane_bytes,
+                packed_base + part * part_bytes + lane_bytes,
+                0,
+                *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) for r in rows),
+            )
+            for part in range(parts)
+        ]
+    else:
+        units = [
+            (
+                *(packed_base + part * part_bytes + r * row_bytes + half_offset for r in rows),
+                selector,
+                *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) for r in rows),
+            )
+            for part in range(parts)
+        ]
     if cutlass.const_expr(dtype == cutlass.Float16):
         steps_of_parts = decode(units)
     else:
-        steps_of_parts = decode(units, paired_scales)
+        steps_of_parts = decode(units, paired_scales, fragment)
     # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
     for part in cutlass.range_constexpr(parts):
         for step in cutlass.range_constexpr(tile_k // 16):

@@ -42,6 +42,7 @@ import cutlass
 from cutlass import cute
 
 from nvfp4_group_gemm import core
+from nvfp4_group_gemm.weight_layout import FRAGMENT, WEIGHT_LAYOUTS
 
 from .config import SF_VEC_SIZE, SWAP_AB_HALF_K, SwapAbConfig
 from .kernel import decode_rows_to_fragment, smem_per_sm_known_without_gpu
@@ -536,11 +537,16 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
     # step's weight copies, a token stage would also wait for weights needed a k-tile later
     tokens_before_weights = True
 
-    def __init__(self, config: SwapAbConfig, num_groups: int, epilogue: MoeEpilogue = MoeEpilogue()):
+    def __init__(self, config: SwapAbConfig, num_groups: int, epilogue: MoeEpilogue = MoeEpilogue(),
+                 weight_layout: str = "plain"):
         if config.pdl or config.chain_calls:
             raise ValueError(f"{config}: the W4A16 GEMM has no pre-pass to chain to (w4a16_config turns pdl and "
                              "chain_calls off)")
+        if weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"weight_layout = {weight_layout!r}: must be one of {WEIGHT_LAYOUTS}")
         super().__init__(config, num_groups, epilogue)
+        # the weights as exported, or packed for the fragment at load (nvfp4_group_gemm.weight_layout)
+        self.weight_layout = weight_layout
 
     @cute.jit
     def __call__(
@@ -632,7 +638,7 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
         w_stage = w_base + stage * self.config.weight_stage_bytes
         decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, SWAP_AB_HALF_K,
                                 self.k_halves, self.config.weight_half_bytes, cutlass.BFloat16,
-                                w4a16_paired_scales(self.config))
+                                w4a16_paired_scales(self.config), self.weight_layout == FRAGMENT)
 
 
 
@@ -644,10 +650,10 @@ class Sm90MoeW4A16RowsGemm(Sm90MoeW4A16Gemm):
     counts. Every other step is Sm90MoeW4A16Gemm's."""
 
     def __init__(self, config: SwapAbConfig, num_groups: int, epilogue: MoeEpilogue = MoeEpilogue(),
-                 rows: MoeRows = MoeRows(gather=True)):
+                 rows: MoeRows = MoeRows(gather=True), weight_layout: str = "plain"):
         if not rows.any:
             raise ValueError(f"{rows}: maps no rows (Sm90MoeW4A16Gemm is that GEMM)")
-        super().__init__(config, num_groups, epilogue)
+        super().__init__(config, num_groups, epilogue, weight_layout)
         self.rows = rows
 
     @cute.jit
@@ -724,26 +730,30 @@ def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:
 
 
 def moe_w4a16_build(num_groups: int, config: SwapAbConfig, epilogue: MoeEpilogue = MoeEpilogue(),
-                    rows: MoeRows = MoeRows()) -> tuple:
+                    rows: MoeRows = MoeRows(), weight_layout: str = "plain") -> tuple:
     operands = (fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8), fake_ptr(cutlass.Uint8),
                 fake_ptr(cutlass.Int32), fake_ptr(cutlass.Float32), fake_ptr(cutlass.Int32))
     sizes = (cutlass.Int32(1), cutlass.Int32(128), cutlass.Int32(256), cutlass.Int32(1), cutlass.Int32(132))
     if not rows.any:
-        return Sm90MoeW4A16Gemm(config, num_groups, epilogue), (*operands, *sizes, cuda.CUstream(0))
-    return Sm90MoeW4A16RowsGemm(config, num_groups, epilogue, rows), (
+        return Sm90MoeW4A16Gemm(config, num_groups, epilogue, weight_layout), (*operands, *sizes, cuda.CUstream(0))
+    return Sm90MoeW4A16RowsGemm(config, num_groups, epilogue, rows, weight_layout), (
         *operands, fake_ptr(cutlass.Int64), fake_ptr(cutlass.Int64), *sizes, cutlass.Int32(1), cutlass.Int32(1),
         cuda.CUstream(0))
 
 
 def compile_moe_w4a16_gemm(num_groups: int, options: str | None = None, config: SwapAbConfig | None = None,
-                           epilogue: MoeEpilogue = MoeEpilogue(), rows: MoeRows = MoeRows()):
+                           epilogue: MoeEpilogue = MoeEpilogue(), rows: MoeRows = MoeRows(),
+                           weight_layout: str = "plain"):
     """Compile (cached: core.compile_key) the W4A16 MoE GEMM of `config` (w4a16_config applied),
-    `epilogue` and `rows` (MoeRows: none mapped, the default, or Sm90MoeW4A16RowsGemm's) for
-    num_groups groups."""
+    `epilogue`, `rows` (MoeRows: none mapped, the default, or Sm90MoeW4A16RowsGemm's) and the
+    weights' layout ("plain", or "fragment": nvfp4_group_gemm.weight_layout) for num_groups groups."""
     from .config import SWAP_AB_CONFIG
 
     config = w4a16_config(SWAP_AB_CONFIG if config is None else config)
-    return core.compile_once(moe_w4a16_build, num_groups, config, epilogue, rows, options=options,
+    if weight_layout == "plain":  # the compile key of before
+        return core.compile_once(moe_w4a16_build, num_groups, config, epilogue, rows, options=options,
+                                 context=smem_per_sm_known_without_gpu)
+    return core.compile_once(moe_w4a16_build, num_groups, config, epilogue, rows, weight_layout, options=options,
                              context=smem_per_sm_known_without_gpu)
 
 
@@ -844,4 +854,12 @@ def moe_compile_targets():
          functools.partial(compile_moe_w4a16_gemm, config=gemms[name], epilogue=epilogue, rows=rows))
         for name in ("t32_split_k4", "variable")
         for label, epilogue, rows in (("gather_halves", MoeEpilogue("halves", "bfloat16"), MoeRows(gather=True)),
+                                      ("scatter", MoeEpilogue("expert", "bfloat16"), MoeRows(scatter=True)))] + [
+        # the weights packed for the fragment (weight_layout="fragment"): the configs the choice
+        # runs them on (not t64: moe_config), as MoeFfn's two GEMMs run them
+        (f"sm90_moe_w4a16_{name}_fragment_{label}", "sm_90a",
+         functools.partial(compile_moe_w4a16_gemm, config=gemms[name], epilogue=epilogue, rows=rows,
+                           weight_layout="fragment"))
+        for name in ("t32", "t32_k128", "t32_split_k2", "t32_split_k4", "variable")
+        for label, epilogue, rows in (("swiglu", MoeEpilogue("halves", "bfloat16", "swiglu"), MoeRows(gather=True)),
                                       ("scatter", MoeEpilogue("expert", "bfloat16"), MoeRows(scatter=True)))]

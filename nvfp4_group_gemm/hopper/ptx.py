@@ -673,14 +673,40 @@ def _place_bf16_word_ptx(word: str, destinations: list[str]) -> list[str]:
     return lines
 
 
-def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False) -> str:
+def _place_fragment_word_ptx(word: str, destinations: list[str]) -> list[str]:
+    """PTX placing a fragment-layout word's 8 codes (nvfp4_group_gemm.weight_layout: bytes R0 ..
+    R3 with their bits moved) as bf16 v * 2^-126 into R0 .. R3: three shifted copies masked, and
+    R3 from three more (11 integer instructions once ptxas folds the ands and ors into lop3s);
+    scratch a, b; mask in `lanes`."""
+    r0, r1, r2, r3 = destinations
+    return [
+        f"and.b32 {r0}, {word}, lanes;",
+        f"shl.b32 a, {word}, 3;",
+        f"and.b32 {r1}, a, lanes;",
+        f"shl.b32 a, {word}, 6;",
+        f"and.b32 {r2}, a, lanes;",
+        f"shl.b32 a, {word}, 1;",
+        "and.b32 a, a, 0x80008000;",
+        f"shr.b32 b, {word}, 3;",
+        "and.b32 b, b, 0x01800180;",
+        "or.b32 a, a, b;",
+        f"shr.b32 b, {word}, 7;",
+        "and.b32 b, b, 0x00400040;",
+        f"or.b32 {r3}, a, b;",
+    ]
+
+
+def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False, fragment: bool = False) -> str:
     """PTX of decode_bf16_rows_to_registers: outputs $(16u + 4s + i), register i (R0 .. R3) of
     k16 step s of unit u; inputs after the 16 * num_units outputs, per unit: row g's packed
     bytes of the 64-wide k-tile (32 bytes, 8-byte aligned), row g+8's, bf16_word_selector(t), row
     g's 4 scale bytes (4-byte aligned), row g+8's. All loads first, then the scales (paired_scales:
     two blocks' S in one bf16x2, above), then the codes (as _decode_blocks_asm). Each step's loads
     folded into its word at once, or each step done in turn: more spill at the 64-register bound
-    (EXPERIMENTS E83); each pair of steps' scales converted before the first of them: more spill too."""
+    (EXPERIMENTS E83); each pair of steps' scales converted before the first of them: more spill too.
+    fragment: the weights in nvfp4_group_gemm.weight_layout's fragment layout; a unit's first
+    input is then the lane's 16 bytes (one v4 load: a word per k16 step), its second and third
+    unused, and each step's word placed by _place_fragment_word_ptx."""
     first_input = 16 * num_units
     lines = [
         "{",
@@ -694,10 +720,13 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False) -> s
                   f"mov.b32 scale_pair, {hex(BF16_DECODE_SCALE_PAIR)};"]
     for u in range(num_units):
         pair = f", P{u}" if paired_scales else ""
-        lines.append(f".reg .b32 gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>, sg{u}, sh{u}, S{u}_<8>, F{u}{pair};")
+        words = f"gl{u}_<4>" if fragment else f"gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>"
+        lines.append(f".reg .b32 {words}, sg{u}, sh{u}, S{u}_<8>, F{u}{pair};")
     for u in range(num_units):  # loads
         src = first_input + 5 * u
-        for s in range(4):
+        if fragment:  # the lane's word of each k16 step: gl{u}_0 .. gl{u}_3
+            lines.append(f"ld.shared.v4.u32 {{gl{u}_0, gl{u}_1, gl{u}_2, gl{u}_3}}, [${src}];")
+        for s in range(4 if not fragment else 0):
             lines.append(f"ld.shared.v2.u32 {{gl{u}_{s}, gh{u}_{s}}}, [${src} + {8 * s}];")
             lines.append(f"ld.shared.v2.u32 {{hl{u}_{s}, hh{u}_{s}}}, [${src + 1} + {8 * s}];")
         lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
@@ -733,13 +762,16 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False) -> s
     for u in range(num_units):  # words, bit placement and scaling
         selector = f"${first_input + 5 * u + 2}"
         for s in range(4):
-            lines += [
-                f"prmt.b32 p, gl{u}_{s}, hl{u}_{s}, {selector};",
-                f"prmt.b32 q, gh{u}_{s}, hh{u}_{s}, {selector};",
-                "prmt.b32 w, p, q, 0x5410;",
-            ]
             destinations = [f"${16 * u + 4 * s + i}" for i in range(4)]
-            lines += _place_bf16_word_ptx("w", destinations)
+            if fragment:
+                lines += _place_fragment_word_ptx(f"gl{u}_{s}", destinations)
+            else:
+                lines += [
+                    f"prmt.b32 p, gl{u}_{s}, hl{u}_{s}, {selector};",
+                    f"prmt.b32 q, gh{u}_{s}, hh{u}_{s}, {selector};",
+                    "prmt.b32 w, p, q, 0x5410;",
+                ]
+                lines += _place_bf16_word_ptx("w", destinations)
             for i, destination in enumerate(destinations):
                 row = i % 2  # R0, R2: row g; R1, R3: row g+8
                 lines.append(f"mul.rn.bf16x2 {destination}, {destination}, S{u}_{4 * row + s};")
@@ -748,18 +780,19 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False) -> s
 
 
 @dsl_user_op
-def decode_bf16_rows_to_registers(units, paired_scales: bool = False, *, loc=None, ip=None):
+def decode_bf16_rows_to_registers(units, paired_scales: bool = False, fragment: bool = False, *, loc=None, ip=None):
     """Decode a lane's share of row pairs (g, g+8) of a 64-wide k-tile into bf16 fragment
     registers in natural K order; `units` lists (row g packed, row g+8 packed, bf16_word_selector(t),
     row g's scales, row g+8's) shared addresses per row pair; paired_scales: two blocks' S in
-    one bf16x2 (_decode_bf16_registers_asm). Returns, per unit and k16 step, the 4 Int32
+    one bf16x2 (_decode_bf16_registers_asm); fragment: the weights in the fragment layout, each
+    unit's first address the lane's 16 bytes. Returns, per unit and k16 step, the 4 Int32
     fragment registers (R0 .. R3)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
     num_outputs = 16 * len(units)
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
-        _decode_bf16_registers_asm(len(units), paired_scales),
+        _decode_bf16_registers_asm(len(units), paired_scales, fragment),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
         loc=loc,
         ip=ip,
