@@ -78,8 +78,15 @@ def _place_fourth(code: torch.Tensor) -> torch.Tensor:
 
 def pack_fragment(b: torch.Tensor) -> torch.Tensor:
     """b [..., N, K/2] (packed e2m1) in the fragment layout (module docstring): a new tensor of
-    the same shape, dtype and device."""
+    the same shape, dtype and device. Packed one [N, K/2] matrix (an expert) at a time: the
+    working copies (int64) are 8x one expert's bytes, not the layer's."""
     _check(b, "pack_fragment")
+    if b.dim() > 2:  # bytes copied as bytes: torch copies no float4 on some devices
+        source = b.view(torch.uint8)
+        out = torch.empty_like(source)
+        for index in range(source.shape[0]):
+            out[index] = pack_fragment(source[index])
+        return out.view(b.dtype)
     dtype, b = b.dtype, b.view(torch.uint8)
     n, k_bytes = b.shape[-2:]
     lanes = _plain_to_lanes(b).to(torch.int64)
@@ -104,6 +111,12 @@ def _codes(register: torch.Tensor) -> torch.Tensor:
 def unpack_fragment(b: torch.Tensor) -> torch.Tensor:
     """The plain b [..., N, K/2] of a fragment-layout one (the inverse of pack_fragment)."""
     _check(b, "unpack_fragment")
+    if b.dim() > 2:  # bytes copied as bytes: torch copies no float4 on some devices
+        source = b.view(torch.uint8)
+        out = torch.empty_like(source)
+        for index in range(source.shape[0]):
+            out[index] = unpack_fragment(source[index])
+        return out.view(b.dtype)
     dtype, b = b.dtype, b.view(torch.uint8)
     n, k_bytes = b.shape[-2:]
     lanes = _physical_to_blocks(b)

@@ -327,9 +327,13 @@ def test_compile_targets_list_what_the_backend_runs():
            for name in ("t32_split_k4", "variable")},
         **{f"sm90_moe_w4a16_{name}_{maps}": "sm_90a" for name in ("t32_split_k4", "variable")
            for maps in ("gather_halves", "scatter")},
+        # W4A16 with b packed for the fragment: the configs the choice runs it on (no t64), MoeFfn's two GEMMs
+        **{f"sm90_moe_w4a16_{name}_{maps}_fragment": "sm_90a"
+           for name in ("t32", "t32_k128", "t32_split_k2", "t32_split_k4", "variable") for maps in ("swiglu", "scatter")},
         # the MoE layer's kernels around its GEMMs (hopper/layer.py)
         **{f"sm90_moe_{name}": "sm_90a" for name in ("sort_pairs", "route_sort", "route_sort_softmax_all",
-                                                      "combine_bf16", "quantize_gather_bf16", "quantize_f32",
+                                                      "route_sort_grouped_sigmoid", "combine_bf16",
+                                                      "quantize_gather_bf16", "quantize_f32",
                                                       "combine_masked_shared_f32")},
     }
     # every config the automatic choice can return is registered
@@ -966,6 +970,25 @@ def test_w4a16_gemms_read_bf16_rows_and_fence_them_before_wgmma(sm90_builds, tar
     for register in re.findall(r"ld\.global\.f32 (%f\d+)", ptx):
         assert re.search(rf"mul\.f32\s+%f\d+, {register}, 0f43800000;", ptx)  # alpha x 2^8
     assert re.findall(r"ld\.global\.f32", ptx), "the checkpoint epilogue loads alpha"
+
+
+FRAGMENT_TARGETS = [name for name in W4A16_TARGETS if name.endswith("_fragment")]
+
+
+@pytest.mark.parametrize("target", FRAGMENT_TARGETS)
+def test_fragment_builds_read_a_lanes_words_with_one_load_a_unit_and_permute_no_byte(sm90_builds, target):
+    """The W4A16 GEMM on weights packed for the fragment (weight_layout="fragment"): each unit
+    of the decode one 16-byte shared load (a v4 per 64-wide half k-tile), no 8-byte loads and no
+    byte permute (the plain build of the same config takes two v2 loads a row and three prmt a
+    word); no local memory up to G = 8."""
+    assert len(FRAGMENT_TARGETS) == 10
+    report = sm90_builds[(target, 8)]
+    assert report.error is None and report.frame_bytes == 0 and report.spill_bytes_max == 0
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    config = hopper.config_named("swap_ab_" + target.removeprefix("sm90_moe_w4a16_").rsplit("_", 2)[0])
+    loads = ptx.count("ld.shared.v4.u32")
+    assert loads and loads % config.k_halves == 0  # a unit per half k-tile, each decode's units together
+    assert "ld.shared.v2.u32" not in ptx and "prmt.b32" not in ptx
 
 
 K_TAIL_TARGETS = [name for name, _arch, _compile in hopper.moe.moe_compile_targets() if name.endswith("_k_tail")]

@@ -857,7 +857,7 @@ def moe_compile_targets():
                                       ("scatter", MoeEpilogue("expert", "bfloat16"), MoeRows(scatter=True)))] + [
         # the weights packed for the fragment (weight_layout="fragment"): the configs the choice
         # runs them on (not t64: moe_config), as MoeFfn's two GEMMs run them
-        (f"sm90_moe_w4a16_{name}_fragment_{label}", "sm_90a",
+        (f"sm90_moe_w4a16_{name}_{label}_fragment", "sm_90a",
          functools.partial(compile_moe_w4a16_gemm, config=gemms[name], epilogue=epilogue, rows=rows,
                            weight_layout="fragment"))
         for name in ("t32", "t32_k128", "t32_split_k2", "t32_split_k4", "variable")
