@@ -231,7 +231,6 @@ def run_cell(layer: Layer, gemm: str, n: int, k: int, tokens: int, rows: list[in
     if total * n * k <= args.check_flops:
         cell["fragment_exact"] = moe.compare_with_exact(**w4a16)[0] == 0  # its c, the plain weights' product
     cell["w4a16_fragment_us"] = device_us(lambda: lib.moe_grouped_gemm(**fragment), args.repeats, flush)
-    del fragment
     for label in filter(None, args.configs.split(",")):  # forced configs (NVFP4_MOE_CONFIG), same inputs
         os.environ["NVFP4_MOE_CONFIG"] = label
         lib.reset_runtime()  # reads the switches again (nvfp4_group_gemm.switches)

@@ -78,5 +78,5 @@ def test_triton_kernels_packing_places_every_code_of_every_fragment_byte():
                     assert bf16(bits - 65536 if bits >= 32768 else bits) * 2.0**126 == expected, (place, byte, j)
     # the registers' source bits: one word bit each
     probes = [decode_search.fragment_place(1 << bit) for bit in range(32)]
-    assert all(sum(bin(r).count("1") for r in registers) == 1 for registers in probes)
+    assert all(sum(r.bit_count() for r in registers) == 1 for registers in probes)
     assert decode_search.FRAGMENT_PLACE_INSTRUCTIONS == min(cost for cost, _ in decode_search.packings(limit=1))

@@ -136,7 +136,7 @@ def test_the_layer_with_fragment_weights_is_the_plain_layer_bit_for_bit(tokens):
 
     from nvfp4_group_gemm import moe_layer
 
-    tensors, cpu_layer, router = make_layer(activations="bf16")
+    tensors, _, router = make_layer(activations="bf16")
     cuda_tensors = {name: value.cuda() for name, value in tensors.items()}
     plain = moe_layer.MoeFfn(cuda_tensors, "layer.", router.cuda(), TOP_K, "bf16")
     fragment = moe_layer.MoeFfn(cuda_tensors, "layer.", router.cuda(), TOP_K, "bf16", weight_layout="fragment")
