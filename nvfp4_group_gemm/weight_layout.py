@@ -68,6 +68,16 @@ def _lanes_to_plain(x: torch.Tensor, n: int, k_bytes: int) -> torch.Tensor:
     return x.reshape(*lead, n, k_bytes)
 
 
+def _per_matrix(convert, b: torch.Tensor) -> torch.Tensor:
+    """`convert` applied to each [N, K/2] matrix of b (an expert) in turn, into one new tensor;
+    copied as bytes (torch copies no float4 on some devices)."""
+    source = b.view(torch.uint8)
+    out = torch.empty_like(source)
+    for index in range(source.shape[0]):
+        out[index] = convert(source[index])
+    return out.view(b.dtype)
+
+
 def _place(code: torch.Tensor) -> torch.Tensor:
     return ((code & 8) << 12) | ((code & 7) << 6)
 
@@ -81,12 +91,8 @@ def pack_fragment(b: torch.Tensor) -> torch.Tensor:
     the same shape, dtype and device. Packed one [N, K/2] matrix (an expert) at a time: the
     working copies (int64) are 8x one expert's bytes, not the layer's."""
     _check(b, "pack_fragment")
-    if b.dim() > 2:  # bytes copied as bytes: torch copies no float4 on some devices
-        source = b.view(torch.uint8)
-        out = torch.empty_like(source)
-        for index in range(source.shape[0]):
-            out[index] = pack_fragment(source[index])
-        return out.view(b.dtype)
+    if b.dim() > 2:
+        return _per_matrix(pack_fragment, b)
     dtype, b = b.dtype, b.view(torch.uint8)
     n, k_bytes = b.shape[-2:]
     lanes = _plain_to_lanes(b).to(torch.int64)
@@ -111,12 +117,8 @@ def _codes(register: torch.Tensor) -> torch.Tensor:
 def unpack_fragment(b: torch.Tensor) -> torch.Tensor:
     """The plain b [..., N, K/2] of a fragment-layout one (the inverse of pack_fragment)."""
     _check(b, "unpack_fragment")
-    if b.dim() > 2:  # bytes copied as bytes: torch copies no float4 on some devices
-        source = b.view(torch.uint8)
-        out = torch.empty_like(source)
-        for index in range(source.shape[0]):
-            out[index] = unpack_fragment(source[index])
-        return out.view(b.dtype)
+    if b.dim() > 2:
+        return _per_matrix(unpack_fragment, b)
     dtype, b = b.dtype, b.view(torch.uint8)
     n, k_bytes = b.shape[-2:]
     lanes = _physical_to_blocks(b)

@@ -750,9 +750,6 @@ def compile_moe_w4a16_gemm(num_groups: int, options: str | None = None, config: 
     from .config import SWAP_AB_CONFIG
 
     config = w4a16_config(SWAP_AB_CONFIG if config is None else config)
-    if weight_layout == "plain":  # the compile key of before
-        return core.compile_once(moe_w4a16_build, num_groups, config, epilogue, rows, options=options,
-                                 context=smem_per_sm_known_without_gpu)
     return core.compile_once(moe_w4a16_build, num_groups, config, epilogue, rows, weight_layout, options=options,
                              context=smem_per_sm_known_without_gpu)
 
