@@ -33,6 +33,8 @@ Columns, per layer and token count (one row):
     W4A16s        the same with SwiGLU in the gate-and-up GEMM's epilogue
     W4A16k        MoeFfn W4A16 as it runs by default: SwiGLU in the epilogue and the pairs' sort
                   and weighted sum one kernel each (nvfp4_group_gemm.pairs)
+    W4A16fr       W4A16k with its weights packed for the fragment (weight_layout="fragment":
+                  nvfp4_group_gemm.weight_layout, triton_kernels' Hopper layout for NVFP4)
     W4A4          MoeFfn with NVFP4 activations (activations="nvfp4"), as it runs by default
     bf16          the same bf16 weights (regenerated from the seeds), router, routing,
                   permutation, SwiGLU, un-permute and shared expert as MoeFfn's torch ops; only its
@@ -133,7 +135,7 @@ LAYERS = {name: GEMM_LAYERS[name] for name in ("qwen3", "dsv3_ep8", "mixtral")}
 ARCHITECTURES = {"qwen3": "qwen3_moe", "dsv3_ep8": "deepseek_v3", "mixtral": "mixtral"}
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 PROFILE_TOKENS = (1, 16)
-IMPLEMENTATIONS = ("W4A16", "W4A16s", "W4A16k", "W4A4", "bf16", "triton")
+IMPLEMENTATIONS = ("W4A16", "W4A16s", "W4A16k", "W4A16fr", "W4A4", "bf16", "triton")
 EXPERTS_PER_SHARD = 32
 # a calibration of N(0, 1) activations: amax about 5
 INPUT_SCALE = 5.0 / (6 * 448)
@@ -612,6 +614,7 @@ def build_layer(layer: Layer, directory: Path, tk) -> tuple[dict, dict]:
     implementations = {"W4A16": moe_layer.MoeFfn.from_weights(weights, "bf16", swiglu_epilogue=False),
                        "W4A16s": moe_layer.MoeFfn.from_weights(weights, "bf16"),
                        "W4A16k": moe_layer.MoeFfn.from_weights(weights, "bf16"),
+                       "W4A16fr": moe_layer.MoeFfn.from_weights(weights, "bf16", weight_layout="fragment"),
                        "W4A4": moe_layer.MoeFfn.from_weights(weights, "nvfp4")}
     for name in ("W4A16", "W4A16s"):  # the torch ops around the GEMMs, as before the pair kernels
         implementations[name].pair_kernels = False
@@ -620,7 +623,8 @@ def build_layer(layer: Layer, directory: Path, tk) -> tuple[dict, dict]:
     memory = {"W4A16": layer_weight_bytes(implementations["W4A16"]),
               "bf16": weight_bytes([bf16["w13"], bf16["w2"], *(bf16["shared"] or ())])}
     memory["W4A4"] = memory["W4A16"]
-    memory["W4A16s"] = memory["W4A16k"] = memory["W4A16"]  # the same bytes, w13's rows in the epilogue's order
+    # the same bytes: w13's rows in the epilogue's order, the fragment's bytes in its order
+    memory["W4A16s"] = memory["W4A16k"] = memory["W4A16fr"] = memory["W4A16"]
     load = {"layer": layer.name, "load_s": load_s, "host_peak_bytes": peak, "weight_bytes": memory}
     if tk is not None:
         try:
@@ -675,10 +679,10 @@ def print_load(load: dict) -> None:
 
 def print_header() -> None:
     print("per row: experts read (mean), floor µs | eager, graph µs of W4A16 (unfused), W4A16s (SwiGLU fused), "
-          "W4A16k (and the pair kernels: the default), W4A4, bf16, triton_kernels | W4A16k and W4A4 over the floor | "
+          "W4A16k (and the pair kernels: the default), W4A16fr (and fragment-packed weights), W4A4, bf16, triton_kernels | W4A16k and W4A4 over the floor | "
           "over triton | relative error vs bf16 of W4A16k, W4A4, triton", flush=True)
     print(f"{'layer':<9}{'tokens':>6}{'exp':>6}{'floor':>8} |{'W4A16':>8}{'graph':>9} |{'W4A16s':>8}{'graph':>9} |"
-          f"{'W4A16k':>8}{'graph':>9} |"
+          f"{'W4A16k':>8}{'graph':>9} |{'W4A16fr':>8}{'graph':>9} |"
           f"{'W4A4':>8}{'graph':>9} |"
           f"{'bf16':>8}{'graph':>9} |{'triton':>8}{'graph':>9} |{'/floor 16':>10}{'4':>6} |{'/triton 16':>11}"
           f"{'4':>6} |{'err 16':>7}{'4':>7}{'tk':>7}", flush=True)
