@@ -991,6 +991,24 @@ def test_fragment_builds_read_a_lanes_words_with_one_load_a_unit_and_permute_no_
     assert "ld.shared.v2.u32" not in ptx and "prmt.b32" not in ptx
 
 
+# the W4A16 builds with rows read through a_rows and fixed 32-token tiles: one row per thread
+GATHERED_T32_TARGETS = [name for name in W4A16_TARGETS if name.startswith("sm90_moe_w4a16_t32")
+                        and ("_swiglu" in name or "_gather" in name)]
+
+
+@pytest.mark.parametrize("target", GATHERED_T32_TARGETS)
+def test_gathered_32_token_builds_read_a_rows_once_a_tile(sm90_builds, target):
+    """Rows read through a_rows (the layer's gate-and-up GEMM): with 32-token tiles each thread's
+    copies of a k-tile read one token row, whose a_rows entry is read once per tile
+    (Sm90MoeW4A16Gemm.token_source), not again at each k-tile of the unrolled main loop and
+    its prologue; no local memory up to G = 8 (the row held in a register)."""
+    assert len(GATHERED_T32_TARGETS) == 6
+    report = sm90_builds[(target, 8)]
+    assert report.error is None and report.frame_bytes == 0 and report.spill_bytes_max == 0
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    assert ptx.count("ld.global.s64") == 1
+
+
 K_TAIL_TARGETS = [name for name, _arch, _compile in hopper.moe.moe_compile_targets() if name.endswith("_k_tail")]
 
 

@@ -517,6 +517,13 @@ class Sm90MoeScaledGemm(Sm90MoeSwapAbGemm):
         self.moe_tile(acts, b, sfb, c, mOffsets, tokens, n, k, slab_bytes, fill_ctas, alpha)
 
 
+# Rows of a k-tile's token copies a thread gathers (the W4A16 GEMM with rows read through
+# a_rows) up to which each row's a_rows entry is read once per tile, its offset held in
+# registers: 32-token tiles one row, 64-token tiles two; more (variable tiles: up to 8) are
+# read at every k-tile
+MAX_GATHERED_ROWS = 2
+
+
 class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
     """W4A16: the MoE GEMM with bf16 activations a[T, K] read by the GEMM itself (no pre-pass, no
     activation scales) and the weights decoded exactly into bf16 in natural K order
@@ -578,25 +585,63 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
             return acts.toint()
         return acts.toint() + cutlass.Int64(row0) * slab_bytes
 
-    def token_source(self, operands, group, half_begin, token0, m, slab_bytes):
+    def token_source(self, operands, group, half_begin, token0, m, slab_bytes, tile_t, tidx):
         """(the tile's first row of a at the rank's first half, (a's row pitch, the group's rows
         from token0 on)); gathered (MoeRows.gather): (a's first row at that half, (the pitch, the
-        rows, the tile's first a_rows address, a's row count))."""
+        rows, then per row of the thread's copies (gathered_row_keys) a's row and whether it is
+        read: the tile's a_rows read once here, not at every k-tile), or
+        where a thread copies more than MAX_GATHERED_ROWS rows (the tile's first a_rows address,
+        a's row count), read by load_tokens at every k-tile)."""
         row_bytes = slab_bytes
         if cutlass.const_expr(operands.gather is not None):
             a_rows_addr, a_row_count = operands.gather
             x_addr = operands.activations(group, 0) + half_begin * self.x_row_bytes
-            return x_addr, (row_bytes, m - token0, a_rows_addr + cutlass.Int64(token0) * 8, a_row_count)
+            first_row = a_rows_addr + cutlass.Int64(token0) * 8
+            if cutlass.const_expr(len(self.gathered_row_keys(tile_t)[1]) <= MAX_GATHERED_ROWS):
+                sources = self.gathered_row_sources(tile_t, tidx, first_row, a_row_count, m - token0)
+                return x_addr, (row_bytes, m - token0, sources)
+            return x_addr, (row_bytes, m - token0, first_row, a_row_count)
         x_addr = operands.activations(group, 0) + cutlass.Int64(token0) * row_bytes + half_begin * self.x_row_bytes
         return x_addr, (row_bytes, m - token0)
+
+    def gathered_row_keys(self, tile_t: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(the key of each of a thread's 16-byte copies of a k-tile, the distinct keys): copy i
+        reads row ((tidx + key) % chunks_per_half) // 8 with key = i x threads % chunks_per_half
+        (load_tokens' chunk order), so copies of one key read one row."""
+        chunks_per_half = tile_t * (self.x_row_bytes // 16)
+        chunks = chunks_per_half * self.k_halves
+        keys = tuple(i * self.num_threads % chunks_per_half
+                     for i in range((chunks + self.num_threads - 1) // self.num_threads))
+        return keys, tuple(dict.fromkeys(keys))
+
+    @cute.jit
+    def gathered_row_sources(self, tile_t: cutlass.Constexpr, tidx, first_row, a_row_count, rows_left):
+        """Per distinct key of gathered_row_keys, (a's row, Int32; whether it is read): the
+        tile's row r = ((tidx + key) % chunks_per_half) // 8 is a's row a_rows[token0 + r] where
+        r < rows_left and that index is inside 0 .. a's rows - 1, else no row (its copies
+        zero-fill)."""
+        chunks_per_half = tile_t * (self.x_row_bytes // 16)
+        sources = []
+        for key in cutlass.range_constexpr(len(self.gathered_row_keys(tile_t)[1])):
+            row = (tidx + self.gathered_row_keys(tile_t)[1][key]) % chunks_per_half // 8
+            listed = row < rows_left
+            index = load_i64_global(first_row + cutlass.Int64(row if listed else 0) * 8)
+            # one unsigned compare: a negative index is outside too
+            inside = cutlass.Uint64(index) < cutlass.Uint64(a_row_count)
+            valid = inside if listed else listed
+            # a's row (its count is an Int32 argument): one register a row, held through the tile
+            sources.append(cutlass.Int32(index if valid else cutlass.Int64(0)))
+            sources.append(valid)
+        return tuple(sources)
 
     @cute.jit
     def load_tokens(self, tile_t: cutlass.Constexpr, tidx, x_base, mbar_base, stage, k_tile, x_addr, slab_bytes):
         """The tile's bf16 token rows of k-tile k_tile from a (x_addr, slab_bytes = (row pitch,
         rows left): token_source), 16 bytes per cp.async, consecutive threads along a row; rows
         past the group's zero-filled; then this thread's arrival on the stage's mbarrier.
-        Gathered (token_source's four values): row r is a's row a_rows[token0 + r], zero-filled
-        where that index is outside 0 .. a's rows - 1."""
+        Gathered (token_source's further values): row r is a's row a_rows[token0 + r], zero-filled
+        where that index is outside 0 .. a's rows - 1: each row's offset read by token_source
+        once per tile, or where a thread copies more rows, a_rows read here."""
         row_bytes, rows_left = slab_bytes[0], slab_bytes[1]
         half_bytes = tile_t * self.x_row_bytes
         stage_base = x_base + stage * (half_bytes * self.k_halves)
@@ -604,22 +649,31 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
         chunks = chunks_per_half * self.k_halves
         for i in cutlass.range_constexpr((chunks + self.num_threads - 1) // self.num_threads):
             chunk = tidx + i * self.num_threads
+            if cutlass.const_expr(len(slab_bytes) == 3):  # copy i's row: picked while tracing
+                keys, distinct_keys = self.gathered_row_keys(tile_t)
+                source = distinct_keys.index(keys[i])
+                source_row, row_read = slab_bytes[2][2 * source], slab_bytes[2][2 * source + 1]
             if cutlass.const_expr(chunks % self.num_threads == 0) or chunk < chunks:
                 h = chunk // chunks_per_half
                 row = (chunk % chunks_per_half) // 8
                 part = chunk % 8
-                valid = row < rows_left
-                src_row = row if valid else 0
-                if cutlass.const_expr(len(slab_bytes) == 4):
-                    a_rows_addr, a_row_count = slab_bytes[2], slab_bytes[3]
-                    index = load_i64_global(a_rows_addr + cutlass.Int64(src_row) * 8)
-                    # one unsigned compare: a negative index is outside too
-                    inside = cutlass.Uint64(index) < cutlass.Uint64(a_row_count)
-                    valid = inside if valid else valid
-                    src_row = index if valid else cutlass.Int64(0)
-                src = (x_addr + cutlass.Int64(src_row) * row_bytes
-                       + (k_tile * self.k_halves + h) * self.x_row_bytes + part * 16)
-                cp_async_16B(stage_base + h * half_bytes + token_stage_chunk_offset(row, part), src, 16 if valid else 0)
+                k_offset = (k_tile * self.k_halves + h) * self.x_row_bytes + part * 16
+                if cutlass.const_expr(len(slab_bytes) == 3):  # gathered, each row's offset read once per tile
+                    cp_async_16B(stage_base + h * half_bytes + token_stage_chunk_offset(row, part),
+                                 x_addr + cutlass.Int64(source_row) * row_bytes + k_offset, 16 if row_read else 0)
+                else:
+                    valid = row < rows_left
+                    src_row = row if valid else 0
+                    if cutlass.const_expr(len(slab_bytes) == 4):
+                        a_rows_addr, a_row_count = slab_bytes[2], slab_bytes[3]
+                        index = load_i64_global(a_rows_addr + cutlass.Int64(src_row) * 8)
+                        # one unsigned compare: a negative index is outside too
+                        inside = cutlass.Uint64(index) < cutlass.Uint64(a_row_count)
+                        valid = inside if valid else valid
+                        src_row = index if valid else cutlass.Int64(0)
+                    src = x_addr + cutlass.Int64(src_row) * row_bytes + k_offset
+                    cp_async_16B(stage_base + h * half_bytes + token_stage_chunk_offset(row, part), src,
+                                 16 if valid else 0)
         cp_async_mbarrier_arrive_noinc(mbar_base + stage * 8)
 
     def token_arrivals(self) -> int:

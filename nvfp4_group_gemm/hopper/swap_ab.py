@@ -514,7 +514,7 @@ class Sm90SwapAbGemm:
         half_begin = k_tile_begin * self.k_halves  # the rank's first 64-wide half
         b_addr = operands.address(group, _PTR_B) + cutlass.Int64(half_begin) * self.w_row_bytes
         sfb_addr = operands.address(group, _PTR_SFB) + cutlass.Int64(half_begin) * SF_ATOM_BYTES
-        x_addr, slab_bytes = self.token_source(operands, group, half_begin, token0, m, slab_bytes)
+        x_addr, slab_bytes = self.token_source(operands, group, half_begin, token0, m, slab_bytes, tile_t, tidx)
 
         # Prologue: weights of k-tiles 0 .. weight_stages - 2 (one commit group each), token
         # rows of k-tiles 0 .. stages - 3
@@ -580,10 +580,11 @@ class Sm90SwapAbGemm:
         after the main loop: after the grid-dependency wait of chained calls."""
         return cutlass.Float32(self.decode_rescale)
 
-    def token_source(self, operands, group, half_begin, token0, m, slab_bytes):
+    def token_source(self, operands, group, half_begin, token0, m, slab_bytes, tile_t, tidx):
         """(x_addr, slab_bytes) of load_tokens for the tile of tokens token0 .. of `group`
-        from the rank's first 64-wide half `half_begin` on (plain Python: traced inline): the
-        tile's first row of that half's slab of decoded activations, and the slab's bytes."""
+        from the rank's first 64-wide half `half_begin` on (plain Python: traced inline, once
+        per tile; tile_t and tidx for a subclass whose rows are per thread): the tile's first
+        row of that half's slab of decoded activations, and the slab's bytes."""
         return operands.activations(group, 0) + cutlass.Int64(half_begin) * slab_bytes + token0 * self.x_row_bytes, \
             slab_bytes
 
