@@ -282,6 +282,30 @@ def test_the_torch_op_traces_with_fullgraph_and_mutates_c():
     assert torch.equal(out, expected.float().relu())
 
 
+def test_the_torch_op_schema_fake_and_its_direct_kernels():
+    """The op as torch.library defines it (nvfp4_group_gemm.op: the schema custom_op inferred,
+    a fake, the CPU and CUDA kernels registered on their keys with no Python wrapper between
+    the dispatcher and them): its fake and AOT dispatch as opcheck tests them, with and without
+    the optional arguments, and the CPU kernel is the entry's function itself."""
+    from nvfp4_group_gemm import op
+
+    assert op.moe_grouped_gemm_op._schema == torch._C.parse_schema("nvfp4_group_gemm::" + op.MOE_GROUPED_GEMM_SCHEMA)
+    inputs = cpu_inputs(tokens=64, groups=2, n=128, k=256)
+    inputs["offsets"].copy_(torch.tensor([0, 20, 64], dtype=torch.int32))
+    status = torch.zeros(1, dtype=torch.int32)
+    args = (inputs["a"], inputs["sfa"], inputs["b"], inputs["sfb"], inputs["offsets"], inputs["c"], status)
+    alpha = torch.ones(2, dtype=torch.float32)
+    for kwargs in ({}, {"alpha": alpha}):
+        torch.library.opcheck(op.moe_grouped_gemm_op, args, kwargs,
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))  # no fp4 copy_ for test_schema
+    kernels = {key: torch._C._dispatch_has_kernel_for_dispatch_key("nvfp4_group_gemm::moe_grouped_gemm", key)
+               for key in ("CPU", "CUDA", "Meta", "AutogradCPU")}
+    assert kernels == {"CPU": True, "CUDA": True, "Meta": True, "AutogradCPU": False}
+    c = torch.zeros_like(inputs["c"])
+    op.moe_grouped_gemm_op(*args[:5], c, status)
+    assert torch.equal(c, moe.moe_reference(*args[:5]))
+
+
 def test_the_config_is_chosen_from_t_g_n_k_alone(monkeypatch):
     """Split-K, one round of 128-token tiles, or variable tiles, by what fits one round for
     every routing of T tokens."""
