@@ -54,7 +54,10 @@ Columns, per layer and token count (one row):
 Activations N(0, 1) bf16, a new routing per input. Each result is checked against the bf16 layer
 (relative error printed: the quantization error, not asserted). Timing per (layer, tokens,
 implementation): L2 flushed, CUDA events around one eager call, or around one replay of a graph
-captured with the layer; mean of --repeats.
+captured with the layer; mean of --repeats. The eager column times each input's first call
+(new activation addresses: the MoE entry's first call of each, its binding made at the second);
+the JSON's eager_repeat_us times the same inputs again (a caller whose activations come back at
+the same addresses: the bindings made, each a graph replay where the stream is idle).
 
 triton_kernels' layer (what bench_mlp.py and bench/distributed.py's single-GPU `routing` run in
 triton_kernels v3.6.0, on one GPU):
@@ -579,6 +582,8 @@ def time_implementation(fn, inputs: list[torch.Tensor], reference: torch.Tensor,
         out = fn(inputs[0]).float()  # compiles, plans, binds
         row["error_vs_bf16"] = float((out - reference).norm() / reference.norm().clamp_min(1e-30))
         row["eager_us"] = time_us(fn, inputs, None, flush, None)
+        time_us(fn, inputs, None, flush, None)  # each input's second call: the entry's bindings made
+        row["eager_repeat_us"] = time_us(fn, inputs, None, flush, None)
     except Exception as error:  # noqa: BLE001 - a column that fails is reported, the run goes on
         row["error"] = f"eager: {type(error).__name__}: {error}"[:300]
         settle()
@@ -705,6 +710,10 @@ def print_cell(cell: dict) -> None:
     errors = [cell.get(name, {}).get("error_vs_bf16") for name in ("W4A16k", "W4A4", "triton")]
     parts.append("".join(f"{e:>7.3f}" if e is not None else f"{'-':>7}" for e in errors))
     print("".join(parts), flush=True)
+    again = [f"{name} {cell[name]['eager_repeat_us']:.1f}" for name in IMPLEMENTATIONS
+             if cell.get(name, {}).get("eager_repeat_us") is not None]
+    if again:
+        print(f"    eager, the same inputs again: {', '.join(again)}", flush=True)
     for name in IMPLEMENTATIONS:
         if "error" in cell.get(name, {}):
             print(f"    {name} FAILED: {cell[name]['error']}", flush=True)
