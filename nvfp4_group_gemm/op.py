@@ -42,9 +42,9 @@ def _grouped_gemm_cpu(a, b, c, sfa, sfb, sfa_reordered, sfb_reordered, problem_s
 
 # Each op is defined by its schema on one torch.library.Library, its Python kernels registered
 # on the CUDA and CPU keys and its fake beside them: the dispatcher calls the kernel directly.
-# torch.library.custom_op's wrapper (its autograd and view handling in Python) cost 75-110 µs a
-# call where this costs 9 (a CPU, torch 2.13; EXPERIMENTS E94): a MoE layer calls the op four
-# times. The schemas are the ones custom_op inferred from the kernels' signatures.
+# torch.library.custom_op's wrapper (its autograd and view handling in Python) cost 87-117 µs a
+# call where this costs 4-7 (a CPU, torch 2.13: bench/op_dispatch.py, EXPERIMENTS E94): a MoE
+# layer calls the op four times. The schemas are the ones custom_op inferred from the kernels' signatures.
 _LIBRARY = torch.library.Library("nvfp4_group_gemm", "FRAGMENT")  # kept: its registrations live with it
 GROUPED_GEMM_SCHEMA = ("grouped_gemm(Tensor[] a, Tensor[] b, Tensor(a2!)[] c, Tensor[] sfa, Tensor[] sfb, "
                        "Tensor[] sfa_reordered, Tensor[] sfb_reordered, SymInt[] problem_sizes) -> ()")

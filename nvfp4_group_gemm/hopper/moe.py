@@ -518,8 +518,8 @@ class Sm90MoeScaledGemm(Sm90MoeSwapAbGemm):
 
 
 # Rows of a k-tile's token copies a thread gathers (the W4A16 GEMM with rows read through
-# a_rows) up to which each row's a_rows entry is read once per tile, its offset held in
-# registers: 32-token tiles one row, 64-token tiles two; more (variable tiles: up to 8) are
+# a_rows) up to which each row's a_rows entry is read once per tile, the row held in a
+# register: 32-token tiles one row, 64-token tiles two; more (variable tiles: up to 8) are
 # read at every k-tile
 MAX_GATHERED_ROWS = 2
 
@@ -621,9 +621,10 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
         r < rows_left and that index is inside 0 .. a's rows - 1, else no row (its copies
         zero-fill)."""
         chunks_per_half = tile_t * (self.x_row_bytes // 16)
+        distinct_keys = self.gathered_row_keys(tile_t)[1]
         sources = []
-        for key in cutlass.range_constexpr(len(self.gathered_row_keys(tile_t)[1])):
-            row = (tidx + self.gathered_row_keys(tile_t)[1][key]) % chunks_per_half // 8
+        for key in cutlass.range_constexpr(len(distinct_keys)):
+            row = (tidx + distinct_keys[key]) % chunks_per_half // 8
             listed = row < rows_left
             index = load_i64_global(first_row + cutlass.Int64(row if listed else 0) * 8)
             # one unsigned compare: a negative index is outside too
@@ -640,8 +641,8 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
         rows left): token_source), 16 bytes per cp.async, consecutive threads along a row; rows
         past the group's zero-filled; then this thread's arrival on the stage's mbarrier.
         Gathered (token_source's further values): row r is a's row a_rows[token0 + r], zero-filled
-        where that index is outside 0 .. a's rows - 1: each row's offset read by token_source
-        once per tile, or where a thread copies more rows, a_rows read here."""
+        where that index is outside 0 .. a's rows - 1: each row read by token_source once per
+        tile, or where a thread copies more rows, a_rows read here."""
         row_bytes, rows_left = slab_bytes[0], slab_bytes[1]
         half_bytes = tile_t * self.x_row_bytes
         stage_base = x_base + stage * (half_bytes * self.k_halves)
@@ -658,7 +659,7 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
                 row = (chunk % chunks_per_half) // 8
                 part = chunk % 8
                 k_offset = (k_tile * self.k_halves + h) * self.x_row_bytes + part * 16
-                if cutlass.const_expr(len(slab_bytes) == 3):  # gathered, each row's offset read once per tile
+                if cutlass.const_expr(len(slab_bytes) == 3):  # gathered, each row read once per tile
                     cp_async_16B(stage_base + h * half_bytes + token_stage_chunk_offset(row, part),
                                  x_addr + cutlass.Int64(source_row) * row_bytes + k_offset, 16 if row_read else 0)
                 else:
