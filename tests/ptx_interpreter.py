@@ -125,7 +125,7 @@ class Thread:
                 for i, name in enumerate(names):
                     regs[name] = self.load(address + 4 * i, 4)
             else:
-                size = {"u32": 4, "u8": 1}[opcode.split(".")[-1]]
+                size = {"u32": 4, "u16": 2, "u8": 1}[opcode.split(".")[-1]]
                 regs[destination.strip()] = self.load(address, size)
             return
         if opcode == "mov.b32" and rest.startswith("{"):  # unpack 32 -> two 16
@@ -228,19 +228,33 @@ def instructions(text: str) -> list[str]:
 
 
 class Warp:
-    """32 Threads run in lockstep, instruction by instruction: shfl.sync.bfly.b32 reads every
-    lane's source register before any lane writes (full member mask)."""
+    """32 Threads run in lockstep, instruction by instruction, over one shared memory (`shared`,
+    as Thread's): shfl.sync.bfly.b32 and shfl.sync.idx.b32 (full member mask; idx with its c
+    operand's segment mask and clamp, PTX's rule) read every lane's source register before any
+    lane writes."""
 
-    def __init__(self, operands_by_lane: list[dict[int, int]]):
-        self.threads = [Thread(operands, {}) for operands in operands_by_lane]
+    def __init__(self, operands_by_lane: list[dict[int, int]], shared: dict[int, int] | None = None):
+        shared = {} if shared is None else shared
+        self.threads = [Thread(operands, shared) for operands in operands_by_lane]
 
     def run(self, text: str) -> None:
         for line in instructions(text):
-            if line.startswith("shfl.sync.bfly.b32"):
-                d, a, distance = (x.strip() for x in line.partition(" ")[2].split(",")[:3])
+            opcode, _, rest = line.partition(" ")
+            if opcode in ("shfl.sync.bfly.b32", "shfl.sync.idx.b32"):
+                d, a, b, c, mask = (x.strip() for x in rest.split(","))
+                assert self.threads[0].value(mask) == MASK32, "a full member mask only"
                 sources = [t.value(a) for t in self.threads]
                 for lane, thread in enumerate(self.threads):
-                    thread.registers[d] = sources[lane ^ int(distance)]
+                    if opcode == "shfl.sync.bfly.b32":
+                        thread.registers[d] = sources[lane ^ thread.value(b)]
+                        continue
+                    # PTX's shfl idx: the segment's lanes by c's mask, the source clamped within it
+                    c_value = thread.value(c)
+                    segment_mask, clamp = (c_value >> 8) & 0x1F, c_value & 0x1F
+                    min_lane = lane & segment_mask
+                    max_lane = min_lane | (clamp & ~segment_mask & 0x1F)
+                    source = min_lane | (thread.value(b) & ~segment_mask & 0x1F)
+                    thread.registers[d] = sources[source if source <= max_lane else lane]
             else:
                 for thread in self.threads:
                     thread.step(line)

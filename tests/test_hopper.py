@@ -991,6 +991,25 @@ def test_fragment_builds_read_a_lanes_words_with_one_load_a_unit_and_permute_no_
     assert "ld.shared.v2.u32" not in ptx and "prmt.b32" not in ptx
 
 
+@pytest.mark.parametrize("target", FRAGMENT_TARGETS)
+def test_fragment_builds_share_each_quads_scales_by_four_shuffles_a_unit(sm90_builds, target):
+    """The fragment builds' scales (quad_scales, ptx.quad_pair_offset): per unit of the decode
+    each lane loads its own pair of scale bytes (one 16-bit shared load) and four shfl.sync.idx
+    within its quad (c = 0x1c1f: segments of 4 lanes) bring the quad's four pairs; no 32-bit
+    scale word loaded. The plain layout's builds of the same configs convert every pair in every
+    lane (two 32-bit scale loads a unit, no quad shuffle): with the shared scales they took 8 to
+    16 bytes of local memory read inside their main loops (EXPERIMENTS E95)."""
+    report = sm90_builds[(target, 8)]
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    units = ptx.count("ld.shared.v4.u32")
+    assert units and ptx.count("ld.shared.u16") == units
+    assert ptx.count(f"{hex(hopper.ptx.QUAD_SHUFFLE_CLAMP)}, 0xffffffff;") == 4 * units
+    assert "ld.shared.u32" not in ptx
+    plain = sm90_builds[("sm90_moe_w4a16_t32_split_k4_swiglu", 8)]
+    plain_ptx = Path(plain.ptx_path).read_text(errors="replace")
+    assert hex(hopper.ptx.QUAD_SHUFFLE_CLAMP) not in plain_ptx and "ld.shared.u32" in plain_ptx
+
+
 # the W4A16 builds with rows read through a_rows and fixed 32-token tiles: one row per thread
 GATHERED_T32_TARGETS = [name for name in W4A16_TARGETS if name.startswith("sm90_moe_w4a16_t32")
                         and ("_swiglu" in name or "_gather" in name)]

@@ -7,7 +7,7 @@ negative, the largest)."""
 import numpy as np
 import pytest
 import torch
-from ptx_interpreter import Thread, bf16_lanes, e4m3_to_float
+from ptx_interpreter import Thread, Warp, bf16_lanes, e4m3_to_float
 
 from nvfp4_group_gemm.hopper import ptx
 
@@ -176,3 +176,72 @@ def test_the_fragment_layout_round_trips_and_checks_its_shape():
         weight_layout.pack_fragment(b[:, :40])
     with pytest.raises(TypeError, match="uint8"):
         weight_layout.pack_fragment(b.to(torch.int16))
+
+
+def run_quad_warp(rows: list[bytes], scales: list[bytes], fragment_block: bytes | None = None):
+    """Every lane's 16 output registers from the quad_scales decode, the 32 lanes in lockstep
+    (its shuffles): rows 0 .. 15 of a 64-wide k-tile (32 packed bytes each, or fragment_block:
+    the same rows in the fragment layout) and each row's 4 scale bytes; lane (g, t) reads rows g
+    and g+8 and its own pair of scale bytes (ptx.quad_pair_offset)."""
+    shared = {}
+    packed = fragment_block if fragment_block is not None else b"".join(rows)
+    shared.update({0x1000 + i: b for i, b in enumerate(packed)})
+    shared.update({0x3000 + 4 * r + i: b for r, row_scales in enumerate(scales) for i, b in enumerate(row_scales)})
+    operands_by_lane = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        row_offset, byte_offset = ptx.quad_pair_offset(t)
+        pair_address = 0x3000 + 4 * (g + row_offset) + byte_offset
+        if fragment_block is not None:
+            inputs = (0x1000 + 16 * lane, 0x1000 + 16 * lane, 0, pair_address)
+        else:
+            inputs = (0x1000 + 32 * g, 0x1000 + 32 * (g + 8), ptx.bf16_word_selector(t), pair_address)
+        operands_by_lane.append({16 + i: v for i, v in enumerate(inputs)})
+    warp = Warp(operands_by_lane, shared)
+    warp.run(ptx._decode_bf16_registers_asm(1, fragment=fragment_block is not None, quad_scales=True))
+    return [[thread.registers[f"${i}"] for i in range(16)] for thread in warp.threads]
+
+
+@pytest.mark.parametrize("layout", ["plain", "fragment"])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_quads_shared_scales_decode_every_lane_bit_for_bit(seed, layout):
+    """quad_scales: each lane converts one pair of its quad's scales and four shuffles share
+    them; every lane's every register is still its natural-order element times its own row's
+    block scale and 2^-8, bit for bit (sign of zero included), for every g and t, with the
+    scales of rows g and g+8 different in every block (a pair taken from the wrong lane, row or
+    half shows)."""
+    from nvfp4_group_gemm import weight_layout
+
+    rng = np.random.default_rng(70 + seed)
+    plain = torch.from_numpy(rng.integers(0, 256, (16, 32), dtype=np.uint8))
+    rows = [bytes(plain[r].tolist()) for r in range(16)]
+    scale_choices = SCALE_BYTES + [0x09, 0x30, 0x7D, 0xFE]
+    scales = [bytes(rng.choice(scale_choices, 4, replace=False).tolist()) for _ in range(16)]
+    block = bytes(weight_layout.pack_fragment(plain).reshape(-1).tolist()) if layout == "fragment" else None
+    registers_by_lane = run_quad_warp(rows, scales, block)
+    for lane, registers in enumerate(registers_by_lane):
+        g, t = lane // 4, lane % 4
+        pair_rows, pair_scales = (rows[g], rows[g + 8]), (scales[g], scales[g + 8])
+        for step in range(4):
+            for i in range(4):
+                got = bf16_lanes(registers[4 * step + i])
+                want = expected_register(pair_rows, pair_scales, t, step, i)
+                assert got == want, (lane, step, i, got, want)
+                assert [np.signbit(x) for x in got] == [np.signbit(x) for x in want], (lane, step, i)
+
+
+def test_the_quads_shared_scales_take_every_scale_byte_exactly():
+    """Every e4m3 byte but NaN as a block scale under quad_scales, each row's four blocks
+    different: every register v * s * 2^-8 exactly."""
+    finite = [b for b in range(256) if b & 0x7F != 0x7F]
+    row = bytes(range(7, 7 + 32))
+    rows = [row[r:] + row[:r] for r in range(16)]
+    for start in range(0, len(finite), 64):
+        chunk = finite[start:start + 64] + finite[:max(0, start + 64 - len(finite))]
+        scales = [bytes(chunk[4 * r:4 * r + 4]) for r in range(16)]
+        for lane, registers in enumerate(run_quad_warp(rows, scales)):
+            g, t = lane // 4, lane % 4
+            for step in range(4):
+                for i in range(4):
+                    want = expected_register((rows[g], rows[g + 8]), (scales[g], scales[g + 8]), t, step, i)
+                    assert bf16_lanes(registers[4 * step + i]) == want, (start, lane, step, i)

@@ -40,6 +40,7 @@ from .ptx import (
     load_u32_shared,
     opaque_i64,
     pack_16x8,
+    quad_pair_offset,
     store_f16x2,
     store_f32x4_global,
     store_f32x4_to_rank,
@@ -66,7 +67,7 @@ def stage_scale_offset(row, block, base=0):
 def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, tile_k: cutlass.Constexpr,
                             parts: cutlass.Constexpr = 1, part_bytes: cutlass.Constexpr = 0,
                             dtype: cutlass.Constexpr = cutlass.Float16, paired_scales: cutlass.Constexpr = False,
-                            fragment: cutlass.Constexpr = False):
+                            fragment: cutlass.Constexpr = False, quad_scales: cutlass.Constexpr = False):
     """Register-A mode: lane (g, t) of warp w in warpgroup v decodes its share of rows
     64 v + 16 w + g and + 8 of a stage (packed rows of row_bytes from packed_base, their scale
     atoms from scales_base) into the wgmma A fragment. fp16: in ptx's K permutation, from the
@@ -91,6 +92,12 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
         selector = bf16_word_selector(0) + (bf16_word_selector(1) - bf16_word_selector(0)) * t
         decode = decode_bf16_rows_to_registers
     rows = (row, row + 8)
+    # (row, byte offset) of the scale words read: rows g and g+8's, or with quad_scales the
+    # lane's pair of bytes (ptx.quad_pair_offset(t))
+    scale_words = ((row, 0), (row + 8, 0))
+    if cutlass.const_expr(quad_scales):
+        row_offset, byte_offset = quad_pair_offset(t)
+        scale_words = ((row + row_offset, byte_offset),)
     if cutlass.const_expr(fragment):
         # the warp's block of 16 rows (row_bytes each), the lane's 16 bytes in it
         lane_bytes = (tidx // 32) * 16 * row_bytes + lane * 16
@@ -99,7 +106,8 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
                 packed_base + part * part_bytes + lane_bytes,
                 packed_base + part * part_bytes + lane_bytes,
                 0,
-                *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) for r in rows),
+                *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) + offset
+                  for r, offset in scale_words),
             )
             for part in range(parts)
         ]
@@ -108,14 +116,15 @@ def decode_rows_to_fragment(tidx, packed_base, row_bytes, scales_base, a_frag, t
             (
                 *(packed_base + part * part_bytes + r * row_bytes + half_offset for r in rows),
                 selector,
-                *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) for r in rows),
+                *(stage_scale_offset(r, 0, base=scales_base + part * part_bytes) + offset
+                  for r, offset in scale_words),
             )
             for part in range(parts)
         ]
     if cutlass.const_expr(dtype == cutlass.Float16):
         steps_of_parts = decode(units)
     else:
-        steps_of_parts = decode(units, paired_scales, fragment)
+        steps_of_parts = decode(units, paired_scales, fragment, quad_scales)
     # k16 step s: registers (row g, cols 2t..) (row g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..)
     for part in cutlass.range_constexpr(parts):
         for step in cutlass.range_constexpr(tile_k // 16):

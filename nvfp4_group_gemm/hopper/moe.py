@@ -693,7 +693,8 @@ class Sm90MoeW4A16Gemm(Sm90MoeSwapAbGemm):
         w_stage = w_base + stage * self.config.weight_stage_bytes
         decode_rows_to_fragment(tidx, w_stage, self.w_row_bytes, w_stage + self.w_sf_offset, a_frag, SWAP_AB_HALF_K,
                                 self.k_halves, self.config.weight_half_bytes, cutlass.BFloat16,
-                                w4a16_paired_scales(self.config), self.weight_layout == FRAGMENT)
+                                w4a16_paired_scales(self.config), self.weight_layout == FRAGMENT,
+                                w4a16_quad_scales(self.config, self.weight_layout))
 
 
 
@@ -775,6 +776,16 @@ def w4a16_paired_scales(config: SwapAbConfig) -> bool:
     builds of 64-wide k-tiles at 3 and 4 CTAs per SM (the 32-token ones, split-K or not, and the
     64-token one) took an 8- to 16-byte local frame with it (EXPERIMENTS E89)."""
     return config.k_halves == 2 or config.ctas_per_sm <= 2
+
+
+def w4a16_quad_scales(config: SwapAbConfig, weight_layout: str) -> bool:
+    """Whether the W4A16 decode shares each quad's scale conversion (ptx.decode_bf16_rows_to_registers'
+    quad_scales: a pair a lane, four shuffles a unit, where every lane converted every pair):
+    on weights packed for the fragment, but for 128-wide k-tiles at 3 CTAs per SM. Elsewhere
+    it took local memory (EXPERIMENTS E95): the plain layout's builds at their 64- and
+    80-register bounds 8-16 bytes read in the main loop, the 128-wide fragment builds under
+    DSL 4.8.1 a value held across it."""
+    return weight_layout == FRAGMENT and not (config.k_halves == 2 and config.ctas_per_sm >= 3)
 
 
 def w4a16_config(config: SwapAbConfig) -> SwapAbConfig:

@@ -644,6 +644,12 @@ def decode_scale_blocks_to_registers(units, *, loc=None, ip=None):
 # (2^118, 2^118) (exact), each block's S then read from its lane of the pair (the multiply's
 # operand halves: no instruction of its own); fewer instructions, more registers (the builds
 # that take it: hopper.moe.w4a16_paired_scales).
+# With quad_scales, the four lanes of a quad (g, t = 0 .. 3: the same rows g and g+8) share the
+# conversion: lane t converts one pair, blocks 2 (t % 2) and + 1 of row g (t < 2) or g+8, from
+# its own two scale bytes (one 16-bit shared load), and four shfl.sync.idx within the quad give
+# every lane the four pairs: per 64-wide k-tile one load, 5 conversions and 4 shuffles where
+# each lane converted all four pairs (two loads, 20 conversions). The same S, bit for bit.
+QUAD_SHUFFLE_CLAMP = 0x1C1F  # shfl.sync.idx's c: segments of 4 lanes (mask 0x1c), clamp 31
 BF16_LANES = 0x81C081C0
 BF16_DECODE_SCALE_EXPONENT = 118  # S = s * 2^118: the decoded weights are v * s * 2^-8
 BF16_DECODE_SCALE_PAIR = 0x10001 * ((BF16_DECODE_SCALE_EXPONENT + 127) << 7)  # bf16x2 (2^118, 2^118)
@@ -696,7 +702,14 @@ def _place_fragment_word_ptx(word: str, destinations: list[str]) -> list[str]:
     ]
 
 
-def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False, fragment: bool = False) -> str:
+def quad_pair_offset(t: int) -> int:
+    """Lane t's pair of scale bytes under quad_scales, as (row, byte) offsets: row g (t < 2) or
+    g+8, bytes 2 (t % 2) and + 1 of the row's 4 (blocks 2 (t % 2) and + 1 of the 64-wide k-tile)."""
+    return 8 * (t // 2), 2 * (t % 2)
+
+
+def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False, fragment: bool = False,
+                               quad_scales: bool = False) -> str:
     """PTX of decode_bf16_rows_to_registers: outputs $(16u + 4s + i), register i (R0 .. R3) of
     k16 step s of unit u; inputs after the 16 * num_units outputs, per unit: row g's packed
     bytes of the 64-wide k-tile (32 bytes, 8-byte aligned), row g+8's, bf16_word_selector(t), row
@@ -706,8 +719,12 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False, frag
     (EXPERIMENTS E83); each pair of steps' scales converted before the first of them: more spill too.
     fragment: the weights in nvfp4_group_gemm.weight_layout's fragment layout; a unit's first
     input is then the lane's 16 bytes (one v4 load: a word per k16 step), its second and third
-    unused, and each step's word placed by _place_fragment_word_ptx."""
+    unused, and each step's word placed by _place_fragment_word_ptx. quad_scales (every lane of
+    the warp runs it: shuffles): a unit's fourth input is the lane's pair of scale bytes
+    (quad_pair_offset), and it has no fifth; each lane converts that pair and the quad shares
+    its four (above)."""
     first_input = 16 * num_units
+    inputs_per_unit = 4 if quad_scales else 5
     lines = [
         "{",
         ".reg .b32 h, y, a, b, lanes, p, q, w;",
@@ -715,24 +732,48 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False, frag
         ".reg .f32 f;",
         f"mov.b32 lanes, {hex(BF16_LANES)};",
     ]
-    if paired_scales:  # the pair's registers and constant only where the scales pair
+    if paired_scales or quad_scales:  # the pair's registers and constant only where the scales pair
         lines += [".reg .b32 scale_pair;", ".reg .b16 plo, phi;", ".reg .f32 fb;",
                   f"mov.b32 scale_pair, {hex(BF16_DECODE_SCALE_PAIR)};"]
     for u in range(num_units):
-        pair = f", P{u}" if paired_scales else ""
+        pair = f", P{u}" if paired_scales or quad_scales else ""
         words = f"gl{u}_<4>" if fragment else f"gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>"
         lines.append(f".reg .b32 {words}, sg{u}, sh{u}, S{u}_<8>, F{u}{pair};")
+        if quad_scales:
+            lines.append(f".reg .b16 sq{u};")
     for u in range(num_units):  # loads
-        src = first_input + 5 * u
+        src = first_input + inputs_per_unit * u
         if fragment:  # the lane's word of each k16 step: gl{u}_0 .. gl{u}_3
             lines.append(f"ld.shared.v4.u32 {{gl{u}_0, gl{u}_1, gl{u}_2, gl{u}_3}}, [${src}];")
         for s in range(4 if not fragment else 0):
             lines.append(f"ld.shared.v2.u32 {{gl{u}_{s}, gh{u}_{s}}}, [${src} + {8 * s}];")
             lines.append(f"ld.shared.v2.u32 {{hl{u}_{s}, hh{u}_{s}}}, [${src + 1} + {8 * s}];")
-        lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
-        lines.append(f"ld.shared.u32 sh{u}, [${src + 4}];")
+        if quad_scales:
+            lines.append(f"ld.shared.u16 sq{u}, [${src + 3}];")
+        else:
+            lines.append(f"ld.shared.u32 sg{u}, [${src + 3}];")
+            lines.append(f"ld.shared.u32 sh{u}, [${src + 4}];")
     scale = hex(0x3F800000 + (BF16_DECODE_SCALE_EXPONENT << 23))  # 2^118 as fp32
     for u in range(num_units):  # scales: bf16x2 (S, S) of row r, block s -> S{u}_{4 r + s}
+        if quad_scales:
+            # the lane's pair: e4m3x2 -> f16x2 -> two fp32 -> one bf16x2 -> times (2^118, 2^118)
+            lines += [
+                f"cvt.rn.f16x2.e4m3x2 F{u}, sq{u};",
+                "mov.b32 {f16a, f16b}, " + f"F{u};",
+                "cvt.f32.f16 f, f16a;",
+                "cvt.f32.f16 fb, f16b;",
+                f"cvt.rn.bf16x2.f32 P{u}, fb, f;",
+                f"mul.rn.bf16x2 P{u}, P{u}, scale_pair;",
+            ]
+            for j in range(4):  # lane j of the quad's pair: row j // 2, blocks 2 (j % 2) and + 1
+                first = 4 * (j // 2) + 2 * (j % 2)
+                lines += [
+                    f"shfl.sync.idx.b32 q, P{u}, {j}, {hex(QUAD_SHUFFLE_CLAMP)}, 0xffffffff;",
+                    "mov.b32 {plo, phi}, q;",
+                    f"mov.b32 S{u}_{first}, {{plo, plo}};",
+                    f"mov.b32 S{u}_{first + 1}, {{phi, phi}};",
+                ]
+            continue
         for row, scales in enumerate((f"sg{u}", f"sh{u}")):
             lines.append("mov.b32 {slo, shi}, " + f"{scales};")
             for half, source in enumerate(("slo", "shi")):
@@ -760,7 +801,7 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False, frag
                         f"cvt.rn.bf16x2.f32 S{u}_{first + part}, f, f;",
                     ]
     for u in range(num_units):  # words, bit placement and scaling
-        selector = f"${first_input + 5 * u + 2}"
+        selector = f"${first_input + inputs_per_unit * u + 2}"
         for s in range(4):
             destinations = [f"${16 * u + 4 * s + i}" for i in range(4)]
             if fragment:
@@ -780,19 +821,22 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False, frag
 
 
 @dsl_user_op
-def decode_bf16_rows_to_registers(units, paired_scales: bool = False, fragment: bool = False, *, loc=None, ip=None):
+def decode_bf16_rows_to_registers(units, paired_scales: bool = False, fragment: bool = False,
+                                  quad_scales: bool = False, *, loc=None, ip=None):
     """Decode a lane's share of row pairs (g, g+8) of a 64-wide k-tile into bf16 fragment
     registers in natural K order; `units` lists (row g packed, row g+8 packed, bf16_word_selector(t),
     row g's scales, row g+8's) shared addresses per row pair; paired_scales: two blocks' S in
     one bf16x2 (_decode_bf16_registers_asm); fragment: the weights in the fragment layout, each
-    unit's first address the lane's 16 bytes. Returns, per unit and k16 step, the 4 Int32
-    fragment registers (R0 .. R3)."""
+    unit's first address the lane's 16 bytes; quad_scales: each unit's scales the lane's one
+    pair address (quad_pair_offset), the quad's lanes converting one pair each (every lane of
+    the warp must run it). Returns, per unit and k16 step, the 4 Int32 fragment registers
+    (R0 .. R3)."""
     operands = [cutlass.Int32(x).ir_value(loc=loc, ip=ip) for unit in units for x in unit]
     num_outputs = 16 * len(units)
     result = _inline_asm(
         llvm.StructType.get_literal([cutlass.Int32.mlir_type] * num_outputs),
         operands,
-        _decode_bf16_registers_asm(len(units), paired_scales, fragment),
+        _decode_bf16_registers_asm(len(units), paired_scales, fragment, quad_scales),
         ",".join(["=r"] * num_outputs + ["r"] * len(operands)) + ",~{memory}",
         loc=loc,
         ip=ip,
