@@ -993,21 +993,25 @@ def test_fragment_builds_read_a_lanes_words_with_one_load_a_unit_and_permute_no_
 
 @pytest.mark.parametrize("target", FRAGMENT_TARGETS)
 def test_fragment_builds_share_each_quads_scales_by_four_shuffles_a_unit(sm90_builds, target):
-    """The fragment builds' scales (quad_scales, ptx.quad_pair_offset): per unit of the decode
-    each lane loads its own pair of scale bytes (one 16-bit shared load) and four shfl.sync.idx
-    within its quad (c = 0x1c1f: segments of 4 lanes) bring the quad's four pairs; no 32-bit
-    scale word loaded. The plain layout's builds of the same configs convert every pair in every
-    lane (two 32-bit scale loads a unit, no quad shuffle): with the shared scales they took 8 to
-    16 bytes of local memory read inside their main loops (EXPERIMENTS E95)."""
+    """The fragment builds' scales where hopper.moe.w4a16_quad_scales takes them (every config
+    the choice runs on fragment weights but 128-wide k-tiles at 3 CTAs per SM): per unit of the
+    decode each lane loads its own pair of scale bytes (one 16-bit shared load) and four
+    shfl.sync.idx within its quad (c = 0x1c1f: segments of 4 lanes) bring the quad's four
+    pairs, no 32-bit scale word loaded; elsewhere, as the plain layout's builds, two 32-bit
+    scale words a unit and no quad shuffle (EXPERIMENTS E95)."""
     report = sm90_builds[(target, 8)]
     ptx = Path(report.ptx_path).read_text(errors="replace")
+    config = hopper.config_named("swap_ab_" + target.removeprefix("sm90_moe_w4a16_").rsplit("_", 2)[0])
     units = ptx.count("ld.shared.v4.u32")
-    assert units and ptx.count("ld.shared.u16") == units
-    assert ptx.count(f"{hex(hopper.ptx.QUAD_SHUFFLE_CLAMP)}, 0xffffffff;") == 4 * units
-    assert "ld.shared.u32" not in ptx
-    plain = sm90_builds[("sm90_moe_w4a16_t32_split_k4_swiglu", 8)]
-    plain_ptx = Path(plain.ptx_path).read_text(errors="replace")
-    assert hex(hopper.ptx.QUAD_SHUFFLE_CLAMP) not in plain_ptx and "ld.shared.u32" in plain_ptx
+    shuffles = ptx.count(f"{hex(hopper.ptx.QUAD_SHUFFLE_CLAMP)}, 0xffffffff;")
+    assert units
+    if hopper.moe.w4a16_quad_scales(config, "fragment"):
+        assert ptx.count("ld.shared.u16") == units and shuffles == 4 * units
+        assert "ld.shared.u32" not in ptx
+    else:
+        assert config.k_halves == 2 and config.ctas_per_sm == 3
+        assert shuffles == 0 and "ld.shared.u16" not in ptx and ptx.count("ld.shared.u32") == 2 * units
+    assert not hopper.moe.w4a16_quad_scales(config, "plain")
 
 
 # the W4A16 builds with rows read through a_rows and fixed 32-token tiles: one row per thread
@@ -1026,6 +1030,31 @@ def test_gathered_32_token_builds_read_a_rows_once_a_tile(sm90_builds, target):
     assert report.error is None and report.frame_bytes == 0 and report.spill_bytes_max == 0
     ptx = Path(report.ptx_path).read_text(errors="replace")
     assert ptx.count("ld.global.s64") == 1
+
+
+# the MoE entry's 32-token split-K builds, fp4 and W4A16, every epilogue, rows and weight layout
+T32_SPLIT_K_TARGETS = [name for name, _arch, _compile in hopper.moe.moe_compile_targets() if "_t32_split_k" in name]
+
+
+@pytest.mark.parametrize("target", T32_SPLIT_K_TARGETS)
+def test_32_token_split_k_builds_unroll_their_main_loop_by_the_stages(sm90_builds, target):
+    """The 32-token split-K configs unroll a rank's main loop by the stage count (every stage
+    index a constant: one token-stage wait per k-tile step, the stages' steps in one loop body),
+    K a multiple of 256 x the ranks (SwapAbConfig.k_multiple; moe_k_config runs the k_tail
+    build, not unrolled, for any other K); no local memory up to G = 8 (EXPERIMENTS E96)."""
+    assert len(T32_SPLIT_K_TARGETS) >= 14
+    report = sm90_builds[(target, 8)]
+    assert report.error is None and report.frame_bytes == 0 and report.spill_bytes_max == 0
+    name = target.removeprefix("sm90_moe_").split("_", 1)[1]
+    config = hopper.config_named("swap_ab_" + name[:len("t32_split_kN")])
+    if name.endswith("_k_tail"):
+        config = hopper.moe.k_tail_config(config)
+    assert config.unrolled_main_loop == (not config.k_tail)
+    assert config.k_multiple == (config.tile_k if config.k_tail else 256 * config.split_k)
+    ptx = Path(report.ptx_path).read_text(errors="replace")
+    steps = config.stages if config.unrolled_main_loop else 1
+    assert ptx.count("mbarrier.try_wait.parity") == steps
+    assert ptx.count("wgmma.mma_async") == steps * config.tile_k // 16
 
 
 K_TAIL_TARGETS = [name for name, _arch, _compile in hopper.moe.moe_compile_targets() if name.endswith("_k_tail")]

@@ -220,10 +220,11 @@ class SwapAbConfig:
     @property
     def k_multiple(self) -> int:
         """What every group's K must be a multiple of: the k-tile times the stage count where
-        the main loop is unrolled by it (256 with one half, 512 with two); with k_tail, the k-tile."""
+        the main loop is unrolled by it (256 with one half, 512 with two), times the split-K
+        ranks (each rank's k-tiles a multiple of the stages); with k_tail, the k-tile."""
         if self.k_tail:
             return self.tile_k
-        return max(256, self.tile_k * (self.stages if self.unrolled_main_loop else 1))
+        return max(256, self.tile_k * (self.stages * self.split_k if self.unrolled_main_loop else 1))
 
     @property
     def num_threads(self) -> int:
@@ -243,9 +244,12 @@ class SwapAbConfig:
     def unrolled_main_loop(self) -> bool:
         """The main loop unrolled by the stage count, so that every stage index is a constant:
         where weight and token stages are as many and the tile's k-tile count is a multiple of
-        them (without split-K, K % 256 == 0 gives a multiple of 4 k-tiles; not with k_tail)."""
-        return (self.split_k == 1 and self.stages == self.weight_stages and 4 % self.stages == 0
-                and not self.k_tail)
+        them (K % 256 == 0 gives a multiple of 4 k-tiles, K % (256 x split_k) a rank's; not
+        with k_tail). Split-K unrolled on the 32-token configs, the MoE entry's decode configs,
+        where a rank's k-tile took 16-25 % fewer instructions so (EXPERIMENTS E96); the
+        per-size-set path's split-K config stays as measured."""
+        return ((self.split_k == 1 or self.tile_tokens == 32) and self.stages == self.weight_stages
+                and 4 % self.stages == 0 and not self.k_tail)
 
     @property
     def weights_ahead(self) -> int:
