@@ -785,6 +785,7 @@ def w4a16_quad_scales(config: SwapAbConfig, weight_layout: str) -> bool:
     it took local memory (EXPERIMENTS E95): the plain layout's builds at their 64- and
     80-register bounds 8-16 bytes read in the main loop, the 128-wide fragment builds under
     DSL 4.8.1 a value held across it."""
+    # Each half decoded, then its wgmma (the halves' temporaries apart): more local memory (EXPERIMENTS E97).
     return weight_layout == FRAGMENT and not (config.k_halves == 2 and config.ctas_per_sm >= 3)
 
 
