@@ -249,8 +249,8 @@ class MoeFfn:
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """The shared expert of every token, bf16 [T, H] (one group: offsets [0, T] made on
-        the device)."""
-        offsets = torch.arange(2, dtype=torch.int32, device=x.device) * x.shape[0]
+        the device, one_group_offsets)."""
+        offsets = one_group_offsets(x.shape[0], x.device)
         return self.ffn(x, self.shared["w13"], self.shared["w2"], (self.shared_scale13, self.shared_alpha13),
                         (self.shared_scale2, self.shared_alpha2), offsets)
 
@@ -297,6 +297,15 @@ class MoeFfn:
                             "swiglu" if swiglu else None,
                             None if projection.b_layout == PLAIN else projection.b_layout)
         return c
+
+
+def one_group_offsets(rows: int, device: torch.device) -> torch.Tensor:
+    """int32 [0, rows] on `device`, the offsets of one group of all the rows, as one op (a
+    stepped arange; a kernel on a GPU, where arange then a product were two), no host copy
+    (graph-safe)."""
+    if rows == 0:
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    return torch.arange(0, 2 * rows, rows, dtype=torch.int32, device=device)
 
 
 def float64_reference(layer: MoeFfn, x: torch.Tensor) -> torch.Tensor:

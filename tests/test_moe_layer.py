@@ -318,3 +318,13 @@ def test_the_fragment_weight_layout_gives_the_plain_layers_bits(swiglu_epilogue)
     for activations, layout in (("nvfp4", "fragment"), ("bf16", "packed")):
         with pytest.raises(ValueError, match="weight_layout"):
             moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, activations, weight_layout=layout)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 4096])
+def test_the_shared_experts_offsets_are_one_op(rows):
+    """The shared expert's one group, offsets [0, T] int32, made by one op (a kernel on a GPU:
+    the layer's per-call small kernels count at one token), no host copy."""
+    ops = _kernel_ops(lambda: moe_layer.one_group_offsets(rows, torch.device("cpu")))
+    offsets = moe_layer.one_group_offsets(rows, torch.device("cpu"))
+    assert len(ops) == 1, ops
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, rows]
