@@ -733,9 +733,12 @@ def moe_config(shape: MoeShape, num_sms: int, chain_calls: bool | None = None, f
         if hopper_moe.max_moe_tiles(tokens, groups, n, config) <= SWAP_AB_T32_K128_CONFIG.ctas_per_sm * num_sms:
             config = with_wide_k_tiles([(tokens, n, k, 1)], config)
     elif rows_per_group <= SWAP_AB_T64_CONFIG.tile_tokens:
-        # with b packed for the fragment, two 32-token tiles: its 64-token build took an 8-byte
-        # local frame (80 registers, rows scattered) under DSL 4.8.1 (EXPERIMENTS E92)
-        config = SWAP_AB_T64_CONFIG if shape.b_layout != FRAGMENT else SWAP_AB_T32_CONFIG
+        # with b packed for the fragment, or W4A16's SwiGLU epilogue without row maps (a
+        # layer's shared expert), two 32-token tiles: their 64-token builds took an 8-byte local
+        # frame (80 registers; the fragment's with rows scattered under DSL 4.8.1, EXPERIMENTS E92;
+        # the unmapped SwiGLU one under DSL 4.3.5, read in its main loop, E98)
+        t64_spills = shape.b_layout == FRAGMENT or (shape.w4a16 and shape.activation == "swiglu" and shape.rows is None)
+        config = SWAP_AB_T32_CONFIG if t64_spills else SWAP_AB_T64_CONFIG
     elif hopper_moe.max_moe_tiles(tokens, groups, n, SWAP_AB_ONE_ROUND_CONFIG) <= num_sms:
         config = with_wide_k_tiles([(tokens, n, k, 1)], SWAP_AB_ONE_ROUND_CONFIG)
     else:

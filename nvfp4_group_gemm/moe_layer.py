@@ -117,6 +117,9 @@ class MoeFfn:
         # w13 is held in that epilogue's row order, one copy (dequantize_projection reads either)
         self.w13 = w13.in_swiglu_order() if activations == "bf16" and swiglu_epilogue else w13
         self.w2 = w2
+        if shared is not None and self.w13.row_order == "swiglu":
+            # the shared expert's gate-and-up too: its SwiGLU in the epilogue, not four small ops
+            shared = {**shared, "w13": shared["w13"].in_swiglu_order()}
         # weight_layout="fragment": the weights packed once for the W4A16 decode's fragment
         # (nvfp4_group_gemm.weight_layout; one copy; dequantize_projection reads either)
         if weight_layout == FRAGMENT:

@@ -331,6 +331,14 @@ def test_the_config_is_chosen_from_t_g_n_k_alone(monkeypatch):
     assert chosen(8, 64, 1536, 2048) == SWAP_AB_T32_K128_CONFIG  # 8 x 12 tiles: one round of 3 per SM
     assert chosen(64, 64, 1536, 2048) == SWAP_AB_T32_CONFIG  # 64 x 12 tiles: more than one round
     assert chosen(4096, 64, 2048, 768) == SWAP_AB_T64_CONFIG  # 64 rows per group
+    # not where its build takes local memory: W4A16's SwiGLU epilogue without row maps (a shared
+    # expert's), weights packed for the fragment; with the rows gathered it is the 64-token one
+    w4a16 = {"sfa_layout": None, "sfb_layout": "blocked", "alpha": "halves", "out_dtype": "bfloat16",
+             "activation": "swiglu"}
+    assert moe.moe_config(moe.MoeShape(4096, 64, 2048, 768, **w4a16), 132) == SWAP_AB_T32_CONFIG
+    assert moe.moe_config(moe.MoeShape(4096, 64, 2048, 768, **w4a16, rows=(4096, None)), 132) == SWAP_AB_T64_CONFIG
+    assert moe.moe_config(moe.MoeShape(4096, 64, 2048, 768, None, "blocked", b_layout="fragment"), 132
+                          ) == SWAP_AB_T32_CONFIG
     # a row or two on a few experts: 32-token tiles split along K where they number at most
     # half the SMs, into as many ranks as leave each at least 16 k-tiles
     assert chosen(1, 32, 4096, 7168) == SWAP_AB_T32_SPLIT_K4_CONFIG  # 32 tiles, 28 k-tiles per rank

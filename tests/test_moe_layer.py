@@ -2,6 +2,8 @@
 tensors (the op's exact decode) against an independent float64 layer written token by token;
 on the H200 (tests/test_gpu_moe_layer.py) through the kernels and one CUDA graph."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_checkpoint import layer_tensors
@@ -328,3 +330,48 @@ def test_the_shared_experts_offsets_are_one_op(rows):
     offsets = moe_layer.one_group_offsets(rows, torch.device("cpu"))
     assert len(ops) == 1, ops
     assert offsets.dtype == torch.int32 and offsets.tolist() == [0, rows]
+
+
+def _with_shared_expert(swiglu_epilogue: bool, weight_layout: str = "plain"):
+    """make_layer's W4A16 layer with expert 1's projections as a shared expert (one group)."""
+    tensors, _, router = make_layer(activations="bf16")
+    one = {name: tensors[f"layer.{name}"][1:2] for name in ("w13_weight", "w13_weight_scale", "w2_weight",
+                                                            "w2_weight_scale")}
+    one.update({name: tensors[f"layer.{name}"][1:2] for name in ("w13_weight_scale_2", "w2_weight_scale_2")})
+    shared = checkpoint.load_moe_layer({f"s.{k}": v for k, v in one.items()}, "s.")
+    return moe_layer.MoeFfn(tensors, "layer.", router, TOP_K, "bf16", shared=shared,
+                            swiglu_epilogue=swiglu_epilogue, weight_layout=weight_layout)
+
+
+@pytest.mark.parametrize("weight_layout", ["plain", "fragment"])
+def test_the_shared_expert_runs_swiglu_in_its_gemms_epilogue_bit_for_bit(weight_layout):
+    """W4A16 with swiglu_epilogue: the shared expert's gate-and-up held in the epilogue's row
+    order too, so the shared expert is its two GEMMs and the offsets' one op (the unfused one
+    adds SwiGLU's cast, silu, product and bf16 rounding: four kernels a call on a GPU), and the
+    layer's output is the unfused layer's bit for bit on a CPU (the exact decode)."""
+    fused, unfused = _with_shared_expert(True, weight_layout), _with_shared_expert(False, weight_layout)
+    assert fused.shared["w13"].row_order == "swiglu" and unfused.shared["w13"].row_order == "stacked"
+    assert torch.equal(checkpoint.dequantize_projection(fused.shared["w13"]),
+                       checkpoint.dequantize_projection(unfused.shared["w13"]))
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    assert torch.equal(fused(x), unfused(x))
+    for layer, small_ops in ((fused, 1), (unfused, 5)):
+        ops = _kernel_ops(lambda layer=layer: layer.shared_expert(x))
+        gemms = [op for op in ops if op.startswith("nvfp4_group_gemm.")]
+        assert len(gemms) == 2 and len(ops) - len(gemms) == small_ops, ops
+
+
+def test_a_deepseek_v3_exports_shared_expert_runs_swiglu_in_its_epilogue():
+    """The real DeepSeek-V3 export (../shared/checkpoints): the W4A16 layer's shared expert in
+    the SwiGLU epilogue's row order, the layer within bf16 rounding of transformers' block."""
+    path = Path(__file__).resolve().parents[1].parent / "shared" / "checkpoints" / "deepseek_v3"
+    if not path.exists():
+        pytest.skip(f"no checkpoint at {path}")
+    from safetensors.torch import load_file
+
+    layer = moe_layer.MoeFfn.from_pretrained(path, 1, device="cpu")
+    assert layer.shared is not None and layer.shared["w13"].row_order == "swiglu"
+    outputs = load_file(str(path / "block_outputs.safetensors"))
+    x, y = outputs["layer1.x1"], outputs["layer1.y1"]
+    out = layer(x).double()
+    assert float((out - y).norm() / y.norm()) < 0.01
