@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_checkpoint import layer_tensors
 
-from nvfp4_group_gemm import checkpoint, core, moe_layer
+from nvfp4_group_gemm import checkpoint, core, moe_layer, pairs
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 4, 256, 128, 2
 
@@ -375,3 +375,37 @@ def test_a_deepseek_v3_exports_shared_expert_runs_swiglu_in_its_epilogue():
     x, y = outputs["layer1.x1"], outputs["layer1.y1"]
     out = layer(x).double()
     assert float((out - y).norm() / y.norm()) < 0.01
+
+
+def _gpu_path_kernels(layer, x, monkeypatch) -> tuple[list[str], list[str], int]:
+    """(the torch ops one layer call dispatches on the GPU path, the pair kernels it launches,
+    the GEMMs it calls), counted on a CPU: the pair kernels' launches and the GEMM op stubbed
+    (each one kernel on a GPU), so that what remains is every other kernel of the call."""
+    launched, gemms = [], []
+    monkeypatch.setattr(pairs, "_kernels_usable", lambda *tensors: True)
+    monkeypatch.setattr(pairs, "route_and_sort_usable", lambda *args: True)
+    monkeypatch.setattr(pairs, "_first_use", lambda *args: False)
+    monkeypatch.setattr(pairs, "_launch", lambda compile_fn, *args: launched.append(
+        getattr(compile_fn, "func", compile_fn).__name__))
+    monkeypatch.setattr(moe_layer, "moe_grouped_gemm_op", lambda *args: gemms.append(args[-2]))
+    layer.pair_kernels = True
+    ops = _kernel_ops(lambda: layer(x))
+    return ops, launched, len(gemms)
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_the_w4a16_layers_gpu_path_is_its_kernels_and_the_routers_product(with_shared, monkeypatch):
+    """One W4A16 layer call on the GPU path (pair kernels, SwiGLU in the epilogue), at one
+    token: the router's product (x to fp32, the matmul), route-and-sort, the two GEMMs with
+    SwiGLU in the first, the weighted sum; with a shared expert its two GEMMs (SwiGLU fused) and
+    its offsets' one op. Every other small kernel would cost about 2 µs a call in graph replay
+    (docs/TUNING.md, the Qwen3 profile)."""
+    layer = _with_shared_expert(True) if with_shared else make_layer(activations="bf16")[1]
+    x = torch.randn(1, HIDDEN).to(torch.bfloat16)
+    ops, launched, gemms = _gpu_path_kernels(layer, x, monkeypatch)
+    expected = ["aten._to_copy.default", "aten.mm.default"]
+    if with_shared:
+        expected = ["aten.arange.start_step"] + expected
+    assert ops == expected, ops
+    assert launched == ["compile_route_sort", "compile_combine"], launched
+    assert gemms == 4 if with_shared else gemms == 2
