@@ -702,7 +702,7 @@ def _place_fragment_word_ptx(word: str, destinations: list[str]) -> list[str]:
     ]
 
 
-def quad_pair_offset(t: int) -> int:
+def quad_pair_offset(t: int) -> tuple[int, int]:
     """Lane t's pair of scale bytes under quad_scales, as (row, byte) offsets: row g (t < 2) or
     g+8, bytes 2 (t % 2) and + 1 of the row's 4 (blocks 2 (t % 2) and + 1 of the 64-wide k-tile)."""
     return 8 * (t // 2), 2 * (t % 2)
