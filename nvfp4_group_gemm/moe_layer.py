@@ -119,6 +119,7 @@ class MoeFfn:
         self.w2 = w2
         if shared is not None and self.w13.row_order == "swiglu":
             # the shared expert's gate-and-up too: its SwiGLU in the epilogue, not four small ops
+            # (its N = 2 I is whole 128-row weight tiles: I, its down GEMM's K, is a multiple of 64)
             shared = {**shared, "w13": shared["w13"].in_swiglu_order()}
         # weight_layout="fragment": the weights packed once for the W4A16 decode's fragment
         # (nvfp4_group_gemm.weight_layout; one copy; dequantize_projection reads either)
