@@ -46,6 +46,17 @@ def expected_register(rows, scales, t: int, step: int, register: int) -> tuple[f
     return tuple(float(np.float32(element(rows[row], c) * scale * 2.0**-8)) for c in (column, column + 1))
 
 
+def assert_lane_registers(registers, rows, scales, t: int, where) -> None:
+    """Lane t's 16 registers (rows g and g+8, their scale bytes) are expected_register's, bit for
+    bit: every step and register, the sign of zero included; `where` names the lane in a failure."""
+    for step in range(4):
+        for i in range(4):
+            got = bf16_lanes(registers[4 * step + i])
+            want = expected_register(rows, scales, t, step, i)
+            assert got == want, (where, step, i, got, want)
+            assert [np.signbit(x) for x in got] == [np.signbit(x) for x in want], (where, step, i)
+
+
 @pytest.mark.parametrize("paired_scales", [False, True], ids=["one_scale", "paired_scales"])
 @pytest.mark.parametrize("seed", range(6))
 def test_every_register_is_the_natural_order_element_times_its_scale(seed, paired_scales):
@@ -53,14 +64,7 @@ def test_every_register_is_the_natural_order_element_times_its_scale(seed, paire
     rows = tuple(bytes(rng.integers(0, 256, 32, dtype=np.uint8).tolist()) for _ in range(2))
     scales = tuple(bytes(rng.choice(SCALE_BYTES, 4).tolist()) for _ in range(2))
     for t in range(4):
-        registers = run_lane(t, rows, scales, paired_scales)
-        for step in range(4):
-            for i in range(4):
-                got = bf16_lanes(registers[4 * step + i])
-                want = expected_register(rows, scales, t, step, i)
-                assert got == want, (t, step, i, got, want)
-                # bit for bit, the sign of zero included
-                assert [np.signbit(x) for x in got] == [np.signbit(x) for x in want], (t, step, i)
+        assert_lane_registers(run_lane(t, rows, scales, paired_scales), rows, scales, t, t)
 
 
 @pytest.mark.parametrize("paired_scales", [False, True], ids=["one_scale", "paired_scales"])
@@ -72,10 +76,7 @@ def test_every_code_with_every_scale_is_exact(paired_scales):
             rows = (row, row[::-1])
             scales = (bytes([scale_byte] * 4), bytes([scale_byte] * 4))
             for t in range(4):
-                registers = run_lane(t, rows, scales, paired_scales)
-                for step in range(4):
-                    for i in range(4):
-                        assert bf16_lanes(registers[4 * step + i]) == expected_register(rows, scales, t, step, i)
+                assert_lane_registers(run_lane(t, rows, scales, paired_scales), rows, scales, t, (scale_byte, t))
 
 
 def test_the_decoded_products_are_exact_in_bf16():
@@ -150,13 +151,7 @@ def test_the_fragment_layouts_decode_is_the_plain_decode_bit_for_bit(seed, paire
         rows = (bytes(plain[g].tolist()), bytes(plain[g + 8].tolist()))
         scales = tuple(bytes(rng.choice(SCALE_BYTES, 4).tolist()) for _ in range(2))
         for t in range(4):
-            registers = run_fragment_lane(g, t, block, scales, paired_scales)
-            for step in range(4):
-                for i in range(4):
-                    got = bf16_lanes(registers[4 * step + i])
-                    want = expected_register(rows, scales, t, step, i)
-                    assert got == want, (g, t, step, i, got, want)
-                    assert [np.signbit(x) for x in got] == [np.signbit(x) for x in want], (g, t, step, i)
+            assert_lane_registers(run_fragment_lane(g, t, block, scales, paired_scales), rows, scales, t, (g, t))
 
 
 def test_the_fragment_layout_round_trips_and_checks_its_shape():
@@ -221,13 +216,7 @@ def test_the_quads_shared_scales_decode_every_lane_bit_for_bit(seed, layout):
     registers_by_lane = run_quad_warp(rows, scales, block)
     for lane, registers in enumerate(registers_by_lane):
         g, t = lane // 4, lane % 4
-        pair_rows, pair_scales = (rows[g], rows[g + 8]), (scales[g], scales[g + 8])
-        for step in range(4):
-            for i in range(4):
-                got = bf16_lanes(registers[4 * step + i])
-                want = expected_register(pair_rows, pair_scales, t, step, i)
-                assert got == want, (lane, step, i, got, want)
-                assert [np.signbit(x) for x in got] == [np.signbit(x) for x in want], (lane, step, i)
+        assert_lane_registers(registers, (rows[g], rows[g + 8]), (scales[g], scales[g + 8]), t, lane)
 
 
 def test_the_quads_shared_scales_take_every_scale_byte_exactly():
@@ -241,7 +230,4 @@ def test_the_quads_shared_scales_take_every_scale_byte_exactly():
         scales = [bytes(chunk[4 * r:4 * r + 4]) for r in range(16)]
         for lane, registers in enumerate(run_quad_warp(rows, scales)):
             g, t = lane // 4, lane % 4
-            for step in range(4):
-                for i in range(4):
-                    want = expected_register((rows[g], rows[g + 8]), (scales[g], scales[g + 8]), t, step, i)
-                    assert bf16_lanes(registers[4 * step + i]) == want, (start, lane, step, i)
+            assert_lane_registers(registers, (rows[g], rows[g + 8]), (scales[g], scales[g + 8]), t, (start, lane))

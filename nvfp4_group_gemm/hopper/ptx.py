@@ -738,9 +738,9 @@ def _decode_bf16_registers_asm(num_units: int, paired_scales: bool = False, frag
     for u in range(num_units):
         pair = f", P{u}" if paired_scales or quad_scales else ""
         words = f"gl{u}_<4>" if fragment else f"gl{u}_<4>, gh{u}_<4>, hl{u}_<4>, hh{u}_<4>"
-        lines.append(f".reg .b32 {words}, sg{u}, sh{u}, S{u}_<8>, F{u}{pair};")
-        if quad_scales:
-            lines.append(f".reg .b16 sq{u};")
+        scale_words = f"sq{u}" if quad_scales else f"sg{u}, sh{u}"  # the lane's pair: 16 bits
+        lines.append(f".reg .b32 {words}, S{u}_<8>, F{u}{pair};")
+        lines.append(f".reg .{'b16' if quad_scales else 'b32'} {scale_words};")
     for u in range(num_units):  # loads
         src = first_input + inputs_per_unit * u
         if fragment:  # the lane's word of each k16 step: gl{u}_0 .. gl{u}_3
